@@ -1,0 +1,72 @@
+"""What the engine streams back for a request."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class FinishReason(enum.Enum):
+    STOP_TOKEN = "stop_token"       # EOS or a stop token id
+    STOP_STRING = "stop_string"
+    MAX_TOKENS = "max_tokens"
+    GRAMMAR_COMPLETE = "grammar_complete"  # the grammar accepts nothing more
+    CANCELLED = "cancelled"
+    DEADLINE = "deadline"
+    ERROR = "error"                 # see OutputEvent.error
+
+
+@dataclass(frozen=True)
+class UnenforcedKeyword:
+    keyword: str   # e.g. "uniqueItems"
+    pointer: str   # JSON pointer into the schema, e.g. "/properties/tags"
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class GuaranteeReport:
+    """Sent before the first token of a constrained request."""
+
+    backend: str
+    unenforced: tuple[UnenforcedKeyword, ...] = ()
+    compile_ms: float = 0.0
+    cache_hit: bool = False
+
+    @property
+    def is_fully_enforced(self) -> bool:
+        return not self.unenforced
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    draft_tokens_proposed: int = 0
+    draft_tokens_accepted: int = 0
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob) of the top-n alternatives
+
+
+@dataclass(frozen=True)
+class OutputEvent:
+    """One streamed message. The last event of a request has `finish_reason` (and `usage`)."""
+
+    token_ids: tuple[int, ...] = ()
+    text: str = ""
+    logprobs: tuple[TokenLogprob, ...] = ()
+    guarantee: GuaranteeReport | None = None
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    error: "EngineError | None" = None
+    validation_errors: tuple[str, ...] = field(default=())  # final: output vs full schema
+
+    @property
+    def is_final(self) -> bool:
+        return self.finish_reason is not None
+
+
+from generation_service.engine.errors import EngineError  # noqa: E402  (type used above)
