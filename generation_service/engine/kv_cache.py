@@ -1,0 +1,112 @@
+"""Paged KV cache storage and the allocator of its pages.
+
+Layout: for every layer one K and one V tensor shaped
+``(num_pages, page_size, num_kv_heads, head_dim)``. A request owns a list of pages (its
+page table); token at absolute position ``p`` lives in page ``page_table[p // page_size]``
+at offset ``p % page_size``.
+
+Page 0 is the reserved *dummy page*: padding rows of a batch (CUDA-graph buckets) have
+all-zero page tables, so their writes land there and never touch a live request's pages.
+The allocator therefore hands out ids 1..num_pages-1 only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DUMMY_PAGE = 0
+
+
+@dataclass(frozen=True)
+class KVLayer:
+    """The K and V pages of one layer; what attention reads and writes."""
+
+    k: torch.Tensor  # (num_pages, page_size, num_kv_heads, head_dim)
+    v: torch.Tensor  # (num_pages, page_size, num_kv_heads, head_dim)
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[1]
+
+
+class KVCache:
+    """K/V storage for all layers, allocated once up front."""
+
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        if num_pages < 2:
+            raise ValueError(f"num_pages must be >= 2 (page 0 is the dummy page), got {num_pages}")
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.num_layers = num_layers
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+
+    def layer(self, index: int) -> KVLayer:
+        return KVLayer(self.k[index], self.v[index])
+
+    @property
+    def num_bytes(self) -> int:
+        per_tensor = self.k[0].numel() * self.k[0].element_size()
+        return 2 * self.num_layers * per_tensor
+
+    @staticmethod
+    def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
+                       dtype: torch.dtype) -> int:
+        """Bytes one page costs over all layers, K and V; for sizing the cache to free memory."""
+        element_size = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * page_size * num_kv_heads * head_dim * element_size
+
+
+class PageAllocator:
+    """Hands out page ids 1..num_pages-1 (0 is the dummy page); LIFO reuse keeps caches warm."""
+
+    def __init__(self, num_pages: int) -> None:
+        if num_pages < 2:
+            raise ValueError(f"num_pages must be >= 2 (page 0 is the dummy page), got {num_pages}")
+        self.num_pages = num_pages
+        # Reversed so that allocate() pops the lowest ids first.
+        self._free: list[int] = list(range(num_pages - 1, DUMMY_PAGE, -1))
+        self._is_used = [False] * num_pages
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_pages(self) -> int:
+        return self.num_pages - 1 - len(self._free)
+
+    def can_allocate(self, n: int) -> bool:
+        return 0 <= n <= len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if not self.can_allocate(n):
+            raise RuntimeError(f"cannot allocate {n} pages: {len(self._free)} free")
+        pages = [self._free.pop() for _ in range(n)]
+        for page in pages:
+            self._is_used[page] = True
+        return pages
+
+    def free(self, pages: list[int]) -> None:
+        for page in pages:
+            if page == DUMMY_PAGE or not 0 < page < self.num_pages:
+                raise ValueError(f"page {page} is not an allocatable page")
+            if not self._is_used[page]:
+                raise ValueError(f"page {page} freed twice")
+            self._is_used[page] = False
+            self._free.append(page)
+
+
+def num_pages_for(num_tokens: int, page_size: int) -> int:
+    """Pages needed to hold ``num_tokens`` tokens."""
+    return -(-num_tokens // page_size)

@@ -1,0 +1,107 @@
+"""load_model: a checkpoint directory, the built-in default model, or random weights.
+
+    load_model("/models/Llama-3.1-8B-Instruct")   # config.json + *.safetensors + tokenizer.json
+    load_model("default")                          # built once into default_model_dir(), then as above
+    load_model("random:llama-3.1-8b", device="cuda")  # preset shape, seeded random weights
+    load_model("random:/path/config.json")         # any supported config.json, random weights
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from generation_service.model.architectures import parse_hf_config
+from generation_service.model.config import ModelConfig, ModelLoadError, dtype_from_name
+from generation_service.model.presets import PRESETS
+from generation_service.model.random_init import build_on_meta, build_random_model
+from generation_service.model.tokenizer import Tokenizer, load_tokenizer
+from generation_service.model.weights import load_weights
+
+log = logging.getLogger(__name__)
+
+RANDOM_PREFIX = "random:"
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module  # .forward(batch: ForwardBatch, kv: KVCache) -> (L, vocab_size) fp32 logits
+    config: ModelConfig
+    tokenizer: Tokenizer | None
+    path: str | None  # checkpoint directory; None for random presets
+
+
+def read_config(config_path: pathlib.Path) -> ModelConfig:
+    """ModelConfig from a config.json, with generation_config.json's EOS ids merged in."""
+    if not config_path.is_file():
+        raise ModelLoadError(f"{config_path}: missing (a checkpoint directory needs config.json, "
+                             "*.safetensors and tokenizer.json)")
+    try:
+        raw = json.loads(config_path.read_text(encoding="utf-8"))
+    except ValueError as error:
+        raise ModelLoadError(f"{config_path}: not valid JSON ({error})") from None
+    generation_path = config_path.parent / "generation_config.json"
+    if generation_path.is_file():
+        eos = json.loads(generation_path.read_text(encoding="utf-8")).get("eos_token_id")
+        if eos is not None:
+            merged = [raw.get("eos_token_id")] if isinstance(raw.get("eos_token_id"), int) else list(raw.get("eos_token_id") or [])
+            merged += [eos] if isinstance(eos, int) else list(eos)
+            raw["eos_token_id"] = list(dict.fromkeys(merged))
+    return parse_hf_config(raw, str(config_path))
+
+
+def _resolve_dtype(dtype: torch.dtype | str | None, config: ModelConfig) -> torch.dtype:
+    return config.torch_dtype if dtype is None else dtype_from_name(dtype)
+
+
+def load_checkpoint(folder: pathlib.Path, device: torch.device, dtype: torch.dtype | str | None) -> LoadedModel:
+    if not folder.is_dir():
+        raise ModelLoadError(f"{folder}: checkpoint directory not found")
+    config = read_config(folder / "config.json")
+    torch_dtype = _resolve_dtype(dtype, config)
+    tokenizer = load_tokenizer(folder, config.vocab_size)
+    model = build_on_meta(config)
+    load_weights(model, folder, device, torch_dtype)
+    log.info("loaded %s (%s, %.1fM parameters) on %s in %s", folder, config.architecture,
+             config.num_parameters / 1e6, device, torch_dtype)
+    return LoadedModel(model.eval(), config, tokenizer, str(folder))
+
+
+def load_random(spec: str, device: torch.device, dtype: torch.dtype | str | None, seed: int) -> LoadedModel:
+    """``spec`` is a preset name or a path to a config.json (a folder holding one also works)."""
+    tokenizer, path = None, None
+    if spec in PRESETS:
+        config = PRESETS[spec]
+    elif spec.endswith(".json") or pathlib.Path(spec).exists():
+        config_path = pathlib.Path(spec)
+        config_path = config_path / "config.json" if config_path.is_dir() else config_path
+        config = read_config(config_path)
+        if (config_path.parent / "tokenizer.json").is_file():
+            tokenizer = load_tokenizer(config_path.parent, config.vocab_size)
+        path = str(config_path.parent)
+    else:
+        raise ModelLoadError(f"random:{spec}: unknown preset (presets: {', '.join(PRESETS)}; "
+                             "or give a path to a config.json)")
+    model = build_random_model(config, device, _resolve_dtype(dtype, config), seed)
+    log.info("built random %s (%.1fM parameters) on %s", spec, config.num_parameters / 1e6, device)
+    return LoadedModel(model, config, tokenizer, path)
+
+
+def load_model(source: str, *, device: torch.device | str = "cpu", dtype: torch.dtype | str | None = None,
+               seed: int = 0) -> LoadedModel:
+    """The model named by ``source``; ``dtype`` None keeps the checkpoint's (config.json "dtype").
+
+    Raises ModelLoadError with one message naming the file and what is wrong.
+    """
+    device = torch.device(device)
+    if source == "default":
+        from generation_service.model.default_model import ensure_default_model
+        source = str(ensure_default_model())
+    if source.startswith(RANDOM_PREFIX):
+        return load_random(source[len(RANDOM_PREFIX):], device, dtype, seed)
+    return load_checkpoint(pathlib.Path(source).expanduser(), device, dtype)
