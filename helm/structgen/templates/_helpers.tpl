@@ -126,9 +126,10 @@ unix:///run/structgen/grammar.sock
 {{- if ge (int .Values.grammar.drainDelaySeconds) $grace }}
 {{- fail (printf "grammar.drainDelaySeconds (%d) must be below terminationGracePeriodSeconds (%d)" (int .Values.grammar.drainDelaySeconds) $grace) }}
 {{- end }}
-{{- $ports := list .Values.ports.grpc .Values.ports.metrics .Values.ports.health }}
-{{- if .Values.grammar.metrics.enabled }}{{- $ports = append $ports .Values.grammar.metrics.port }}{{- end }}
-{{- if eq .Values.grammar.healthProbe.type "grpc" }}{{- $ports = append $ports .Values.grammar.healthProbe.port }}{{- end }}
+{{- /* int: a --set value is an int64, a values.yaml one a float64; uniq tells them apart. */}}
+{{- $ports := list (int .Values.ports.grpc) (int .Values.ports.metrics) (int .Values.ports.health) }}
+{{- if .Values.grammar.metrics.enabled }}{{- $ports = append $ports (int .Values.grammar.metrics.port) }}{{- end }}
+{{- if eq .Values.grammar.healthProbe.type "grpc" }}{{- $ports = append $ports (int .Values.grammar.healthProbe.port) }}{{- end }}
 {{- if ne (len $ports) (len (uniq $ports)) }}
 {{- fail (printf "container ports must be distinct within the pod, got %v" $ports) }}
 {{- end }}
