@@ -1,0 +1,135 @@
+"""The built-in default model: Llama architecture, Mistral's 32k SentencePiece tokenizer,
+seeded random weights, written once as an ordinary checkpoint directory.
+
+It exists so the demo, the tests and CI have a model with a real tokenizer and no
+download. Its weights are random, so its text is noise; constrained decoding still turns
+that noise into valid JSON. Building it needs the `models` extra (mistral-common for the
+tokenizer file, sentencepiece + transformers to convert it); loading it needs neither.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+import shutil
+import tempfile
+
+import torch
+from safetensors.torch import save_file
+
+from generation_service.model.config import ModelConfig
+from generation_service.model.random_init import build_random_model
+from structgen.tokenizer_identity import default_model_dir
+
+log = logging.getLogger(__name__)
+
+SEED = 0
+HF_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 32000,
+    "hidden_size": 256,
+    "intermediate_size": 688,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "dtype": "float32",
+}
+# Mistral's instruct format: system text folded into the first user turn.
+CHAT_TEMPLATE = (
+    "{%- set system = messages[0]['content'] + '\\n\\n' if messages and messages[0]['role'] == 'system' else '' -%}"
+    "{{- bos_token -}}"
+    "{%- for message in messages if message['role'] != 'system' -%}"
+    "{%- if message['role'] == 'user' -%}[INST] {{ system if loop.first else '' }}{{ message['content'] }} [/INST]"
+    "{%- elif message['role'] == 'assistant' -%}{{ message['content'] }}{{ eos_token }}"
+    "{%- else -%}{{ raise_exception('roles must be system, user or assistant, got ' + message['role']) }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+)
+TOKENIZER_CONFIG = {
+    "bos_token": "<s>",
+    "eos_token": "</s>",
+    "unk_token": "<unk>",
+    "add_bos_token": True,
+    "add_eos_token": False,
+    "clean_up_tokenization_spaces": False,
+    "tokenizer_class": "LlamaTokenizerFast",
+    "chat_template": CHAT_TEMPLATE,
+}
+
+
+def mistral_sentencepiece_path() -> pathlib.Path:
+    """Mistral 7B v0.1's tokenizer.model (32000 pieces, byte fallback) shipped in mistral-common."""
+    import mistral_common
+
+    return pathlib.Path(mistral_common.__file__).parent / "data" / "tokenizer.model.v1"
+
+
+def convert_sentencepiece(model_file: pathlib.Path):
+    """tokenizers.Tokenizer equivalent to the SentencePiece model (legacy Llama behaviour,
+    which encodes exactly as SentencePieceProcessor does), with <s> prepended on encode."""
+    from sentencepiece import sentencepiece_model_pb2
+    from tokenizers import AddedToken, processors
+    from transformers.convert_slow_tokenizer import SpmConverter
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(model_file.read_bytes())
+    vocab = {piece.piece: index for index, piece in enumerate(proto.pieces)}
+    tokenizer = SpmConverter.build_tokenizer_from_spm_proto(proto, vocab, legacy=True)
+    tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in ("<unk>", "<s>", "</s>")])
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", vocab["<s>"])])
+    return tokenizer
+
+
+def write_default_model(folder: pathlib.Path) -> None:
+    """Write the checkpoint files into ``folder`` (which must exist)."""
+    convert_sentencepiece(mistral_sentencepiece_path()).save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, indent=2))
+    (folder / "config.json").write_text(json.dumps(HF_CONFIG, indent=2))
+    (folder / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}, indent=2))
+    from generation_service.model.architectures import parse_hf_config
+
+    config: ModelConfig = parse_hf_config(HF_CONFIG)
+    model = build_random_model(config, torch.device("cpu"), torch.float32, seed=SEED)
+    state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def ensure_default_model(folder: pathlib.Path | None = None) -> pathlib.Path:
+    """The default model's directory, created on first use.
+
+    Creation is atomic: files go to a temporary sibling directory that is renamed into
+    place, so a reader never sees a half-written model and two racing creators are harmless.
+    """
+    folder = folder or default_model_dir()
+    if (folder / "config.json").is_file():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    log.info("creating the built-in default model in %s (once; a few seconds)", folder)
+    staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        write_default_model(staging)
+        # mkdtemp makes the folder private; the cache is shared like any model folder.
+        staging.chmod(0o755)
+        for path in staging.iterdir():
+            path.chmod(0o644)
+        os.rename(staging, folder)
+    except OSError:
+        if not (folder / "config.json").is_file():  # not just a racing creator that won
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
