@@ -1,0 +1,91 @@
+"""The grammar backend interface: what the compiler and the step loop need from a backend.
+
+A backend is built once per tokenizer. It compiles `GrammarSpec`s into opaque compiled
+grammars, makes matchers from them and does the per-step work *in batches*: the loop
+calls `batch_accept`, `batch_fill` and `batch_rollback` once per position of a step,
+never once per row, so a backend can spread rows over native threads.
+
+Invariants every backend keeps:
+- `batch_fill` writes row `indices[i]` of `masks` (int32, shape [rows, ceil(vocab/32)],
+  bit t of a row set <=> token t allowed) from `matchers[i]` and does not change state;
+  rows it is not given are left untouched. Matchers given to it are not terminated.
+- `batch_accept` advances each matcher by one token and reports, per matcher, whether
+  the token was allowed; a matcher that refused a token is left where it was.
+- `batch_rollback` undoes the last n accepted tokens of each matcher, including the stop
+  token that terminated it.
+- Compile errors raise `GrammarCompileError` with a message fit for the user.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from generation_service.engine.params import GrammarSpec
+
+
+class GrammarCompileError(ValueError):
+    """The grammar does not compile (malformed JSON, bad regex, bad Lark...)."""
+
+
+@dataclass(frozen=True)
+class TokenizerData:
+    """What a backend needs to know about the served tokenizer."""
+
+    encoded_vocab: tuple[str, ...]  # token strings by id, as in tokenizer.json; "" for holes
+    vocab_size: int                 # mask width (the model's logits width)
+    stop_token_ids: tuple[int, ...]
+    tokenizer_json: str             # the raw tokenizer.json (decoder and pre-tokenizer info)
+
+    @property
+    def mask_words(self) -> int:
+        return (self.vocab_size + 31) // 32
+
+
+class Matcher(abc.ABC):
+    """One request's grammar state. Single-token operations; batches go through the backend."""
+
+    @abc.abstractmethod
+    def accept(self, token_id: int) -> bool: ...
+
+    @abc.abstractmethod
+    def rollback(self, num_tokens: int) -> None: ...
+
+    @abc.abstractmethod
+    def is_terminated(self) -> bool:
+        """True once the matcher accepted a stop token; it accepts nothing more."""
+
+    @abc.abstractmethod
+    def jump_forward_tokens(self) -> list[int]:
+        """Tokens the grammar forces from here (may be empty); does not change state."""
+
+
+class GrammarBackend(abc.ABC):
+    """Compiles grammars for one tokenizer and runs matchers in batches."""
+
+    name: str = ""
+
+    def __init__(self, tokenizer: TokenizerData, *, num_compile_threads: int, num_fill_threads: int):
+        self.tokenizer = tokenizer
+
+    @abc.abstractmethod
+    def compile(self, spec: GrammarSpec) -> Any:
+        """Compile `spec` (slow; called from the compile pool). Raises GrammarCompileError."""
+
+    @abc.abstractmethod
+    def new_matcher(self, compiled: Any) -> Matcher: ...
+
+    @abc.abstractmethod
+    def batch_accept(self, matchers: Sequence[Matcher], token_ids: Sequence[int]) -> list[bool]: ...
+
+    @abc.abstractmethod
+    def batch_fill(self, matchers: Sequence[Matcher], masks: np.ndarray, indices: Sequence[int]) -> None: ...
+
+    @abc.abstractmethod
+    def batch_rollback(self, matchers: Sequence[Matcher], num_tokens: Sequence[int]) -> None: ...
+
+    def unenforced_keywords(self, spec: GrammarSpec) -> tuple:
+        """JSON Schema keywords in `spec` this backend does not enforce (UnenforcedKeyword)."""
+        return ()

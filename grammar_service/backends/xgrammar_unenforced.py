@@ -1,0 +1,103 @@
+"""Which JSON Schema keywords xgrammar's converter does not enforce (checked against 0.2.9).
+
+Each rule below was verified by compiling a schema that uses the keyword and feeding the
+matcher an instance that violates it: the matcher accepts that instance (see
+tests/unit/grammar/test_unenforced.py, which keeps this list honest). Keywords that the
+converter does enforce and that were checked the same way: type, enum, const, properties,
+required, additionalProperties, unevaluatedProperties/Items, patternProperties,
+propertyNames, min/maxProperties, items, prefixItems, min/maxItems, minimum, maximum,
+exclusive bounds, multipleOf on integers, minLength/maxLength alone, pattern, the formats
+in ENFORCED_FORMATS, anyOf, $ref, and oneOf whose branches have distinct types.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+from generation_service.engine.events import UnenforcedKeyword
+
+ENFORCED_FORMATS = frozenset({
+    "date", "time", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "uuid",
+    "uri", "uri-reference", "uri-template", "json-pointer", "relative-json-pointer",
+})
+# keyword -> reason; the whole keyword (and any subschema under it) is ignored.
+IGNORED = {
+    "not": "the grammar cannot exclude what a subschema matches",
+    "if": "conditional subschemas (if/then/else) are ignored",
+    "uniqueItems": "the grammar cannot compare array items with each other",
+    "contains": "the grammar does not require an item matching 'contains'",
+    "maxContains": "the grammar does not count items matching 'contains'",
+    "dependentSchemas": "schemas that depend on a property's presence are ignored",
+    "dependentRequired": "properties required by another property's presence are not required",
+    "dependencies": "property dependencies are ignored",
+    "contentEncoding": "encoded string content is not checked",
+    "contentMediaType": "encoded string content is not checked",
+    "contentSchema": "encoded string content is not checked",
+}
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+_SUBSCHEMA_ONE = ("additionalProperties", "unevaluatedProperties", "unevaluatedItems",
+                  "propertyNames", "additionalItems")
+
+
+def _escape(token: str) -> str:
+    return token.replace("~", "~0").replace("/", "~1")
+
+
+def _is_number_schema(schema: dict) -> bool:
+    types = schema.get("type")
+    types = [types] if isinstance(types, str) else (types or [])
+    return "number" in types or not types
+
+
+def _local(schema: dict, pointer: str) -> Iterator[UnenforcedKeyword]:
+    """Unenforced keywords of this schema object alone (not its subschemas)."""
+    for keyword, reason in IGNORED.items():
+        if keyword in schema:
+            yield UnenforcedKeyword(keyword, pointer, reason)
+    if "multipleOf" in schema and _is_number_schema(schema):
+        yield UnenforcedKeyword("multipleOf", pointer, "multipleOf is enforced on integers only")
+    fmt = schema.get("format")
+    if isinstance(fmt, str) and fmt not in ENFORCED_FORMATS:
+        yield UnenforcedKeyword("format", pointer, f"format {fmt!r} is not enforced")
+    if "pattern" in schema or "format" in schema:
+        for keyword in ("minLength", "maxLength"):
+            if keyword in schema:
+                yield UnenforcedKeyword(keyword, pointer, f"{keyword} is ignored when combined "
+                                        "with pattern or format")
+    if len(schema.get("allOf") or ()) > 1:
+        yield UnenforcedKeyword("allOf", pointer, "allOf with several subschemas is only "
+                                "partly enforced")
+    branches = schema.get("oneOf") or ()
+    types = [b.get("type") for b in branches if isinstance(b, dict)]
+    if len(branches) > 1 and (len(types) < len(branches) or not all(isinstance(t, str) for t in types)
+                              or len(set(types)) < len(types)):
+        yield UnenforcedKeyword("oneOf", pointer, "branches that may overlap are enforced as "
+                                "anyOf (at least one matches, not exactly one)")
+
+
+def _children(schema: dict, pointer: str) -> Iterator[tuple[Any, str]]:
+    for key in _SUBSCHEMA_MAPS:
+        for name, sub in (schema.get(key) or {}).items():
+            yield sub, f"{pointer}/{key}/{_escape(name)}"
+    for key in _SUBSCHEMA_LISTS:
+        for i, sub in enumerate(schema.get(key) or ()):
+            yield sub, f"{pointer}/{key}/{i}"
+    for key in _SUBSCHEMA_ONE:
+        if key in schema:
+            yield schema[key], f"{pointer}/{key}"
+    items = schema.get("items")
+    if isinstance(items, list):
+        for i, sub in enumerate(items):
+            yield sub, f"{pointer}/items/{i}"
+    elif items is not None:
+        yield items, f"{pointer}/items"
+
+
+def find_unenforced(schema: Any, pointer: str = "") -> list[UnenforcedKeyword]:
+    """All unenforced keywords in `schema`, depth first, with RFC 6901 pointers."""
+    if not isinstance(schema, dict):
+        return []
+    found = list(_local(schema, pointer))
+    for sub, sub_pointer in _children(schema, pointer):
+        found.extend(find_unenforced(sub, sub_pointer))
+    return found

@@ -1,0 +1,218 @@
+"""Compile grammars once: content-hash cache, shared in-flight futures, timeout, negative cache.
+
+One `GrammarCompiler` serves one tokenizer. `compile(spec)` returns a Future that resolves
+to a `CompiledEntry` (with the grammar id step-channel descriptors name) or raises
+`CompileError` carrying a gRPC status name and a user-facing message. The compile itself
+runs in a thread pool, so neither the gRPC handlers nor the step loops wait on it except
+through the future.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from generation_service.engine.events import UnenforcedKeyword
+from generation_service.engine.params import GrammarSpec
+from grammar_service.backends import resolve_backend_name
+from grammar_service.backends.base import GrammarBackend, GrammarCompileError
+from grammar_service.config import GrammarServiceConfig
+
+log = logging.getLogger(__name__)
+
+
+class CompileError(Exception):
+    """A compile the user caused to fail; `status` is a grpc.StatusCode name."""
+
+    def __init__(self, status: str, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass(frozen=True)
+class CompiledEntry:
+    grammar_id: int
+    backend: str
+    compiled: Any                     # backend-specific compiled grammar
+    compile_ms: float
+    unenforced: tuple[UnenforcedKeyword, ...]
+
+
+@dataclass(frozen=True)
+class CompileOutcome:
+    entry: CompiledEntry
+    cache_hit: bool
+
+
+@dataclass
+class CompileStats:
+    num_compiles: int = 0
+    num_cache_hits: int = 0
+    num_errors: int = 0
+    num_timeouts: int = 0
+
+
+def spec_key(spec: GrammarSpec, backend: str) -> str:
+    """Content hash of what changes the compiled grammar (strict does not: it is checked apart)."""
+    blob = json.dumps([spec.kind, spec.text, list(spec.choices), spec.any_whitespace,
+                       spec.max_whitespace, backend], ensure_ascii=False)
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
+def spec_bytes(spec: GrammarSpec) -> int:
+    return len(spec.text.encode("utf-8")) + sum(len(c.encode("utf-8")) for c in spec.choices)
+
+
+@dataclass
+class _Negative:
+    error: CompileError
+    expires_at: float
+
+
+class GrammarCompiler:
+    """Cache + pool in front of the backends of one tokenizer."""
+
+    def __init__(self, backends: Callable[[str], GrammarBackend], config: GrammarServiceConfig,
+                 clock: Callable[[], float] = time.monotonic):
+        self._backend_for = backends        # backend name -> GrammarBackend (built lazily)
+        self._config = config
+        self._clock = clock
+        self._pool = ThreadPoolExecutor(config.num_compile_threads, thread_name_prefix="compile")
+        self._lock = threading.Lock()
+        self._by_key: OrderedDict[str, CompiledEntry] = OrderedDict()
+        self._by_id: dict[int, CompiledEntry] = {}
+        self._in_flight: dict[str, Future] = {}
+        self._negative: dict[str, _Negative] = {}
+        self._next_id = 1
+        self.stats = CompileStats()
+
+    # ---- public --------------------------------------------------------------------------
+    def compile(self, spec: GrammarSpec) -> Future:
+        """Future[CompileOutcome]; raises CompileError through the future."""
+        try:
+            backend = resolve_backend_name(spec.backend)
+            self._check_size(spec)
+            unenforced = self._backend_for(backend).unenforced_keywords(spec)
+            self._check_strict(spec, unenforced)
+        except (ValueError, CompileError) as exc:
+            return _failed(exc if isinstance(exc, CompileError) else CompileError("INVALID_ARGUMENT", str(exc)))
+        key = spec_key(spec, backend)
+        with self._lock:
+            if (entry := self._by_key.get(key)) is not None:
+                self._by_key.move_to_end(key)
+                self.stats.num_cache_hits += 1
+                return _done(CompileOutcome(entry, cache_hit=True))
+            if (negative := self._negative.get(key)) is not None:
+                if negative.expires_at > self._clock():
+                    return _failed(negative.error)
+                del self._negative[key]
+            if (shared := self._in_flight.get(key)) is not None:
+                return shared
+            result: Future = Future()
+            self._in_flight[key] = result
+        self._start(key, spec, backend, unenforced, result)
+        return result
+
+    def get(self, grammar_id: int) -> CompiledEntry | None:
+        with self._lock:
+            return self._by_id.get(grammar_id)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._by_key)
+
+    @property
+    def num_negative(self) -> int:
+        now = self._clock()
+        return sum(1 for n in list(self._negative.values()) if n.expires_at > now)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- internals -----------------------------------------------------------------------
+    def _check_size(self, spec: GrammarSpec) -> None:
+        size, limit = spec_bytes(spec), self._config.max_grammar_bytes
+        if size > limit:
+            raise CompileError("INVALID_ARGUMENT", f"grammar text is {size} bytes, over the "
+                               f"limit of {limit} bytes (max_grammar_bytes)")
+
+    @staticmethod
+    def _check_strict(spec: GrammarSpec, unenforced: tuple[UnenforcedKeyword, ...]) -> None:
+        if spec.strict and unenforced:
+            listed = "; ".join(f"{u.keyword} at {u.pointer or '/'} ({u.reason})" for u in unenforced)
+            raise CompileError("INVALID_ARGUMENT", "strict: the schema uses keywords the grammar "
+                               f"cannot enforce: {listed}")
+
+    def _start(self, key: str, spec: GrammarSpec, backend: str,
+               unenforced: tuple[UnenforcedKeyword, ...], result: Future) -> None:
+        started = time.perf_counter()
+        work = self._pool.submit(self._backend_for(backend).compile, spec)
+        timer = threading.Timer(self._config.compile_timeout_s, self._on_timeout, (key, result))
+        timer.daemon = True
+        timer.start()
+
+        def finished(done: Future) -> None:
+            timer.cancel()
+            elapsed_ms = (time.perf_counter() - started) * 1e3
+            exc = done.exception()
+            if exc is None:
+                self._store(key, backend, done.result(), elapsed_ms, unenforced, result)
+            elif isinstance(exc, GrammarCompileError):
+                self._fail(key, CompileError("INVALID_ARGUMENT", str(exc)), result)
+            else:
+                log.exception("compile of %s failed unexpectedly", spec.kind, exc_info=exc)
+                self._fail(key, CompileError("INTERNAL", f"compile failed: {exc!r}"), result)
+
+        work.add_done_callback(finished)
+
+    def _store(self, key, backend, compiled, elapsed_ms, unenforced, result: Future) -> None:
+        with self._lock:
+            if self._in_flight.get(key) is not result:
+                return  # timed out meanwhile: the negative entry stands until it expires
+            del self._in_flight[key]
+            entry = CompiledEntry(self._next_id, backend, compiled, elapsed_ms, unenforced)
+            self._next_id += 1
+            self._by_key[key] = entry
+            self._by_id[entry.grammar_id] = entry
+            while len(self._by_key) > self._config.max_cached_grammars:
+                _, old = self._by_key.popitem(last=False)
+                del self._by_id[old.grammar_id]
+            self.stats.num_compiles += 1
+        result.set_result(CompileOutcome(entry, cache_hit=False))
+
+    def _fail(self, key: str, error: CompileError, result: Future, *, timed_out: bool = False) -> None:
+        with self._lock:
+            if self._in_flight.get(key) is not result:
+                return
+            del self._in_flight[key]
+            self._negative[key] = _Negative(error, self._clock() + self._config.negative_cache_ttl_s)
+            self.stats.num_errors += 1
+            self.stats.num_timeouts += timed_out
+        result.set_exception(error)
+
+    def _on_timeout(self, key: str, result: Future) -> None:
+        limit = self._config.compile_timeout_s
+        # The backend thread cannot be interrupted; it finishes in the background and its
+        # result is dropped. The spec is answered from the negative cache meanwhile.
+        self._fail(key, CompileError("INVALID_ARGUMENT", f"grammar compile did not finish within "
+                                     f"the {limit:g} s compile timeout (the grammar is too complex)"),
+                   result, timed_out=True)
+
+
+def _done(value: Any) -> Future:
+    f: Future = Future()
+    f.set_result(value)
+    return f
+
+
+def _failed(exc: BaseException) -> Future:
+    f: Future = Future()
+    f.set_exception(exc)
+    return f

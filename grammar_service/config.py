@@ -1,0 +1,40 @@
+"""The one configuration of grammar_service; CLI defaults come from here (server.main)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GrammarServiceConfig:
+    # "unix:///path.sock" (default; socket file mode 0600) or "host:port" for TCP.
+    listen: str = "unix:///tmp/structgen-grammar.sock"
+    num_compile_threads: int = 2        # concurrent compiles (one Python pool thread each)
+    num_fill_threads: int = 0           # xgrammar BatchGrammarMatcher threads; 0 = cores / 2
+    compile_timeout_s: float = 10.0     # a slower compile is refused and remembered
+    negative_cache_ttl_s: float = 60.0  # how long a failed/timed-out spec is answered from memory
+    max_grammar_bytes: int = 1 << 20    # grammar text (or all choices together) above this is refused
+    max_cached_grammars: int = 4096     # compiled grammars kept (least recently used evicted)
+    num_rpc_threads: int = 8            # gRPC handler threads
+    tokenizer_dir: str | None = None    # preload a tokenizer (else the first OpenChannel's)
+    vocab_size: int | None = None       # logits width for the preloaded tokenizer
+    shutdown_grace_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.num_compile_threads < 1:
+            raise ValueError(f"num_compile_threads must be >= 1, got {self.num_compile_threads}")
+        if self.num_fill_threads < 0:
+            raise ValueError(f"num_fill_threads must be >= 0, got {self.num_fill_threads}")
+        if self.compile_timeout_s <= 0:
+            raise ValueError(f"compile_timeout_s must be > 0, got {self.compile_timeout_s}")
+        if self.max_grammar_bytes < 1:
+            raise ValueError(f"max_grammar_bytes must be >= 1, got {self.max_grammar_bytes}")
+        if (self.tokenizer_dir is None) != (self.vocab_size is None):
+            raise ValueError("tokenizer_dir and vocab_size are given together or not at all")
+
+    @property
+    def is_unix_socket(self) -> bool:
+        return self.listen.startswith("unix:")
+
+    @property
+    def socket_path(self) -> str | None:
+        return self.listen[len("unix://"):] if self.listen.startswith("unix://") else None
