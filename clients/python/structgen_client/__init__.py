@@ -1,0 +1,26 @@
+"""Python client of structgen's public gRPC API (structgen.v1.GenerationService).
+
+    from structgen_client import Client
+    with Client("localhost:50051") as client:
+        for chunk in client.generate("Name a color:", choices=["red", "green"], max_tokens=8):
+            print(chunk.text, end="")
+
+`AsyncClient` is the asyncio twin. Failed calls raise `StructgenError` subclasses carrying
+the gRPC status code (`error.code`) and the server's message (`error.details`).
+"""
+from structgen_client._convert import build_request
+from structgen_client.aio import AsyncClient, AsyncGenerationStream
+from structgen_client.client import Client, GenerationStream
+from structgen_client.errors import (CancelledError, DeadlineExceededError, InternalError,
+                                     InvalidArgumentError, OutOfRangeError, ResourceExhaustedError,
+                                     StructgenError, UnavailableError, from_rpc_error)
+from structgen_client.types import (Chunk, Completion, EngineStats, Guarantee, ModelInfo,
+                                    TokenLogprob, UnenforcedKeyword, Usage, Validation)
+
+__all__ = [
+    "AsyncClient", "AsyncGenerationStream", "CancelledError", "Chunk", "Client", "Completion",
+    "DeadlineExceededError", "EngineStats", "GenerationStream", "Guarantee", "InternalError",
+    "InvalidArgumentError", "ModelInfo", "OutOfRangeError", "ResourceExhaustedError",
+    "StructgenError", "TokenLogprob", "UnavailableError", "UnenforcedKeyword", "Usage",
+    "Validation", "build_request", "from_rpc_error",
+]

@@ -1,0 +1,100 @@
+"""Synchronous client: `Client(address).generate(...)` yields `Chunk`s as tokens arrive."""
+from __future__ import annotations
+
+from typing import Any, Iterator, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from structgen.v1 import generation_pb2 as pb
+from structgen.v1 import generation_pb2_grpc as pb_grpc
+
+from structgen_client._convert import (build_request, build_tokenize_request, to_chunk,
+                                       to_engine_stats, to_model_info)
+from structgen_client.errors import from_rpc_error
+from structgen_client.types import Chunk, Completion, EngineStats, ModelInfo
+
+
+class GenerationStream:
+    """Iterator over the chunks of one Generate call; `cancel()` stops it on the server too."""
+
+    def __init__(self, call):
+        self._call = call
+        self._is_cancelled = False
+
+    def __iter__(self) -> Iterator[Chunk]:
+        try:
+            for response in self._call:
+                yield to_chunk(response)
+        except grpc.RpcError as error:
+            if self._is_cancelled and error.code() == grpc.StatusCode.CANCELLED:
+                return  # we cancelled it ourselves: the stream just ends
+            raise from_rpc_error(error) from None
+
+    def cancel(self) -> None:
+        self._is_cancelled = True
+        self._call.cancel()
+
+    def __enter__(self) -> "GenerationStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.cancel()
+
+
+class Client:
+    """A connection to a structgen server. `timeout` (seconds) is the default call deadline."""
+
+    def __init__(self, address: str = "localhost:50051", *, timeout: float | None = None,
+                 channel: grpc.Channel | None = None):
+        self._channel = channel or grpc.insecure_channel(address)
+        self._stub = pb_grpc.GenerationServiceStub(self._channel)
+        self._timeout = timeout
+
+    def generate(self, prompt: str | None = None, *, timeout: float | None = None,
+                 **options: Any) -> GenerationStream:
+        """Stream a completion. Options: see `structgen_client.build_request`."""
+        request = build_request(prompt, **options)
+        return GenerationStream(self._stub.Generate(request, timeout=timeout or self._timeout))
+
+    def generate_text(self, prompt: str | None = None, *, timeout: float | None = None,
+                      **options: Any) -> Completion:
+        """The whole completion at once (unary-style use of the stream)."""
+        return Completion.from_chunks(self.generate(prompt, timeout=timeout, **options))
+
+    def tokenize(self, text: str | None = None, *, messages: Sequence[dict] | None = None) -> list[int]:
+        return list(self._unary(self._stub.Tokenize, build_tokenize_request(text, messages)).token_ids)
+
+    def model_info(self) -> ModelInfo:
+        return to_model_info(self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest()))
+
+    def engine_stats(self) -> EngineStats:
+        return to_engine_stats(self._unary(self._stub.GetEngineStats, pb.GetEngineStatsRequest()))
+
+    def health(self, service: str = "") -> str:
+        """"SERVING", "NOT_SERVING", ... of the server ("") or one service."""
+        stub = health_pb2_grpc.HealthStub(self._channel)
+        response = self._unary(stub.Check, health_pb2.HealthCheckRequest(service=service))
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        """Block until the channel connects (raises UnavailableError after `timeout`)."""
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            from structgen_client.errors import UnavailableError
+            raise UnavailableError(f"no server reachable within {timeout} s") from None
+
+    def _unary(self, method, request):
+        try:
+            return method(request, timeout=self._timeout)
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from None
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

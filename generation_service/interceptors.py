@@ -1,0 +1,82 @@
+"""Cross-cutting concerns of the public gRPC server: exception -> status mapping.
+
+Servicer code raises domain exceptions and never calls `context.abort` itself:
+- `EngineError` (and subclasses) -> the status it names (`.status`), with its message;
+- `ValueError` from a domain dataclass's validation -> INVALID_ARGUMENT, message unchanged;
+- anything else -> INTERNAL, logged with its traceback and an error id the client sees.
+"""
+from __future__ import annotations
+
+import logging
+import uuid
+
+import grpc
+
+from generation_service.engine.errors import EngineError
+
+log = logging.getLogger("structgen.server")
+
+
+def status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
+    if isinstance(error, EngineError):
+        return getattr(grpc.StatusCode, error.status, grpc.StatusCode.INTERNAL), error.message
+    if isinstance(error, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(error)
+    return grpc.StatusCode.INTERNAL, ""
+
+
+def _abort(context: grpc.ServicerContext, method: str, request, error: Exception):
+    code, message = status_of(error)
+    if code is grpc.StatusCode.INTERNAL and not isinstance(error, EngineError):
+        error_id = uuid.uuid4().hex[:12]
+        request_id = getattr(request, "request_id", "")
+        log.exception("internal error %s in %s (request id %r)", error_id, method, request_id)
+        message = f"internal error {error_id} (request id {request_id!r}); see the server log"
+    context.abort(code, message)
+
+
+class ErrorMappingInterceptor(grpc.ServerInterceptor):
+    """Maps exceptions raised by unary and server-streaming handlers to gRPC statuses."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                _wrap_unary(handler.unary_unary, method), handler.request_deserializer,
+                handler.response_serializer)
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                _wrap_stream(handler.unary_stream, method), handler.request_deserializer,
+                handler.response_serializer)
+        return handler  # client-streaming kinds: the services here have none of their own
+
+
+def _wrap_unary(behavior, method: str):
+    def wrapped(request, context):
+        try:
+            return behavior(request, context)
+        except Exception as error:  # noqa: BLE001 -- this is the mapping point
+            if _already_aborted(context):
+                raise
+            _abort(context, method, request, error)
+    return wrapped
+
+
+def _wrap_stream(behavior, method: str):
+    def wrapped(request, context):
+        try:
+            yield from behavior(request, context)
+        except Exception as error:  # noqa: BLE001 -- this is the mapping point
+            if _already_aborted(context):
+                raise
+            _abort(context, method, request, error)
+    return wrapped
+
+
+def _already_aborted(context: grpc.ServicerContext) -> bool:
+    """True when grpc's own abort (health, reflection) is unwinding through us."""
+    code = context.code() if hasattr(context, "code") else None
+    return code not in (None, grpc.StatusCode.OK)

@@ -1,0 +1,160 @@
+"""proto <-> domain for the public API (structgen.v1). No grpc calls, no torch.
+
+`to_generation_request` raises ValueError / EngineError subclasses; the error interceptor
+turns them into INVALID_ARGUMENT / OUT_OF_RANGE with the message unchanged.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from generation_service.config import ServeConfig
+from generation_service.engine.errors import InvalidRequestError, LimitExceededError
+from generation_service.engine.events import FinishReason, GuaranteeReport, OutputEvent
+from generation_service.engine.params import (GenerationRequest, GrammarSpec, SamplingParams,
+                                              SpeculativeParams)
+from structgen.v1 import generation_pb2 as pb
+
+_BACKENDS = {pb.GRAMMAR_BACKEND_UNSPECIFIED: "auto", pb.GRAMMAR_BACKEND_XGRAMMAR: "xgrammar",
+             pb.GRAMMAR_BACKEND_LLGUIDANCE: "llguidance"}
+_PROPOSERS = {pb.DRAFT_PROPOSER_UNSPECIFIED: "ngram", pb.DRAFT_PROPOSER_NGRAM: "ngram",
+              pb.DRAFT_PROPOSER_GRAMMAR: "grammar"}
+_FINISH = {FinishReason.STOP_TOKEN: pb.FINISH_REASON_STOP_TOKEN,
+           FinishReason.STOP_STRING: pb.FINISH_REASON_STOP_STRING,
+           FinishReason.MAX_TOKENS: pb.FINISH_REASON_MAX_TOKENS,
+           FinishReason.GRAMMAR_COMPLETE: pb.FINISH_REASON_GRAMMAR_COMPLETE}
+
+
+def chat_to_dicts(chat: pb.ChatMessages) -> list[dict]:
+    if not chat.messages:
+        raise InvalidRequestError("chat needs at least one message")
+    for index, message in enumerate(chat.messages):
+        if not message.role:
+            raise InvalidRequestError(f"chat.messages[{index}].role is empty")
+    return [{"role": m.role, "content": m.content} for m in chat.messages]
+
+
+def prompt_ids(request, tokenizer) -> tuple[int, ...]:
+    """Token ids of a GenerateRequest's or TokenizeRequest's `input` oneof."""
+    kind = request.WhichOneof("input")
+    if kind is None:
+        raise InvalidRequestError("no input: set one of prompt, token_ids or chat")
+    if kind in ("prompt", "text"):
+        return tuple(tokenizer.encode(getattr(request, kind)))
+    if kind == "chat":
+        return tuple(_render_chat(tokenizer, chat_to_dicts(request.chat)))
+    ids = tuple(request.token_ids.ids)
+    vocab_size = tokenizer.vocab_size
+    bad = [i for i in ids if i >= vocab_size]
+    if bad:
+        raise InvalidRequestError(f"token_ids: id {bad[0]} is not below the vocabulary size {vocab_size}")
+    return ids
+
+
+def _render_chat(tokenizer, messages: list[dict]) -> list[int]:
+    try:
+        return tokenizer.apply_chat_template(messages)
+    except ValueError:
+        raise
+    except Exception as error:  # jinja2 TemplateError: the template refused these messages
+        if type(error).__module__.startswith("jinja2"):
+            raise InvalidRequestError(f"chat: the model's chat template refused the messages: {error}") from None
+        raise
+
+
+def grammar_spec(request: pb.GenerateRequest, config: ServeConfig) -> GrammarSpec | None:
+    kind = request.WhichOneof("constraint")
+    if kind is None:
+        return None
+    options = request.constraint_options
+    text, choices = "", ()
+    if kind == "choice":
+        choices = tuple(request.choice.choices)
+        size = sum(len(c.encode()) for c in choices)
+    elif kind != "json_object":
+        text = getattr(request, kind)
+        size = len(text.encode())
+    else:
+        size = 0
+    if size > config.max_grammar_bytes:
+        raise LimitExceededError(f"{kind} constraint is {size} bytes; the limit max_grammar_bytes is "
+                                 f"{config.max_grammar_bytes}")
+    if kind == "json_schema":
+        _check_json(text, "json_schema")
+    if kind == "structural_tag":
+        _check_json(text, "structural_tag")
+    return GrammarSpec(kind=kind, text=text, choices=choices, any_whitespace=not options.compact,
+                       max_whitespace=options.max_whitespace if options.HasField("max_whitespace") else None,
+                       strict=options.strict, backend=_BACKENDS.get(options.backend, "auto"))
+
+
+def _check_json(text: str, field: str) -> None:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as error:
+        raise InvalidRequestError(f"{field} is not valid JSON: {error}") from None
+
+
+def sampling_params(request: pb.GenerateRequest, config: ServeConfig) -> SamplingParams:
+    sampling, stop = request.sampling, request.stop
+    return SamplingParams(
+        temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p or 1.0,
+        seed=sampling.seed if sampling.HasField("seed") else None,
+        max_new_tokens=stop.max_tokens or config.default_max_tokens,
+        stop_token_ids=tuple(stop.stop_token_ids), stop_strings=tuple(stop.stop_strings),
+        ignore_eos=stop.ignore_eos, num_logprobs=request.num_logprobs)
+
+
+def to_generation_request(request: pb.GenerateRequest, tokenizer, config: ServeConfig,
+                          time_remaining: float | None) -> GenerationRequest:
+    """The domain request; `time_remaining` is the call's deadline in seconds from now."""
+    deadline = None if time_remaining is None else time.monotonic() + time_remaining
+    speculative = request.speculative
+    return GenerationRequest(
+        request_id=request.request_id or uuid.uuid4().hex[:16],
+        prompt_ids=prompt_ids(request, tokenizer),
+        sampling=sampling_params(request, config),
+        grammar=grammar_spec(request, config),
+        speculative=SpeculativeParams(num_draft_tokens=speculative.num_draft_tokens,
+                                      proposer=_PROPOSERS.get(speculative.proposer, "ngram")),
+        deadline=deadline)
+
+
+def guarantee_to_proto(report: GuaranteeReport) -> pb.GuaranteeReport:
+    return pb.GuaranteeReport(
+        backend=report.backend, compile_ms=report.compile_ms, cache_hit=report.cache_hit,
+        unenforced=[pb.UnenforcedSchemaKeyword(keyword=k.keyword, pointer=k.pointer, reason=k.reason)
+                    for k in report.unenforced])
+
+
+def validation_to_proto(errors: tuple[str, ...]) -> pb.ValidationResult:
+    """Engine validation errors are "<json pointer>: <message>" (or just a message)."""
+    result = pb.ValidationResult(valid=not errors)
+    for error in errors:
+        path, sep, message = error.partition(": ")
+        if not sep or not (path == "" or path.startswith("/")):
+            path, message = "", error
+        result.errors.add(path=path, message=message)
+    return result
+
+
+def event_to_proto(event: OutputEvent, request: GenerationRequest) -> pb.GenerateResponse:
+    response = pb.GenerateResponse(request_id=request.request_id, token_ids=event.token_ids,
+                                   text=event.text)
+    for logprob in event.logprobs:
+        response.logprobs.add(token_id=logprob.token_id, logprob=logprob.logprob,
+                              top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in logprob.top])
+    if event.guarantee is not None:
+        response.guarantee.CopyFrom(guarantee_to_proto(event.guarantee))
+    if event.finish_reason is not None:
+        response.finish_reason = _FINISH.get(event.finish_reason, pb.FINISH_REASON_UNSPECIFIED)
+    if event.usage is not None:
+        usage = event.usage
+        response.usage.CopyFrom(pb.Usage(
+            prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+            draft_tokens_proposed=usage.draft_tokens_proposed,
+            draft_tokens_accepted=usage.draft_tokens_accepted))
+    if event.is_final and request.grammar is not None and request.grammar.kind == "json_schema":
+        response.validation.CopyFrom(validation_to_proto(event.validation_errors))
+    return response

@@ -1,0 +1,124 @@
+"""The public gRPC server: converts proto <-> domain and calls one engine method per rpc.
+
+No torch here: the engine is handed in. Errors are raised as domain exceptions and mapped
+to statuses by `interceptors.ErrorMappingInterceptor`. Health (grpc.health.v1, overall and
+per service) and server reflection are registered beside GenerationService.
+"""
+from __future__ import annotations
+
+import logging
+import uuid
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from generation_service import proto_convert
+from generation_service.config import ServeConfig
+from generation_service.engine.errors import DeadlineExceededError, EngineError
+from generation_service.engine.events import FinishReason
+from generation_service.engine.params import GRAMMAR_KINDS
+from generation_service.interceptors import ErrorMappingInterceptor
+from structgen.v1 import generation_pb2 as pb
+from structgen.v1 import generation_pb2_grpc as pb_grpc
+
+log = logging.getLogger("structgen.server")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
+_NO_DEADLINE_S = 1e7  # grpc reports a far-future deadline when the client set none
+
+
+class GenerationServicer(pb_grpc.GenerationServiceServicer):
+    def __init__(self, engine, config: ServeConfig):
+        self._engine = engine
+        self._config = config
+
+    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
+        if not request.request_id:  # assigned here so error logs and the client see the same id
+            request.request_id = uuid.uuid4().hex[:16]
+        remaining = context.time_remaining()
+        domain = proto_convert.to_generation_request(
+            request, self._engine.tokenizer, self._config,
+            None if remaining is None or remaining > _NO_DEADLINE_S else remaining)
+        stream = self._engine.submit(domain)
+        # Client disconnect, deadline or normal end: the callback runs once the rpc is over;
+        # cancelling a finished stream is a no-op, so freeing resources never waits on us.
+        if not context.add_callback(stream.cancel):
+            stream.cancel()
+        for event in stream:
+            if event.error is not None:
+                raise event.error
+            if event.finish_reason is FinishReason.DEADLINE:
+                raise DeadlineExceededError(f"request {domain.request_id}: deadline exceeded")
+            if event.finish_reason is FinishReason.CANCELLED:
+                return  # the client is gone; nobody reads a status
+            if event.finish_reason is FinishReason.ERROR:
+                raise EngineError(f"request {domain.request_id} failed")
+            yield proto_convert.event_to_proto(event, domain)
+
+    def Tokenize(self, request: pb.TokenizeRequest, context: grpc.ServicerContext):
+        return pb.TokenizeResponse(token_ids=proto_convert.prompt_ids(request, self._engine.tokenizer))
+
+    def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.ServicerContext):
+        engine, config = self._engine, self._config
+        engine_config = engine.config
+        return pb.GetModelInfoResponse(
+            model_name=engine.model_name, vocab_size=engine.tokenizer.vocab_size,
+            eos_token_ids=list(engine.tokenizer.eos_token_ids), device=str(engine_config.device),
+            max_prompt_tokens=engine_config.max_prompt_tokens,
+            max_new_tokens_limit=engine_config.max_new_tokens_limit,
+            default_max_tokens=config.default_max_tokens,
+            max_grammar_bytes=config.max_grammar_bytes, max_message_bytes=config.max_message_bytes,
+            max_batch=engine_config.max_batch, max_draft_tokens=engine_config.max_draft_tokens,
+            constraint_kinds=list(GRAMMAR_KINDS))
+
+    def GetEngineStats(self, request: pb.GetEngineStatsRequest, context: grpc.ServicerContext):
+        stats = self._engine.stats()
+        return pb.GetEngineStatsResponse(
+            num_waiting=stats.num_waiting, num_running=stats.num_running,
+            num_kv_pages_used=stats.num_kv_pages_used, num_slots_used=stats.num_slots_used,
+            num_grammar_matchers=stats.num_grammar_matchers,
+            grammar_available=bool(getattr(stats, "grammar_available", True)))
+
+
+@dataclass
+class RunningServer:
+    server: grpc.Server
+    health: health.HealthServicer
+    port: int
+
+    def set_serving(self, is_serving: bool) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if is_serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for service in ("", SERVICE_NAME):
+            self.health.set(service, status)
+
+    def stop(self, grace_s: float) -> None:
+        """Drain: report NOT_SERVING, refuse new rpcs, let open streams finish for grace_s."""
+        self.set_serving(False)
+        self.server.stop(grace_s).wait()
+
+
+def start_server(engine, config: ServeConfig) -> RunningServer:
+    """Bind, register services, start; SERVING once this returns. Port 0 picks a free one."""
+    options = [("grpc.max_receive_message_length", config.max_message_bytes),
+               ("grpc.so_reuseport", 0)]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.num_workers,
+                                                    thread_name_prefix="rpc"),
+                         interceptors=[ErrorMappingInterceptor()], options=options,
+                         maximum_concurrent_rpcs=config.max_concurrent_rpcs)
+    pb_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(engine, config), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(config.bind_address)
+    if port == 0:
+        raise OSError(f"cannot listen on {config.bind_address}")
+    server.start()
+    running = RunningServer(server, health_servicer, port)
+    running.set_serving(True)
+    return running

@@ -1,0 +1,45 @@
+"""`structgen`: one command line for serving, the grammar sidecar, generating and the demo.
+
+    structgen serve     generation_service (+ a supervised grammar_service child)
+    structgen grammar   grammar_service alone (the Kubernetes sidecar)
+    structgen generate  stream one completion from a running server to stdout
+    structgen demo      start a server, run a JSON-Schema request, validate it, stop
+
+Each subcommand lives in structgen/commands/ and imports heavy modules (torch) only when run.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from structgen.commands import demo, generate, serve
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="structgen", description=__doc__.split("\n\n")[0])
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve.add_parser(subparsers)
+    grammar = subparsers.add_parser(
+        "grammar", add_help=False, help="run grammar_service alone (flags go to it; --help lists them)")
+    grammar.set_defaults(run=_run_grammar)
+    generate.add_parser(subparsers)
+    demo.add_parser(subparsers)
+    return parser
+
+
+def _run_grammar(args: argparse.Namespace, rest: list[str]) -> int:
+    from grammar_service.server import main as grammar_main
+    return grammar_main(rest) or 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    if argv[:1] == ["grammar"]:  # everything after `grammar` belongs to grammar_service
+        return _run_grammar(argparse.Namespace(), argv[1:])
+    args = parser.parse_args(argv)
+    return args.run(args, [])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Subcommands of the `structgen` CLI, one module each."""
