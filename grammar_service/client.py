@@ -1,0 +1,122 @@
+"""The control client generation_service uses to talk to grammar_service (gRPC, control only).
+
+The engine never imports grpc: it is handed a GrammarControlClient. Errors come back as the
+engine's own types: GrammarError (the grammar is bad or refused: INVALID_ARGUMENT),
+GrammarUnavailableError (the service is down, not ready or failed: everything else), and
+step_channel.ChannelError from open_channel when the service refuses the region or the
+tokenizer (the message says what differs).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from generation_service.engine.errors import GrammarError, GrammarUnavailableError
+from generation_service.engine.events import UnenforcedKeyword
+from generation_service.engine.params import GrammarSpec
+from step_channel import ChannelError, Geometry
+from structgen.v1 import grammar_pb2, grammar_pb2_grpc
+
+
+@dataclass(frozen=True)
+class CompileResult:
+    grammar_id: int
+    backend: str
+    compile_ms: float
+    cache_hit: bool
+    unenforced: tuple[UnenforcedKeyword, ...]
+
+
+def spec_to_proto(spec: GrammarSpec, trace_context: dict | None = None) -> grammar_pb2.CompileRequest:
+    options = grammar_pb2.GrammarOptions(any_whitespace=spec.any_whitespace, strict=spec.strict,
+                                         backend=spec.backend)
+    if spec.max_whitespace is not None:
+        options.max_whitespace = spec.max_whitespace
+    req = grammar_pb2.CompileRequest(options=options, trace_context=trace_context or {})
+    if spec.kind == "json_object":
+        req.json_object = True
+    elif spec.kind == "choice":
+        req.choice.choices.extend(spec.choices)
+    else:
+        setattr(req, spec.kind, spec.text)
+    return req
+
+
+def _error_from_rpc(exc: grpc.RpcError) -> Exception:
+    code, details = exc.code(), exc.details() or ""
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return GrammarError(details)
+    return GrammarUnavailableError(f"grammar_service: {code.name}: {details}")
+
+
+class GrammarControlClient:
+    def __init__(self, address: str):
+        """`address`: "unix:///path.sock" or "host:port"."""
+        self.address = address
+        self._channel = grpc.insecure_channel(address)
+        self._stub = grammar_pb2_grpc.GrammarServiceStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def open_channel(self, name: str, geometry: Geometry, *, max_slots: int, first_step: int,
+                     tokenizer_dir: str, tokenizer_fingerprint: str, timeout_s: float = 30) -> None:
+        req = grammar_pb2.OpenChannelRequest(
+            channel_name=name, max_slots=max_slots, first_step=first_step, tokenizer_dir=str(tokenizer_dir),
+            tokenizer_fingerprint=tokenizer_fingerprint,
+            geometry=grammar_pb2.ChannelGeometry(max_batch=geometry.max_batch, max_positions=geometry.max_positions,
+                                                 vocab_size=geometry.vocab_size, depth=geometry.depth))
+        try:
+            self._stub.OpenChannel(req, timeout=timeout_s, wait_for_ready=True)
+        except grpc.RpcError as exc:
+            if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT,
+                              grpc.StatusCode.ALREADY_EXISTS):
+                raise ChannelError(exc.details()) from None
+            raise _error_from_rpc(exc) from None
+
+    def close_channel(self, name: str) -> None:
+        try:
+            self._stub.CloseChannel(grammar_pb2.CloseChannelRequest(channel_name=name), timeout=10)
+        except grpc.RpcError as exc:
+            raise _error_from_rpc(exc) from None
+
+    def compile(self, spec: GrammarSpec, *, trace_context: dict | None = None,
+                timeout_s: float | None = None) -> concurrent.futures.Future:
+        """Future[CompileResult]; raises GrammarError or GrammarUnavailableError through it."""
+        result: concurrent.futures.Future = concurrent.futures.Future()
+        call = self._stub.Compile.future(spec_to_proto(spec, trace_context), timeout=timeout_s)
+
+        def done(call_future) -> None:
+            try:
+                reply = call_future.result()
+            except grpc.RpcError as exc:
+                result.set_exception(_error_from_rpc(exc))
+                return
+            except Exception as exc:  # cancelled
+                result.set_exception(GrammarUnavailableError(f"grammar_service compile call failed: {exc!r}"))
+                return
+            result.set_result(CompileResult(
+                grammar_id=reply.grammar_id, backend=reply.backend, compile_ms=reply.compile_ms,
+                cache_hit=reply.cached,
+                unenforced=tuple(UnenforcedKeyword(u.keyword, u.pointer, u.reason) for u in reply.unenforced)))
+
+        call.add_done_callback(done)
+        return result
+
+    def is_serving(self, timeout_s: float = 2.0) -> bool:
+        try:
+            reply = self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+        except grpc.RpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def stats(self) -> dict:
+        try:
+            reply = self._stub.GetStats(grammar_pb2.GetStatsRequest(), timeout=5)
+        except grpc.RpcError as exc:
+            raise _error_from_rpc(exc) from None
+        return {f.name: getattr(reply, f.name) for f in reply.DESCRIPTOR.fields}
+
+    def close(self) -> None:
+        self._channel.close()

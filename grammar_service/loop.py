@@ -1,0 +1,217 @@
+"""The step loop of one open channel: docs/step_channel.md §"Entry N", step 3, as code.
+
+    wait inputs_seq >= N
+    a. advance the matchers of step N-1's rows by the tokens it accepted -> results (entry N)
+    b. release-only rows, then FRESH binds
+    c. fill step N's mask rows, walking drafts with accept + rollback -> valid_positions
+    d. mask_status = MASK_OK, mask_seq = N
+
+Every backend call covers all rows of a step at one position (batch_accept / batch_fill /
+batch_rollback); Python touches rows only for bookkeeping. Masks are written in place in
+the shared region; rows that are not filled with a grammar mask are all ones, and only rows
+that were written with a grammar mask on the entry's previous use are reset.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from grammar_service.backends.base import GrammarBackend, Matcher
+from grammar_service.slots import SlotTable
+from step_channel import (
+    ERR_INTERNAL, ERR_NO_MATCHER, ERR_NONE, ERR_TOKEN_REJECTED, ERR_UNKNOWN_GRAMMAR,
+    FLAG_CONSTRAINED, FLAG_FRESH, FLAG_RELEASE, MASK_OK, StepChannel,
+)
+
+log = logging.getLogger(__name__)
+IDLE_WAIT_S = 0.05     # wake up this often without inputs: heartbeat, stop flag
+WAIT_SPIN_S = 100e-6   # spin this long on inputs_seq, then sleep in steps of at most...
+WAIT_SLEEP_S = 100e-6  # ...this (the fill overlaps the forward; wake-up latency adds to it)
+
+
+@dataclass
+class _Walker:
+    """A constrained row being filled: its matcher walks the row's drafts."""
+    row: int
+    matcher: Matcher
+    num_positions: int
+    drafts: list[int]
+    num_accepted: int = 0
+
+
+class StepLoop:
+    """Owns a channel's slots and its loop thread; `start`, then `stop` from another thread."""
+
+    def __init__(self, channel: StepChannel, backend: GrammarBackend, max_slots: int, first_step: int,
+                 lookup_grammar: Callable[[int], object | None]):
+        self.channel = channel
+        self.backend = backend
+        self.slots = SlotTable(max_slots)
+        self.next_step = first_step
+        self._first_step = first_step
+        self._lookup_grammar = lookup_grammar  # grammar id -> backend compiled grammar or None
+        g = channel.geometry
+        self._dirty: list[np.ndarray] = [np.zeros(0, np.int64) for _ in range(g.depth)]
+        self._prev_rows = np.zeros((0, 4), np.int32)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.num_steps = 0
+        self._step_ns: deque[int] = deque(maxlen=1024)
+        for k in range(g.depth):  # the region starts zeroed; unconstrained rows are all ones
+            channel.entry(k).masks[:] = -1
+
+    # ---- thread --------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"step-loop-{self.channel.name}",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        chan = self.channel
+        while not self._stop.is_set():
+            chan.beat()
+            if chan.wait_seq("inputs_seq", self.next_step, timeout_s=IDLE_WAIT_S,
+                             spin_s=WAIT_SPIN_S, max_sleep_s=WAIT_SLEEP_S):
+                self.run_step(self.next_step)
+                self.next_step += 1
+
+    @property
+    def mean_step_us(self) -> float:
+        return sum(self._step_ns) / len(self._step_ns) / 1e3 if self._step_ns else 0.0
+
+    # ---- one step ------------------------------------------------------------------------
+    def run_step(self, step: int) -> None:
+        """Process step `step` (its inputs are published) and publish its masks."""
+        started = time.perf_counter_ns()
+        entry = self.channel.entry(step)
+        g = self.channel.geometry
+        rows = entry.desc_rows[:min(entry.batch_size, g.max_batch)].copy()  # (B, 4) snapshot
+        try:
+            if step != self._first_step:
+                self._advance(self._prev_rows, self.channel.entry(step - 1), entry.results)
+            self._bind_and_release(rows)
+            self._fill(step, rows)
+            for slot in rows[(rows[:, 2] & FLAG_RELEASE != 0) & (rows[:, 1] > 0), 0]:
+                if self.slots.is_valid(int(slot)):
+                    self.slots.release(int(slot))  # dropped after this step's fill
+        except Exception:  # never leave the GPU waiting: fail this step's constrained rows
+            log.exception("step %d of channel %s failed", step, self.channel.name)
+            constrained = rows[:, 2] & FLAG_CONSTRAINED != 0
+            entry.valid_positions[:len(rows)][constrained] = 0
+            entry.results[:len(self._prev_rows), 1] = ERR_INTERNAL
+            for slot in rows[constrained, 0]:
+                if self.slots.is_valid(int(slot)):
+                    self.slots.release(int(slot))
+        self._prev_rows = rows
+        entry.mask_status[0] = MASK_OK
+        self.channel.publish_seq("mask_seq", step)
+        self.num_steps += 1
+        self._step_ns.append(time.perf_counter_ns() - started)
+
+    def _advance(self, prev_rows: np.ndarray, prev_entry, results: np.ndarray) -> None:
+        """a. Deferred advance by step N-1's accepted tokens; results indexed by N-1's rows."""
+        results[:len(prev_rows)] = (-1, ERR_NONE)
+        active = []  # (row, slot index, tokens)
+        for r, (slot, _, flags, _) in enumerate(prev_rows.tolist()):
+            if not flags & FLAG_CONSTRAINED or flags & FLAG_RELEASE or not self.slots.is_valid(slot):
+                continue
+            state = self.slots[slot]
+            if state.pending_error != ERR_NONE:
+                results[r, 1] = state.pending_error
+                state.pending_error = ERR_NONE
+            elif state.matcher is None:
+                results[r, 1] = ERR_NO_MATCHER
+            elif not state.is_terminated and (count := int(prev_entry.out_counts[r])) > 0:
+                active.append((r, slot, prev_entry.out_tokens[r, :count].tolist()))
+        j = 0
+        while active:  # one batched accept per token index j
+            matchers = [self.slots[slot].matcher for _, slot, _ in active]
+            accepted = self.backend.batch_accept(matchers, [tokens[j] for _, _, tokens in active])
+            still = []
+            for (r, slot, tokens), ok, matcher in zip(active, accepted, matchers):
+                if not ok:
+                    log.info("slot %d: token %d (index %d) rejected by its grammar", slot, tokens[j], j)
+                    results[r, 1] = ERR_TOKEN_REJECTED
+                    self.slots.release(slot)
+                elif matcher.is_terminated():
+                    results[r, 0] = j  # later tokens of the row are past the end: ignored
+                    self.slots[slot].is_terminated = True
+                elif j + 1 < len(tokens):
+                    still.append((r, slot, tokens))
+            active, j = still, j + 1
+
+    def _bind_and_release(self, rows: np.ndarray) -> None:
+        """b. Release-only rows first (a slot may be reused in the same step), then FRESH."""
+        for slot, num_positions, flags, _ in rows.tolist():
+            if flags & FLAG_RELEASE and num_positions == 0 and self.slots.is_valid(slot):
+                self.slots.release(slot)
+        for slot, _, flags, grammar_id in rows.tolist():
+            if not flags & FLAG_FRESH or not self.slots.is_valid(slot):
+                continue
+            compiled = self._lookup_grammar(grammar_id)
+            if compiled is None:
+                self.slots.fail(slot, ERR_UNKNOWN_GRAMMAR)
+            else:
+                self.slots.bind(slot, self.backend.new_matcher(compiled), grammar_id)
+
+    def _fill(self, step: int, rows: np.ndarray) -> None:
+        """c. One mask row per position; drafts walked with accept, undone with rollback."""
+        g = self.channel.geometry
+        entry = self.channel.entry(step)
+        max_pos, masks, valid = g.max_positions, entry.masks, entry.valid_positions
+        walkers: list[_Walker] = []
+        for r, (slot, num_positions, flags, _) in enumerate(rows.tolist()):
+            num_positions = min(max(num_positions, 0), max_pos)
+            valid[r] = num_positions
+            if not flags & FLAG_CONSTRAINED:
+                continue
+            if self.slots.is_valid(slot) and self.slots[slot].can_fill and num_positions > 0:
+                walkers.append(_Walker(r, self.slots[slot].matcher, num_positions,
+                                       entry.drafts[r, :num_positions - 1].tolist()))
+                valid[r] = 1
+            else:
+                valid[r] = 0  # no exact mask: no matcher (error reported), terminated, or no slot
+        filled: list[int] = []
+        level = walkers
+        for p in range(max_pos):
+            if not level:
+                break
+            indices = [w.row * max_pos + p for w in level]
+            self.backend.batch_fill([w.matcher for w in level], masks, indices)
+            filled.extend(indices)
+            level = [w for w in level if w.num_positions > p + 1]
+            if not level:
+                break
+            accepted = self.backend.batch_accept([w.matcher for w in level], [w.drafts[p] for w in level])
+            next_level = []
+            for w, ok in zip(level, accepted):
+                if not ok:
+                    continue  # the mask at p excludes this draft: the verifier stops there
+                w.num_accepted += 1
+                if not w.matcher.is_terminated():  # a stop draft ends the row: nothing after it
+                    valid[w.row] = p + 2
+                    next_level.append(w)
+            level = next_level
+        undo = [w for w in walkers if w.num_accepted]
+        if undo:
+            self.backend.batch_rollback([w.matcher for w in undo], [w.num_accepted for w in undo])
+        self._reset_stale(step, np.asarray(filled, np.int64))
+
+    def _reset_stale(self, step: int, filled: np.ndarray) -> None:
+        """Rows that held a grammar mask on this entry's last use and not now become all ones."""
+        k = step % self.channel.geometry.depth
+        stale = np.setdiff1d(self._dirty[k], filled, assume_unique=True)
+        if stale.size:
+            self.channel.entry(step).masks[stale] = -1
+        self._dirty[k] = filled

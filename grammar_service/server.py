@@ -1,0 +1,175 @@
+"""The gRPC edge of grammar_service: protos <-> GrammarService calls, health, reflection.
+
+`serve(config)` runs until SIGTERM/SIGINT; `main(argv)` is the command line (defaults from
+GrammarServiceConfig). Errors carrying a `status` (ServiceError, CompileError) become that
+gRPC status with their message; anything else is INTERNAL and logged.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import signal
+import threading
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from generation_service.engine.params import GrammarSpec
+from grammar_service.config import GrammarServiceConfig
+from grammar_service.service import GrammarService, ServiceError
+from step_channel import Geometry
+from structgen.v1 import grammar_pb2, grammar_pb2_grpc
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = grammar_pb2.DESCRIPTOR.services_by_name["GrammarService"].full_name
+
+
+class _StatusInterceptor(grpc.ServerInterceptor):
+    """Maps exceptions with a `status` attribute to that status; others to INTERNAL."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler.unary_unary is None:
+            return handler
+        inner = handler.unary_unary
+
+        def guarded(request, context):
+            try:
+                return inner(request, context)
+            except Exception as exc:  # noqa: BLE001 -- the edge maps every failure to a status
+                status = getattr(exc, "status", None)
+                if status is None:
+                    log.exception("%s failed", handler_call_details.method)
+                    context.abort(grpc.StatusCode.INTERNAL, f"internal error: {exc!r}")
+                context.abort(getattr(grpc.StatusCode, status), getattr(exc, "message", str(exc)))
+
+        return grpc.unary_unary_rpc_method_handler(
+            guarded, request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer)
+
+
+def spec_from_proto(req: grammar_pb2.CompileRequest) -> GrammarSpec:
+    kind = req.WhichOneof("grammar")
+    if kind is None:
+        raise ServiceError("INVALID_ARGUMENT", "CompileRequest sets no grammar (json_schema, regex, "
+                           "lark, structural_tag, json_object or choice)")
+    opts = req.options
+    try:
+        return GrammarSpec(
+            kind=kind, text=getattr(req, kind) if kind not in ("json_object", "choice") else "",
+            choices=tuple(req.choice.choices) if kind == "choice" else (),
+            any_whitespace=opts.any_whitespace,
+            max_whitespace=opts.max_whitespace if opts.HasField("max_whitespace") else None,
+            strict=opts.strict, backend=opts.backend or "auto")
+    except ValueError as exc:
+        raise ServiceError("INVALID_ARGUMENT", str(exc)) from None
+
+
+class GrammarServicer(grammar_pb2_grpc.GrammarServiceServicer):
+    def __init__(self, service: GrammarService):
+        self.service = service
+
+    def OpenChannel(self, request, context):
+        g = request.geometry
+        try:
+            geometry = Geometry(max_batch=g.max_batch, max_positions=g.max_positions,
+                                vocab_size=g.vocab_size, depth=g.depth)
+        except ValueError as exc:
+            raise ServiceError("INVALID_ARGUMENT", str(exc)) from None
+        num_tokens = self.service.open_channel(
+            request.channel_name, geometry, max_slots=request.max_slots, first_step=request.first_step,
+            tokenizer_dir=request.tokenizer_dir, tokenizer_fingerprint=request.tokenizer_fingerprint)
+        return grammar_pb2.OpenChannelResponse(tokenizer_vocab_size=num_tokens, default_backend="xgrammar")
+
+    def CloseChannel(self, request, context):
+        return grammar_pb2.CloseChannelResponse(was_open=self.service.close_channel(request.channel_name))
+
+    def Compile(self, request, context):
+        outcome = self.service.compile(spec_from_proto(request)).result()
+        entry = outcome.entry
+        return grammar_pb2.CompileResponse(
+            grammar_id=entry.grammar_id, backend=entry.backend, cached=outcome.cache_hit,
+            compile_ms=0.0 if outcome.cache_hit else entry.compile_ms,
+            unenforced=[grammar_pb2.UnenforcedKeyword(keyword=u.keyword, pointer=u.pointer, reason=u.reason)
+                        for u in entry.unenforced])
+
+    def GetStats(self, request, context):
+        return grammar_pb2.GetStatsResponse(**self.service.stats())
+
+
+class RunningServer:
+    """A started server; `stop()` drains RPCs, closes channels and removes the socket."""
+
+    def __init__(self, config: GrammarServiceConfig):
+        self.config = config
+        self.service = GrammarService(config)
+        self.health = health.HealthServicer()
+        self.server = grpc.server(futures.ThreadPoolExecutor(config.num_rpc_threads),
+                                  interceptors=[_StatusInterceptor()])
+        grammar_pb2_grpc.add_GrammarServiceServicer_to_server(GrammarServicer(self.service), self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME),
+                                            self.server)
+        path = config.socket_path
+        if path and os.path.exists(path):
+            os.unlink(path)  # a stale socket of a previous run
+        old_umask = os.umask(0o177)  # the socket file is created 0600
+        try:
+            if self.server.add_insecure_port(config.listen) == 0 and not path:
+                raise OSError(f"cannot listen on {config.listen}")
+            self.server.start()
+        finally:
+            os.umask(old_umask)
+        if path:
+            os.chmod(path, 0o600)
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("grammar_service listening on %s", config.listen)
+
+    def stop(self) -> None:
+        self.health.enter_graceful_shutdown()
+        self.server.stop(self.config.shutdown_grace_s).wait()
+        self.service.close()
+        path = self.config.socket_path
+        if path and os.path.exists(path):
+            os.unlink(path)
+
+
+def serve(config: GrammarServiceConfig) -> None:
+    """Run until SIGTERM or SIGINT, then drain and shut down cleanly."""
+    running = RunningServer(config)
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    log.info("grammar_service shutting down")
+    running.stop()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = GrammarServiceConfig()
+    parser = argparse.ArgumentParser(prog="structgen grammar", description="Run grammar_service.")
+    for f in dataclasses.fields(GrammarServiceConfig):
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(defaults, f.name)
+        kind = int if f.type.startswith("int") else float if f.type.startswith("float") else str
+        parser.add_argument(flag, type=kind, default=default, help=f"(default: {default})")
+    parser.add_argument("--log-level", default="INFO")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = vars(build_parser().parse_args(argv))
+    logging.basicConfig(level=args.pop("log_level").upper(),
+                        format="%(asctime)s %(levelname)s grammar_service %(name)s: %(message)s")
+    try:
+        config = GrammarServiceConfig(**args)
+    except ValueError as exc:
+        log.error("bad configuration: %s", exc)
+        return 2
+    serve(config)
+    return 0

@@ -1,0 +1,161 @@
+"""grammar_service as a domain object: tokenizer, backends, compiler and open channels.
+
+No grpc here: server.py converts protos to these calls and `ServiceError.status` to gRPC
+status codes. Tests and benchmarks drive the same object in-process.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from generation_service.engine.params import GrammarSpec
+from grammar_service.backends import DEFAULT_BACKEND, load_backend_class, resolve_backend_name
+from grammar_service.backends.base import GrammarBackend, TokenizerData
+from grammar_service.compiler import CompileError, GrammarCompiler
+from grammar_service.config import GrammarServiceConfig
+from grammar_service.loop import StepLoop
+from grammar_service.tokenizer import load_tokenizer
+from step_channel import ChannelError, Geometry, StepChannel
+
+log = logging.getLogger(__name__)
+
+
+class ServiceError(Exception):
+    """A refused control call; `status` is a grpc.StatusCode name."""
+
+    def __init__(self, status: str, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass
+class _Tokenizer:
+    path: str
+    vocab_size: int
+    data: TokenizerData
+    fingerprint: str
+
+
+class GrammarService:
+    def __init__(self, config: GrammarServiceConfig):
+        self.config = config
+        self._lock = threading.Lock()
+        self._tokenizer: _Tokenizer | None = None
+        self._backends: dict[str, GrammarBackend] = {}
+        self._compiler: GrammarCompiler | None = None
+        self._loops: dict[str, StepLoop] = {}
+        if config.tokenizer_dir is not None:
+            self._use_tokenizer(config.tokenizer_dir, config.vocab_size)
+
+    # ---- tokenizer and backends ----------------------------------------------------------
+    def _use_tokenizer(self, tokenizer_dir: str, vocab_size: int) -> _Tokenizer:
+        current = self._tokenizer
+        if current is not None and (current.path, current.vocab_size) == (tokenizer_dir, vocab_size):
+            return current
+        try:
+            data, fingerprint = load_tokenizer(tokenizer_dir, vocab_size)
+        except Exception as exc:  # OSError, ValueError, or the tokenizers library's own errors
+            raise ServiceError("FAILED_PRECONDITION", f"cannot load tokenizer from {tokenizer_dir}: {exc}") from None
+        if current is not None and current.fingerprint == fingerprint:
+            return current
+        if self._loops:
+            raise ServiceError("FAILED_PRECONDITION", "a channel with another tokenizer "
+                               f"({current.path}) is open; close it before switching tokenizers")
+        if self._compiler is not None:
+            self._compiler.close()
+        self._tokenizer = _Tokenizer(tokenizer_dir, vocab_size, data, fingerprint)
+        self._backends = {}
+        self._compiler = GrammarCompiler(self._backend, self.config)
+        self._backend(DEFAULT_BACKEND)  # build it now, not on the first compile
+        log.info("tokenizer %s loaded (vocab_size %d, fingerprint %s)", tokenizer_dir, vocab_size, fingerprint[:16])
+        return self._tokenizer
+
+    def _backend(self, name: str) -> GrammarBackend:
+        name = resolve_backend_name(name)
+        if name not in self._backends:
+            cls = load_backend_class(name)
+            self._backends[name] = cls(self._tokenizer.data, num_compile_threads=self.config.num_compile_threads,
+                                       num_fill_threads=self.config.num_fill_threads)
+        return self._backends[name]
+
+    def _lookup_grammar(self, grammar_id: int):
+        entry = self._compiler.get(grammar_id) if self._compiler else None
+        return None if entry is None else entry.compiled
+
+    # ---- control calls -------------------------------------------------------------------
+    def open_channel(self, name: str, geometry: Geometry, *, max_slots: int, first_step: int,
+                     tokenizer_dir: str, tokenizer_fingerprint: str) -> int:
+        """Attach the region, check the tokenizer identity, start the loop; returns its vocab length."""
+        if max_slots < 1:
+            raise ServiceError("INVALID_ARGUMENT", f"max_slots must be >= 1, got {max_slots}")
+        with self._lock:
+            if name in self._loops:
+                raise ServiceError("ALREADY_EXISTS", f"channel {name} is already open")
+            tok = self._use_tokenizer(tokenizer_dir, geometry.vocab_size)
+            if tok.fingerprint != tokenizer_fingerprint:
+                raise ServiceError("FAILED_PRECONDITION", self._mismatch_message(tok, tokenizer_fingerprint))
+            try:
+                channel = StepChannel.attach(name, geometry)
+            except ChannelError as exc:
+                raise ServiceError("FAILED_PRECONDITION", str(exc)) from None
+            loop = StepLoop(channel, self._backend(DEFAULT_BACKEND), max_slots, first_step, self._lookup_grammar)
+            self._loops[name] = loop
+            loop.start()
+        log.info("channel %s open: %s, %d slots, first step %d", name, geometry, max_slots, first_step)
+        return sum(1 for t in tok.data.encoded_vocab if t)
+
+    @staticmethod
+    def _mismatch_message(tok: _Tokenizer, theirs: str) -> str:
+        num_ids = sum(1 for t in tok.data.encoded_vocab if t)
+        return (f"tokenizer mismatch: the caller's fingerprint {theirs[:16] or '(empty)'}... differs from "
+                f"{tok.fingerprint[:16]}... that grammar_service computed from {tok.path} at vocab_size "
+                f"{tok.vocab_size} ({num_ids} token ids below it); check that both processes use the "
+                "same tokenizer.json and the same vocab_size (the model's logits width)")
+
+    def close_channel(self, name: str) -> bool:
+        with self._lock:
+            loop = self._loops.pop(name, None)
+        if loop is None:
+            return False
+        loop.stop()
+        loop.channel.close()
+        log.info("channel %s closed after %d steps", name, loop.num_steps)
+        return True
+
+    def compile(self, spec: GrammarSpec) -> Future:
+        """Future[CompileOutcome]; CompileError / ServiceError through the future."""
+        with self._lock:
+            compiler = self._compiler
+        if compiler is None:
+            f: Future = Future()
+            f.set_exception(ServiceError("FAILED_PRECONDITION", "no tokenizer loaded yet: open a "
+                                         "channel first or start grammar_service with --tokenizer-dir"))
+            return f
+        return compiler.compile(spec)
+
+    def stats(self) -> dict:
+        loops = list(self._loops.values())
+        compiler = self._compiler
+        steps = sum(loop.num_steps for loop in loops)
+        return {
+            "num_channels": len(loops),
+            "num_bound_matchers": sum(loop.slots.num_bound for loop in loops),
+            "num_cached_grammars": compiler.num_cached if compiler else 0,
+            "num_cached_errors": compiler.num_negative if compiler else 0,
+            "num_cache_hits": compiler.stats.num_cache_hits if compiler else 0,
+            "num_compiles": compiler.stats.num_compiles if compiler else 0,
+            "num_steps": steps,
+            "mean_step_us": (sum(loop.mean_step_us * loop.num_steps for loop in loops) / steps) if steps else 0.0,
+        }
+
+    def close(self) -> None:
+        for name in list(self._loops):
+            self.close_channel(name)
+        if self._compiler is not None:
+            self._compiler.close()
+
+
+__all__ = ["GrammarService", "ServiceError", "CompileError"]

@@ -1,0 +1,48 @@
+"""Per-slot matcher state of one step channel (slot = the engine's request pool index)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from grammar_service.backends.base import Matcher
+from step_channel import ERR_NONE
+
+
+@dataclass
+class Slot:
+    matcher: Matcher | None = None
+    grammar_id: int = 0
+    is_terminated: bool = False  # accepted a stop token; later tokens of the slot are ignored
+    pending_error: int = ERR_NONE  # reported with the slot's next results row, then cleared
+
+    @property
+    def can_fill(self) -> bool:
+        return self.matcher is not None and not self.is_terminated
+
+
+class SlotTable:
+    """Slots [0, max_slots); only the channel's loop thread touches them."""
+
+    def __init__(self, max_slots: int):
+        self.max_slots = max_slots
+        self._slots = [Slot() for _ in range(max_slots)]
+
+    def __getitem__(self, slot: int) -> Slot:
+        return self._slots[slot]
+
+    def is_valid(self, slot: int) -> bool:
+        return 0 <= slot < self.max_slots
+
+    def bind(self, slot: int, matcher: Matcher, grammar_id: int) -> None:
+        """FRESH: a new request's matcher replaces whatever the slot held."""
+        self._slots[slot] = Slot(matcher=matcher, grammar_id=grammar_id)
+
+    def fail(self, slot: int, error: int) -> None:
+        """Drop the matcher (never left desynchronised) and report `error` on the next results."""
+        self._slots[slot] = Slot(pending_error=error)
+
+    def release(self, slot: int) -> None:
+        self._slots[slot] = Slot()
+
+    @property
+    def num_bound(self) -> int:
+        return sum(1 for s in self._slots if s.matcher is not None)
