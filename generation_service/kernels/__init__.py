@@ -1,0 +1,24 @@
+"""GPU kernels (Triton) and their torch references.
+
+Kernel modules import triton; nothing here does until a triton backend is asked for.
+Rooms: decode_attention, extend_attention, kv_write (paged attention and its cache
+writes), prepare_inputs (fused decode input preparation), mask_sample + philox
+(grammar mask + sampling; sample_reference is its torch twin).
+"""
+from __future__ import annotations
+
+from .attention_backend import AttentionBackend, AttentionMetadata
+
+_ATTENTION_BACKENDS = {"torch": "TorchAttentionBackend", "triton": "TritonAttentionBackend"}
+
+
+def get_attention_backend(name: str = "triton") -> AttentionBackend:
+    """The attention backend registered under ``name`` ("torch" or "triton")."""
+    if name not in _ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; "
+                         f"choose from {sorted(_ATTENTION_BACKENDS)}")
+    from . import attention_backend
+    return getattr(attention_backend, _ATTENTION_BACKENDS[name])()
+
+
+__all__ = ["AttentionBackend", "AttentionMetadata", "get_attention_backend"]

@@ -1,0 +1,164 @@
+"""Extend (prefill / speculative-verify) attention over the paged KV cache.
+
+Row b has ``extend_lens[b]`` new query tokens at absolute positions
+``prefix_len .. seq_lens[b] - 1`` where ``prefix_len = seq_lens[b] - extend_lens[b]``; their
+K/V are already in the cache. Query i of the row attends to cache positions
+``0 .. prefix_len + i`` (causal over the new tokens, full over the cached prefix).
+
+q / out are ragged and row-major: (T, Hq, D) with row b's tokens at
+``extend_start[b] .. extend_start[b] + extend_lens[b] - 1`` (exclusive cumsum).
+
+GQA: a program owns one kv head and packs (token, group head) pairs into the M rows of
+its tile (row r -> token r // GROUP, head r % GROUP), so each K/V tile is loaded once
+for the whole group; for verify (k+1 tokens) this fills the tile with few tokens.
+Grid (B, num_kv_heads, cdiv(max_extend_len * GROUP, BLOCK_M)); ``max_extend_len`` is a
+host int so the launch is graph safe (programs past a row's extent return at once).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .decode_attention import gather_kv
+
+
+@triton.jit
+def _extend_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, page_table_ptr, seq_lens_ptr, extend_lens_ptr,
+    extend_start_ptr, sm_scale, window,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kp, stride_ks, stride_kh,
+    stride_vp, stride_vs, stride_vh,
+    stride_ptb, max_pages,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    m_block = tl.program_id(2)
+    extend_len = tl.load(extend_lens_ptr + b)
+    if m_block * BLOCK_M >= extend_len * GROUP:
+        return
+    seq_len = tl.load(seq_lens_ptr + b)
+    prefix_len = seq_len - extend_len
+    q_start = tl.load(extend_start_ptr + b).to(tl.int64)
+
+    offs_r = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok = offs_r // GROUP
+    head = kvh * GROUP + offs_r % GROUP
+    r_mask = offs_r < extend_len * GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    q_mask = r_mask[:, None] & d_mask[None, :]
+    q = tl.load(q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh
+                + offs_d[None, :], mask=q_mask, other=0.0)  # (M, D)
+    q_pos = prefix_len + tok  # absolute position of each query row
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # The last query of this tile sees positions up to prefix_len + max tok.
+    last_tok = tl.minimum((m_block * BLOCK_M + BLOCK_M - 1) // GROUP, extend_len - 1)
+    kv_end = prefix_len + last_tok + 1
+    # Sliding window (window > 0): query at p sees keys p - window + 1 .. p.
+    first_visible = tl.where(window > 0, q_pos - window + 1, 0)  # (M,)
+    kv_start = tl.where(window > 0, tl.maximum(prefix_len + (m_block * BLOCK_M) // GROUP
+                                               - window + 1, 0), 0)
+    pt_row = page_table_ptr + b.to(tl.int64) * stride_ptb
+    for n0 in range(kv_start, kv_end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < kv_end
+        col = tl.minimum(offs_n // PAGE_SIZE, max_pages - 1)
+        page = tl.load(pt_row + col, mask=n_mask, other=0).to(tl.int64)
+        slot = offs_n % PAGE_SIZE
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + page[:, None] * stride_kp + slot[:, None] * stride_ks
+                    + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k)) * sm_scale  # (M, N)
+        visible = ((offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+                   & (offs_n[None, :] >= first_visible[:, None]))
+        qk = tl.where(visible, qk, float("-inf"))
+        # A row may see nothing in this block (window): keep exp() away from -inf - -inf.
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(qk - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + page[:, None] * stride_vp + slot[:, None] * stride_vs
+                    + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(o_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh
+             + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=q_mask)
+
+
+def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     page_table: torch.Tensor, seq_lens: torch.Tensor,
+                     extend_lens: torch.Tensor, sm_scale: float,
+                     max_extend_len: int | None = None, out: torch.Tensor | None = None,
+                     block_m: int = 64, block_n: int = 64,
+                     sliding_window: int | None = None) -> torch.Tensor:
+    """q (T, Hq, D) ragged new tokens -> out (T, Hq, D).
+
+    Pass ``max_extend_len`` (an upper bound on extend_lens) under CUDA graphs; without it
+    the wrapper reads extend_lens.max() on the host.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_cache.shape
+    assert num_q_heads % num_kv_heads == 0 and k_cache.stride(-1) == 1 and q.stride(-1) == 1
+    group = num_q_heads // num_kv_heads
+    batch = seq_lens.shape[0]
+    if max_extend_len is None:
+        max_extend_len = int(extend_lens.max().item()) if batch else 0
+    if out is None:
+        out = torch.empty_like(q)
+    if batch == 0 or max_extend_len == 0:
+        return out
+    extend_start = torch.cumsum(extend_lens, 0, dtype=torch.int64) - extend_lens
+    block_d = triton.next_power_of_2(head_dim)
+    grid = (batch, num_kv_heads, triton.cdiv(max_extend_len * group, block_m))
+    _extend_kernel[grid](
+        q, k_cache, v_cache, out, page_table, seq_lens, extend_lens, extend_start, sm_scale,
+        sliding_window or 0, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        page_table.stride(0), page_table.shape[1],
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
+        PAGE_SIZE=page_size, num_warps=4, num_stages=2,
+    )
+    return out
+
+
+def extend_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           page_table: torch.Tensor, seq_lens: torch.Tensor,
+                           extend_lens: torch.Tensor, sm_scale: float,
+                           compute_dtype: torch.dtype = torch.float32,
+                           sliding_window: int | None = None) -> torch.Tensor:
+    """Reference: one row at a time, explicit causal mask over the absolute positions."""
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    out = torch.zeros_like(q)
+    start = 0
+    for b, (seq_len, ext) in enumerate(zip(seq_lens.tolist(), extend_lens.tolist())):
+        if ext == 0:
+            continue
+        k = gather_kv(k_cache, page_table[b], seq_len).to(compute_dtype)  # (L, Hkv, D)
+        v = gather_kv(v_cache, page_table[b], seq_len).to(compute_dtype)
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+        qb = q[start:start + ext].to(compute_dtype)  # (E, Hq, D)
+        scores = torch.einsum("ehd,lhd->hel", qb, k) * sm_scale
+        q_pos = torch.arange(seq_len - ext, seq_len, device=q.device)
+        k_pos = torch.arange(seq_len, device=q.device)
+        causal = k_pos[None, :] <= q_pos[:, None]
+        if sliding_window:
+            causal &= k_pos[None, :] > q_pos[:, None] - sliding_window
+        scores = scores.masked_fill(~causal[None], float("-inf"))
+        out[start:start + ext] = torch.einsum(
+            "hel,lhd->ehd", torch.softmax(scores, -1), v).to(q.dtype)
+        start += ext
+    return out

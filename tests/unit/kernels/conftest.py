@@ -1,0 +1,47 @@
+"""Kernel tests on the CPU: Triton's interpreter runs the kernels (tiny shapes only).
+
+NOTE: TRITON_INTERPRET must be set before any kernel module is imported, because
+@triton.jit picks interpreter or compiler when it decorates. The interpreter's bf16
+tl.dot is broken (numpy has no bf16), so these tests use fp32/fp16; bf16 is covered by
+tests/gpu/test_kernels.py.
+"""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture
+def make_paged():
+    """Factory: random paged K/V cache and page table for the given per-row lengths.
+
+    Pages are distinct, shuffled and never 0; unused page-table entries are 0 (the dummy
+    page), which holds random junk like every other page.
+    """
+    def make(seq_lens, *, page_size=16, num_kv_heads=2, head_dim=32, dtype=torch.float32,
+             spare_pages=3, seed=None):
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        pages_per_row = [-(-n // page_size) for n in seq_lens]
+        num_pages = 1 + sum(pages_per_row) + spare_pages
+        width = max(max(pages_per_row, default=1), 1) + 1
+        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        k_cache = torch.randn(shape, generator=gen).to(dtype)
+        v_cache = torch.randn(shape, generator=gen).to(dtype)
+        ids = (torch.randperm(num_pages - 1, generator=gen) + 1).tolist()
+        page_table = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+        for row, count in enumerate(pages_per_row):
+            page_table[row, :count] = torch.tensor(ids[:count], dtype=torch.int32)
+            ids = ids[count:]
+        return k_cache, v_cache, page_table, torch.tensor(seq_lens, dtype=torch.int32)
+    return make
+
+
+@pytest.fixture
+def rel_err():
+    """||out - ref|| / ||ref|| in float64."""
+    def err(out: torch.Tensor, ref: torch.Tensor) -> float:
+        diff = (out.double() - ref.double()).norm()
+        return float(diff / ref.double().norm().clamp_min(1e-30))
+    return err
