@@ -80,3 +80,29 @@ def _already_aborted(context: grpc.ServicerContext) -> bool:
     """True when grpc's own abort (health, reflection) is unwinding through us."""
     code = context.code() if hasattr(context, "code") else None
     return code not in (None, grpc.StatusCode.OK)
+
+
+class BearerTokenInterceptor(grpc.ServerInterceptor):
+    """Requires "authorization: Bearer <token>" on every rpc but grpc.health.v1 (probes)."""
+
+    _EXEMPT_PREFIX = "/grpc.health.v1.Health/"
+
+    def __init__(self, token: str):
+        self._expected = f"Bearer {token}"
+
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+
+        self._deny = deny
+
+    def intercept_service(self, continuation, handler_call_details):
+        method = handler_call_details.method
+        metadata = dict(handler_call_details.invocation_metadata or ())
+        if method.startswith(self._EXEMPT_PREFIX) or metadata.get("authorization") == self._expected:
+            return continuation(handler_call_details)
+        handler = continuation(handler_call_details)
+        if handler is not None and handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(self._deny)
+        if handler is not None and handler.stream_stream is not None:  # reflection
+            return grpc.stream_stream_rpc_method_handler(lambda it, ctx: self._deny(None, ctx))
+        return grpc.unary_unary_rpc_method_handler(self._deny)

@@ -98,10 +98,14 @@ def _check_json(text: str, field: str) -> None:
 
 def sampling_params(request: pb.GenerateRequest, config: ServeConfig) -> SamplingParams:
     sampling, stop = request.sampling, request.stop
+
+    def given(name: str, default):
+        return getattr(sampling, name) if sampling.HasField(name) else default
+
     return SamplingParams(
-        temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p or 1.0,
-        seed=sampling.seed if sampling.HasField("seed") else None,
-        max_new_tokens=stop.max_tokens or config.default_max_tokens,
+        temperature=given("temperature", config.default_temperature),
+        top_k=given("top_k", config.default_top_k), top_p=given("top_p", config.default_top_p),
+        seed=given("seed", None), max_new_tokens=stop.max_tokens or config.default_max_tokens,
         stop_token_ids=tuple(stop.stop_token_ids), stop_strings=tuple(stop.stop_strings),
         ignore_eos=stop.ignore_eos, num_logprobs=request.num_logprobs)
 

@@ -20,7 +20,7 @@ from generation_service.config import ServeConfig
 from generation_service.engine.errors import DeadlineExceededError, EngineError
 from generation_service.engine.events import FinishReason
 from generation_service.engine.params import GRAMMAR_KINDS
-from generation_service.interceptors import ErrorMappingInterceptor
+from generation_service.interceptors import BearerTokenInterceptor, ErrorMappingInterceptor
 from structgen.v1 import generation_pb2 as pb
 from structgen.v1 import generation_pb2_grpc as pb_grpc
 
@@ -79,8 +79,11 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         return pb.GetEngineStatsResponse(
             num_waiting=stats.num_waiting, num_running=stats.num_running,
             num_kv_pages_used=stats.num_kv_pages_used, num_slots_used=stats.num_slots_used,
-            num_grammar_matchers=stats.num_grammar_matchers,
-            grammar_available=bool(getattr(stats, "grammar_available", True)))
+            num_grammar_matchers=stats.num_grammar_matchers, grammar_connected=stats.grammar_connected,
+            num_kv_pages_total=stats.num_kv_pages_total, num_finished=stats.num_finished,
+            num_tokens_generated=stats.tokens_generated,
+            num_draft_tokens_proposed=stats.draft_proposed,
+            num_draft_tokens_accepted=stats.draft_accepted)
 
 
 @dataclass
@@ -88,6 +91,7 @@ class RunningServer:
     server: grpc.Server
     health: health.HealthServicer
     port: int
+    health_server: grpc.Server | None = None
 
     def set_serving(self, is_serving: bool) -> None:
         status = (health_pb2.HealthCheckResponse.SERVING if is_serving
@@ -99,6 +103,34 @@ class RunningServer:
         """Drain: report NOT_SERVING, refuse new rpcs, let open streams finish for grace_s."""
         self.set_serving(False)
         self.server.stop(grace_s).wait()
+        if self.health_server is not None:
+            self.health_server.stop(0)
+
+
+def _credentials(config: ServeConfig) -> grpc.ServerCredentials:
+    def read(path):
+        with open(path, "rb") as file:
+            return file.read()
+    ca = read(config.tls_client_ca) if config.tls_client_ca else None
+    return grpc.ssl_server_credentials([(read(config.tls_key), read(config.tls_cert))],
+                                       root_certificates=ca, require_client_auth=ca is not None)
+
+
+def _interceptors(config: ServeConfig) -> list[grpc.ServerInterceptor]:
+    interceptors: list[grpc.ServerInterceptor] = []
+    if config.auth_token_file:
+        with open(config.auth_token_file, encoding="utf-8") as file:
+            interceptors.append(BearerTokenInterceptor(file.read().strip()))
+    return interceptors + [ErrorMappingInterceptor()]
+
+
+def _start_health_server(config: ServeConfig, health_servicer) -> grpc.Server:
+    """Plaintext, health only: kubelet gRPC probes speak neither TLS nor bearer tokens."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="health"))
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    server.add_insecure_port(f"{config.bind_address.rsplit(':', 1)[0]}:{config.health_port}")
+    server.start()
+    return server
 
 
 def start_server(engine, config: ServeConfig) -> RunningServer:
@@ -107,7 +139,7 @@ def start_server(engine, config: ServeConfig) -> RunningServer:
                ("grpc.so_reuseport", 0)]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.num_workers,
                                                     thread_name_prefix="rpc"),
-                         interceptors=[ErrorMappingInterceptor()], options=options,
+                         interceptors=_interceptors(config), options=options,
                          maximum_concurrent_rpcs=config.max_concurrent_rpcs)
     pb_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(engine, config), server)
     health_servicer = health.HealthServicer()
@@ -115,10 +147,14 @@ def start_server(engine, config: ServeConfig) -> RunningServer:
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(config.bind_address)
+    if config.uses_tls:
+        port = server.add_secure_port(config.bind_address, _credentials(config))
+    else:
+        port = server.add_insecure_port(config.bind_address)
     if port == 0:
         raise OSError(f"cannot listen on {config.bind_address}")
     server.start()
-    running = RunningServer(server, health_servicer, port)
+    health_server = _start_health_server(config, health_servicer) if config.health_port else None
+    running = RunningServer(server, health_servicer, port, health_server)
     running.set_serving(True)
     return running

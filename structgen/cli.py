@@ -1,7 +1,7 @@
 """`structgen`: one command line for serving, the grammar sidecar, generating and the demo.
 
     structgen serve     generation_service (+ a supervised grammar_service child)
-    structgen grammar   grammar_service alone (the Kubernetes sidecar)
+    structgen grammar   grammar_service alone (the Kubernetes sidecar); grammar-health probes it
     structgen generate  stream one completion from a running server to stdout
     structgen demo      start a server, run a JSON-Schema request, validate it, stop
 
@@ -22,9 +22,18 @@ def build_parser() -> argparse.ArgumentParser:
     grammar = subparsers.add_parser(
         "grammar", add_help=False, help="run grammar_service alone (flags go to it; --help lists them)")
     grammar.set_defaults(run=_run_grammar)
+    health = subparsers.add_parser("grammar-health", help="exit 0 if a grammar_service answers SERVING")
+    health.add_argument("--address", required=True, help="e.g. unix:///run/structgen/grammar.sock")
+    health.add_argument("--timeout-s", type=float, default=3.0)
+    health.set_defaults(run=_run_grammar_health)
     generate.add_parser(subparsers)
     demo.add_parser(subparsers)
     return parser
+
+
+def _run_grammar_health(args: argparse.Namespace, _rest) -> int:
+    from structgen.supervisor import wait_healthy
+    return 0 if wait_healthy(args.address, args.timeout_s) else 1
 
 
 def _run_grammar(args: argparse.Namespace, rest: list[str]) -> int:

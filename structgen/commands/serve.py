@@ -1,66 +1,100 @@
 """`structgen serve`: the public gRPC server, its engine, and (unless told where one runs)
 a supervised grammar_service child on a private Unix socket.
 
-Flags left unset take ServeConfig / EngineConfig defaults (STRUCTGEN_* environment variables
-override ServeConfig's). SIGTERM or SIGINT drains: NOT_SERVING, in-flight streams get
---grace-s seconds, then the engine and the grammar child stop.
+Every flag has a STRUCTGEN_* environment variable (the Helm chart's ConfigMap sets them);
+a flag given on the command line wins, then the variable, then the ServeConfig /
+EngineConfig default. SIGTERM or SIGINT drains: NOT_SERVING, open streams get
+--drain-seconds, then the engine and the grammar child stop.
 """
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
+from dataclasses import dataclass
 
-# (flag, EngineConfig field, type, help); None defaults mean "EngineConfig's default".
-ENGINE_FLAGS = (
-    ("--model", "model", str, "built-in model name or checkpoint folder (default: the built-in default model)"),
-    ("--device", "device", str, "torch device, e.g. cpu, cuda, cuda:1 (default: cpu)"),
-    ("--dtype", "dtype", str, "float32, bfloat16, float16 (default: the checkpoint's)"),
-    ("--max-batch", "max_batch", int, "most requests decoded together"),
-    ("--max-waiting", "max_waiting", int, "queued requests beyond which Generate is RESOURCE_EXHAUSTED"),
-    ("--num-pages", "num_pages", int, "KV-cache pages (default: sized from memory)"),
-    ("--page-size", "page_size", int, "tokens per KV-cache page"),
-    ("--max-prompt-tokens", "max_prompt_tokens", int, "largest prompt (OUT_OF_RANGE beyond)"),
-    ("--max-new-tokens-limit", "max_new_tokens_limit", int, "largest max_tokens (OUT_OF_RANGE beyond)"),
-    ("--max-draft-tokens", "max_draft_tokens", int, "most speculative draft tokens per step"),
-    ("--grammar-wait-timeout-s", "grammar_wait_timeout_s", float, "seconds before a stuck grammar_service fails constrained requests"),
-)
-SERVE_FLAGS = (
-    ("--host", "host", str, "address to listen on (default 127.0.0.1; 0.0.0.0 for all)"),
-    ("--port", "port", int, "port to listen on (default 50051; 0 = any free port)"),
-    ("--grammar-address", "grammar_address", str, "a running grammar_service (e.g. unix:///sock/grammar.sock); default: spawn one"),
-    ("--max-message-bytes", "max_message_bytes", int, "largest request message (default 4 MiB)"),
-    ("--max-grammar-bytes", "max_grammar_bytes", int, "largest constraint text (default 1 MiB)"),
-    ("--default-max-tokens", "default_max_tokens", int, "max_tokens of requests that leave it 0 (default 256)"),
-    ("--num-workers", "num_workers", int, "server threads = concurrent streams (default 64)"),
-    ("--grace-s", "grace_s", float, "drain time on SIGTERM (default 10)"),
+
+@dataclass(frozen=True)
+class Option:
+    flag: str
+    env: str          # STRUCTGEN_<env>
+    kind: type
+    target: str       # "engine" (EngineConfig) or "serve" (ServeConfig)
+    field: str
+    help: str
+
+
+OPTIONS = (
+    Option("--model", "MODEL", str, "engine", "model", "built-in model name, checkpoint folder or random:<preset> (default: the built-in default model)"),
+    Option("--device", "DEVICE", str, "engine", "device", "torch device: cpu, cuda, cuda:1 (default cpu)"),
+    Option("--dtype", "DTYPE", str, "engine", "dtype", "float32, bfloat16, float16 or auto (the checkpoint's)"),
+    Option("--max-batch", "MAX_BATCH_SIZE", int, "engine", "max_batch", "most requests decoded together"),
+    Option("--max-waiting", "MAX_QUEUE_LENGTH", int, "engine", "max_waiting", "queued requests beyond which Generate is RESOURCE_EXHAUSTED"),
+    Option("--num-pages", "NUM_PAGES", int, "engine", "num_pages", "KV-cache pages (default: sized by the engine)"),
+    Option("--max-prompt-tokens", "MAX_PROMPT_TOKENS", int, "engine", "max_prompt_tokens", "largest prompt (OUT_OF_RANGE beyond)"),
+    Option("--max-new-tokens-limit", "MAX_NEW_TOKENS", int, "engine", "max_new_tokens_limit", "largest max_tokens (OUT_OF_RANGE beyond)"),
+    Option("--max-draft-tokens", "MAX_DRAFT_TOKENS", int, "engine", "max_draft_tokens", "most speculative draft tokens per step"),
+    Option("--host", "HOST", str, "serve", "host", "address to listen on (default 127.0.0.1; 0.0.0.0 for all)"),
+    Option("--port", "PORT", int, "serve", "port", "port to listen on (default 50051; 0 = any free port)"),
+    Option("--grammar-address", "GRAMMAR_ADDRESS", str, "serve", "grammar_address", "a running grammar_service, e.g. unix:///run/structgen/grammar.sock (default: spawn one)"),
+    Option("--max-message-bytes", "MAX_MESSAGE_BYTES", int, "serve", "max_message_bytes", "largest request message (default 4 MiB)"),
+    Option("--max-grammar-bytes", "MAX_GRAMMAR_BYTES", int, "serve", "max_grammar_bytes", "largest constraint text (default 1 MiB)"),
+    Option("--default-max-tokens", "DEFAULT_MAX_TOKENS", int, "serve", "default_max_tokens", "max_tokens of requests that leave it 0 (default 256)"),
+    Option("--default-temperature", "DEFAULT_TEMPERATURE", float, "serve", "default_temperature", "temperature of requests that leave it unset (default 0 = greedy)"),
+    Option("--default-top-p", "DEFAULT_TOP_P", float, "serve", "default_top_p", "top_p of requests that leave it unset (default 1)"),
+    Option("--default-top-k", "DEFAULT_TOP_K", int, "serve", "default_top_k", "top_k of requests that leave it unset (default 0 = off)"),
+    Option("--num-workers", "NUM_WORKERS", int, "serve", "num_workers", "server threads = most concurrent streams (default 64)"),
+    Option("--drain-seconds", "DRAIN_SECONDS", float, "serve", "grace_s", "time open streams get on SIGTERM (default 10)"),
+    Option("--health-port", "HEALTH_PORT", int, "serve", "health_port", "extra plaintext port serving only grpc.health.v1 (for probes under TLS/auth)"),
+    Option("--metrics-port", "METRICS_PORT", int, "serve", "metrics_port", "Prometheus /metrics port (default off)"),
+    Option("--tls-cert", "TLS_CERT", str, "serve", "tls_cert", "PEM certificate: serve the API over TLS"),
+    Option("--tls-key", "TLS_KEY", str, "serve", "tls_key", "PEM private key of --tls-cert"),
+    Option("--tls-client-ca", "TLS_CLIENT_CA", str, "serve", "tls_client_ca", "PEM CA: require client certificates it signed"),
+    Option("--auth-token-file", "AUTH_TOKEN_FILE", str, "serve", "auth_token_file", "require 'authorization: Bearer <token in file>' (health exempt)"),
 )
 
 log = logging.getLogger("structgen.serve")
 
 
 def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser("serve", help="serve a model over gRPC", description=__doc__)
-    for flag, _, kind, text in ENGINE_FLAGS + SERVE_FLAGS:
-        parser.add_argument(flag, type=kind, default=None, help=text)
-    parser.add_argument("--log-level", default="INFO")
+    parser = subparsers.add_parser("serve", help="serve a model over gRPC", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    for option in OPTIONS:
+        parser.add_argument(option.flag, type=option.kind, default=None, dest=option.field,
+                            help=f"{option.help} [$STRUCTGEN_{option.env}]")
+    parser.add_argument("--grace-s", type=float, dest="grace_s", help=argparse.SUPPRESS)  # old name
+    parser.add_argument("--log-level", default=None, help="DEBUG, INFO, ... [$STRUCTGEN_LOG_LEVEL]")
     parser.set_defaults(run=run)
 
 
-def _overrides(args: argparse.Namespace, flags) -> dict:
-    return {field: getattr(args, field) for _, field, _, _ in flags if getattr(args, field) is not None}
+def resolve(args: argparse.Namespace, environ: dict[str, str], target: str) -> dict:
+    """Field values for one config: flag, else STRUCTGEN_* variable, else left to the default."""
+    values = {}
+    for option in OPTIONS:
+        if option.target != target:
+            continue
+        value = getattr(args, option.field)
+        if value is None and f"STRUCTGEN_{option.env}" in environ:
+            value = option.kind(environ[f"STRUCTGEN_{option.env}"])
+        if option.field == "dtype" and value == "auto":
+            value = None
+        if value is not None:
+            values[option.field] = value
+    return values
 
 
 def run(args: argparse.Namespace, _rest) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    level = (args.log_level or os.environ.get("STRUCTGEN_LOG_LEVEL") or "INFO").upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from generation_service.config import ServeConfig
-    config = ServeConfig.from_env(**_overrides(args, SERVE_FLAGS))
+    config = ServeConfig(**resolve(args, os.environ, "serve"))
     stop_requested = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop_requested.set())
-    with ServeStack(config, _overrides(args, ENGINE_FLAGS)) as stack:
+    with ServeStack(config, resolve(args, os.environ, "engine")) as stack:
         print(f"structgen serve: listening on {config.host}:{stack.port} "
               f"(model {stack.model_name}, grammar_service at {stack.grammar_address})", flush=True)
         stop_requested.wait()
@@ -75,6 +109,7 @@ class ServeStack:
         self.config = config
         self._engine_overrides = engine_overrides
         self._supervisor = self._engine = self._server = None
+        self.grammar_address = config.grammar_address
 
     def __enter__(self) -> "ServeStack":
         from generation_service.engine.engine import Engine, EngineConfig
@@ -82,15 +117,18 @@ class ServeStack:
         from grammar_service.client import GrammarControlClient
         from structgen.supervisor import GrammarSupervisor
         try:
-            self.grammar_address = self.config.grammar_address
             if self.config.spawns_grammar_service:
-                self._supervisor = GrammarSupervisor()
+                self._supervisor = GrammarSupervisor(
+                    ("--max-grammar-bytes", str(self.config.max_grammar_bytes)))
                 self._supervisor.start()
                 self.grammar_address = self._supervisor.address
             self._engine = Engine(EngineConfig(**self._engine_overrides),
                                   GrammarControlClient(self.grammar_address))
             self._engine.start()
             self._server = start_server(self._engine, self.config)
+            if self.config.metrics_port:
+                import prometheus_client
+                prometheus_client.start_http_server(self.config.metrics_port, addr=self.config.host)
         except BaseException:
             self.__exit__(*sys.exc_info())
             raise

@@ -32,7 +32,8 @@ def build_request(prompt: str | None = None, *, token_ids: Sequence[int] | None 
                   json_schema: str | dict | None = None, regex: str | None = None,
                   lark: str | None = None, structural_tag: str | dict | None = None,
                   json_object: bool = False, choices: Sequence[str] | None = None,
-                  max_tokens: int = 0, temperature: float = 0.0, top_k: int = 0, top_p: float = 0.0,
+                  max_tokens: int = 0, temperature: float | None = None, top_k: int | None = None,
+                  top_p: float | None = None,
                   seed: int | None = None, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
                   ignore_eos: bool = False, compact: bool = False, max_whitespace: int | None = None,
                   strict: bool = False, backend: str | None = None, num_draft_tokens: int = 0,
@@ -64,10 +65,9 @@ def build_request(prompt: str | None = None, *, token_ids: Sequence[int] | None 
         request.json_object.SetInParent()
     if choices is not None:
         request.choice.choices.extend(choices)
-    sampling = request.sampling
-    sampling.temperature, sampling.top_k, sampling.top_p = temperature, top_k, top_p
-    if seed is not None:
-        sampling.seed = seed
+    for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("seed", seed)):
+        if value is not None:  # unset fields take the server's defaults
+            setattr(request.sampling, name, value)
     request.stop.max_tokens = max_tokens
     request.stop.stop_strings.extend(stop)
     request.stop.stop_token_ids.extend(stop_token_ids)
@@ -120,4 +120,6 @@ def to_model_info(r: pb.GetModelInfoResponse) -> ModelInfo:
 
 def to_engine_stats(r: pb.GetEngineStatsResponse) -> EngineStats:
     return EngineStats(r.num_waiting, r.num_running, r.num_kv_pages_used, r.num_slots_used,
-                       r.num_grammar_matchers, r.grammar_available)
+                       r.num_grammar_matchers, r.grammar_connected, r.num_kv_pages_total,
+                       r.num_finished, r.num_tokens_generated, r.num_draft_tokens_proposed,
+                       r.num_draft_tokens_accepted)

@@ -112,9 +112,15 @@ class EngineStats:
     num_kv_pages_used: int
     num_slots_used: int
     num_grammar_matchers: int
-    grammar_available: bool
+    grammar_connected: bool
+    num_kv_pages_total: int = 0
+    num_finished: int = 0
+    num_tokens_generated: int = 0
+    num_draft_tokens_proposed: int = 0
+    num_draft_tokens_accepted: int = 0
 
     @property
     def is_idle(self) -> bool:
+        """No request holds anything: queue, slots, KV pages and grammar matchers all free."""
         return not (self.num_waiting or self.num_running or self.num_kv_pages_used
                     or self.num_slots_used or self.num_grammar_matchers)
