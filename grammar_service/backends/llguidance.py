@@ -1,0 +1,154 @@
+"""The llguidance backend: Earley parser + lazy lexer, compiles real-world schemas in ms.
+
+Compared with xgrammar (see benchmarks/results/schemas-*.json): compile is 10-1000x faster
+because llguidance builds token masks lazily per step instead of precomputing them per
+grammar rule; mask fill costs a little more per token. It compiles JSON Schemas in
+`lenient` mode and reports every keyword it weakened as a grammar warning, which
+`grammar_service.guarantees` turns into UnenforcedKeyword entries with pointers.
+
+Stop tokens are kept out of llguidance's token history: llguidance does not always count
+an EOS it accepted in a stopped state, so `rollback` over it would undo one token too many.
+A matcher here accepts a stop token iff the grammar is accepting, remembers it, and rolls it
+back itself (base.py: batch_rollback undoes the stop token too).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Sequence
+
+import llguidance as llg
+import numpy as np
+
+from generation_service.engine.params import GrammarSpec
+from grammar_service.backends.base import GrammarBackend, GrammarCompileError, Matcher, TokenizerData
+from grammar_service.guarantees import llguidance_unenforced
+
+WHITESPACE = r"[\x20\x0A\x0D\x09]"
+
+
+@dataclass(frozen=True)
+class LLGuidanceGrammar:
+    """A compiled grammar: a validated matcher in its start state, copied per request."""
+
+    grammar: str                  # llguidance's serialized grammar (JSON)
+    template: llg.LLMatcher
+    warnings: tuple[str, ...]     # what llguidance weakened (lenient JSON Schema)
+
+
+def json_options(spec: GrammarSpec) -> dict:
+    """llguidance JsonCompileOptions for a spec: lenient, oneOf as anyOf, whitespace policy."""
+    options: dict = {"lenient": True, "coerce_one_of": True}
+    if not spec.any_whitespace or spec.max_whitespace == 0:
+        options.update(whitespace_flexible=False, item_separator=",", key_separator=":")
+    elif spec.max_whitespace is not None:
+        options.update(whitespace_flexible=True, whitespace_pattern=f"{WHITESPACE}{{0,{spec.max_whitespace}}}")
+    else:
+        options.update(whitespace_flexible=True)
+    return options
+
+
+def grammar_for(spec: GrammarSpec) -> str:
+    """The llguidance grammar (serialized) for a spec; raises GrammarCompileError."""
+    try:
+        if spec.kind in ("json_schema", "json_object"):
+            text = spec.text if spec.kind == "json_schema" else '{"type": "object"}'
+            return llg.LLMatcher.grammar_from_json_schema(text, defaults=json_options(spec))
+        if spec.kind == "regex":
+            return llg.LLMatcher.grammar_from_regex(spec.text)
+        if spec.kind == "lark":
+            return llg.LLMatcher.grammar_from_lark(spec.text)
+        if spec.kind == "choice":
+            # JSON string literals are valid Lark literals (same escapes).
+            return llg.LLMatcher.grammar_from_lark(
+                "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choices))
+    except ValueError as exc:  # malformed JSON Schema text
+        raise GrammarCompileError(f"{spec.kind}: {exc}") from None
+    raise GrammarCompileError(f"{spec.kind}: not supported by the llguidance backend "
+                              "(use backend \"xgrammar\")")
+
+
+class LLGuidanceMatcher(Matcher):
+    __slots__ = ("inner", "stop_ids", "stopped_by_token")
+
+    def __init__(self, inner: llg.LLMatcher, stop_ids: frozenset[int]):
+        self.inner = inner
+        self.stop_ids = stop_ids
+        self.stopped_by_token = False  # accepted a stop token (kept out of llguidance's history)
+
+    def accept(self, token_id: int) -> bool:
+        if self.stopped_by_token:
+            return False
+        if token_id in self.stop_ids:
+            if self.inner.is_accepting():
+                self.stopped_by_token = True
+                return True
+            return False
+        # try_consume_tokens leaves the matcher where it was on a refused token
+        # (consume_token would put it into a permanent error state).
+        return self.inner.try_consume_tokens([token_id]) == 1
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens > 0 and self.stopped_by_token:
+            self.stopped_by_token = False
+            num_tokens -= 1
+        if num_tokens > 0 and not self.inner.rollback(num_tokens):
+            raise RuntimeError(f"llguidance could not roll back {num_tokens} tokens: {self.inner.get_error()}")
+
+    def is_terminated(self) -> bool:
+        return self.stopped_by_token
+
+    def jump_forward_tokens(self) -> list[int]:
+        return [] if self.stopped_by_token else list(self.inner.compute_ff_tokens())
+
+
+class LLGuidanceBackend(GrammarBackend):
+    name = "llguidance"
+
+    def __init__(self, tokenizer: TokenizerData, *, num_compile_threads: int, num_fill_threads: int):
+        super().__init__(tokenizer, num_compile_threads=num_compile_threads,
+                         num_fill_threads=num_fill_threads)
+        self._stop_ids = frozenset(tokenizer.stop_token_ids)
+        # LLTokenizer takes the tokenizer.json text; n_vocab = mask width (logits width).
+        self.lltokenizer = llg.LLTokenizer(tokenizer.tokenizer_json, n_vocab=tokenizer.vocab_size,
+                                           eos_token=list(tokenizer.stop_token_ids) or None)
+        self._executor = llg.LLExecutor(num_fill_threads or None)
+        self._mask_bytes = tokenizer.mask_words * 4
+
+    # ---- compile -------------------------------------------------------------------------
+    def compile(self, spec: GrammarSpec) -> LLGuidanceGrammar:
+        grammar = grammar_for(spec)
+        template = llg.LLMatcher(self.lltokenizer, grammar, log_level=0)
+        if template.is_error():
+            raise GrammarCompileError(f"{spec.kind}: {template.get_error()}")
+        return LLGuidanceGrammar(grammar, template, tuple(template.get_grammar_warnings()))
+
+    def unenforced_keywords(self, spec: GrammarSpec) -> tuple:
+        if spec.kind != "json_schema":
+            return ()
+        return llguidance_unenforced(spec.text, json_options(spec))
+
+    # ---- matchers ------------------------------------------------------------------------
+    def new_matcher(self, compiled: LLGuidanceGrammar) -> LLGuidanceMatcher:
+        return LLGuidanceMatcher(compiled.template.deep_copy(), self._stop_ids)
+
+    def batch_accept(self, matchers: Sequence[LLGuidanceMatcher], token_ids: Sequence[int]) -> list[bool]:
+        # One token per matcher costs microseconds; the mask fill is where threads pay off.
+        return [m.accept(t) for m, t in zip(matchers, token_ids)]
+
+    def batch_fill(self, matchers: Sequence[LLGuidanceMatcher], masks: np.ndarray, indices: Sequence[int]) -> None:
+        if masks.dtype != np.int32 or masks.shape[1] * 4 != self._mask_bytes:
+            raise ValueError(f"masks must be int32 [rows, {self._mask_bytes // 4}], got {masks.dtype} {masks.shape}")
+        live = [(m.inner, int(i)) for m, i in zip(matchers, indices) if not m.stopped_by_token]
+        if live:
+            if not masks.flags["C_CONTIGUOUS"]:
+                raise ValueError("masks must be C-contiguous (a view of whole channel rows)")
+            # Rows are written in native threads straight into the (shared) array.
+            self._executor.unsafe_compute_mask_ptr(live, masks.ctypes.data, self._mask_bytes, masks.shape[0])
+        for m, i in zip(matchers, indices):
+            if m.stopped_by_token:  # base.py says callers never pass these; stay safe anyway
+                masks[i] = 0
+
+    def batch_rollback(self, matchers: Sequence[LLGuidanceMatcher], num_tokens: Sequence[int]) -> None:
+        for m, n in zip(matchers, num_tokens):
+            m.rollback(n)

@@ -1,0 +1,284 @@
+"""What the llguidance grammar enforces of a JSON Schema, and `auto`'s choice of backend.
+
+A grammar can only enforce what a left-to-right token mask can express. Keywords that
+compare values (`uniqueItems`), negate (`not`), branch on content (`if`/`then`/`else`) or
+need exclusivity (`oneOf` with overlapping branches) are compiled weaker than the schema.
+The user hears about each, with its JSON pointer, before the first token; `strict`
+requests are refused instead (grammar_service.compiler).
+
+xgrammar's rules live in backends/xgrammar_unenforced.py; llguidance's are here. They were
+measured, not read from documentation: a small schema per keyword was compiled with
+llguidance 1.9.1 and a document violating only that keyword was fed to the matcher
+(tests/unit/schemas/test_guarantees.py keeps them honest). llguidance compiles in `lenient`
+mode with `coerce_one_of` and *says* what it weakened in its grammar warnings, without
+pointers; `llguidance_unenforced` walks the schema for pointers and then reconciles with
+those warnings, adding a pointer-less entry for anything the walk missed, so nothing
+llguidance weakened goes unreported.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Callable, Iterator, Mapping
+
+from generation_service.engine.events import UnenforcedKeyword
+
+# Keywords whose value is a subschema / a map of subschemas / a list of subschemas.
+_ONE = ("additionalProperties", "additionalItems", "items", "not", "if", "then", "else", "contains",
+        "propertyNames", "unevaluatedProperties", "unevaluatedItems", "contentSchema")
+_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_LIST = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+
+def _escape(token: str) -> str:
+    return token.replace("~", "~0").replace("/", "~1")
+
+
+def iter_subschemas(schema, pointer: str = "") -> Iterator[tuple[str, dict]]:
+    """Every schema object under `schema` with its pointer, following schema keywords only
+    (never into `const`/`enum`/`default`/`examples` values, never through `$ref`)."""
+    if not isinstance(schema, dict):
+        return
+    yield pointer, schema
+    for key in _ONE:
+        if isinstance(schema.get(key), dict):
+            yield from iter_subschemas(schema[key], f"{pointer}/{_escape(key)}")
+    for key in _MAP:
+        if isinstance(schema.get(key), dict):
+            for name, sub in schema[key].items():
+                yield from iter_subschemas(sub, f"{pointer}/{_escape(key)}/{_escape(name)}")
+    for key in _LIST:
+        if isinstance(schema.get(key), list):
+            for index, sub in enumerate(schema[key]):
+                yield from iter_subschemas(sub, f"{pointer}/{key}/{index}")
+    if isinstance(schema.get("dependencies"), dict):  # draft 4-7: schema or list of names
+        for name, sub in schema["dependencies"].items():
+            yield from iter_subschemas(sub, f"{pointer}/dependencies/{_escape(name)}")
+
+
+# --- rules: (subschema) -> [(keyword, reason)] --------------------------------------------
+Rule = Callable[[dict], list[tuple[str, str]]]
+
+_NEVER = {
+    "not": "a grammar cannot exclude what a subschema matches",
+    "if": "conditional subschemas are not compiled",
+    "then": "conditional subschemas are not compiled",
+    "else": "conditional subschemas are not compiled",
+    "dependencies": "presence-dependent requirements are not compiled",
+    "dependentRequired": "presence-dependent requirements are not compiled",
+    "dependentSchemas": "presence-dependent subschemas are not compiled",
+    "contains": "the grammar cannot require that some item matches",
+    "minContains": "the grammar cannot count matching items",
+    "maxContains": "the grammar cannot count matching items",
+    "unevaluatedProperties": "annotation-dependent keywords are not compiled",
+}
+
+
+def _present(schema: dict, table: Mapping[str, str]) -> list[tuple[str, str]]:
+    return [(key, reason) for key, reason in table.items() if key in schema]
+
+
+def _unique_items(schema: dict) -> list[tuple[str, str]]:
+    return [("uniqueItems", "the grammar cannot compare array items")] if schema.get("uniqueItems") is True else []
+
+
+def _types(schema: dict) -> set[str] | None:
+    declared = schema.get("type")
+    if isinstance(declared, str):
+        declared = [declared]
+    if not isinstance(declared, list):
+        return None
+    types = set(declared)
+    return types | {"number"} if "integer" in types else types | ({"integer"} if "number" in types else set())
+
+
+def _one_of(schema: dict) -> list[tuple[str, str]]:
+    """oneOf is compiled as anyOf; only branches with pairwise disjoint `type`s are exact."""
+    branches = schema.get("oneOf")
+    if not isinstance(branches, list) or len(branches) < 2:
+        return []
+    seen: set[str] = set()
+    for branch in branches:
+        types = _types(branch) if isinstance(branch, dict) else None
+        if types is None or types & seen:
+            return [("oneOf", "compiled as anyOf: a document matching several branches is not excluded")]
+        seen |= types
+    return []
+
+
+def _formats(supported: frozenset[str]) -> Rule:
+    def rule(schema: dict) -> list[tuple[str, str]]:
+        fmt = schema.get("format")
+        if isinstance(fmt, str) and fmt not in supported:
+            return [("format", f"format {fmt!r} is not compiled into the grammar")]
+        return []
+    return rule
+
+
+def _llg_min_max_properties(schema: dict) -> list[tuple[str, str]]:
+    names = set((schema.get("properties") or {}).keys())
+    if names <= set(schema.get("required") or ()):
+        return []
+    return [(k, "property counts are enforced only when every listed property is required")
+            for k in ("minProperties", "maxProperties") if k in schema]
+
+
+LLGUIDANCE_FORMATS = frozenset({"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6",
+                                "uri", "uuid"})
+
+LLGUIDANCE_RULES: tuple[Rule, ...] = (
+    lambda s: _present(s, {**_NEVER, "propertyNames": "property names are not constrained",
+                           "unevaluatedItems": "annotation-dependent keywords are not compiled"}),
+    _unique_items, _one_of, _formats(LLGUIDANCE_FORMATS), _llg_min_max_properties,
+)
+
+
+def walk_unenforced(schema: dict, rules: tuple[Rule, ...] = LLGUIDANCE_RULES) -> tuple[UnenforcedKeyword, ...]:
+    """Keywords the rules flag, in document order, with RFC 6901 pointers."""
+    found: list[UnenforcedKeyword] = []
+    for pointer, subschema in iter_subschemas(schema):
+        for rule in rules:
+            found.extend(UnenforcedKeyword(keyword, pointer, reason) for keyword, reason in rule(subschema))
+    return tuple(dict.fromkeys(found))
+
+
+_WARNED_KEYS = re.compile(r'Unimplemented keys: \[([^\]]*)\]')
+_WARNED_FORMAT = re.compile(r"Unknown format: (\S+)")
+
+
+def reconcile_llguidance_warnings(found: tuple[UnenforcedKeyword, ...],
+                                  warnings: list[str]) -> tuple[UnenforcedKeyword, ...]:
+    """Make the walk agree with what llguidance says it weakened.
+
+    Adds a pointer-less entry for any keyword llguidance warned about that the walk missed
+    (never silently weaker), and drops `oneOf` entries when llguidance proved every oneOf
+    exact (no oneOf warning).
+    """
+    warned: set[str] = set()
+    for line in warnings:
+        for group in _WARNED_KEYS.findall(line):
+            warned.update(key.strip().strip('"') for key in group.split(","))
+        if _WARNED_FORMAT.search(line):
+            warned.add("format")
+        if "oneOf" in line:
+            warned.add("oneOf")
+        if "min/maxProperties" in line:
+            warned.add("minProperties")
+    # Entries of a kind llguidance did not warn about were proven exact by llguidance.
+    conditional = {"oneOf": "oneOf", "minProperties": "minProperties", "maxProperties": "minProperties"}
+    result = [u for u in found if conditional.get(u.keyword, "") in warned or u.keyword not in conditional]
+    reported = {u.keyword for u in result}
+    if reported & {"maxProperties"}:
+        reported.add("minProperties")  # llguidance's warning names both as one
+    for key in sorted(warned - reported):
+        result.append(UnenforcedKeyword(key, "", "llguidance reports it as not enforced (location unknown)"))
+    return tuple(result)
+
+
+def llguidance_report(schema_text: str, options: dict) -> tuple[str, tuple[UnenforcedKeyword, ...]]:
+    """(compile error or "", unenforced keywords) of a JSON Schema under llguidance.
+
+    Costs about what a compile costs without the tokenizer (ms); no matcher is built.
+    """
+    import llguidance as llg
+
+    try:
+        schema = json.loads(schema_text)
+        grammar = llg.LLMatcher.grammar_from_json_schema(schema_text, defaults=options)
+    except ValueError as exc:
+        return f"json_schema: {exc}", ()
+    found = walk_unenforced(schema) if isinstance(schema, dict) else ()
+    is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error:
+        return f"json_schema: {messages[0] if messages else 'llguidance rejected the schema'}", found
+    return "", reconcile_llguidance_warnings(found, messages)
+
+
+def llguidance_unenforced(schema_text: str, options: dict) -> tuple[UnenforcedKeyword, ...]:
+    return llguidance_report(schema_text, options)[1]
+
+
+# --- auto -----------------------------------------------------------------------------------
+AUTO_CANDIDATES = ("llguidance", "xgrammar")  # on a tie, the first compiles faster (ms vs s)
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """`auto`'s pick for one grammar; `fallbacks` are tried in order if its compile fails."""
+
+    backend: str
+    unenforced: tuple[UnenforcedKeyword, ...]
+    reason: str
+    fallbacks: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Candidate:
+    backend: str
+    unenforced: tuple[UnenforcedKeyword, ...]
+    error: str = ""          # known up front not to compile (llguidance says so in ms)
+    speed_rank: int = 0      # 0 = compiles in ms; higher = slower (xgrammar: seconds on big schemas)
+
+
+_SAME_GAP = {"then": "if", "else": "if", "maxProperties": "minProperties", "maxLength": "minLength",
+             "minContains": "contains", "maxContains": "contains"}
+
+
+def num_gaps(unenforced: tuple[UnenforcedKeyword, ...]) -> int:
+    """Distinct (pointer, keyword) gaps; if/then/else and min/max pairs count once, so that
+    analyses that list them differently compare fairly."""
+    return len({(u.pointer, _SAME_GAP.get(u.keyword, u.keyword)) for u in unenforced})
+
+
+def rank(candidates: list[Candidate]) -> AutoChoice:
+    """The candidate that compiles, then enforces the most, then compiles fastest."""
+    usable = [c for c in candidates if not c.error] or candidates
+    ordered = sorted(usable, key=lambda c: (num_gaps(c.unenforced), c.speed_rank))
+    best, rest = ordered[0], ordered[1:]
+    if len(ordered) == 1:
+        why = "the only backend that compiles this schema" + "".join(
+            f"; {c.backend}: {c.error}" for c in candidates if c.error)
+    elif num_gaps(best.unenforced) < num_gaps(rest[0].unenforced):
+        why = (f"enforces more of the schema ({num_gaps(best.unenforced)} gap(s), "
+               f"{rest[0].backend}: {num_gaps(rest[0].unenforced)})")
+    else:
+        why = f"enforces as much as {rest[0].backend} ({num_gaps(best.unenforced)} gap(s)) and compiles faster"
+    return AutoChoice(best.backend, best.unenforced, f"auto chose {best.backend}: {why}",
+                      tuple(c.backend for c in rest))
+
+
+def choose_backend(spec, backend_for: Callable[[str], object], default: str = "xgrammar") -> AutoChoice:
+    """`auto` for one GrammarSpec: rank the backends on this schema (no compile needed).
+
+    Non-JSON-Schema kinds go to `default`. `backend_for(name)` returns a GrammarBackend; a
+    backend that is not installed (ValueError / ImportError) is left out.
+    """
+    if spec.kind != "json_schema":
+        return AutoChoice(default, (), f"auto chose {default}: default backend for {spec.kind}",
+                          tuple(b for b in AUTO_CANDIDATES if b != default))
+    candidates = []
+    for speed_rank, name in enumerate(AUTO_CANDIDATES):
+        try:
+            backend = backend_for(name)
+        except (ValueError, ImportError):
+            continue
+        if name == "llguidance":
+            from grammar_service.backends.llguidance import json_options
+
+            error, unenforced = llguidance_report(spec.text, json_options(spec))
+            candidates.append(Candidate(name, unenforced, error, speed_rank))
+        else:
+            candidates.append(Candidate(name, tuple(backend.unenforced_keywords(spec)), "", speed_rank))
+    if not candidates:
+        raise ValueError("no grammar backend is installed")
+    return rank(candidates)
+
+
+def strict_refusal(unenforced: tuple[UnenforcedKeyword, ...], backend: str) -> str:
+    """INVALID_ARGUMENT message for a strict request; '' when nothing blocks it."""
+    if not unenforced:
+        return ""
+    listed = "; ".join(f"{u.keyword} at {u.pointer or '/'}" for u in unenforced[:50])
+    more = f" (and {len(unenforced) - 50} more)" if len(unenforced) > 50 else ""
+    return (f"strict: the {backend} grammar cannot enforce {len(unenforced)} schema keyword(s): "
+            f"{listed}{more}")
