@@ -1,0 +1,105 @@
+"""Final check of a constrained output against the *full* JSON Schema (jsonschema library).
+
+The grammar enforces only part of some schemas (see grammar_service.guarantees); this is
+what tells the client, in the last message of the stream, whether the whole output is valid.
+The draft comes from the schema's `$schema` (jsonschema.validators.validator_for; 2020-12
+when absent) and formats are checked with that draft's FormatChecker (format checks that
+need optional packages are skipped unless `jsonschema[format-nongpl]` is installed).
+
+No torch, no grpc: the server process calls it at the end of a stream.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+
+import jsonschema
+from jsonschema.exceptions import SchemaError
+
+MAX_ERRORS = 50  # a final message stays small; `num_errors` still counts them all
+
+
+@dataclass(frozen=True)
+class ValidationResult:
+    valid: bool
+    errors: tuple[str, ...] = ()  # "<JSON path of the instance>: <message> (schema <pointer>)"
+    num_errors: int = 0           # all violations, even beyond the ones listed
+
+    @property
+    def is_valid(self) -> bool:
+        return self.valid
+
+
+def _pointer(path) -> str:
+    return "".join(f"/{str(p).replace('~', '~0').replace('/', '~1')}" for p in path)
+
+
+def format_error(error: jsonschema.ValidationError) -> str:
+    """One violation: where in the output, what, and which schema keyword said so."""
+    return f"{error.json_path}: {error.message} (schema {_pointer(error.schema_path) or '/'})"
+
+
+def _search(pattern: str, text: str) -> bool:
+    """ECMA-262 patterns as real schemas write them: Python's re first, then the `regex`
+    module for what re lacks (\\p{L} classes and the like)."""
+    try:
+        return re.search(pattern, text) is not None
+    except re.error:
+        import regex  # raises ImportError -> reported as "schema: cannot validate"
+
+        return regex.search(pattern, text) is not None
+
+
+def _pattern(validator, pattern, instance, schema):
+    if validator.is_type(instance, "string") and not _search(pattern, instance):
+        yield jsonschema.ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+def _pattern_properties(validator, pattern_properties, instance, schema):
+    if not validator.is_type(instance, "object"):
+        return
+    for pattern, subschema in pattern_properties.items():
+        for key, value in instance.items():
+            if _search(pattern, key):
+                yield from validator.descend(value, subschema, path=key, schema_path=pattern)
+
+
+@lru_cache(maxsize=256)
+def _validator(schema_text: str):
+    schema = json.loads(schema_text)
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    cls = jsonschema.validators.extend(cls, {"pattern": _pattern, "patternProperties": _pattern_properties})
+    return cls(schema, format_checker=cls.FORMAT_CHECKER)
+
+
+def _sorted_errors(validator, instance) -> list[jsonschema.ValidationError]:
+    errors = list(validator.iter_errors(instance))
+    return sorted(errors, key=lambda e: (list(map(str, e.absolute_path)), list(map(str, e.schema_path))))
+
+
+def violations(schema_text: str, instance) -> list[str]:
+    """Every violation jsonschema finds, formatted, in a stable order (tests re-validate with it)."""
+    return [format_error(e) for e in _sorted_errors(_validator(schema_text), instance)]
+
+
+def validate_output(schema_text: str, output_text: str) -> ValidationResult:
+    """Validate a generated document against the full schema; never raises.
+
+    Output that is not JSON (cut by max_tokens, a stop string...) is invalid with a parse
+    error at "$". A schema jsonschema cannot use (bad `pattern` regex, invalid schema) gives
+    one error starting with "schema:", so the client sees the output was not checked.
+    """
+    try:
+        instance = json.loads(output_text)
+    except ValueError as exc:
+        return ValidationResult(False, (f"$: output is not valid JSON: {exc}",), 1)
+    try:
+        found = violations(schema_text, instance)
+    except (SchemaError, ValueError, jsonschema.exceptions.RefResolutionError) as exc:
+        message = getattr(exc, "message", None) or str(exc).splitlines()[0]
+        return ValidationResult(False, (f"schema: cannot validate with jsonschema: {message}",), 1)
+    except Exception as exc:  # e.g. re.error from a pattern Python's re cannot compile
+        return ValidationResult(False, (f"schema: cannot validate with jsonschema: {exc!r}",), 1)
+    return ValidationResult(not found, tuple(found[:MAX_ERRORS]), len(found))
