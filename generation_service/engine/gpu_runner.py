@@ -1,0 +1,283 @@
+"""Decode steps on the GPU: persistent buffers, CUDA graphs, the step channel inside the graph.
+
+One decode step of bucket b (the body captured by `DecodeGraphs`):
+
+    [channel] inputs_seq = N                  fence + copy of the device step counter
+    forward(b rows) -> logits (b, V)          Triton attention backend, fused qkv / gate_up
+    [channel] wait mask_seq (parity of N)     cuStreamWaitValue32 on the mapped region
+    [channel] masks = entry(N % D) rows       gather from mapped host memory
+    sample (mask applied)                     kernels.mask_sample (greedy when temperature 0)
+    [channel] outputs of entry N, outputs_seq = N, N += 1 on the device
+    feed: input_ids = tokens; positions, seq_lens += 1 for live rows
+
+Why a parity wait: a captured cuStreamWaitValue32 has its value baked in, but N changes
+every replay. While step N waits, mask_seq is N-1 or N (grammar_service publishes M only
+after the GPU wrote inputs_seq = M, which happens at the start of step M), so "bit 0 of
+mask_seq == bit 0 of N" is exact: odd N waits with WAIT_AND 1, even N with WAIT_NOR ~1.
+Two graph copies per bucket, chosen by the host that knows N. The writes take N from a
+device counter (copy after a cuStreamWriteValue32 fence), so nothing is patched per replay.
+Eager mode (debugging, the reference in tests) waits with GEQ N and writes N directly.
+
+The host only touches rows that change (`load_rows`, `scrub_tail`), never waits for the GPU
+to build step N+1 (it reads tokens from the outputs area after outputs_seq), and picks the
+graph. Without a step channel (`mapped=None`) only the free variant exists.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from generation_service.engine.cuda_graphs import (
+    DEFAULT_BUCKETS, FREE, SERVING_VARIANTS, DecodeBuffers, DecodeGraphs, GraphVariant, bucket_for,
+)
+from generation_service.engine.kv_cache import KVCache
+from generation_service.model.layers import apply_rope
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Meta:
+    """What the attention backend reads (AttentionMetadata)."""
+
+    page_table: torch.Tensor
+    seq_lens: torch.Tensor
+    extend_lens: torch.Tensor
+
+
+@dataclass
+class _LayerWeights:
+    """Per-layer projections concatenated once so a decode step runs 2 GEMMs instead of 5."""
+
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    gate_up: torch.Tensor
+
+
+def fuse_layer_weights(model) -> list[_LayerWeights]:
+    fused = []
+    with torch.no_grad():
+        for layer in model.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            bias = None
+            if a.q_proj.bias is not None:
+                bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+            fused.append(_LayerWeights(
+                qkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                qkv_bias=bias,
+                gate_up=torch.cat([m.gate_proj.weight, m.up_proj.weight])))
+    return fused
+
+
+def apply_bitmask_torch(logits: torch.Tensor, masks: torch.Tensor) -> None:
+    """logits (R, V) in place: -inf where the token's bit (word t//32, bit t%32) is clear."""
+    num_rows, vocab = logits.shape
+    shifts = torch.arange(8, device=logits.device, dtype=torch.uint8)
+    bits = (masks.contiguous().view(torch.uint8).unsqueeze(-1) >> shifts) & 1  # (R, 4W, 8)
+    allowed = bits.view(num_rows, -1)[:, :vocab]
+    logits.masked_fill_(allowed == 0, float("-inf"))
+
+
+class GpuDecodeRunner:
+    """Decode steps of one model over persistent buffers, eager or as CUDA graphs."""
+
+    def __init__(self, model, kv: KVCache, *, max_batch: int = 128, buckets=DEFAULT_BUCKETS,
+                 mapped=None, variants: tuple[GraphVariant, ...] | None = None,
+                 sampler: str = "triton", fuse_weights: bool = True) -> None:
+        self.model = model
+        self.config = model.config
+        self.kv = kv
+        self.device = kv.device
+        self.buckets = tuple(b for b in sorted(buckets) if b <= max_batch)
+        self.max_batch = self.buckets[-1]
+        self.mapped = mapped
+        self.sampler = sampler
+        max_pages = -(-self.config.max_position_embeddings // kv.page_size)
+        self.buffers = DecodeBuffers.allocate(self.max_batch, max_pages, self.device)
+        self.fused = fuse_layer_weights(model) if fuse_weights else None
+        from generation_service.kernels import get_attention_backend
+        self.attention = get_attention_backend("triton")
+        if variants is None:
+            variants = SERVING_VARIANTS if mapped is not None else (FREE,)
+        self.variants = variants
+        self.graphs: DecodeGraphs | None = None
+        self.next_channel_step = 1
+        self._eager_step = 0
+        self._capturing = False
+        self._fence = torch.zeros(1, dtype=torch.int32, device=self.device)
+        mb = self.max_batch
+        self._extend_lens = torch.ones(mb, dtype=torch.int32, device=self.device)
+        self._temperature = torch.zeros(mb, dtype=torch.float32, device=self.device)
+        self._top_k = torch.zeros(mb, dtype=torch.int32, device=self.device)
+        self._top_p = torch.ones(mb, dtype=torch.float32, device=self.device)
+        self._seeds = torch.zeros(mb, dtype=torch.int64, device=self.device)
+        self._sample_steps = torch.zeros(mb, dtype=torch.int64, device=self.device)
+        if mapped is not None:
+            g = mapped.channel.geometry
+            if g.max_batch < self.max_batch:
+                raise ValueError(f"channel max_batch {g.max_batch} < largest bucket {self.max_batch}")
+            self.depth = g.depth
+            # (D, max_batch, P, W) masks and (D, max_batch, P) tokens: row r position 0 of each entry.
+            self._masks = mapped.ring_view("masks", (g.max_batch, g.max_positions, g.mask_words))[:, :, 0, :]
+            self._out_tokens = mapped.ring_view("out_tokens", (g.max_batch, g.max_positions))[:, :, 0]
+            self._out_counts = mapped.ring_view("out_counts", (g.max_batch,))
+            self._ones = torch.ones(1, self.max_batch, dtype=torch.int32, device=self.device)
+            self.mask_vocab = min(g.vocab_size, self.config.vocab_size)
+            self.buffers.set_step(self.next_channel_step, self.depth)
+
+    # ---- the forward -----------------------------------------------------------------
+    def decode_forward(self, bucket: int) -> torch.Tensor:
+        """(bucket, vocab) fp32 logits of one token per row; graph safe (no host reads)."""
+        cfg, buf, m, kv = self.config, self.buffers, self.model, self.kv
+        ids = buf.input_ids[:bucket].clamp(0, cfg.vocab_size - 1)
+        positions = buf.positions[:bucket]
+        page_table = buf.page_table[:bucket]
+        meta = _Meta(page_table, buf.seq_lens[:bucket], self._extend_lens[:bucket])
+        page_col = (positions // kv.page_size).clamp(max=page_table.shape[1] - 1)
+        pages = page_table.gather(1, page_col.unsqueeze(1)).squeeze(1).long()
+        slot_ids = pages * kv.page_size + positions % kv.page_size  # (b,) flattened cache slots
+        hidden = m.model.embed_tokens(ids)  # (b, hidden)
+        cos, sin = m.rotary(positions, hidden.dtype)
+        q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        scale = cfg.head_dim ** -0.5
+        for index, layer in enumerate(m.model.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(hidden)
+            if self.fused is not None:
+                w = self.fused[index]
+                q, k, v = F.linear(x, w.qkv, w.qkv_bias).split([q_dim, kv_dim, kv_dim], dim=-1)
+            else:
+                q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+            q = q.reshape(bucket, cfg.num_heads, cfg.head_dim)  # (b, Hq, D)
+            k = k.reshape(bucket, cfg.num_kv_heads, cfg.head_dim)  # (b, Hkv, D)
+            v = v.reshape(bucket, cfg.num_kv_heads, cfg.head_dim).contiguous()
+            if cfg.qk_norm:
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            self.attention.write_kv(k.contiguous(), v, kv.k[index], kv.v[index], slot_ids)
+            o = self.attention.decode(q.contiguous(), kv.k[index], kv.v[index], meta, scale,
+                                      sliding_window=cfg.sliding_window)
+            hidden = hidden + attn.o_proj(o.reshape(bucket, q_dim))
+            x = layer.post_attention_layernorm(hidden)
+            if self.fused is not None:
+                gate, up = F.linear(x, self.fused[index].gate_up).chunk(2, dim=-1)
+                hidden = hidden + layer.mlp.down_proj(F.silu(gate) * up)
+            else:
+                hidden = hidden + layer.mlp(x)
+        hidden = m.model.norm(hidden)
+        return F.linear(hidden, m.output_weight).float()
+
+    # ---- the step body -----------------------------------------------------------------
+    def _publish(self, which: str) -> None:
+        from step_channel.cuda import driver
+        if self._capturing:
+            # NOTE: the memop write fences (like __threadfence_system) so the outputs written
+            # above are visible before the sequence number the copy then stores.
+            # An elementwise kernel stores N (not copy_, which may become a D2D memcpy node
+            # aimed at host memory).
+            driver().write_value32(torch.cuda.current_stream().cuda_stream, self._fence.data_ptr(), 0)
+            torch.add(self.buffers.step, 0, out=self.mapped.seq_view(which))
+        else:
+            self.mapped.write_value32(None, which, self._eager_step)
+
+    def _wait_masks(self, variant: GraphVariant) -> None:
+        from step_channel.cuda import WAIT_AND, WAIT_GEQ, WAIT_NOR
+        if not self._capturing:
+            self.mapped.wait_value32(None, "mask_seq", self._eager_step, WAIT_GEQ)
+        elif variant.parity == 1:
+            self.mapped.wait_value32(None, "mask_seq", 1, WAIT_AND)
+        else:
+            self.mapped.wait_value32(None, "mask_seq", 0xFFFFFFFE, WAIT_NOR)
+
+    def _sample(self, logits: torch.Tensor, masks: torch.Tensor | None, bucket: int) -> torch.Tensor:
+        if self.sampler == "triton":
+            from generation_service.kernels.mask_sample import mask_sample
+            ids, _ = mask_sample(logits, masks, self._temperature[:bucket], self._top_k[:bucket],
+                                 self._top_p[:bucket], self._seeds[:bucket], self._sample_steps[:bucket],
+                                 mask_vocab_size=self.mask_vocab if masks is not None else None,
+                                 enable_filters=False)
+            return ids.long()
+        logits = logits.nan_to_num(nan=float("-inf"))
+        if masks is not None:
+            apply_bitmask_torch(logits, masks)
+        return logits.argmax(dim=-1)
+
+    def body(self, bucket: int, variant: GraphVariant) -> None:
+        buf = self.buffers
+        if variant.waits:
+            self._publish("inputs_seq")
+        logits = self.decode_forward(bucket)
+        masks = None
+        if variant.uses_channel:
+            if variant.waits:
+                self._wait_masks(variant)
+            masks = self._masks[:, :bucket].index_select(0, buf.ring_slot)[0]  # (b, W) from host memory
+        tokens = self._sample(logits, masks, bucket)  # (b,) int64
+        buf.out_tokens[:bucket].copy_(tokens)
+        if variant.uses_channel:
+            self._out_tokens[:, :bucket].index_put_((buf.ring_slot,), tokens.int().view(1, bucket))
+            self._out_counts[:, :bucket].index_put_((buf.ring_slot,), self._ones[:, :bucket])
+        if variant.waits:
+            self._publish("outputs_seq")
+            buf.step.add_(1)
+            buf.ring_slot.copy_(buf.step.remainder(self.depth))
+        # Feed the sampled tokens back; the host overwrites rows it changes before the next step.
+        live = buf.seq_lens[:bucket] > 0
+        buf.input_ids[:bucket].copy_(tokens)
+        buf.positions[:bucket].add_(live)
+        buf.seq_lens[:bucket].add_(live.int())
+
+    # ---- driving ------------------------------------------------------------------------
+    def warmup(self, bucket: int) -> None:
+        """One free step on scratch state (compiles kernels); buffers restored afterwards."""
+        saved = [t.clone() for t in (self.buffers.input_ids, self.buffers.positions, self.buffers.seq_lens)]
+        self.body(bucket, FREE)
+        for t, s in zip((self.buffers.input_ids, self.buffers.positions, self.buffers.seq_lens), saved):
+            t.copy_(s)
+
+    def capture(self) -> float:
+        """Capture every bucket x variant; returns seconds spent."""
+        self.graphs = DecodeGraphs(self.body, self.buckets, self.variants, self.device)
+        self._capturing = True
+        try:
+            self.graphs.capture(self.warmup)
+        finally:
+            self._capturing = False
+        return self.graphs.capture_s
+
+    def step(self, batch_size: int, constrained: bool = False, wait: bool = True,
+             use_graph: bool = True) -> GraphVariant:
+        """Launch one decode step of rows [0, batch_size). Returns the variant run.
+
+        A constrained step is channel step `next_channel_step`: its descriptor must be
+        written before this call.
+        """
+        bucket = bucket_for(batch_size, self.buckets)
+        self.buffers.scrub_tail(batch_size, bucket)
+        step = self.next_channel_step
+        variant = GraphVariant.for_step(constrained, step, wait)
+        if use_graph and self.graphs is not None:
+            self.graphs.replay(bucket, variant)
+        else:
+            self._eager_step = step
+            self.body(bucket, variant)
+        if variant.waits:
+            self.next_channel_step += 1
+        return variant
+
+    def load_rows(self, input_ids, positions, seq_lens, page_table, start: int = 0) -> None:
+        self.buffers.set_rows(start, input_ids, positions, seq_lens, page_table)
+
+    def set_channel_step(self, step: int) -> None:
+        """The next channel step (OpenChannel's first_step, or after a reconnect)."""
+        self.next_channel_step = step
+        self.buffers.set_step(step, self.depth)
+
+    def close(self) -> None:
+        """Graphs first (see cuda_graphs' teardown order); the caller then unregisters."""
+        if self.graphs is not None:
+            self.graphs.close()
+            self.graphs = None
