@@ -48,10 +48,3 @@ def load_tokenizer(tokenizer_dir: str, vocab_size: int) -> tuple[TokenizerData, 
                          tokenizer_json=tok.to_str())
     return data, fingerprint_tokenizer_json(path, vocab_size)
 
-
-def tokenizer_num_tokens(tokenizer_dir: str) -> int:
-    """Number of ids the tokenizer defines (max id + 1), for mismatch messages."""
-    folder = pathlib.Path(tokenizer_dir)
-    path = folder / "tokenizer.json" if folder.is_dir() else folder
-    vocab = Tokenizer.from_file(str(path)).get_vocab(with_added_tokens=True)
-    return max(vocab.values()) + 1

@@ -63,3 +63,18 @@ def tokenizer_dir(name: str) -> pathlib.Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def continuation_ids(tokenizer, text: str) -> list[int]:
+    """Ids of `text` as a model emits it mid-sequence (`tokenizer`: a tokenizers.Tokenizer).
+
+    SentencePiece tokenizers prepend "▁" to the first word of an encoding; a model writing a
+    JSON document after its prompt does not. Encode "\\n" + text and drop the ids of "\\n".
+    """
+    prefix = tokenizer.encode("\n", add_special_tokens=False).ids
+    full = tokenizer.encode("\n" + text, add_special_tokens=False).ids
+    if full[:len(prefix)] != prefix:
+        raise ValueError(f"cannot split {text[:20]!r} from its newline prefix")
+    ids = full[len(prefix):]
+    assert tokenizer.decode(ids) == text, (tokenizer.decode(ids), text)
+    return ids

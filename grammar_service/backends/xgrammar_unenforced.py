@@ -68,9 +68,11 @@ def _local(schema: dict, pointer: str) -> Iterator[UnenforcedKeyword]:
         yield UnenforcedKeyword("allOf", pointer, "allOf with several subschemas is only "
                                 "partly enforced")
     branches = schema.get("oneOf") or ()
+    # Provably disjoint only when every branch names one type and no two types overlap
+    # (every integer is a number).
     types = [b.get("type") for b in branches if isinstance(b, dict)]
-    if len(branches) > 1 and (len(types) < len(branches) or not all(isinstance(t, str) for t in types)
-                              or len(set(types)) < len(types)):
+    types = [("number" if t == "integer" else t) for t in types if isinstance(t, str)]
+    if len(branches) > 1 and (len(types) < len(branches) or len(set(types)) < len(types)):
         yield UnenforcedKeyword("oneOf", pointer, "branches that may overlap are enforced as "
                                 "anyOf (at least one matches, not exactly one)")
 

@@ -1,0 +1,134 @@
+"""The compiler: cache, shared in-flight compiles, timeout + negative cache, limits, bad input."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from generation_service.engine.params import GrammarSpec
+from grammar_service.backends.base import GrammarBackend
+from grammar_service.compiler import CompileError, GrammarCompiler
+from grammar_service.config import GrammarServiceConfig
+
+PERSON = json.dumps({"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]})
+
+
+def _big_schema(n: int = 150) -> str:
+    kinds = [{"type": "string"}, {"type": "integer", "minimum": 0}, {"type": "array", "items": {"type": "number"}},
+             {"enum": ["a", "b", "c"]}, {"type": "object", "properties": {"x": {"type": "boolean"}}}]
+    props = {f"field_{i}": kinds[i % len(kinds)] for i in range(n)}
+    return json.dumps({"type": "object", "properties": props, "required": list(props)[: n // 2]})
+
+
+def _error(future) -> CompileError:
+    with pytest.raises(CompileError) as info:
+        future.result(30)
+    return info.value
+
+
+def test_same_spec_is_a_cache_hit_and_options_are_part_of_the_key(service):
+    first = service.compile(GrammarSpec("json_schema", PERSON)).result(30)
+    again = service.compile(GrammarSpec("json_schema", PERSON)).result(30)
+    compact = service.compile(GrammarSpec("json_schema", PERSON, any_whitespace=False)).result(30)
+    assert not first.cache_hit and again.cache_hit
+    assert again.entry.grammar_id == first.entry.grammar_id
+    assert compact.entry.grammar_id != first.entry.grammar_id
+    assert service._compiler.get(first.entry.grammar_id) is first.entry
+
+
+def test_concurrent_compiles_of_one_spec_share_one_future(service):
+    compiles_before = service._compiler.stats.num_compiles
+    spec = GrammarSpec("json_schema", _big_schema())
+    futures = [service.compile(spec) for _ in range(6)]
+    assert all(f is futures[0] for f in futures)
+    ids = {f.result(60).entry.grammar_id for f in futures}
+    assert len(ids) == 1
+    assert service._compiler.stats.num_compiles == compiles_before + 1
+
+
+class _SlowBackend(GrammarBackend):
+    """Test double for the timeout path only: a compile that takes `delay_s`."""
+    name = "slow"
+
+    def __init__(self, delay_s: float):
+        self.delay_s = delay_s
+        self.num_calls = 0
+
+    def compile(self, spec):
+        self.num_calls += 1
+        time.sleep(self.delay_s)
+        return object()
+
+    def new_matcher(self, compiled): raise NotImplementedError
+    def batch_accept(self, matchers, token_ids): raise NotImplementedError
+    def batch_fill(self, matchers, masks, indices): raise NotImplementedError
+    def batch_rollback(self, matchers, num_tokens): raise NotImplementedError
+
+
+def test_compile_timeout_is_reported_and_remembered_for_the_ttl():
+    now = [1000.0]
+    backend = _SlowBackend(delay_s=1.0)
+    config = GrammarServiceConfig(compile_timeout_s=0.2, negative_cache_ttl_s=60)
+    compiler = GrammarCompiler(lambda name: backend, config, clock=lambda: now[0])
+    started = time.monotonic()
+    err = _error(compiler.compile(GrammarSpec("regex", "a+")))
+    assert time.monotonic() - started < 0.9
+    assert err.status == "INVALID_ARGUMENT"
+    assert "did not finish within the 0.2 s compile timeout" in err.message
+    # answered from the negative cache, without compiling again
+    assert _error(compiler.compile(GrammarSpec("regex", "a+"))).message == err.message
+    assert backend.num_calls == 1 and compiler.num_negative == 1
+    now[0] += 61  # past the TTL: compiled again
+    backend.delay_s = 0.0
+    assert compiler.compile(GrammarSpec("regex", "a+")).result(5).cache_hit is False
+    assert backend.num_calls == 2
+    compiler.close()
+
+
+def test_grammar_text_over_the_size_limit_names_the_limit(mistral_32k_dir):
+    compiler = GrammarCompiler(lambda name: _SlowBackend(0), GrammarServiceConfig(max_grammar_bytes=100))
+    err = _error(compiler.compile(GrammarSpec("regex", "a" * 101)))
+    assert err.status == "INVALID_ARGUMENT"
+    assert err.message == "grammar text is 101 bytes, over the limit of 100 bytes (max_grammar_bytes)"
+    err = _error(compiler.compile(GrammarSpec("choice", choices=("x" * 60, "y" * 60))))
+    assert "120 bytes" in err.message
+    compiler.close()
+
+
+@pytest.mark.parametrize("spec, message", [
+    (GrammarSpec("json_schema", '{"type": "object",'), "json_schema: Failed to parse JSON: syntax error"),
+    (GrammarSpec("json_schema", '{"type": "strnig"}'), "json_schema:"),
+    (GrammarSpec("regex", "a(b"), "regex: Regex parsing error at position 4: The parenthesis is not closed."),
+    (GrammarSpec("regex", "(?=a)b"), "regex: Regex parsing error at position 3: Lookahead is not supported yet."),
+    (GrammarSpec("lark", "start: foo"), "lark: Lark error at line 1, column 8: unknown name 'foo'"),
+    (GrammarSpec("structural_tag", '{"type": "x"}'), "structural_tag: Invalid structural tag error"),
+    (GrammarSpec("regex", "a", backend="nope"), "unknown grammar backend 'nope'"),
+])
+def test_malformed_grammars_are_invalid_argument_with_the_backend_message(service, spec, message):
+    err = _error(service.compile(spec))
+    assert err.status == "INVALID_ARGUMENT"
+    assert err.message.startswith(message), err.message
+    assert "/project/cpp" not in err.message  # xgrammar's source locations are stripped
+    # the service keeps working after the error
+    assert service.compile(GrammarSpec("regex", "ok")).result(30).entry.grammar_id > 0
+
+
+def test_a_failed_spec_is_answered_from_the_negative_cache(service):
+    spec = GrammarSpec("regex", "b(c")
+    first = _error(service.compile(spec))
+    errors_before = service._compiler.stats.num_errors
+    assert _error(service.compile(spec)).message == first.message
+    assert service._compiler.stats.num_errors == errors_before
+
+
+def test_each_kind_compiles(service):
+    for spec in [GrammarSpec("json_object"), GrammarSpec("choice", choices=('say "hi"', "back\\slash", "é\n")),
+                 GrammarSpec("lark", 'start: "a" b\nb: /[0-9]+/'), GrammarSpec("regex", r"\d{3}-\d{4}"),
+                 GrammarSpec("json_schema", PERSON, max_whitespace=2),
+                 GrammarSpec("structural_tag", json.dumps({"type": "structural_tag", "format": {
+                     "type": "triggered_tags", "triggers": ["<f>"], "tags": [
+                         {"type": "tag", "begin": "<f>", "content": {"type": "json_schema", "json_schema": {"type": "integer"}},
+                          "end": "</f>"}]}}))]:
+        assert service.compile(spec).result(30).entry.grammar_id > 0, spec
