@@ -17,7 +17,7 @@ from grpc_reflection.v1alpha import reflection
 
 from generation_service import proto_convert
 from generation_service.config import ServeConfig
-from generation_service.engine.errors import DeadlineExceededError, EngineError
+from generation_service.engine.errors import DeadlineExceededError, EngineError, LimitExceededError
 from generation_service.engine.events import FinishReason
 from generation_service.engine.params import GRAMMAR_KINDS
 from generation_service.interceptors import BearerTokenInterceptor, ErrorMappingInterceptor
@@ -38,6 +38,10 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
         if not request.request_id:  # assigned here so error logs and the client see the same id
             request.request_id = uuid.uuid4().hex[:16]
+        limit = self._engine.config.max_new_tokens_limit
+        if request.stop.max_tokens > limit:  # named as the client wrote it
+            raise LimitExceededError(f"stop.max_tokens {request.stop.max_tokens} exceeds the server's "
+                                     f"max_new_tokens_limit {limit}")
         remaining = context.time_remaining()
         domain = proto_convert.to_generation_request(
             request, self._engine.tokenizer, self._config,
@@ -79,7 +83,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         return pb.GetEngineStatsResponse(
             num_waiting=stats.num_waiting, num_running=stats.num_running,
             num_kv_pages_used=stats.num_kv_pages_used, num_slots_used=stats.num_slots_used,
-            num_grammar_matchers=stats.num_grammar_matchers, grammar_connected=stats.grammar_connected,
+            num_grammar_matchers=stats.num_grammar_matchers, grammar_available=stats.grammar_available,
             num_kv_pages_total=stats.num_kv_pages_total, num_finished=stats.num_finished,
             num_tokens_generated=stats.tokens_generated,
             num_draft_tokens_proposed=stats.draft_proposed,

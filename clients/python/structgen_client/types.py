@@ -112,7 +112,7 @@ class EngineStats:
     num_kv_pages_used: int
     num_slots_used: int
     num_grammar_matchers: int
-    grammar_connected: bool
+    grammar_available: bool
     num_kv_pages_total: int = 0
     num_finished: int = 0
     num_tokens_generated: int = 0
