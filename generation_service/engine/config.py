@@ -1,0 +1,62 @@
+"""EngineConfig (the engine's one frozen config) and EngineStats (its counters, a snapshot)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "default"             # checkpoint dir | "default" | "random:<preset>"
+    device: str = "cpu"
+    dtype: str | None = None           # None: the checkpoint's dtype
+    max_batch: int = 32                # rows per forward (running requests)
+    max_waiting: int = 256             # queued new requests; beyond: QueueFullError
+    page_size: int = 16                # tokens per KV page
+    num_pages: int | None = None       # None: sized from a memory budget
+    max_prompt_tokens: int = 4096
+    max_new_tokens_limit: int = 2048
+    prefill_chunk_tokens: int = 512    # prefill tokens per step (chunked prefill)
+    max_draft_tokens: int = 4          # speculative drafts per row and step (channel positions - 1)
+    grammar_wait_timeout_s: float = 5.0  # watchdog deadline for grammar_service's masks
+    channel_depth: int = 4             # step-channel ring depth (>= 3)
+    kv_memory_budget_bytes: int | None = None  # num_pages None: CPU default 256 MiB, CUDA 85% of free
+    seed: int = 0                      # random-weight models
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch", "max_waiting", "page_size", "max_prompt_tokens",
+                     "max_new_tokens_limit", "prefill_chunk_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ValueError(f"num_pages must be >= 2 (page 0 is the dummy page), got {self.num_pages}")
+        if self.max_draft_tokens < 0:
+            raise ValueError(f"max_draft_tokens must be >= 0, got {self.max_draft_tokens}")
+        if self.grammar_wait_timeout_s <= 0:
+            raise ValueError(f"grammar_wait_timeout_s must be > 0, got {self.grammar_wait_timeout_s}")
+        if self.channel_depth < 3:
+            raise ValueError(f"channel_depth must be >= 3, got {self.channel_depth}")
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_waiting: int
+    num_running: int
+    num_preempted: int
+    num_kv_pages_used: int
+    num_kv_pages_total: int          # allocatable pages (the dummy page excluded)
+    num_slots_used: int              # request pool slots held (admitted requests + pending releases)
+    num_grammar_matchers: int        # matchers bound in grammar_service by this engine
+    grammar_available: bool          # the step channel is open with grammar_service
+    draft_proposed: int
+    draft_accepted: int
+    steps: int                       # engine steps (forwards or grammar-only steps)
+    grammar_steps: int               # steps that went through the step channel
+    grammar_wait_s_total: float
+    grammar_disconnects: int
+    num_preemptions: int
+    num_finished: int
+    tokens_generated: int
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        return self.draft_accepted / self.draft_proposed if self.draft_proposed else 0.0

@@ -1,0 +1,266 @@
+"""Engine: the in-process generation engine that the server, tests and benchmarks drive.
+
+One background thread runs `step` in a loop:
+
+    schedule  -> ScheduledBatch (continuous batching, chunked prefill, drafts, preemption)
+    begin     -> descriptor + drafts into the step channel (grammar steps only)
+    run       -> forward; logits of the sampling positions
+    wait      -> grammar masks (watchdog)
+    sample    -> masked sampling / draft verification
+    postprocess -> stream events, finish requests, publish accepted tokens to the channel
+
+Threads: `submit`, `cancel` and `stats` take `_lock` briefly; the loop holds it for its
+bookkeeping, never across the forward or the mask wait.
+"""
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+
+import torch
+
+from generation_service.engine.config import EngineConfig, EngineStats
+from generation_service.engine.errors import (
+    EngineError, GrammarUnavailableError, InvalidRequestError, QueueFullError, ShuttingDownError,
+)
+from generation_service.engine.events import FinishReason, OutputEvent
+from generation_service.engine.grammar_link import GrammarControl, GrammarLink, StepMasks
+from generation_service.engine.kv_cache import KVCache, PageAllocator, num_pages_for
+from generation_service.engine.lifecycle import RequestTable
+from generation_service.engine.params import GenerationRequest
+from generation_service.engine.request import Request
+from generation_service.engine.runner import ModelRunner
+from generation_service.engine.sampler import SampleResult, Sampler, SampleRow
+from generation_service.engine.scheduler import ScheduledBatch, Scheduler, SlotPool
+from generation_service.engine.speculative import PROPOSERS, make_proposer
+from generation_service.engine.stream import RequestStream
+from generation_service.engine.validation import validate_request
+from step_channel import Geometry
+
+log = logging.getLogger(__name__)
+CPU_KV_BUDGET_BYTES = 256 << 20
+
+__all__ = ["Engine", "EngineConfig", "EngineStats", "RequestStream"]
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, grammar: GrammarControl | None = None) -> None:
+        from generation_service.model.loader import load_model
+
+        self.config = config
+        loaded = load_model(config.model, device=config.device, dtype=config.dtype, seed=config.seed)
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.model_name = config.model if loaded.path is None else loaded.path.rstrip("/").split("/")[-1]
+        mc = loaded.config
+        dtype = next(loaded.model.parameters()).dtype
+        num_pages = config.num_pages or self._num_pages_from_budget(mc, dtype)
+        kv_cache = KVCache(mc.num_layers, num_pages, config.page_size, mc.num_kv_heads, mc.head_dim,
+                           dtype, config.device)
+        self.allocator = PageAllocator(num_pages)
+        self.slots = SlotPool(2 * config.max_batch)  # admitted requests + pending matcher releases
+        self.proposers = {name: make_proposer(name) for name in PROPOSERS}
+        self.scheduler = Scheduler(
+            self.allocator, config.page_size, self.slots, max_batch=config.max_batch,
+            max_waiting=config.max_waiting, prefill_chunk_tokens=config.prefill_chunk_tokens,
+            propose_drafts=lambda r, k: self.proposers[r.spec.speculative.proposer].propose(r, k))
+        self.runner = ModelRunner(loaded.model, kv_cache, mc.vocab_size)
+        self.sampler = Sampler()
+        eos = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids if self.tokenizer else ())
+        self.eos_token_ids = tuple(sorted(eos))
+        self.link = self._make_link(grammar)
+        self.table = RequestTable(self.scheduler, self.slots, self.tokenizer, self.eos_token_ids)
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._inbox: list[Request] = []
+        self._cancels: list[tuple[str, EngineError | None]] = []
+        self._thread: threading.Thread | None = None
+        self._is_accepting = True
+        self._is_stopped = False
+        self.num_steps = 0
+
+    def _num_pages_from_budget(self, mc, dtype: torch.dtype) -> int:
+        per_page = KVCache.bytes_per_page(mc.num_layers, self.config.page_size, mc.num_kv_heads,
+                                          mc.head_dim, dtype)
+        budget = self.config.kv_memory_budget_bytes
+        if budget is None and self.config.device.startswith("cuda"):
+            budget = int(torch.cuda.mem_get_info()[0] * 0.85)
+        budget = budget or CPU_KV_BUDGET_BYTES
+        # No more than every slot of the batch at its longest context can use.
+        cap = self.config.max_batch * num_pages_for(
+            self.config.max_prompt_tokens + self.config.max_new_tokens_limit + self.config.max_draft_tokens,
+            self.config.page_size)
+        return max(2, min(budget // per_page, cap) + 1)
+
+    def _make_link(self, grammar: GrammarControl | None) -> GrammarLink | None:
+        if grammar is None or self.tokenizer is None:
+            return None
+        geometry = Geometry(max_batch=2 * self.config.max_batch,  # sampling rows + release rows
+                            max_positions=1 + self.config.max_draft_tokens,
+                            vocab_size=self.model_config.vocab_size, depth=self.config.channel_depth)
+        return GrammarLink(grammar, geometry, max_slots=self.slots.num_slots,
+                           tokenizer_dir=self.tokenizer.path,
+                           tokenizer_fingerprint=self.tokenizer.fingerprint(),
+                           wait_timeout_s=self.config.grammar_wait_timeout_s)
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        """Open the step channel with grammar_service (retried later if it is down) and start
+        the loop thread."""
+        if self.link is not None and not self.link.connect():
+            log.warning("grammar_service not reachable at start; constrained requests fail until it is")
+        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def stop(self, grace_s: float = 0) -> None:
+        """Refuse new requests, let running ones finish for `grace_s`, cancel the rest, close."""
+        self._is_accepting = False
+        deadline = threading.Event()
+        waited = 0.0
+        while waited < grace_s and self.table.num_live:
+            deadline.wait(0.05)
+            waited += 0.05
+        with self._lock:
+            error = ShuttingDownError("the engine shut down before the request finished")
+            self._cancels.extend((request_id, error) for request_id in self.table.ids())
+        self._wake.set()
+        if self._thread is not None:
+            self._flush_and_join()
+        if self.link is not None:
+            self.link.close()
+
+    def _flush_and_join(self) -> None:
+        # Let the loop apply the cancels and send their RELEASE rows, then stop it.
+        for _ in range(100):
+            with self._lock:
+                if not self._cancels and not self.table.num_live and not self.table.pending_release:
+                    break
+            self._wake.set()
+            threading.Event().wait(0.02)
+        self._is_stopped = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    # ---- requests ------------------------------------------------------------------------
+    def submit(self, spec: GenerationRequest) -> RequestStream:
+        """Queue a request; raises InvalidRequestError, LimitExceededError, QueueFullError or
+        ShuttingDownError. Constrained requests start compiling at once."""
+        if not self._is_accepting:
+            raise ShuttingDownError("the engine is shutting down")
+        validate_request(spec, self)
+        seed = spec.sampling.seed if spec.sampling.seed is not None else secrets.randbits(63)
+        stop_ids = frozenset(spec.sampling.stop_token_ids)
+        request = Request(spec, stop_ids, seed)
+        stream = RequestStream(spec.request_id, self.cancel)
+        with self._lock:
+            self._check_admissible(spec)
+        if request.is_constrained:
+            self._start_compile(request)  # before it is queued: the loop sees a future or an error
+        with self._lock:
+            self._check_admissible(spec)
+            self.table.attach_stream(request, stream)
+            self._inbox.append(request)
+        self._wake.set()
+        return stream
+
+    def _check_admissible(self, spec: GenerationRequest) -> None:
+        if self.table.has(spec.request_id) or any(r.request_id == spec.request_id for r in self._inbox):
+            raise InvalidRequestError(f"request_id {spec.request_id!r} is already in use")
+        if self.scheduler.num_waiting_new + len(self._inbox) >= self.config.max_waiting:
+            raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting} requests)")
+
+    def _start_compile(self, request: Request) -> None:
+        if self.link is None:
+            request.error = GrammarUnavailableError("constrained decoding is unavailable: no grammar_service")
+            return
+        try:
+            future = self.link.control.compile(request.spec.grammar, trace_context=request.spec.trace_context)
+        except Exception as error:  # noqa: BLE001
+            request.error = GrammarUnavailableError(f"grammar compile failed to start: {error}")
+            return
+        request.compile_future = future
+        future.add_done_callback(lambda _: self._wake.set())
+
+    def cancel(self, request_id: str) -> None:
+        """Finish the request as CANCELLED (no-op if it has finished)."""
+        with self._lock:
+            self._cancels.append((request_id, None))
+        self._wake.set()
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            return EngineStats(
+                num_waiting=len(self.scheduler.waiting) + len(self._inbox),
+                num_running=len(self.scheduler.running),
+                num_preempted=len(self.scheduler.waiting) - self.scheduler.num_waiting_new,
+                num_kv_pages_used=self.allocator.num_used_pages,
+                num_kv_pages_total=self.allocator.num_pages - 1,
+                num_slots_used=self.slots.num_used,
+                num_grammar_matchers=self.table.num_bound_matchers,
+                grammar_available=self.link is not None and self.link.is_connected,
+                draft_proposed=self.table.draft_proposed, draft_accepted=self.table.draft_accepted,
+                steps=self.num_steps, grammar_steps=self.link.num_steps if self.link else 0,
+                grammar_wait_s_total=self.link.wait_s_total if self.link else 0.0,
+                grammar_disconnects=self.link.num_disconnects if self.link else 0,
+                num_preemptions=self.scheduler.num_preemptions,
+                num_finished=self.table.num_finished, tokens_generated=self.table.tokens_generated)
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._is_stopped:
+            try:
+                did_work = self.step()
+            except Exception as error:  # noqa: BLE001 -- a bug must not hang every stream
+                log.exception("engine step failed")
+                with self._lock:
+                    self.table.fail_all(EngineError(f"engine step failed: {error!r}"), self.link)
+                did_work = False
+            if not did_work:
+                self._wake.wait(0.02)
+                self._wake.clear()
+
+    def step(self) -> bool:
+        """One engine step; False when there was nothing to do."""
+        with self._lock:
+            self._apply_inbox()
+            self.table.poll(self.link)  # compiles, deadlines, grammar reconnect
+            batch = self.scheduler.schedule(self.config.max_draft_tokens)
+            rows = self.table.grammar_rows(batch, self.link)
+            if batch.is_empty and not rows:
+                return False
+            step = self.link.begin(rows) if rows else None
+        try:
+            logits = self.runner.run(batch) if batch.rows else None
+            masks = self.link.wait(step) if step is not None else None
+            samples = self._sample(batch, logits, masks)
+        except BaseException:
+            if step is not None and self.link.is_connected:
+                self.link.publish(step, [[] for _ in rows])  # never leave step N half-published
+            raise
+        with self._lock:
+            kept = self.table.postprocess(batch, samples, step, masks, self.link)
+            if step is not None:
+                self.link.publish(step, [kept.get(id(row.request), []) for row in rows])
+            self.num_steps += 1
+        return True
+
+    def _sample(self, batch: ScheduledBatch, logits, masks: StepMasks | None) -> list[SampleResult]:
+        rows = batch.sampling_rows
+        if not rows:
+            return []
+        sample_rows = [SampleRow(row.request.sampling, row.request.sample_seed, row.request.num_generated,
+                                 row.drafts, row.request.is_constrained and masks is not None)
+                       for row in rows]
+        return self.sampler(logits, sample_rows, masks.bitmask if masks is not None else None)
+
+    def _apply_inbox(self) -> None:
+        for request in self._inbox:
+            if request.error is not None:
+                self.table.finish(request, FinishReason.ERROR, request.error)
+            else:
+                self.scheduler.add(request)
+        self._inbox.clear()
+        for request_id, error in self._cancels:
+            self.table.cancel(request_id, error)
+        self._cancels.clear()

@@ -1,0 +1,269 @@
+"""GrammarLink: the engine's side of the step channel (DESIGN §3, docs/step_channel.md).
+
+Per grammar step N (an engine step with constrained or release rows; other steps never touch
+the channel): `begin` writes descriptor N and the drafts, then `inputs_seq = N`, *before* the
+forward, so the grammar service fills masks while the model runs; `wait` waits for
+`mask_seq >= N` under the watchdog and returns the mask rows and the results of step N-1;
+`publish` writes the accepted tokens and `outputs_seq = N`.
+
+Watchdog: while waiting, a grammar_service whose process is gone, or which is past the
+deadline with a stale heartbeat or not serving, is declared lost: the engine writes
+`mask_status = MASK_RELEASED_BY_WATCHDOG` and `mask_seq = N` itself, the link disconnects
+(its matchers are gone) and `reconnect` later opens a fresh region with the next step
+number as `first_step` once grammar_service is serving again.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from generation_service.engine.params import GrammarSpec
+from generation_service.engine.request import Request
+from step_channel import (
+    FLAG_CONSTRAINED, FLAG_FRESH, FLAG_RELEASE, MASK_OK, MASK_RELEASED_BY_WATCHDOG, Geometry,
+    StepChannel,
+)
+
+log = logging.getLogger(__name__)
+
+
+class GrammarControl(Protocol):
+    """The control client of grammar_service (grammar_service/client.py), duck-typed here
+    so that engine/ never imports grpc."""
+
+    def open_channel(self, name: str, geometry: Geometry, *, max_slots: int, first_step: int,
+                     tokenizer_dir: str, tokenizer_fingerprint: str) -> Any: ...
+    def close_channel(self, name: str) -> Any: ...
+    def compile(self, spec: GrammarSpec, trace_context: dict | None = None) -> Future: ...
+    def is_serving(self) -> bool: ...
+    def stats(self) -> dict: ...
+    def close(self) -> None: ...
+
+
+@dataclass
+class LinkRow:
+    """One descriptor row: a sampling row (constrained or free) or a release-only row."""
+
+    request: Request | None     # None for release-only rows
+    slot: int
+    num_positions: int
+    flags: int
+    grammar_id: int = 0
+    drafts: list[int] = field(default_factory=list)
+
+    @property
+    def is_constrained(self) -> bool:
+        return bool(self.flags & FLAG_CONSTRAINED)
+
+    @classmethod
+    def sampling(cls, request: Request, drafts: list[int]) -> "LinkRow":
+        if not request.is_constrained:
+            return cls(request, -1, 1 + len(drafts), 0, 0, drafts)
+        flags = FLAG_CONSTRAINED | (0 if request.is_matcher_bound else FLAG_FRESH)
+        return cls(request, request.slot, 1 + len(drafts), flags, request.grammar_id, drafts)
+
+    @classmethod
+    def release(cls, slot: int) -> "LinkRow":
+        return cls(None, slot, 0, FLAG_RELEASE)
+
+
+@dataclass
+class RowResult:
+    """grammar_service's verdict on the tokens a request's row accepted in the previous step."""
+
+    request: Request
+    terminated_at: int
+    error: int
+
+
+@dataclass
+class StepMasks:
+    bitmask: torch.Tensor      # (sum of num_positions of sampling rows, mask_words) int32
+    results: list[RowResult]   # errors/termination for rows of the previous grammar step
+    valid_positions: dict[int, int]  # id(request) -> leading positions with exact masks (0: none)
+
+
+class GrammarLink:
+    def __init__(self, control: GrammarControl, geometry: Geometry, *, max_slots: int,
+                 tokenizer_dir: str, tokenizer_fingerprint: str, wait_timeout_s: float,
+                 reconnect_interval_s: float = 0.5) -> None:
+        self.control = control
+        self.geometry = geometry
+        self.max_slots = max_slots
+        self.tokenizer_dir = tokenizer_dir
+        self.tokenizer_fingerprint = tokenizer_fingerprint
+        self.wait_timeout_s = wait_timeout_s
+        self.reconnect_interval_s = reconnect_interval_s
+        self.channel: StepChannel | None = None
+        self.next_step = 1
+        self._rows: dict[int, list[LinkRow]] = {}   # step -> its descriptor rows (N-1 and N)
+        self._first_step = 1
+        self._last_attempt_s = 0.0
+        self._stale_names: list[str] = []
+        self.num_steps = 0
+        self.wait_s_total = 0.0
+        self.num_disconnects = 0
+
+    @property
+    def is_connected(self) -> bool:
+        return self.channel is not None
+
+    # ---- connection --------------------------------------------------------------------------
+    def connect(self) -> bool:
+        """Create a region and open it with grammar_service; False (logged) if that fails."""
+        self._last_attempt_s = time.monotonic()
+        channel = StepChannel.create(self.geometry)
+        try:
+            self.control.open_channel(channel.name, self.geometry, max_slots=self.max_slots,
+                                      first_step=self.next_step, tokenizer_dir=self.tokenizer_dir,
+                                      tokenizer_fingerprint=self.tokenizer_fingerprint)
+        except Exception as error:  # noqa: BLE001 -- any failure means "not connected yet"
+            log.warning("grammar_service did not open step channel %s: %s", channel.name, error)
+            channel.close()
+            return False
+        self.channel, self._first_step, self._rows = channel, self.next_step, {}
+        self._close_stale()
+        log.info("step channel %s open from step %d", channel.name, self.next_step)
+        return True
+
+    def maybe_reconnect(self) -> bool:
+        """Retry at most every reconnect_interval_s; True once connected."""
+        if self.is_connected:
+            return True
+        if time.monotonic() - self._last_attempt_s < self.reconnect_interval_s:
+            return False
+        self._last_attempt_s = time.monotonic()
+        try:
+            serving = self.control.is_serving()
+        except Exception:  # noqa: BLE001
+            serving = False
+        return serving and self.connect()
+
+    def disconnect(self) -> None:
+        """Drop the region; its matchers are gone. grammar_service is told when it is back."""
+        if self.channel is None:
+            return
+        self._stale_names.append(self.channel.name)
+        self.channel.close()
+        self.channel = None
+        self.num_disconnects += 1
+
+    def close(self) -> None:
+        if self.channel is not None:
+            name = self.channel.name
+            self.disconnect()
+            self._stale_names.remove(name)
+            try:
+                self.control.close_channel(name)
+            except Exception as error:  # noqa: BLE001
+                log.debug("close_channel(%s): %s", name, error)
+
+    def _close_stale(self) -> None:
+        # A grammar_service that was stuck (not dead) still holds the old channel's matchers.
+        for name in self._stale_names:
+            try:
+                self.control.close_channel(name)
+            except Exception:  # noqa: BLE001 -- a restarted service never knew it
+                pass
+        self._stale_names = []
+
+    # ---- one grammar step ----------------------------------------------------------------
+    def begin(self, rows: list[LinkRow]) -> int:
+        """Write descriptor + drafts of a new step, then inputs_seq; returns its number."""
+        step = self.next_step
+        self.next_step += 1
+        entry = self.channel.entry(step)
+        for r, row in enumerate(rows):
+            entry.desc_rows[r] = (row.slot, row.num_positions, row.flags, row.grammar_id)
+            entry.drafts[r, :len(row.drafts)] = row.drafts
+        entry.desc_header[:] = (step, len(rows))
+        self._rows[step] = rows
+        self._rows.pop(step - 2, None)
+        # NOTE: inputs_seq = N also promises step N-1's outputs are written (publish did).
+        self.channel.publish_seq("inputs_seq", step)
+        self.num_steps += 1
+        return step
+
+    def wait(self, step: int) -> StepMasks | None:
+        """Masks of `step` in sampling-row order, or None when the watchdog released it."""
+        start = time.monotonic()
+        released = not self._wait_masks(step, start)
+        self.wait_s_total += time.monotonic() - start
+        entry = self.channel.entry(step)
+        if released or int(entry.mask_status[0]) != MASK_OK:
+            log.error("grammar_service lost at step %d; releasing the step", step)
+            entry.mask_status[0] = MASK_RELEASED_BY_WATCHDOG
+            self.channel.publish_seq("mask_seq", step)
+            self.disconnect()
+            return None
+        rows = self._rows[step]
+        index = [r * self.geometry.max_positions + p
+                 for r, row in enumerate(rows) if row.request is not None
+                 for p in range(row.num_positions)]
+        bitmask = torch.from_numpy(np.array(entry.masks[index]))  # copy out of the ring
+        valid = {id(row.request): int(entry.valid_positions[r])
+                 for r, row in enumerate(rows) if row.request is not None}
+        return StepMasks(bitmask, self._results(step, entry), valid)
+
+    def _results(self, step: int, entry) -> list[RowResult]:
+        if step == self._first_step or step - 1 not in self._rows:
+            return []
+        out = []
+        for r, row in enumerate(self._rows[step - 1]):
+            terminated_at, error = (int(x) for x in entry.results[r])
+            if row.is_constrained and (error or terminated_at >= 0):
+                out.append(RowResult(row.request, terminated_at, error))
+        return out
+
+    def publish(self, step: int, outputs: list[list[int]]) -> None:
+        """Accepted tokens per descriptor row (release rows: []), then outputs_seq = step."""
+        if self.channel is None:
+            return
+        entry = self.channel.entry(step)
+        for r, tokens in enumerate(outputs):
+            entry.out_tokens[r, :len(tokens)] = tokens
+            entry.out_counts[r] = len(tokens)
+        self.channel.publish_seq("outputs_seq", step)
+
+    # ---- watchdog ----------------------------------------------------------------------------
+    def _wait_masks(self, step: int, start: float) -> bool:
+        hard_deadline = start + 4 * self.wait_timeout_s
+        while not self.channel.wait_seq("mask_seq", step, timeout_s=0.02):
+            if not self._peer_alive():
+                return False
+            now = time.monotonic()
+            if now - start < self.wait_timeout_s:
+                continue
+            if now > hard_deadline or self.channel.heartbeat_age_s() > self.wait_timeout_s:
+                return False
+            if not self._is_serving():
+                return False
+        return True
+
+    def _is_serving(self) -> bool:
+        try:
+            return bool(self.control.is_serving())
+        except Exception:  # noqa: BLE001
+            return False
+
+    def _peer_alive(self) -> bool:
+        """False when grammar_service's process is known to be gone (a zombie counts as gone).
+        Its pid may be from another pid namespace; then this stays True and the deadline rules."""
+        pid = self.channel.attached_pid
+        if pid <= 0:
+            return True
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return not os.path.isdir("/proc/self")  # no /proc: cannot tell
+        except (OSError, IndexError):
+            return True
+        return state not in (b"Z", b"X")

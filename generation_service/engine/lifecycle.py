@@ -1,0 +1,216 @@
+"""RequestTable: the live requests, their streams, and every way a request moves on or ends.
+
+It owns what happens around a step: compile results and deadlines (`poll`), the descriptor
+rows of a grammar step (`grammar_rows`), turning samples into stream events and finishing
+requests (`postprocess`, `finish`), and releasing slots and matchers. Called by the engine
+loop with the engine lock held.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from generation_service.engine.errors import (
+    DeadlineExceededError, EngineError, GrammarUnavailableError,
+)
+from generation_service.engine.events import FinishReason, GuaranteeReport, OutputEvent, Usage
+from generation_service.engine.grammar_link import GrammarLink, LinkRow, RowResult, StepMasks
+from generation_service.engine.output import OutputProcessor
+from generation_service.engine.request import Request, RequestStatus
+from generation_service.engine.sampler import SampleResult
+from generation_service.engine.scheduler import ScheduledBatch, Scheduler, SlotPool
+from generation_service.engine.stream import RequestStream
+from step_channel import ERR_NO_MATCHER, ERR_TOKEN_REJECTED, ERR_UNKNOWN_GRAMMAR
+
+log = logging.getLogger(__name__)
+
+
+class RequestTable:
+    def __init__(self, scheduler: Scheduler, slots: SlotPool, tokenizer, eos_token_ids: tuple[int, ...]) -> None:
+        self.scheduler = scheduler
+        self.slots = slots
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self._requests: dict[str, Request] = {}
+        self._streams: dict[str, RequestStream] = {}
+        self._outputs: dict[str, OutputProcessor] = {}
+        self.pending_release: list[int] = []   # slots whose matcher needs a RELEASE row
+        self._releasing: list[int] = []        # slots released by the step in flight
+        self.draft_proposed = 0
+        self.draft_accepted = 0
+        self.num_finished = 0
+        self.tokens_generated = 0
+
+    # ---- membership ------------------------------------------------------------------------
+    def attach_stream(self, request: Request, stream: RequestStream) -> None:
+        self._requests[request.request_id] = request
+        self._streams[request.request_id] = stream
+        self._outputs[request.request_id] = OutputProcessor(request, self.tokenizer, self.eos_token_ids)
+
+    def has(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def ids(self) -> list[str]:
+        return list(self._requests)
+
+    @property
+    def num_live(self) -> int:
+        return len(self._requests)
+
+    @property
+    def num_bound_matchers(self) -> int:
+        bound = sum(1 for r in self._requests.values() if r.is_matcher_bound)
+        return bound + len(self.pending_release) + len(self._releasing)
+
+    # ---- before a step -------------------------------------------------------------------
+    def poll(self, link: GrammarLink | None) -> None:
+        """Finished compiles, expired deadlines, and grammar_service coming back."""
+        if link is not None and not link.is_connected:
+            link.maybe_reconnect()
+        now = time.monotonic()
+        for request in list(self._requests.values()):
+            future = request.compile_future
+            if future is not None and request.grammar_id is None and future.done():
+                self._on_compiled(request)
+            if not request.is_finished and request.spec.deadline is not None and now > request.spec.deadline:
+                self.finish(request, FinishReason.DEADLINE, DeadlineExceededError(
+                    f"request {request.request_id}: deadline exceeded"))
+        if link is not None and not link.is_connected:
+            for request in list(self._requests.values()):
+                if request.is_constrained and request.can_sample:  # compiled, but no channel
+                    self.finish(request, FinishReason.ERROR, GrammarUnavailableError(
+                        "grammar_service is unavailable (step channel not connected)"))
+
+    def _on_compiled(self, request: Request) -> None:
+        try:
+            result = request.compile_future.result()
+        except EngineError as error:
+            self.finish(request, FinishReason.ERROR, error)
+            return
+        except Exception as error:  # noqa: BLE001
+            self.finish(request, FinishReason.ERROR, GrammarUnavailableError(f"grammar compile failed: {error!r}"))
+            return
+        request.grammar_id = result.grammar_id
+        request.guarantee = GuaranteeReport(result.backend, tuple(result.unenforced), result.compile_ms,
+                                            result.cache_hit)
+        self._streams[request.request_id].put(OutputEvent(guarantee=request.guarantee))
+
+    def grammar_rows(self, batch: ScheduledBatch, link: GrammarLink | None) -> list[LinkRow]:
+        """Descriptor rows when the step needs the channel (constrained or release rows), else []."""
+        if link is None or not link.is_connected:
+            return []
+        sampling = batch.sampling_rows
+        if not self.pending_release and not any(row.request.is_constrained for row in sampling):
+            return []
+        rows = [LinkRow.sampling(row.request, row.drafts) for row in sampling]
+        rows += [LinkRow.release(slot) for slot in self.pending_release]
+        for row in sampling:
+            row.request.is_matcher_bound |= row.request.is_constrained  # FRESH goes out now
+        self._releasing, self.pending_release = self.pending_release, []
+        return rows
+
+    # ---- after a step ------------------------------------------------------------------------
+    def postprocess(self, batch: ScheduledBatch, samples: list[SampleResult], step: int | None,
+                    masks: StepMasks | None, link: GrammarLink | None) -> dict[int, list[int]]:
+        """Apply a step's results; returns accepted tokens per request (by id()) for the channel."""
+        if step is not None:
+            if masks is None:
+                self._on_grammar_lost()
+            else:
+                self._apply_results(masks.results)
+        for slot in self._releasing:  # grammar_service dropped them in this step (or is gone)
+            self.slots.free(slot)
+        self._releasing = []
+        kept: dict[int, list[int]] = {}
+        sampling = iter(zip(batch.sampling_rows, samples))
+        for row in batch.rows:
+            request = row.request
+            if not row.is_sampling:
+                if not request.is_finished:
+                    request.num_cached = row.seq_len
+                continue
+            _, result = next(sampling)
+            if request.is_finished:
+                continue
+            if request.is_constrained and masks is not None and masks.valid_positions[id(request)] == 0:
+                self.finish(request, FinishReason.ERROR, GrammarUnavailableError(
+                    "grammar_service has no matcher for this request"))
+                continue
+            kept[id(request)] = self._accept(row, request, result)
+        return kept
+
+    def _accept(self, row, request: Request, result: SampleResult) -> list[int]:
+        # K/V is valid for the known tokens and the accepted drafts; the rest is rolled back.
+        request.num_cached = row.seq_len - len(row.drafts) + result.num_accepted_drafts
+        request.num_drafts_proposed += len(row.drafts)
+        request.num_drafts_accepted += result.num_accepted_drafts
+        self.draft_proposed += len(row.drafts)
+        self.draft_accepted += result.num_accepted_drafts
+        self.scheduler.trim_pages(request)
+        delta = self._outputs[request.request_id].process(result.token_ids, result.logprobs)
+        if delta.finish_reason is not None:
+            self.finish(request, delta.finish_reason, None, delta.token_ids, delta.text, delta.logprobs)
+        elif delta.token_ids:
+            self._streams[request.request_id].put(OutputEvent(
+                tuple(delta.token_ids), delta.text, tuple(delta.logprobs)))
+        return delta.token_ids
+
+    def _apply_results(self, results: list[RowResult]) -> None:
+        for result in results:
+            request = result.request
+            if request.is_finished or not result.error:
+                continue
+            if result.error == ERR_TOKEN_REJECTED:
+                error = EngineError(f"grammar_service rejected a token of request {request.request_id}")
+            elif result.error in (ERR_UNKNOWN_GRAMMAR, ERR_NO_MATCHER):
+                error = GrammarUnavailableError("grammar_service lost this request's grammar")
+            else:
+                error = EngineError(f"grammar_service error {result.error} for request {request.request_id}")
+            self.finish(request, FinishReason.ERROR, error)
+
+    def _on_grammar_lost(self) -> None:
+        """The watchdog released a step: every constrained request fails, free ones go on."""
+        error = GrammarUnavailableError("grammar_service is unavailable (it stopped answering)")
+        for request in list(self._requests.values()):
+            if request.is_constrained:
+                self.finish(request, FinishReason.ERROR, error)
+        for slot in self.pending_release:  # its matchers are gone with it
+            self.slots.free(slot)
+        self.pending_release = []
+
+    # ---- the end -----------------------------------------------------------------------------
+    def cancel(self, request_id: str, error: EngineError | None = None) -> None:
+        request = self._requests.get(request_id)
+        if request is not None and not request.is_finished:
+            self.finish(request, FinishReason.CANCELLED, error)
+
+    def fail_all(self, error: EngineError, link: GrammarLink | None) -> None:
+        for request in list(self._requests.values()):
+            self.finish(request, FinishReason.ERROR, error)
+
+    def finish(self, request: Request, reason: FinishReason, error: EngineError | None,
+               token_ids: list[int] = (), text: str = "", logprobs=()) -> None:
+        """End a request: free pages and slot (its matcher via a RELEASE row), final event."""
+        request.status = RequestStatus.FINISHED
+        request.finish_reason, request.error = reason, error
+        self.scheduler.remove(request)
+        if request.slot is not None:
+            if request.is_matcher_bound:
+                self.pending_release.append(request.slot)  # freed once the RELEASE row is applied
+            else:
+                self.slots.free(request.slot)
+            request.slot = None
+        request.is_matcher_bound = False
+        if request.compile_future is not None and not request.compile_future.done():
+            request.compile_future.cancel()
+        output = self._outputs.pop(request.request_id)
+        if reason in (FinishReason.CANCELLED, FinishReason.DEADLINE):
+            text += output.flush()  # held-back text that never became a stop string
+        usage = Usage(request.num_prompt_tokens, request.num_generated,
+                      request.num_drafts_proposed, request.num_drafts_accepted)
+        stream = self._streams.pop(request.request_id)
+        del self._requests[request.request_id]
+        self.num_finished += 1
+        self.tokens_generated += request.num_generated
+        stream.put(OutputEvent(tuple(token_ids), text, tuple(logprobs), finish_reason=reason,
+                               usage=usage, error=error))

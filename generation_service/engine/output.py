@@ -1,0 +1,93 @@
+"""OutputProcessor: accepted tokens of one request -> what is streamed, and when it stops.
+
+Stop conditions, in the order tokens arrive: a stop token (EOS unless ignore_eos, or a
+stop_token_id; for a constrained request EOS means the grammar completed), max_new_tokens,
+then stop strings. Stop strings are never streamed past: text that could still become the
+start of a stop string is held back until it cannot, and the match itself is not returned.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from generation_service.engine.events import FinishReason, TokenLogprob
+from generation_service.engine.request import Request
+
+
+@dataclass
+class Delta:
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob]
+    finish_reason: FinishReason | None = None
+
+
+class OutputProcessor:
+    def __init__(self, request: Request, tokenizer=None, eos_token_ids: tuple[int, ...] = ()) -> None:
+        self.request = request
+        self.stop_strings = request.sampling.stop_strings
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self._detok = None
+        if tokenizer is not None:
+            from generation_service.model.detokenizer import IncrementalDetokenizer
+            self._detok = IncrementalDetokenizer(tokenizer, list(request.spec.prompt_ids))
+        self._pending = ""  # decoded text held back: it may be the start of a stop string
+
+    def process(self, token_ids: list[int], logprobs: list[TokenLogprob]) -> Delta:
+        """Append accepted tokens to the request, one at a time, up to the first stop."""
+        kept, texts, reason = [], [], None
+        for token in token_ids:
+            kept.append(token)
+            self.request.token_ids.append(token)
+            reason = self._token_stop(token)
+            is_text = reason not in (FinishReason.STOP_TOKEN, FinishReason.GRAMMAR_COMPLETE)
+            text, is_string_stop = self._text([token] if is_text else [], final=reason is not None)
+            texts.append(text)
+            if is_string_stop:
+                reason = FinishReason.STOP_STRING
+            if reason is not None:
+                break
+        return Delta(kept, "".join(texts), logprobs[:len(kept)], reason)
+
+    def _token_stop(self, token: int) -> FinishReason | None:
+        if token in self.eos_token_ids and (self.request.is_constrained or not self.request.sampling.ignore_eos):
+            return FinishReason.GRAMMAR_COMPLETE if self.request.is_constrained else FinishReason.STOP_TOKEN
+        if token in self.request.sampling.stop_token_ids:
+            return FinishReason.STOP_TOKEN
+        if self.request.num_generated >= self.request.max_new_tokens:
+            return FinishReason.MAX_TOKENS
+        return None
+
+    def _text(self, token_ids: list[int], final: bool) -> tuple[str, bool]:
+        """(text to stream now, whether a stop string matched)."""
+        if self._detok is None:
+            return "", False
+        self._pending += self._detok.push(token_ids)
+        if final:
+            self._pending += self._detok.flush()
+        cut = self._find_stop()
+        if cut is not None:
+            text, self._pending = self._pending[:cut], ""
+            return text, True
+        keep = 0 if final else self._held_back_len()
+        text = self._pending[:len(self._pending) - keep]
+        self._pending = self._pending[len(text):]
+        return text, False
+
+    def flush(self) -> str:
+        """Text still held back when the request ends for another reason (cancel, error)."""
+        text, self._pending = self._pending, ""
+        return text
+
+    def _find_stop(self) -> int | None:
+        hits = [i for i in (self._pending.find(s) for s in self.stop_strings) if i >= 0]
+        return min(hits) if hits else None
+
+    def _held_back_len(self) -> int:
+        """Length of the longest suffix of pending text that is a proper prefix of a stop string."""
+        best = 0
+        for stop in self.stop_strings:
+            for n in range(min(len(stop) - 1, len(self._pending)), best, -1):
+                if self._pending.endswith(stop[:n]):
+                    best = n
+                    break
+        return best

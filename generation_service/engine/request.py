@@ -1,0 +1,116 @@
+"""Request: one generation inside the engine, its state and what is derived from it.
+
+Token bookkeeping. ``token_ids`` is the prompt followed by every accepted output token.
+``num_cached`` of them have their K/V in the request's pages. Each forward computes K/V for
+``token_ids[num_cached:]`` (plus draft tokens, if any) and samples after the last one; so a
+decoding request has exactly one uncached token, and a preempted one (pages dropped,
+``num_cached = 0``) resumes by prefilling prompt + output again, which reproduces its state.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from generation_service.engine.errors import EngineError
+from generation_service.engine.events import FinishReason, GuaranteeReport
+from generation_service.engine.params import GenerationRequest
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"        # queued, not admitted (a constrained one may still be compiling)
+    RUNNING = "running"        # admitted: holds pages and a slot; prefilling or decoding
+    PREEMPTED = "preempted"    # pages dropped for lack of room; keeps slot and matcher; queued first
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    spec: GenerationRequest
+    stop_token_ids: frozenset[int]
+    sample_seed: int                              # spec seed, or a random one for unseeded requests
+    arrival_s: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    token_ids: list[int] = field(default_factory=list)
+    num_cached: int = 0                           # tokens of token_ids whose K/V is in `pages`
+    pages: list[int] = field(default_factory=list)
+    slot: int | None = None                       # pool index while admitted (step-channel slot)
+    # grammar
+    compile_future: Future | None = None
+    grammar_id: int | None = None                 # set once the compile succeeded
+    guarantee: GuaranteeReport | None = None
+    is_matcher_bound: bool = False                # FRESH was sent for this slot
+    # speculation counters
+    num_drafts_proposed: int = 0
+    num_drafts_accepted: int = 0
+    # end
+    finish_reason: FinishReason | None = None
+    error: EngineError | None = None
+    is_cancel_requested: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.spec.prompt_ids)
+
+    # ---- identity and parameters ---------------------------------------------------------
+    @property
+    def request_id(self) -> str:
+        return self.spec.request_id
+
+    @property
+    def sampling(self):
+        return self.spec.sampling
+
+    @property
+    def is_constrained(self) -> bool:
+        return self.spec.grammar is not None
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.spec.sampling.max_new_tokens
+
+    # ---- derived token counts ------------------------------------------------------------
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.spec.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncached(self) -> int:
+        return self.num_tokens - self.num_cached
+
+    @property
+    def num_remaining(self) -> int:
+        """Tokens still allowed by max_new_tokens."""
+        return self.max_new_tokens - self.num_generated
+
+    @property
+    def is_decoding(self) -> bool:
+        """Prefill done: only the last token lacks K/V."""
+        return self.num_uncached == 1
+
+    # ---- grammar state ---------------------------------------------------------------------
+    @property
+    def is_compiling(self) -> bool:
+        return self.is_constrained and self.grammar_id is None
+
+    @property
+    def can_sample(self) -> bool:
+        """A free request always; a constrained one once its grammar is compiled."""
+        return not self.is_compiling
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

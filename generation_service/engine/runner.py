@@ -1,0 +1,62 @@
+"""ModelRunner: a ScheduledBatch -> ForwardBatch -> logits of the positions that sample.
+
+This is the eager path (CPU, and the GPU fallback). The CUDA-graph runner replaces
+`forward` with a replay over persistent, bucket-padded buffers (padding rows: all-zero page
+tables -> the dummy page) and keeps `prepare` and the logits contract unchanged.
+"""
+from __future__ import annotations
+
+import torch
+
+from generation_service.engine.kv_cache import KVCache
+from generation_service.engine.scheduler import ScheduledBatch
+from generation_service.model.forward_batch import ForwardBatch
+
+
+def prepare(batch: ScheduledBatch, device: torch.device) -> ForwardBatch:
+    """Flatten the rows' new tokens; logits at every position of the sampling rows
+    (1 + drafts per row, in row order), none for prefill chunks that do not finish a prompt."""
+    input_ids, positions, logits_indices, seq_lens, extend_lens = [], [], [], [], []
+    width = max(len(row.request.pages) for row in batch.rows)
+    page_table = torch.zeros((len(batch.rows), width), dtype=torch.int32)
+    for b, row in enumerate(batch.rows):
+        start = len(input_ids)
+        input_ids.extend(row.input_ids)
+        positions.extend(range(row.num_cached, row.seq_len))
+        end = len(input_ids)
+        logits_indices.extend(range(end - row.num_positions, end))
+        seq_lens.append(row.seq_len)
+        extend_lens.append(end - start)
+        page_table[b, :len(row.request.pages)] = torch.tensor(row.request.pages, dtype=torch.int32)
+
+    def tensor(values: list[int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    return ForwardBatch(
+        input_ids=tensor(input_ids, torch.int64),
+        positions=tensor(positions, torch.int64),
+        page_table=page_table.to(device),
+        seq_lens=tensor(seq_lens, torch.int32),
+        extend_lens=tensor(extend_lens, torch.int32),
+        logits_indices=tensor(logits_indices, torch.int64),
+    )
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, vocab_size: int) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.vocab_size = vocab_size
+        self.device = kv_cache.device
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> torch.Tensor:
+        """(L, vocab_size) float32 logits on the CPU, L = sum of sampling rows' num_positions."""
+        forward_batch = prepare(batch, self.device)
+        # Clamp so a bad id can never index outside the embedding table.
+        forward_batch.input_ids.clamp_(0, self.vocab_size - 1)
+        logits = self.forward(forward_batch)
+        return logits.float().cpu()
+
+    def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        return self.model(forward_batch, self.kv_cache)

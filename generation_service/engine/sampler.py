@@ -1,0 +1,156 @@
+"""Sampler: logits of the sampling positions -> accepted tokens per row.
+
+Order per position (DESIGN §4): NaN -> -inf, grammar mask (constrained rows only), then
+temperature, top-k, top-p; greedy rows take the argmax of the masked logits. Rows with
+drafts are verified here with the rules in speculative.py, so plain decoding is simply the
+k = 0 case of the same code.
+
+Randomness: the token at generated index i of a request draws from its own
+`torch.Generator` seeded with mix(seed, i). The result depends only on (seed, request,
+index): not on the batch, on preemption, or on how many draws other rows made.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from generation_service.engine.events import TokenLogprob
+from generation_service.engine.params import SamplingParams
+from generation_service.engine.speculative import accept_greedy, accept_rejection, sample_from
+
+_MASK64 = (1 << 64) - 1
+_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+@dataclass
+class SampleRow:
+    """The sampling work of one scheduled row: 1 + len(drafts) consecutive logit rows."""
+
+    params: SamplingParams
+    seed: int
+    first_index: int                 # generated-token index that position 0 produces
+    drafts: list[int] = field(default_factory=list)
+    is_constrained: bool = False
+
+    @property
+    def num_positions(self) -> int:
+        return 1 + len(self.drafts)
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]             # accepted drafts, then the model's own token
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    @property
+    def num_accepted_drafts(self) -> int:
+        return len(self.token_ids) - 1
+
+
+def mix_seed(seed: int, index: int) -> int:
+    """splitmix64 of (seed, index): decorrelated generator seeds for consecutive tokens."""
+    z = (seed * 0x9E3779B97F4A7C15 + index + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(R, W) int32, bit j of word w allows token 32 w + j  ->  (R, vocab_size) bool.
+    Tokens past 32 W (beyond the mask's vocabulary) are disallowed."""
+    bits = (bitmask.unsqueeze(-1) >> _BIT_SHIFTS) & 1                 # (R, W, 32)
+    allowed = bits.reshape(bitmask.shape[0], -1).bool()               # (R, 32 W)
+    if allowed.shape[1] >= vocab_size:
+        return allowed[:, :vocab_size]
+    pad = torch.zeros(bitmask.shape[0], vocab_size - allowed.shape[1], dtype=torch.bool)
+    return torch.cat([allowed, pad], dim=1)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """In place: logits[rows[i]] := -inf where bitmask[i] disallows. (Torch reference; a
+    fused kernel, e.g. xgrammar's apply_token_bitmask_inplace, can take its place.)"""
+    allowed = unpack_bitmask(bitmask, logits.shape[1])
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+
+def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """(L, V) logits with everything outside each row's top-k and top-p nucleus at -inf.
+    top_k (L,) int, 0 = off; top_p (L,) float, 1 = off."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[1]
+    ranks = torch.arange(vocab).unsqueeze(0)                          # (1, V)
+    k = torch.where(top_k > 0, top_k, vocab).unsqueeze(1)             # (L, 1)
+    drop = ranks >= k
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    drop |= mass_before >= top_p.unsqueeze(1)                          # keeps at least rank 0
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow],
+                 bitmask: torch.Tensor | None = None) -> list[SampleResult]:
+        """logits (L, V), L = sum of rows' num_positions; bitmask (L, W) int32 aligned with
+        logits (rows of unconstrained requests are ignored)."""
+        logits = torch.nan_to_num(logits.float(), nan=float("-inf"))
+        starts = _starts(rows)
+        if bitmask is not None:
+            constrained = [starts[i] + p for i, row in enumerate(rows) if row.is_constrained
+                           for p in range(row.num_positions)]
+            if constrained:
+                index = torch.tensor(constrained, dtype=torch.int64)
+                apply_token_bitmask(logits, bitmask[index], index)
+        probs = self._probs(logits, rows, starts)
+        targets = logits.argmax(dim=-1).tolist()
+        results = []
+        for i, row in enumerate(rows):
+            span = slice(starts[i], starts[i] + row.num_positions)
+            if row.params.is_greedy:
+                token_ids = accept_greedy(targets[span], row.drafts)
+            else:
+                token_ids = self._sample_row(probs[span], row)
+            results.append(SampleResult(token_ids, _logprobs(logits[span], token_ids, row)))
+        return results
+
+    def _probs(self, logits: torch.Tensor, rows: list[SampleRow], starts: list[int]) -> torch.Tensor | None:
+        if all(row.params.is_greedy for row in rows):
+            return None
+        per_pos = [row.params for row in rows for _ in range(row.num_positions)]
+        temperature = torch.tensor([p.temperature or 1.0 for p in per_pos]).unsqueeze(1)
+        scaled = logits / temperature
+        top_k = torch.tensor([p.top_k for p in per_pos])
+        top_p = torch.tensor([p.top_p for p in per_pos])
+        if bool((top_k > 0).any() or (top_p < 1).any()):
+            scaled = top_k_top_p(scaled, top_k, top_p)
+        return torch.softmax(scaled, dim=-1)
+
+    @staticmethod
+    def _sample_row(probs: torch.Tensor, row: SampleRow) -> list[int]:
+        uniforms, noises = [], []
+        for p in range(row.num_positions):
+            gen = torch.Generator().manual_seed(mix_seed(row.seed, row.first_index + p))
+            uniforms.append(float(torch.rand((), generator=gen)))
+            noises.append(torch.empty(probs.shape[1]).exponential_(generator=gen))
+        return accept_rejection(probs, row.drafts, uniforms, noises)
+
+
+def _starts(rows: list[SampleRow]) -> list[int]:
+    starts, offset = [], 0
+    for row in rows:
+        starts.append(offset)
+        offset += row.num_positions
+    return starts
+
+
+def _logprobs(logits: torch.Tensor, token_ids: list[int], row: SampleRow) -> list[TokenLogprob]:
+    """Log-probabilities under the masked model distribution (before temperature/top-k/p)."""
+    n = row.params.num_logprobs
+    if n == 0:
+        return []
+    logp = torch.log_softmax(logits[:len(token_ids)], dim=-1)
+    top_values, top_ids = logp.topk(n, dim=-1)
+    return [TokenLogprob(tok, float(logp[i, tok]),
+                         tuple(zip(top_ids[i].tolist(), top_values[i].tolist())))
+            for i, tok in enumerate(token_ids)]

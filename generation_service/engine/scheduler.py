@@ -1,0 +1,228 @@
+"""Scheduler: continuous batching with chunked prefill, paged KV and preemption by recompute.
+
+Each step it builds one mixed batch: running requests first (oldest first: a decode row of
+1 + drafts tokens, or the next prefill chunk), then admits waiting requests while rows,
+slots, the prefill token budget and pages allow. When a running request needs a page and
+none is free, the newest running request is preempted: its pages are freed and it goes back
+to the head of the queue, keeping its slot (and so its grammar matcher); it later re-prefills
+prompt + output and continues with the same tokens. Admission is FIFO and stops at the first
+request that does not fit, so preempted requests resume before new ones start (a compiling
+request with nothing left to prefill is stepped over).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from generation_service.engine.errors import QueueFullError
+from generation_service.engine.kv_cache import PageAllocator, num_pages_for
+from generation_service.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRow:
+    """One request's part of a forward."""
+
+    request: Request
+    num_cached: int            # tokens already cached before this forward
+    input_ids: list[int]       # uncached tokens of the request, then `drafts`
+    drafts: list[int] = field(default_factory=list)
+    is_sampling: bool = False  # the chunk reaches the request's last token: sample after it
+
+    @property
+    def num_positions(self) -> int:
+        """Logit rows this row needs: 1 + drafts when sampling, else 0."""
+        return 1 + len(self.drafts) if self.is_sampling else 0
+
+    @property
+    def seq_len(self) -> int:
+        return self.num_cached + len(self.input_ids)
+
+
+@dataclass
+class ScheduledBatch:
+    rows: list[ScheduledRow]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.rows
+
+    @property
+    def sampling_rows(self) -> list[ScheduledRow]:
+        return [row for row in self.rows if row.is_sampling]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(row.input_ids) for row in self.rows)
+
+
+DraftFn = Callable[[Request, int], list[int]]  # (request, max drafts) -> draft tokens
+
+
+class SlotPool:
+    """Request pool indices (the step channel's slots); 0..num_slots-1."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    @property
+    def num_used(self) -> int:
+        return self.num_slots - len(self._free)
+
+    def can_allocate(self) -> bool:
+        return bool(self._free)
+
+    def allocate(self) -> int:
+        return self._free.pop()
+
+    def free(self, slot: int) -> None:
+        assert slot not in self._free, f"slot {slot} freed twice"
+        self._free.append(slot)
+
+
+class Scheduler:
+    def __init__(self, allocator: PageAllocator, page_size: int, slots: SlotPool, *,
+                 max_batch: int, max_waiting: int, prefill_chunk_tokens: int,
+                 propose_drafts: DraftFn | None = None) -> None:
+        self.allocator = allocator
+        self.page_size = page_size
+        self.slots = slots
+        self.max_batch = max_batch
+        self.max_waiting = max_waiting
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.propose_drafts = propose_drafts or (lambda request, k: [])
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # ---- queue ---------------------------------------------------------------------------
+    @property
+    def num_waiting_new(self) -> int:
+        return sum(1 for r in self.waiting if r.status is RequestStatus.WAITING)
+
+    def add(self, request: Request) -> None:
+        if self.num_waiting_new >= self.max_waiting:
+            raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests)")
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.running) or any(self._can_start(r) for r in self.waiting)
+
+    # ---- one step ----------------------------------------------------------------------
+    def schedule(self, max_drafts: int = 0) -> ScheduledBatch:
+        rows: list[ScheduledRow] = []
+        budget = self.prefill_chunk_tokens
+        for request in list(self.running):
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            row = self._schedule_running(request, budget, max_drafts)
+            if row is not None:
+                rows.append(row)
+                if not row.request.is_decoding:
+                    budget -= len(row.input_ids)
+        for request in list(self.waiting):
+            if len(self.running) >= self.max_batch or budget <= 0:
+                break
+            if not self._can_start(request):
+                continue  # compiling with nothing left to prefill: let the next one in
+            row = self._admit(request, budget)
+            if row is None:
+                break
+            rows.append(row)
+            budget -= len(row.input_ids)
+        return ScheduledBatch(rows)
+
+    def _schedule_running(self, request: Request, budget: int, max_drafts: int) -> ScheduledRow | None:
+        if request.is_decoding and request.can_sample:
+            drafts = self._drafts(request, max_drafts)
+            while True:
+                if self._reserve(request, request.num_tokens + len(drafts)):
+                    return self._row(request, len(request.token_ids) - request.num_cached, drafts)
+                if drafts:
+                    drafts = []  # no room for speculation: decode plainly first
+                    continue
+                if self._preempt_newest() is request:
+                    return None
+        chunk = self._chunk_len(request, budget)
+        if chunk <= 0:
+            return None
+        while not self._reserve(request, request.num_cached + chunk):
+            if self._preempt_newest() is request:
+                return None
+        return self._row(request, chunk, [])
+
+    def _admit(self, request: Request, budget: int) -> ScheduledRow | None:
+        chunk = self._chunk_len(request, budget)
+        if chunk <= 0:
+            return None
+        if request.slot is None and not self.slots.can_allocate():
+            return None
+        if not self._reserve(request, request.num_cached + chunk):
+            return None
+        self.waiting.remove(request)
+        if request.slot is None:
+            request.slot = self.slots.allocate()
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return self._row(request, chunk, [])
+
+    def _can_start(self, request: Request) -> bool:
+        # A compiling request may prefill all but its last token (it cannot sample yet).
+        return request.can_sample or request.num_uncached > 1
+
+    def _chunk_len(self, request: Request, budget: int) -> int:
+        limit = request.num_uncached if request.can_sample else request.num_uncached - 1
+        return min(limit, budget)
+
+    def _drafts(self, request: Request, max_drafts: int) -> list[int]:
+        # Never draft past max_new_tokens: the verifier may accept all drafts plus one token.
+        k = min(max_drafts, request.spec.speculative.num_draft_tokens, request.num_remaining - 1)
+        return self.propose_drafts(request, k)[:k] if k > 0 else []
+
+    def _row(self, request: Request, chunk: int, drafts: list[int]) -> ScheduledRow:
+        start = request.num_cached
+        new_ids = request.token_ids[start:start + chunk]
+        is_sampling = start + chunk == request.num_tokens and request.can_sample
+        return ScheduledRow(request, start, new_ids + drafts, drafts, is_sampling)
+
+    # ---- pages -----------------------------------------------------------------------------
+    def _reserve(self, request: Request, num_tokens: int) -> bool:
+        """Make the request's pages hold `num_tokens` tokens; False if there are not enough."""
+        need = num_pages_for(num_tokens, self.page_size) - len(request.pages)
+        if need <= 0:
+            return True
+        if not self.allocator.can_allocate(need):
+            return False
+        request.pages.extend(self.allocator.allocate(need))
+        return True
+
+    def trim_pages(self, request: Request) -> None:
+        """Free pages past the cached tokens (those of rejected drafts)."""
+        keep = num_pages_for(request.num_cached, self.page_size)
+        if len(request.pages) > keep:
+            self.allocator.free(request.pages[keep:])
+            del request.pages[keep:]
+
+    def _preempt_newest(self) -> Request:
+        victim = self.running.pop()
+        self.allocator.free(victim.pages)
+        victim.pages = []
+        victim.num_cached = 0
+        victim.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(victim)
+        self.num_preemptions += 1
+        return victim
+
+    # ---- end of a request -----------------------------------------------------------------
+    def remove(self, request: Request) -> None:
+        """Take a finished or cancelled request out, freeing its pages (not its slot)."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        if request.pages:
+            self.allocator.free(request.pages)
+            request.pages = []
+        request.num_cached = 0

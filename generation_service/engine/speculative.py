@@ -1,0 +1,103 @@
+"""Speculative decoding: draft proposers and the rules that verify drafts against the model.
+
+A row with k drafts d_0..d_{k-1} is fed [last token, d_0, .., d_{k-1}] in one forward, which
+yields k + 1 next-token distributions p_0..p_k (p_i conditions on d_0..d_{i-1}), each after
+its own grammar mask row. Verification walks i = 0..k and stops at the first rejection; the
+row emits the accepted drafts plus one token drawn by the model (the correction on a
+rejection, the bonus p_k when all drafts pass), so every forward yields >= 1 token.
+"""
+from __future__ import annotations
+
+import abc
+from typing import Callable
+
+import torch
+
+from generation_service.engine.request import Request
+
+
+class DraftProposer(abc.ABC):
+    """Proposes up to k draft tokens that continue a request's `token_ids`.
+
+    Invariant: proposing is a pure function of the request's tokens (no model state), so a
+    request that is preempted and resumed gets the same drafts.
+    """
+
+    @abc.abstractmethod
+    def propose(self, request: Request, k: int) -> list[int]:
+        """At most k tokens; [] when there is nothing to propose."""
+
+
+class NgramProposer(DraftProposer):
+    """Prompt lookup: find the latest earlier occurrence of the context's last n tokens
+    (n = max_ngram down to min_ngram) and propose the k tokens that followed it."""
+
+    def __init__(self, min_ngram: int = 1, max_ngram: int = 3) -> None:
+        self.min_ngram = min_ngram
+        self.max_ngram = max_ngram
+
+    def propose(self, request: Request, k: int) -> list[int]:
+        tokens = request.token_ids
+        for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
+            tail = tokens[-n:]
+            # Latest match first: recent text is the best predictor of what comes next.
+            last = tail[-1]
+            for start in range(len(tokens) - n - 1, -1, -1):
+                if tokens[start + n - 1] == last and tokens[start:start + n] == tail:
+                    return tokens[start + n:start + n + k]
+        return []
+
+
+PROPOSERS: dict[str, Callable[[], DraftProposer]] = {"ngram": NgramProposer}
+
+
+def make_proposer(name: str) -> DraftProposer:
+    if name not in PROPOSERS:
+        raise ValueError(f"unknown draft proposer {name!r}; available: {sorted(PROPOSERS)}")
+    return PROPOSERS[name]()
+
+
+# ---- verification ----------------------------------------------------------------------------
+def accept_greedy(targets: list[int], drafts: list[int]) -> list[int]:
+    """Greedy: accept d_i while it equals argmax p_i; then emit argmax at the first mismatch
+    (or the bonus argmax p_k). Token-for-token what one-token-at-a-time greedy produces, since
+    each accepted draft is exactly the token greedy decoding would have chosen there."""
+    out = []
+    for i, draft in enumerate(drafts):
+        out.append(targets[i])
+        if targets[i] != draft:
+            return out
+    out.append(targets[len(drafts)])
+    return out
+
+
+def sample_from(probs: torch.Tensor, noise: torch.Tensor) -> int:
+    """Exponential-race sampling: argmax p / E with E ~ Exp(1) picks index j with prob p_j.
+    The noise comes from the request's own generator, so no other row changes the result."""
+    return int(torch.argmax(probs / noise))
+
+
+def accept_rejection(probs: torch.Tensor, drafts: list[int], uniforms: list[float],
+                     noises: list[torch.Tensor]) -> list[int]:
+    """Rejection sampling (Leviathan et al. 2023; Chen et al. 2023) for a deterministic drafter.
+
+    With draft distribution q and target p, draft d is accepted with prob min(1, p(d)/q(d)),
+    and on rejection the token is drawn from the residual normalize(max(p - q, 0)). The
+    n-gram proposer is deterministic, so q is a point mass on d: q(d) = 1, q(x != d) = 0:
+      accept d  with prob  p(d)                      (u < p(d), u ~ U[0, 1))
+      else draw from       normalize(p with p(d) := 0)
+    The emitted token then has distribution exactly p:  P(d) = p(d), and for x != d,
+    P(x) = (1 - p(d)) * p(x) / (1 - p(d)) = p(x). If every draft passes, the bonus token is
+    drawn from p_k. `probs` (k + 1, V) are the processed (masked, tempered, top-k/p) targets.
+    """
+    out = []
+    for i, draft in enumerate(drafts):
+        if uniforms[i] < float(probs[i, draft]):
+            out.append(draft)
+            continue
+        residual = probs[i].clone()
+        residual[draft] = 0.0
+        out.append(sample_from(residual, noises[i]))
+        return out
+    out.append(sample_from(probs[len(drafts)], noises[len(drafts)]))
+    return out

@@ -1,0 +1,51 @@
+from generation_service.engine.events import FinishReason
+from generation_service.engine.output import OutputProcessor
+
+from tests.unit.engine.conftest import make_request
+
+
+def ids(text):
+    return [ord(c) for c in text]
+
+
+def stream(processor, text, step=1):
+    out, reason = [], None
+    tokens = ids(text)
+    for i in range(0, len(tokens), step):
+        delta = processor.process(tokens[i:i + step], [])
+        out.append(delta.text)
+        if delta.finish_reason:
+            reason = delta.finish_reason
+            break
+    return out, reason
+
+
+def test_stop_string_is_never_streamed_and_prefixes_are_held_back(char_tokenizer):
+    r = make_request(prompt=[65], stop_strings=("END",), max_new_tokens=50)
+    p = OutputProcessor(r, char_tokenizer)
+    pieces, reason = stream(p, "abc ENx EN dEND more")
+    assert reason is FinishReason.STOP_STRING
+    assert "".join(pieces) == "abc ENx EN d"
+    assert "E" not in pieces[4]  # "E" was held back until "N", "x" showed it was no stop
+    assert r.output_ids == ids("abc ENx EN dEND")  # tokens after the stop are not kept
+
+
+def test_stop_string_inside_a_multi_token_step(char_tokenizer):
+    r = make_request(prompt=[65], stop_strings=("xy",), max_new_tokens=50)
+    pieces, reason = stream(OutputProcessor(r, char_tokenizer), "abxyzz", step=6)
+    assert (pieces, reason) == (["ab"], FinishReason.STOP_STRING)
+
+
+def test_max_tokens_and_stop_tokens(char_tokenizer):
+    r = make_request(prompt=[65], max_new_tokens=3)
+    pieces, reason = stream(OutputProcessor(r, char_tokenizer), "abcdef", step=2)
+    assert (reason, "".join(pieces), r.num_generated) == (FinishReason.MAX_TOKENS, "abc", 3)
+    r = make_request(prompt=[65], stop_token_ids=(ord("c"),))
+    pieces, reason = stream(OutputProcessor(r, char_tokenizer), "abcdef")
+    assert (reason, "".join(pieces)) == (FinishReason.STOP_TOKEN, "ab")
+    r = make_request(prompt=[65])
+    delta = OutputProcessor(r, char_tokenizer, eos_token_ids=(2,)).process([ord("a"), 2, ord("b")], [])
+    assert (delta.token_ids, delta.text, delta.finish_reason) == ([ord("a"), 2], "a", FinishReason.STOP_TOKEN)
+    r = make_request(prompt=[65], ignore_eos=True, max_new_tokens=3)
+    delta = OutputProcessor(r, char_tokenizer, eos_token_ids=(2,)).process([2, 2, 2], [])
+    assert delta.finish_reason is FinishReason.MAX_TOKENS

@@ -1,0 +1,106 @@
+import math
+
+import pytest
+import torch
+
+from generation_service.engine.params import SamplingParams
+from generation_service.engine.sampler import Sampler, SampleRow, mix_seed, unpack_bitmask
+from generation_service.engine.speculative import accept_rejection
+
+V = 64
+
+
+def bitmask_allowing(tokens: list[int], vocab: int = V) -> torch.Tensor:
+    words = torch.zeros((vocab + 31) // 32, dtype=torch.int64)
+    for t in tokens:
+        words[t // 32] |= 1 << (t % 32)
+    words = torch.where(words >= 2**31, words - 2**32, words)
+    return words.to(torch.int32).unsqueeze(0)
+
+
+def test_unpack_bitmask_bits_and_tokens_beyond_the_mask_are_disallowed():
+    mask = bitmask_allowing([0, 31, 33], vocab=64)
+    allowed = unpack_bitmask(mask, 70)
+    assert allowed.shape == (1, 70)
+    assert allowed[0].nonzero().flatten().tolist() == [0, 31, 33]
+
+
+def test_nan_logits_are_never_sampled_and_mask_applies_before_greedy():
+    logits = torch.randn(2, V)
+    logits[0, 3] = float("nan")
+    logits[0, 7] = 100.0
+    logits[1, 7] = 100.0
+    rows = [SampleRow(SamplingParams(), 0, 0), SampleRow(SamplingParams(), 0, 0, is_constrained=True)]
+    mask = torch.cat([bitmask_allowing(list(range(V))), bitmask_allowing([10, 11])])
+    out = Sampler()(logits, rows, mask)
+    assert out[0].token_ids == [7]
+    assert out[1].token_ids[0] in (10, 11)
+
+
+def test_unconstrained_rows_ignore_the_mask_rows():
+    logits = torch.zeros(1, V)
+    logits[0, 5] = 10
+    out = Sampler()(logits, [SampleRow(SamplingParams(), 0, 0)], bitmask_allowing([1]))
+    assert out[0].token_ids == [5]
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.5])
+def test_sampling_respects_the_mask_top_k_and_top_p(temperature):
+    torch.manual_seed(0)
+    logits = torch.randn(1, V)
+    allowed = [2, 9, 20, 40, 41]
+    seen = set()
+    for seed in range(200):
+        row = SampleRow(SamplingParams(temperature=temperature, top_k=3), seed, 0, is_constrained=True)
+        seen.update(Sampler()(logits, [row], bitmask_allowing(allowed))[0].token_ids)
+    top3 = sorted(allowed, key=lambda t: -float(logits[0, t]))[:3]
+    assert seen == set(top3)
+    tiny_p = SampleRow(SamplingParams(temperature=1.0, top_p=1e-6), 5, 0)
+    assert Sampler()(logits, [tiny_p])[0].token_ids == [int(logits.argmax())]
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch():
+    torch.manual_seed(1)
+    logits = torch.randn(3, V)
+    params = SamplingParams(temperature=1.0, seed=42)
+    alone = Sampler()(logits[1:2], [SampleRow(params, 42, 5)])
+    other = SamplingParams(temperature=0.9)
+    batched = Sampler()(logits, [SampleRow(other, 7, 0), SampleRow(params, 42, 5), SampleRow(other, 9, 3)])
+    assert alone[0].token_ids == batched[1].token_ids
+    # a different generated index draws different noise
+    assert {tuple(Sampler()(logits[1:2], [SampleRow(params, 42, i)])[0].token_ids) for i in range(30)} != {
+        tuple(alone[0].token_ids)}
+    assert mix_seed(1, 2) != mix_seed(2, 1)
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    """First emitted token over many seeds ~ p, whatever the (deterministic) draft."""
+    p = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.25, 0.25, 0.25, 0.25]])
+    n, draft = 20000, 1
+    counts = torch.zeros(4)
+    accepted = 0
+    for seed in range(n):
+        gen = torch.Generator().manual_seed(seed)
+        u = [float(torch.rand((), generator=gen)) for _ in range(2)]
+        noise = [torch.empty(4).exponential_(generator=gen) for _ in range(2)]
+        out = accept_rejection(p, [draft], u, noise)
+        counts[out[0]] += 1
+        accepted += len(out) == 2
+    freq = counts / n
+    assert torch.allclose(freq, p[0], atol=0.015), freq
+    assert abs(accepted / n - 0.3) < 0.015  # accepted with prob p(d)
+
+
+def test_speculative_greedy_rows_and_logprobs():
+    logits = torch.full((3, V), -5.0)
+    logits[0, 4] = 5
+    logits[1, 8] = 5
+    logits[2, 9] = 5
+    row = SampleRow(SamplingParams(num_logprobs=2), 0, 0, drafts=[4, 1])
+    out = Sampler()(logits, [row])[0]
+    assert out.token_ids == [4, 8]  # draft 4 accepted, draft 1 rejected -> 8
+    assert out.num_accepted_drafts == 1
+    assert len(out.logprobs) == 2 and out.logprobs[1].token_id == 8
+    expected = float(torch.log_softmax(logits[0], dim=-1)[4])
+    assert math.isclose(out.logprobs[0].logprob, expected, rel_tol=1e-5)
+    assert [t for t, _ in out.logprobs[0].top][0] == 4 and len(out.logprobs[0].top) == 2

@@ -1,0 +1,112 @@
+import pytest
+
+from generation_service.engine.errors import QueueFullError
+from generation_service.engine.kv_cache import PageAllocator
+from generation_service.engine.request import RequestStatus
+from generation_service.engine.scheduler import Scheduler, SlotPool
+
+from tests.unit.engine.conftest import make_request
+
+PAGE = 4
+
+
+def make_scheduler(num_pages=64, max_batch=4, max_waiting=8, chunk=8, drafts=None):
+    return Scheduler(PageAllocator(num_pages), PAGE, SlotPool(2 * max_batch), max_batch=max_batch,
+                     max_waiting=max_waiting, prefill_chunk_tokens=chunk, propose_drafts=drafts)
+
+
+def complete(batch, token=7, accepted=0):
+    """What the engine does after a step: cache the computed tokens, append one sampled token."""
+    for row in batch.rows:
+        r = row.request
+        if row.is_sampling:
+            r.num_cached = row.seq_len - len(row.drafts) + accepted
+            r.token_ids.extend(row.drafts[:accepted] + [token])
+        else:
+            r.num_cached = row.seq_len
+
+
+def test_chunked_prefill_then_decode_with_pages_following_the_tokens():
+    s = make_scheduler(chunk=8)
+    r = make_request(prompt_len=19)
+    s.add(r)
+    sizes = []
+    while not r.is_decoding or r.num_generated < 2:
+        batch = s.schedule()
+        row = batch.rows[0]
+        sizes.append((len(row.input_ids), row.is_sampling))
+        assert len(r.pages) * PAGE >= row.seq_len
+        complete(batch)
+    assert sizes[:3] == [(8, False), (8, False), (3, True)]
+    assert sizes[3] == (1, True)
+    s.remove(r)
+    assert s.allocator.num_used_pages == 0
+
+
+def test_budget_is_shared_and_decodes_do_not_wait_for_prefills():
+    s = make_scheduler(chunk=8)
+    a, b = make_request("a", 4), make_request("b", 30)
+    s.add(a)
+    complete(s.schedule())
+    s.add(b)
+    batch = s.schedule()
+    assert [(row.request.request_id, len(row.input_ids)) for row in batch.rows] == [("a", 1), ("b", 8)]
+
+
+def test_queue_limit_raises_queue_full():
+    s = make_scheduler(max_waiting=2)
+    s.add(make_request("a"))
+    s.add(make_request("b"))
+    with pytest.raises(QueueFullError):
+        s.add(make_request("c"))
+
+
+def test_preemption_frees_pages_keeps_slot_and_resumes_first():
+    s = make_scheduler(num_pages=1 + 4, max_batch=2, chunk=64)  # 4 pages = 16 tokens in all
+    a, b, c = make_request("a", 6), make_request("b", 6), make_request("c", 2)
+    for r in (a, b, c):
+        s.add(r)
+    complete(s.schedule())  # a, b prefilled: 2 pages each, pool empty; c does not fit the batch
+    assert s.allocator.num_free_pages == 0 and c.status is RequestStatus.WAITING
+    for _ in range(2):       # a grows to 8 tokens fine; at 9 it needs a 3rd page
+        complete(s.schedule())
+    batch = s.schedule()
+    assert [row.request for row in batch.rows] == [a]
+    assert b.status is RequestStatus.PREEMPTED and b.pages == [] and b.num_cached == 0
+    assert b.slot is not None and s.waiting[0] is b
+    assert s.num_preemptions == 1
+    generated_b = list(b.output_ids)
+    s.remove(a)              # a finishes: b resumes before c and re-prefills prompt + output
+    batch = s.schedule()
+    assert batch.rows[0].request is b and batch.rows[0].input_ids == b.token_ids
+    assert b.output_ids == generated_b
+
+
+def test_drafts_are_capped_by_max_new_tokens_and_dropped_when_pages_are_short():
+    s = make_scheduler(num_pages=1 + 2, chunk=64, drafts=lambda r, k: [9] * k)
+    r = make_request(prompt_len=3, max_new_tokens=3, num_draft_tokens=4)
+    s.add(r)
+    complete(s.schedule())
+    batch = s.schedule(max_drafts=4)
+    assert batch.rows[0].drafts == [9]  # 2 tokens left: 1 draft + the model's own token
+    r2 = make_request(prompt_len=7, max_new_tokens=8, num_draft_tokens=4)
+    s2 = make_scheduler(num_pages=1 + 2, chunk=64, drafts=lambda r, k: [9] * k)
+    s2.add(r2)
+    complete(s2.schedule())  # 8 tokens = 2 full pages: no room for drafts, none for more
+    batch = s2.schedule(max_drafts=4)
+    assert batch.is_empty or batch.rows[0].drafts == []
+
+
+def test_a_compiling_request_prefills_all_but_its_last_token():
+    s = make_scheduler(chunk=64)
+    r = make_request(prompt_len=10)
+    r.spec = r.spec.__class__(r.request_id, r.spec.prompt_ids, r.spec.sampling,
+                              grammar=__import__("generation_service.engine.params", fromlist=["GrammarSpec"]).GrammarSpec("regex", "a+"))
+    s.add(r)
+    batch = s.schedule()
+    assert len(batch.rows[0].input_ids) == 9 and not batch.rows[0].is_sampling
+    complete(batch)
+    assert s.schedule().is_empty
+    r.grammar_id = 3
+    batch = s.schedule()
+    assert batch.rows[0].input_ids == [10] and batch.rows[0].is_sampling
