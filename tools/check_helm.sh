@@ -28,6 +28,7 @@ for f in "$CHART"/ci/*-values.yaml; do
 done
 
 failed=0
+rendered=()
 for case in "${cases[@]}"; do
   name="${case%%:*}"; values="${case#*:}"
   flags=(); [[ -n "$values" ]] && flags=(-f "$values")
@@ -38,10 +39,13 @@ for case in "${cases[@]}"; do
   if ! "$HELM" template structgen "$CHART" --namespace inference "${flags[@]}" > "$OUT/$name.yaml"; then
     echo "FAIL helm template ($name)" >&2; failed=1; continue
   fi
-  if ! "$PYTHON" "$ROOT/tools/validate_manifests.py" "${K8S_VERSIONS[@]}" "$OUT/$name.yaml"; then
-    echo "FAIL manifest validation ($name)" >&2; failed=1
-  fi
+  rendered+=("$OUT/$name.yaml")
 done
+
+# One validator run for every rendered set: kubernetes-validate loads its schemas once.
+if [[ ${#rendered[@]} -gt 0 ]] && ! "$PYTHON" "$ROOT/tools/validate_manifests.py" "${K8S_VERSIONS[@]}" "${rendered[@]}"; then
+  echo "FAIL manifest validation" >&2; failed=1
+fi
 
 if [[ $failed -ne 0 ]]; then echo "check_helm.sh: FAILED" >&2; exit 1; fi
 echo "check_helm.sh: ${#cases[@]} value sets linted, rendered and validated"

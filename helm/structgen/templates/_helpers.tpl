@@ -113,6 +113,22 @@ unix:///run/structgen/grammar.sock
   value: /tmp/.triton
 {{- end }}
 
+{{/* Engine flags of `structgen serve` for the config.engine values that are set. */}}
+{{- define "structgen.engineArgs" -}}
+{{- $flags := list
+      (list "dtype" "--dtype") (list "maxBatch" "--max-batch") (list "maxWaiting" "--max-waiting")
+      (list "maxPromptTokens" "--max-prompt-tokens") (list "maxNewTokensLimit" "--max-new-tokens-limit")
+      (list "numPages" "--num-pages") (list "pageSize" "--page-size")
+      (list "maxDraftTokens" "--max-draft-tokens") (list "grammarWaitTimeoutS" "--grammar-wait-timeout-s") }}
+{{- range $flags }}
+{{- $v := index $.Values.config.engine (index . 0) }}
+{{- if not (kindIs "invalid" $v) }}
+{{- if kindIs "float64" $v }}{{- if eq $v (floor $v) }}{{- $v = int64 $v }}{{- end }}{{- end }}
+- {{ printf "%s=%v" (index . 1) $v }}
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{/* Cross-field rules the JSON schema cannot express; called from the Deployment. */}}
 {{- define "structgen.validate" -}}
 {{- $grace := int .Values.terminationGracePeriodSeconds }}
