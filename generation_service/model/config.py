@@ -84,6 +84,8 @@ class ModelConfig:
     def num_parameters(self) -> int:
         h, q, kv, i = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.intermediate_size
         attention = h * q + 2 * h * kv + q * h
-        per_layer = attention + 3 * h * i + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        attention += (q + 2 * kv if self.attention_bias else 0) + (h if self.attention_out_bias else 0)
+        mlp = 3 * h * i + (2 * i + h if self.mlp_bias else 0)
+        per_layer = attention + mlp + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
         embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + embeddings + h

@@ -5,8 +5,10 @@ depending on context) and for byte tokens (one UTF-8 character may span several 
 So each push decodes a short window of recent ids twice, with and without the unread
 tokens, and emits the difference; the window only moves past text that ended cleanly.
 If the decoded text ends in U+FFFD the tail is an incomplete character (a partial
-byte-fallback or byte-level sequence), and the tokens stay unread until more arrive or
-``flush`` is called.
+byte-level sequence), and the tokens stay unread until more arrive or ``flush`` is called.
+Byte-fallback runs (<0xE2><0x82><0xAC>) are held until a non-byte token ends them: the
+`tokenizers` ByteFallback decoder replaces a *whole* run by U+FFFD when any part of it is
+invalid, so bytes that decode fine now may still turn into U+FFFD later.
 
 Invariant: the concatenation of all deltas and the flush equals
 ``decode(prompt_ids + ids)[len(decode(prompt_ids)):]``, which is ``decode(ids)`` without
@@ -49,9 +51,21 @@ class IncrementalDetokenizer:
             self._read_offset -= self._prefix_offset
             self._prefix_offset = 0
 
+    def _ends_in_byte_run(self) -> bool:
+        byte_ids = self._tokenizer.byte_fallback_ids
+        if not byte_ids:
+            return False
+        skipped = self._tokenizer.special_token_ids if self._skip_special_tokens else frozenset()
+        for token_id in reversed(self._ids[self._read_offset :]):
+            if token_id not in skipped:  # skipped specials vanish, so runs join across them
+                return token_id in byte_ids
+        return False
+
     def push(self, token_ids: list[int]) -> str:
         """Text newly completed by ``token_ids`` (may be empty)."""
         self._ids.extend(token_ids)
+        if self._ends_in_byte_run():
+            return ""
         text = self._unread_text()
         if not text or text.endswith(_REPLACEMENT):
             return ""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import pathlib
+import re
 from datetime import datetime
 from functools import cached_property
 
@@ -17,6 +18,8 @@ from generation_service.model.config import ModelLoadError
 from structgen.tokenizer_identity import fingerprint_tokenizer_json
 
 log = logging.getLogger(__name__)
+
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 def _token_text(value) -> str | None:
@@ -78,6 +81,15 @@ class Tokenizer:
     def special_token_ids(self) -> frozenset[int]:
         decoder = self._tokenizer.get_added_tokens_decoder()
         return frozenset(i for i, token in decoder.items() if token.special)
+
+    @cached_property
+    def byte_fallback_ids(self) -> frozenset[int]:
+        """Ids of the <0xNN> byte tokens when the decoder has ByteFallback (SentencePiece
+        models); empty for byte-level BPE, whose tokens are bytes of their own kind."""
+        if "ByteFallback" not in self._tokenizer.decoder.__getstate__().decode("utf-8", "replace"):
+            return frozenset()
+        vocab = self._tokenizer.get_vocab(with_added_tokens=False)
+        return frozenset(i for token, i in vocab.items() if _BYTE_TOKEN.fullmatch(token))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids

@@ -73,7 +73,6 @@ def test_config_is_read_as_family(checkpoint):
 @pytest.mark.parametrize("page_size, prefill_chunk, num_padding_rows", [
     (4, None, 0),  # pages smaller than every prompt, whole-prompt prefill
     (4, 6, 2),  # chunked prefill across page boundaries, padding rows in every decode step
-    (16, 5, 1),
 ])
 def test_batched_greedy_matches_transformers(checkpoint, page_size, prefill_chunk, num_padding_rows):
     _, folder, references = checkpoint

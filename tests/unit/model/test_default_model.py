@@ -1,0 +1,63 @@
+"""The built-in default model: built once, atomically, then loaded like any checkpoint."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+import transformers
+
+from generation_service.model.default_model import ensure_default_model
+from generation_service.model.loader import load_model
+from generation_service.model.reference_generate import greedy_generate
+from structgen.tokenizer_identity import default_model_dir
+
+
+def test_is_an_ordinary_checkpoint(default_model_path):
+    names = sorted(p.name for p in default_model_path.iterdir())
+    assert names == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                     "tokenizer_config.json"]
+    assert not [p for p in default_model_path.parent.iterdir() if p.name.startswith(".")]  # no staging left
+    config = json.loads((default_model_path / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["vocab_size"] == 32000
+
+
+def test_loads_fast_and_generates(default_model_path):
+    start = time.perf_counter()
+    loaded = load_model(str(default_model_path))
+    assert time.perf_counter() - start < 5
+    assert loaded.config.num_kv_heads == 2 and loaded.tokenizer.vocab_size == 32000
+    prompt = loaded.tokenizer.apply_chat_template([{"role": "user", "content": "Give me JSON"}])
+    result = greedy_generate(loaded.model, loaded.config, [prompt], 8)
+    assert len(result.output_ids[0]) == 8 and torch.isfinite(result.prefill_logits).all()
+
+
+def test_is_seeded_the_same_every_time(default_model_path, tmp_path):
+    again = ensure_default_model(tmp_path / "default-model-v1")
+    assert (again / "model.safetensors").read_bytes() == (default_model_path / "model.safetensors").read_bytes()
+    assert (again / "tokenizer.json").read_bytes() == (default_model_path / "tokenizer.json").read_bytes()
+
+
+def test_existing_folder_is_reused(default_model_path):
+    stamp = (default_model_path / "model.safetensors").stat().st_mtime_ns
+    assert ensure_default_model(default_model_path) == default_model_path
+    assert (default_model_path / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_transformers_reads_it_identically(default_model_path):
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(default_model_path)).eval()
+    loaded = load_model(str(default_model_path))
+    prompt = loaded.tokenizer.encode("The quick brown fox")
+    result = greedy_generate(loaded.model, loaded.config, [prompt], 1)
+    with torch.no_grad():
+        reference = hf_model(torch.tensor([prompt])).logits[0, -1]
+    assert (result.prefill_logits[0] - reference).abs().max() < 1e-4
+
+
+def test_cache_dir_comes_from_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("STRUCTGEN_CACHE", str(tmp_path))
+    assert default_model_dir() == tmp_path / "default-model-v1"
+    monkeypatch.delenv("STRUCTGEN_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_model_dir() == tmp_path / "xdg" / "structgen" / "default-model-v1"

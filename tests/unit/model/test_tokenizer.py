@@ -1,0 +1,125 @@
+"""Tokenizer and IncrementalDetokenizer with the real 32k Mistral SentencePiece tokenizer."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+import sentencepiece
+
+from generation_service.model.default_model import mistral_sentencepiece_path
+from generation_service.model.detokenizer import IncrementalDetokenizer
+from generation_service.model.tokenizer import Tokenizer
+from structgen.tokenizer_identity import fingerprint_tokenizer_json
+
+TEXTS = [
+    "Hello world",
+    "Grüße aus Köln — ça va? naïve café",
+    "日本語のテキストと中文",
+    "emoji: 😀👍🏽🎉 family 👨‍👩‍👧",
+    "rare script: 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 ᚠᛇᚻ ꦲꦏ",  # not in the vocab: byte-fallback tokens
+    '  {"key": [1, 2.5, null], "ñ": "€"}\n\ttabbed',
+]
+
+
+def test_encodes_exactly_like_sentencepiece(mistral_tokenizer):
+    processor = sentencepiece.SentencePieceProcessor(model_file=str(mistral_sentencepiece_path()))
+    for text in TEXTS:
+        assert mistral_tokenizer.encode(text, add_special_tokens=False) == processor.encode(text)
+        assert mistral_tokenizer.decode(processor.encode(text)) == processor.decode(processor.encode(text))
+
+
+def test_special_tokens(mistral_tokenizer):
+    assert mistral_tokenizer.vocab_size == 32000
+    assert mistral_tokenizer.bos_token_id == 1 and mistral_tokenizer.eos_token_ids == (2,)
+    assert mistral_tokenizer.encode("Hi")[0] == 1
+    assert mistral_tokenizer.decode([1, 15359, 2]) == "Hi"
+    assert mistral_tokenizer.decode([1, 15359, 2], skip_special_tokens=False) == "<s> Hi</s>"
+
+
+def test_byte_fallback_is_exercised(mistral_tokenizer):
+    ids = mistral_tokenizer.encode(TEXTS[4], add_special_tokens=False)
+    assert any(mistral_tokenizer.id_to_token(i).startswith("<0x") for i in ids)
+
+
+def test_chat_template(mistral_tokenizer):
+    messages = [{"role": "system", "content": "Answer in JSON."}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "{}"}, {"role": "user", "content": "Again"}]
+    text = mistral_tokenizer.render_chat(messages)
+    assert text == "<s>[INST] Answer in JSON.\n\nHi [/INST]{}</s>[INST] Again [/INST]"
+    ids = mistral_tokenizer.apply_chat_template(messages)
+    assert ids[0] == 1 and ids.count(1) == 1  # BOS from the template only, never twice
+    assert mistral_tokenizer.decode(ids, skip_special_tokens=False).startswith("<s> [INST] Answer")
+    with pytest.raises(Exception, match="roles must be system, user or assistant, got tool"):
+        mistral_tokenizer.apply_chat_template([{"role": "tool", "content": "x"}])
+
+
+def stream(tokenizer, ids, prompt_ids=None, chunk=1):
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
+    deltas = [detokenizer.push(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
+    return deltas, detokenizer.flush()
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_deltas_concatenate_to_the_full_decode(mistral_tokenizer, chunk):
+    for text in TEXTS:
+        ids = mistral_tokenizer.encode(text, add_special_tokens=False)
+        deltas, rest = stream(mistral_tokenizer, ids, chunk=chunk)
+        assert "".join(deltas) + rest == mistral_tokenizer.decode(ids) == text
+        # Only a trailing byte-fallback run waits for the flush (nothing after it could end it).
+        assert rest == "" or ids[-1] in mistral_tokenizer.byte_fallback_ids
+        assert not any("\ufffd" in delta for delta in deltas + [rest])  # never half a character
+
+
+def test_deltas_after_a_prompt_continue_its_text(mistral_tokenizer):
+    prompt = mistral_tokenizer.apply_chat_template([{"role": "user", "content": "Say hello"}])
+    for text in TEXTS:
+        ids = mistral_tokenizer.encode(text, add_special_tokens=False)
+        deltas, rest = stream(mistral_tokenizer, ids, prompt_ids=prompt)
+        full = mistral_tokenizer.decode(prompt + ids)
+        assert "".join(deltas) + rest == full[len(mistral_tokenizer.decode(prompt)):]
+        assert deltas[0].startswith(" ") or not text[0].isalnum()  # "▁Hello" keeps its space after a prompt
+
+
+def test_random_ids_including_broken_byte_sequences(mistral_tokenizer):
+    rng = random.Random(0)
+    byte_ids = list(range(3, 259))
+    for _ in range(50):
+        ids = [rng.choice(byte_ids) if rng.random() < 0.5 else rng.randrange(32000) for _ in range(30)]
+        deltas, rest = stream(mistral_tokenizer, ids)
+        assert "".join(deltas) + rest == mistral_tokenizer.decode(ids)
+
+
+def test_long_stream_keeps_a_small_window(mistral_tokenizer):
+    ids = mistral_tokenizer.encode(" ".join(TEXTS) * 20, add_special_tokens=False)
+    detokenizer = IncrementalDetokenizer(mistral_tokenizer)
+    text = "".join(detokenizer.push([i]) for i in ids) + detokenizer.flush()
+    assert text == mistral_tokenizer.decode(ids)
+    assert len(detokenizer._ids) < 200
+
+
+def test_fingerprint_tracks_vocab_not_formatting(default_model_path, tmp_path):
+    reference = fingerprint_tokenizer_json(default_model_path, 32000)
+    assert Tokenizer(default_model_path).fingerprint() == reference
+    assert fingerprint_tokenizer_json(default_model_path / "tokenizer.json", 32000) == reference
+    assert fingerprint_tokenizer_json(default_model_path, 32768) != reference
+    copy = tmp_path / "tok"
+    copy.mkdir()
+    shutil.copy(default_model_path / "tokenizer_config.json", copy)
+    data = json.loads((default_model_path / "tokenizer.json").read_text())
+    (copy / "tokenizer.json").write_text(json.dumps(data, indent=4))
+    assert fingerprint_tokenizer_json(copy, 32000) == reference
+    vocab = data["model"]["vocab"]
+    vocab["▁Hello"], vocab["▁world"] = vocab["▁world"], vocab["▁Hello"]
+    (copy / "tokenizer.json").write_text(json.dumps(data))
+    assert fingerprint_tokenizer_json(copy, 32000) != reference
+
+
+def test_fingerprint_module_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, structgen.tokenizer_identity; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
