@@ -79,6 +79,13 @@ def full(helm):
     return render(helm, FULL)
 
 
+def test_values_schema_is_generated_from_its_source():
+    spec = importlib.util.spec_from_file_location("gen_helm_schema", ROOT / "tools" / "gen_helm_schema.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    assert (CHART / "values.schema.json").read_text() == gen.render(), "run: python3 tools/gen_helm_schema.py"
+
+
 def test_check_helm_script_lints_renders_and_validates(helm):
     proc = subprocess.run([str(ROOT / "tools" / "check_helm.sh")], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
