@@ -1,0 +1,254 @@
+"""Time every Triton kernel against its torch reference on the GPU.
+
+    python benchmarks/kernels.py --out benchmarks/results/kernels-h200.json [--quick]
+
+Llama-3.1-8B attention shapes (32 q heads, 8 kv heads, head_dim 128, bf16, page 16),
+batch 1..128, context 512..8k; the sampler over a 131k vocabulary. Times are medians of
+``triton.testing.do_bench`` (CUDA events, L2 flushed between runs) on random data. Each
+record carries the bytes the kernel must move and the floor those bytes give at the copy
+bandwidth measured in the same run, so "x floor" says how far from memory speed it is.
+"torch" is the reference in the kernel's room; for attention "sdpa" is torch's fused
+attention over a contiguous (unpaged) cache of the same size, a stronger baseline.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.testing
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+DEV = "cuda"
+HQ, HKV, D, PAGE = 32, 8, 128, 16
+VOCAB = 131072
+
+
+def bench(fn, rep_ms: int = 100) -> float:
+    fn()  # compile / warm up outside the timed region
+    torch.cuda.synchronize()
+    return float(triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"))
+
+
+def copy_bandwidth() -> float:
+    """GB/s of a 1 GiB device-to-device copy, counting bytes read plus bytes written."""
+    src = torch.randn(2 ** 28, device=DEV)
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src))
+    return 2 * src.numel() * 4 / ms / 1e6
+
+
+def record(kernel, case, triton_ms, torch_ms, nbytes, bw, **extra):
+    floor_ms = nbytes / bw / 1e6 if nbytes else None
+    rec = dict(kernel=kernel, case=case, triton_ms=triton_ms, torch_ms=torch_ms,
+               speedup=(torch_ms / triton_ms) if torch_ms else None, bytes=nbytes,
+               floor_ms=floor_ms, x_floor=(triton_ms / floor_ms) if floor_ms else None)
+    rec.update(extra)
+    return rec
+
+
+def paged_cache(batch, ctx):
+    pages_per_row = -(-ctx // PAGE)
+    num_pages = 1 + batch * pages_per_row
+    k = torch.randn(num_pages, PAGE, HKV, D, device=DEV, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    table = (torch.randperm(num_pages - 1, device=DEV) + 1).int().view(batch, pages_per_row)
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
+    return k, v, table, seq_lens
+
+
+def bench_decode(batches, contexts, bw):
+    from generation_service.kernels.decode_attention import (decode_attention,
+                                                             decode_attention_torch)
+    out = []
+    for ctx in contexts:
+        for batch in batches:
+            k, v, table, seq_lens = paged_cache(batch, ctx)
+            q = torch.randn(batch, HQ, D, device=DEV, dtype=torch.bfloat16)
+            t_tri = bench(lambda: decode_attention(q, k, v, table, seq_lens, D ** -0.5))
+            t_ref = bench(lambda: decode_attention_torch(q, k, v, table, seq_lens, D ** -0.5,
+                                                         compute_dtype=torch.bfloat16), 50)
+            kc = torch.randn(batch, HKV, ctx, D, device=DEV, dtype=torch.bfloat16)
+            vc = torch.randn_like(kc)
+            q4 = q.view(batch, HQ, 1, D)
+            t_sdpa = bench(lambda: F.scaled_dot_product_attention(q4, kc, vc, enable_gqa=True))
+            del kc, vc, k, v
+            nbytes = 2 * batch * ctx * HKV * D * 2 + 2 * q.numel() * 2
+            out.append(record("decode_attention", f"B={batch} ctx={ctx}", t_tri, t_ref,
+                              nbytes, bw, sdpa_ms=t_sdpa))
+    return out
+
+
+def bench_extend(bw, quick):
+    from generation_service.kernels.extend_attention import (extend_attention,
+                                                             extend_attention_torch)
+    cases = [(1, 0, n) for n in ((512, 2048) if quick else (512, 2048, 8192))]
+    cases += [(1, 4096, 512)]  # a prefill chunk over a cached prefix
+    cases += [(b, 2048, 4) for b in ((1, 32) if quick else (1, 8, 32, 64, 128))]  # verify
+    out = []
+    for batch, prefix, new in cases:
+        k, v, table, seq_lens = paged_cache(batch, prefix + new)
+        extend_lens = torch.full((batch,), new, dtype=torch.int32, device=DEV)
+        q = torch.randn(batch * new, HQ, D, device=DEV, dtype=torch.bfloat16)
+        t_tri = bench(lambda: extend_attention(q, k, v, table, seq_lens, extend_lens,
+                                               D ** -0.5, max_extend_len=new))
+        t_ref = bench(lambda: extend_attention_torch(q, k, v, table, seq_lens, extend_lens,
+                                                     D ** -0.5, compute_dtype=torch.bfloat16),
+                      50)
+        flops = 4 * batch * HQ * D * new * (prefix + (new + 1) / 2)
+        nbytes = 2 * batch * (prefix + new) * HKV * D * 2 + 2 * q.numel() * 2
+        extra = dict(tflops=flops / t_tri / 1e9)
+        if prefix == 0 and batch == 1:
+            qs = q.view(1, new, HQ, D).transpose(1, 2)
+            ks = torch.randn(1, HKV, new, D, device=DEV, dtype=torch.bfloat16)
+            vs = torch.randn_like(ks)
+            extra["sdpa_ms"] = bench(lambda: F.scaled_dot_product_attention(
+                qs, ks, vs, is_causal=True, enable_gqa=True))
+        out.append(record("extend_attention", f"B={batch} prefix={prefix} new={new}", t_tri,
+                          t_ref, nbytes, bw, **extra))
+    return out
+
+
+def bench_prepare(batches, bw):
+    from generation_service.kernels.prepare_inputs import (
+        PreparedInputs, prepare_decode_inputs, prepare_decode_inputs_torch)
+    out = []
+    for width in (1, 4):
+        for rows in batches:
+            table = torch.randint(1, 10000, (rows, 512), dtype=torch.int32, device=DEV)
+            before = torch.randint(0, 8000, (rows,), dtype=torch.int32, device=DEV)
+            num_new = torch.full((rows,), width, dtype=torch.int32, device=DEV)
+            ids = torch.randint(0, VOCAB, (rows * width,), device=DEV)
+            num_rows = torch.tensor([max(1, rows - 1)], dtype=torch.int32, device=DEV)
+            bufs = PreparedInputs.allocate(rows, rows * width, DEV)
+            args = (ids, before, num_new, table, num_rows, bufs, PAGE, VOCAB, width)
+            t_tri = bench(lambda: prepare_decode_inputs(*args))
+            t_ref = bench(lambda: prepare_decode_inputs_torch(*args), 20)
+            out.append(record("prepare_inputs", f"rows={rows} width={width}", t_tri, t_ref,
+                              0, bw))
+    return out
+
+
+def bench_kv_write(bw):
+    from generation_service.kernels.kv_write import write_kv, write_kv_torch
+    out = []
+    k_cache = torch.randn(20001, PAGE, HKV, D, device=DEV, dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    for tokens in (1, 32, 128, 512, 4096):
+        slots = torch.randperm(20000 * PAGE, device=DEV)[:tokens] + PAGE
+        k = torch.randn(tokens, HKV, D, device=DEV, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        t_tri = bench(lambda: write_kv(k, v, k_cache, v_cache, slots))
+        t_ref = bench(lambda: write_kv_torch(k, v, k_cache, v_cache, slots))
+        out.append(record("kv_write", f"T={tokens}", t_tri, t_ref, 2 * 2 * k.numel() * 2, bw))
+    return out
+
+
+def torch_sample_baseline(logits, bitmask, temperature, top_k, top_p, greedy):
+    """What an unfused torch sampler does: unpack mask, mask, then argmax or sort+sample."""
+    from generation_service.kernels.sample_reference import apply_mask_torch
+    x = apply_mask_torch(logits, bitmask)
+    if greedy:
+        return x.argmax(-1)
+    x = x / temperature[:, None]
+    sorted_x, order = x.sort(-1, descending=True)
+    ranks = torch.arange(x.shape[1], device=x.device)
+    sorted_x = sorted_x.masked_fill((ranks[None] >= top_k[:, None]) & (top_k[:, None] > 0),
+                                    float("-inf"))
+    probs = sorted_x.softmax(-1)
+    sorted_x = sorted_x.masked_fill(probs.cumsum(-1) - probs >= top_p[:, None], float("-inf"))
+    choice = torch.multinomial(sorted_x.softmax(-1), 1)
+    return order.gather(1, choice).squeeze(1)
+
+
+def bench_mask_sample(batches, bw):
+    from generation_service.kernels.mask_sample import mask_sample
+    modes = [("greedy", False, 0.0, 0, 1.0), ("greedy+mask", True, 0.0, 0, 1.0),
+             ("sample+mask", True, 0.7, 0, 1.0), ("topk50+topp0.9+mask", True, 0.7, 50, 0.9)]
+    out = []
+    for rows in batches:
+        logits = torch.randn(rows, VOCAB, device=DEV) * 4
+        bitmask = torch.randint(-2 ** 31, 2 ** 31 - 1, (rows, VOCAB // 32), device=DEV,
+                                dtype=torch.int32)
+        seeds = torch.randint(0, 2 ** 62, (rows,), device=DEV)
+        steps = torch.randint(0, 2 ** 20, (rows,), device=DEV)
+        for name, use_mask, temp, k, p in modes:
+            mask = bitmask if use_mask else None
+            temperature = torch.full((rows,), temp, device=DEV)
+            top_k = torch.full((rows,), k, dtype=torch.int32, device=DEV)
+            top_p = torch.full((rows,), p, device=DEV)
+            filters = k > 0 or p < 1.0
+            t_tri = bench(lambda: mask_sample(logits, mask, temperature, top_k, top_p, seeds,
+                                              steps, enable_filters=filters))
+            t_ref = bench(lambda: torch_sample_baseline(logits, mask, temperature, top_k,
+                                                        top_p, temp == 0.0))
+            nbytes = logits.numel() * 4 + (bitmask.numel() * 4 if use_mask else 0)
+            out.append(record("mask_sample", f"R={rows} {name}", t_tri, t_ref, nbytes, bw))
+    return out
+
+
+def print_table(records):
+    cols = ["kernel", "case", "triton_ms", "torch_ms", "speedup", "sdpa_ms", "x_floor",
+            "tflops"]
+    print(" | ".join(f"{c:>14}" if i > 1 else f"{c:<22}" for i, c in enumerate(cols)))
+    for rec in records:
+        cells = []
+        for i, c in enumerate(cols):
+            val = rec.get(c)
+            if isinstance(val, float):
+                cells.append(f"{val:>14.4f}")
+            else:
+                cells.append(f"{'' if val is None else val!s:<22}" if i <= 1 else f"{'':>14}")
+        print(" | ".join(cells))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="JSON file for the results")
+    parser.add_argument("--quick", action="store_true", help="fewer shapes (~1 minute)")
+    parser.add_argument("--only", default="", help="comma list: decode,extend,prepare,"
+                        "kv_write,mask_sample")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA device", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    started = time.time()
+    batches = (1, 32, 128) if args.quick else (1, 8, 32, 64, 128)
+    contexts = (512, 8192) if args.quick else (512, 2048, 8192)
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw:.0f} GB/s on {torch.cuda.get_device_name()}")
+    only = set(filter(None, args.only.split(",")))
+    suites = {"decode": lambda: bench_decode(batches, contexts, bw),
+              "extend": lambda: bench_extend(bw, args.quick),
+              "prepare": lambda: bench_prepare(batches, bw),
+              "kv_write": lambda: bench_kv_write(bw),
+              "mask_sample": lambda: bench_mask_sample(batches, bw)}
+    records = []
+    for name, run in suites.items():
+        if only and name not in only:
+            continue
+        try:
+            records += run()
+        except Exception as exc:  # keep the other suites' numbers
+            print(f"{name} failed: {exc!r}", file=sys.stderr)
+            records.append(dict(kernel=name, error=repr(exc)))
+        torch.cuda.empty_cache()
+    result = dict(command=" ".join([sys.executable, *sys.argv]),
+                  device=torch.cuda.get_device_name(), torch=torch.__version__,
+                  triton=triton.__version__, copy_bandwidth_GBps=bw,
+                  seconds=time.time() - started, results=records)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print_table([r for r in records if "error" not in r])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
