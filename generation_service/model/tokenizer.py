@@ -86,7 +86,8 @@ class Tokenizer:
     def byte_fallback_ids(self) -> frozenset[int]:
         """Ids of the <0xNN> byte tokens when the decoder has ByteFallback (SentencePiece
         models); empty for byte-level BPE, whose tokens are bytes of their own kind."""
-        if "ByteFallback" not in self._tokenizer.decoder.__getstate__().decode("utf-8", "replace"):
+        decoder = self._tokenizer.decoder
+        if decoder is None or b"ByteFallback" not in decoder.__getstate__():  # state = the decoder's JSON
             return frozenset()
         vocab = self._tokenizer.get_vocab(with_added_tokens=False)
         return frozenset(i for token, i in vocab.items() if _BYTE_TOKEN.fullmatch(token))

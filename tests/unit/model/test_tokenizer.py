@@ -123,3 +123,28 @@ def test_fingerprint_module_does_not_import_torch():
 
     code = "import sys, structgen.tokenizer_identity; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_byte_level_bpe_stream_never_splits_a_character(tmp_path):
+    """Llama 3 / Qwen tokenizers are byte-level BPE: one character can span tokens without <0xNN> pieces."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    byte_level = HFTokenizer(models.BPE())
+    byte_level.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    byte_level.train_from_iterator(TEXTS * 3, trainer)
+    byte_level.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = Tokenizer(tmp_path)
+    assert not tokenizer.byte_fallback_ids
+    rng = random.Random(1)
+    for text in TEXTS:
+        ids = tokenizer.encode(text)
+        deltas, rest = stream(tokenizer, ids)
+        assert "".join(deltas) + rest == text and rest == ""
+        assert not any("\ufffd" in delta for delta in deltas)
+    for _ in range(50):  # arbitrary ids: deltas still add up to the full decode
+        ids = [rng.randrange(tokenizer.num_tokens) for _ in range(25)]
+        deltas, rest = stream(tokenizer, ids)
+        assert "".join(deltas) + rest == tokenizer.decode(ids)
