@@ -60,6 +60,12 @@ class GrammarSupervisor:
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
         self.num_restarts = 0
+        self._restart_args: tuple[str, ...] = ()
+
+    def set_restart_args(self, args: tuple[str, ...]) -> None:
+        """Extra flags for restarted children only, e.g. the tokenizer to preload: a restarted
+        grammar_service must compile before the engine has re-opened its channel."""
+        self._restart_args = tuple(args)
 
     @property
     def address(self) -> str:
@@ -69,11 +75,11 @@ class GrammarSupervisor:
     def pid(self) -> int | None:
         return self._process.pid if self._process else None
 
-    def _spawn(self) -> subprocess.Popen:
+    def _spawn(self, extra_args: tuple[str, ...] = ()) -> subprocess.Popen:
         if os.path.exists(self.socket_path):
             os.unlink(self.socket_path)  # a crashed child leaves its socket behind
         argv = [sys.executable, "-m", "structgen.cli", "grammar", "--listen", self.address,
-                *self._extra_args]
+                *self._extra_args, *extra_args]
         return subprocess.Popen(argv, preexec_fn=_die_with_parent)
 
     def start(self, ready_timeout_s: float = 120.0) -> None:
@@ -99,7 +105,7 @@ class GrammarSupervisor:
             log.warning("grammar_service exited with %s; restarting in %.1f s", code, backoff_s)
             if self._stopping.wait(backoff_s):
                 return
-            self._process = self._spawn()
+            self._process = self._spawn(self._restart_args)
             self.num_restarts += 1
             backoff_s = min(backoff_s * 2, self._max_backoff_s)
 

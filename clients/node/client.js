@@ -2,7 +2,7 @@
 // Example client of structgen.v1.GenerationService, loading the proto at run time.
 //
 //   node client.js [--server localhost:50051] [--json-schema FILE | --regex RE | --choice A ...]
-//                  [--max-tokens N] [--temperature T] [--seed S] PROMPT
+//                  [--compact] [--max-tokens N] [--temperature T] [--seed S] PROMPT
 //
 // Streams the generated text to stdout; the final message (finish reason, usage, validation)
 // goes to stderr as JSON. A failed call prints "error: <STATUS>: <message>" and exits 1.
@@ -23,7 +23,7 @@ function loadService() {
 }
 
 function parseArgs(argv) {
-  const options = { server: 'localhost:50051', choices: [], maxTokens: 0, temperature: 0 };
+  const options = { server: 'localhost:50051', choices: [], maxTokens: 0 };
   const positional = [];
   for (let i = 0; i < argv.length; i++) {
     const flag = argv[i];
@@ -32,6 +32,7 @@ function parseArgs(argv) {
     else if (flag === '--json-schema') options.jsonSchema = fs.readFileSync(value(), 'utf8');
     else if (flag === '--regex') options.regex = value();
     else if (flag === '--choice') options.choices.push(value());
+    else if (flag === '--compact') options.compact = true;
     else if (flag === '--max-tokens') options.maxTokens = Number(value());
     else if (flag === '--temperature') options.temperature = Number(value());
     else if (flag === '--seed') options.seed = Number(value());
@@ -42,15 +43,15 @@ function parseArgs(argv) {
 }
 
 function buildRequest(options) {
-  const request = {
-    prompt: options.prompt,
-    sampling: { temperature: options.temperature },
-    stop: { max_tokens: options.maxTokens },
-  };
+  const request = { prompt: options.prompt, sampling: {}, stop: { max_tokens: options.maxTokens } };
+  // Unset sampling fields take the server's defaults (greedy unless configured).
+  if (options.temperature !== undefined) request.sampling.temperature = options.temperature;
   if (options.seed !== undefined) request.sampling.seed = options.seed;
   if (options.jsonSchema) request.json_schema = options.jsonSchema;
   else if (options.regex) request.regex = options.regex;
   else if (options.choices.length) request.choice = { choices: options.choices };
+  // JSON without free whitespace between tokens.
+  if (options.compact) request.constraint_options = { compact: true };
   return request;
 }
 

@@ -125,6 +125,10 @@ class ServeStack:
             self._engine = Engine(EngineConfig(**self._engine_overrides),
                                   GrammarControlClient(self.grammar_address))
             self._engine.start()
+            if self._supervisor is not None:
+                self._supervisor.set_restart_args(
+                    ("--tokenizer-dir", self._engine.tokenizer.path,
+                     "--vocab-size", str(self._engine.model_config.vocab_size)))
             self._server = start_server(self._engine, self.config)
             if self.config.metrics_port:
                 import prometheus_client
