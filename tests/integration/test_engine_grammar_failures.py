@@ -1,0 +1,77 @@
+"""grammar_service dies mid-stream: constrained requests fail UNAVAILABLE, free ones finish,
+nothing leaks, and the engine reconnects once grammar_service is back."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from generation_service.engine.events import FinishReason
+from generation_service.engine.params import GenerationRequest, GrammarSpec, SamplingParams
+from tests.integration.test_engine_support import (
+    collect, make_engine, start_grammar_service, wait_settled,
+)
+
+
+@pytest.fixture
+def folder(tmp_path_factory):
+    return tmp_path_factory.mktemp("grammar")
+
+
+def test_grammar_service_death_fails_constrained_only_and_reconnects(folder):
+    service = start_grammar_service(folder)
+    engine = make_engine(service.address, max_batch=8, grammar_wait_timeout_s=2.0)
+    try:
+        prompt = tuple(engine.tokenizer.encode("Write letters:"))
+        free = [engine.submit(GenerationRequest(f"free{i}", prompt, SamplingParams(max_new_tokens=120, ignore_eos=True)))
+                for i in range(2)]
+        constrained = [engine.submit(GenerationRequest(
+            f"con{i}", prompt, SamplingParams(max_new_tokens=120), grammar=GrammarSpec("regex", "[a-z]{300}")))
+            for i in range(2)]
+        for stream in free + constrained:
+            while not stream.get(timeout=60).token_ids:
+                pass
+        service.kill()
+        for stream in constrained:
+            result = collect(stream)
+            assert result.finish_reason is FinishReason.ERROR
+            assert result.error.status == "UNAVAILABLE", result.error
+        for stream in free:
+            result = collect(stream)
+            assert result.finish_reason is FinishReason.MAX_TOKENS and result.usage.completion_tokens == 120
+        stats = wait_settled(engine)
+        assert (stats.num_kv_pages_used, stats.num_slots_used, stats.num_grammar_matchers) == (0, 0, 0)
+        assert not stats.grammar_available and stats.grammar_disconnects == 1
+
+        while_down = collect(engine.submit(GenerationRequest(
+            "down", prompt, SamplingParams(max_new_tokens=8), grammar=GrammarSpec("choice", choices=("x", "y")))))
+        assert while_down.error is not None and while_down.error.status == "UNAVAILABLE"
+        late_free = collect(engine.submit(GenerationRequest("late-free", prompt, SamplingParams(max_new_tokens=8))))
+        assert late_free.finish_reason is FinishReason.MAX_TOKENS
+
+        service = start_grammar_service(folder)
+        deadline = time.monotonic() + 60
+        while not engine.stats().grammar_available:
+            assert time.monotonic() < deadline, "engine did not reconnect to grammar_service"
+            time.sleep(0.1)
+        again = collect(engine.submit(GenerationRequest(
+            "again", prompt, SamplingParams(max_new_tokens=8), grammar=GrammarSpec("choice", choices=("x", "y")))))
+        assert again.error is None and again.text in ("x", "y")
+        stats = wait_settled(engine)
+        assert (stats.num_slots_used, stats.num_grammar_matchers) == (0, 0)
+    finally:
+        engine.stop()
+        service.stop()
+
+
+def test_without_grammar_service_constrained_requests_are_unavailable(tmp_path):
+    engine = make_engine(None, max_batch=2)
+    try:
+        prompt = tuple(engine.tokenizer.encode("hi"))
+        result = collect(engine.submit(GenerationRequest(
+            "c", prompt, SamplingParams(max_new_tokens=4), grammar=GrammarSpec("regex", "a+"))))
+        assert result.error.status == "UNAVAILABLE" and result.token_ids == []
+        free = collect(engine.submit(GenerationRequest("f", prompt, SamplingParams(max_new_tokens=4))))
+        assert free.finish_reason is FinishReason.MAX_TOKENS
+    finally:
+        engine.stop()
