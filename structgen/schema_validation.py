@@ -22,10 +22,26 @@ MAX_ERRORS = 50  # a final message stays small; `num_errors` still counts them a
 
 
 @dataclass(frozen=True)
+class ValidationIssue:
+    path: str            # JSONPath of the offending part of the output, "$.jobs.build"
+    message: str         # jsonschema's message
+    schema_pointer: str  # RFC 6901 pointer of the failing keyword in the schema
+
+    def __str__(self) -> str:
+        where = f" (schema {self.schema_pointer})" if self.schema_pointer.startswith("/") else ""
+        return f"{self.path}: {self.message}{where}"
+
+
+@dataclass(frozen=True)
 class ValidationResult:
     valid: bool
-    errors: tuple[str, ...] = ()  # "<JSON path of the instance>: <message> (schema <pointer>)"
-    num_errors: int = 0           # all violations, even beyond the ones listed
+    issues: tuple[ValidationIssue, ...] = ()  # at most MAX_ERRORS, in a stable order
+    num_errors: int = 0                       # all violations, even beyond the ones listed
+
+    @property
+    def errors(self) -> tuple[str, ...]:
+        """"<JSON path>: <message> (schema <pointer>)" per issue (OutputEvent.validation_errors)."""
+        return tuple(map(str, self.issues))
 
     @property
     def is_valid(self) -> bool:
@@ -36,9 +52,9 @@ def _pointer(path) -> str:
     return "".join(f"/{str(p).replace('~', '~0').replace('/', '~1')}" for p in path)
 
 
-def format_error(error: jsonschema.ValidationError) -> str:
+def to_issue(error: jsonschema.ValidationError) -> ValidationIssue:
     """One violation: where in the output, what, and which schema keyword said so."""
-    return f"{error.json_path}: {error.message} (schema {_pointer(error.schema_path) or '/'})"
+    return ValidationIssue(error.json_path, error.message, _pointer(error.schema_path))
 
 
 def _search(pattern: str, text: str) -> bool:
@@ -79,9 +95,9 @@ def _sorted_errors(validator, instance) -> list[jsonschema.ValidationError]:
     return sorted(errors, key=lambda e: (list(map(str, e.absolute_path)), list(map(str, e.schema_path))))
 
 
-def violations(schema_text: str, instance) -> list[str]:
-    """Every violation jsonschema finds, formatted, in a stable order (tests re-validate with it)."""
-    return [format_error(e) for e in _sorted_errors(_validator(schema_text), instance)]
+def violations(schema_text: str, instance) -> list[ValidationIssue]:
+    """Every violation jsonschema finds, in a stable order (tests re-validate with it)."""
+    return [to_issue(e) for e in _sorted_errors(_validator(schema_text), instance)]
 
 
 def validate_output(schema_text: str, output_text: str) -> ValidationResult:
@@ -89,17 +105,21 @@ def validate_output(schema_text: str, output_text: str) -> ValidationResult:
 
     Output that is not JSON (cut by max_tokens, a stop string...) is invalid with a parse
     error at "$". A schema jsonschema cannot use (bad `pattern` regex, invalid schema) gives
-    one error starting with "schema:", so the client sees the output was not checked.
+    one issue whose schema_pointer is "schema", so the client sees the output was not checked.
     """
     try:
         instance = json.loads(output_text)
     except ValueError as exc:
-        return ValidationResult(False, (f"$: output is not valid JSON: {exc}",), 1)
+        return ValidationResult(False, (ValidationIssue("$", f"output is not valid JSON: {exc}", ""),), 1)
     try:
         found = violations(schema_text, instance)
     except (SchemaError, ValueError, jsonschema.exceptions.RefResolutionError) as exc:
         message = getattr(exc, "message", None) or str(exc).splitlines()[0]
-        return ValidationResult(False, (f"schema: cannot validate with jsonschema: {message}",), 1)
-    except Exception as exc:  # e.g. re.error from a pattern Python's re cannot compile
-        return ValidationResult(False, (f"schema: cannot validate with jsonschema: {exc!r}",), 1)
+        return _unusable_schema(message)
+    except Exception as exc:  # e.g. a pattern neither re nor regex compiles, a malformed schema
+        return _unusable_schema(repr(exc))
     return ValidationResult(not found, tuple(found[:MAX_ERRORS]), len(found))
+
+
+def _unusable_schema(message: str) -> ValidationResult:
+    return ValidationResult(False, (ValidationIssue("$", f"cannot validate with jsonschema: {message}", "schema"),), 1)
