@@ -234,7 +234,14 @@ class GpuDecodeRunner:
     def warmup(self, bucket: int) -> None:
         """One free step on scratch state (compiles kernels); buffers restored afterwards."""
         saved = [t.clone() for t in (self.buffers.input_ids, self.buffers.positions, self.buffers.seq_lens)]
-        self.body(bucket, FREE)
+        try:
+            self.body(bucket, FREE)
+        except Exception:  # noqa: BLE001 -- a broken sampler kernel must not stop decoding
+            if self.sampler == "torch":
+                raise
+            log.exception("triton sampler failed; falling back to the torch sampler")
+            self.sampler = "torch"
+            self.body(bucket, FREE)
         for t, s in zip((self.buffers.input_ids, self.buffers.positions, self.buffers.seq_lens), saved):
             t.copy_(s)
 

@@ -129,6 +129,7 @@ def test_constrained_json_valid_with_grammar_service_process(model, tmp_path, us
             assert isinstance(doc["ok"], bool) and len(doc["tags"]) <= 3, text
     finally:
         if runner is not None:
+            chan.publish_seq("mask_seq", runner.next_channel_step - 1)  # never leave the GPU waiting
             torch.cuda.synchronize()
             runner.close()
         proc.stdin.close()

@@ -1,0 +1,332 @@
+"""Decode throughput on the GPU: free vs JSON-Schema constrained, against the weight-read
+floor and against transformers generate() + xgrammar's logits processor (issue 6, point 5).
+
+    python benchmarks/decode.py --out benchmarks/results/decode-h200.json
+
+What is measured (per model shape, per batch size):
+- free:        the `free` decode graph (no channel work), tokens/s and ms/step;
+- constrained: the `wait_*` graphs with grammar_service (the real StepLoop, xgrammar,
+               Tekken-131k tokenizer) in its own process filling every row's mask through
+               the step channel while the forward runs; rows that finish their JSON document
+               are re-bound (FRESH) so every row stays constrained;
+- nowait:      the same mask gather/apply and outputs writes without the wait: the step
+               time a constrained step would have if masks were always ready; so
+               wait fraction = (constrained - nowait) / constrained;
+- floor:       weights read per step (every parameter but an untied input embedding, of
+               which only B rows are read) / device copy bandwidth measured in this run;
+               also weights + KV read.
+Decode starts from a KV cache filled with random values at `--context` tokens per row (no
+prefill is timed). Random weights, bf16, vocab 131072; greedy sampling (mask_sample).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import platform
+import subprocess
+import sys
+import time
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from generation_service.engine.cuda_graphs import FREE, NOWAIT, WAIT_EVEN, WAIT_ODD  # noqa: E402
+from generation_service.engine.gpu_runner import GpuDecodeRunner  # noqa: E402
+from generation_service.engine.kv_cache import KVCache  # noqa: E402
+from generation_service.model.presets import PRESETS  # noqa: E402
+from generation_service.model.random_init import build_random_model  # noqa: E402
+from step_channel import FLAG_CONSTRAINED, FLAG_FRESH, Geometry, StepChannel  # noqa: E402
+from step_channel.cuda import MappedChannel  # noqa: E402
+
+VOCAB = 131072
+PAGE_SIZE = 16
+SCHEMA = {  # a typical extraction schema: strings, numbers, enums, a nested array
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"}, "age": {"type": "integer"},
+        "email": {"type": "string"}, "active": {"type": "boolean"},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "address": {"type": "object", "properties": {"city": {"type": "string"}, "zip": {"type": "string"}},
+                    "required": ["city", "zip"]},
+    },
+    "required": ["name", "age", "email", "active", "role", "tags", "address"],
+}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def copy_bandwidth_gbs(nbytes: int = 4 << 30, reps: int = 10) -> float:
+    """Device-to-device copy, bytes read + written per second (median of reps)."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(reps + 2):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    del src, dst
+    return 2 * nbytes / sorted(times[2:])[len(times[2:]) // 2] / 1e9
+
+
+def weight_bytes_read(model) -> int:
+    cfg = model.config
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not cfg.tie_word_embeddings:  # the input embedding is gathered, not read whole
+        total -= model.model.embed_tokens.weight.numel() * model.model.embed_tokens.weight.element_size()
+    return total
+
+
+class Bench:
+    def __init__(self, args, mapped: MappedChannel, grammar_id: int):
+        self.args, self.mapped, self.chan, self.grammar_id = args, mapped, mapped.channel, grammar_id
+        self.depth = self.chan.geometry.depth
+
+    def load(self, runner, batch: int) -> None:
+        ctx, pages_per_row = self.args.context, self.pages_per_row
+        ids = torch.randint(0, VOCAB, (batch,))
+        positions = torch.full((batch,), ctx, dtype=torch.int64)
+        seq_lens = torch.full((batch,), ctx + 1, dtype=torch.int32)
+        table = torch.arange(1, 1 + batch * pages_per_row, dtype=torch.int32).view(batch, pages_per_row)
+        runner.load_rows(ids, positions, seq_lens, table)
+
+    def run(self, runner, batch: int, mode: str, num_steps: int) -> dict:
+        """Time num_steps steps after warmup; mode: free | nowait | constrained."""
+        self.load(runner, batch)
+        fresh = set(range(batch))
+        waits = mode == "constrained"
+        step_times = []
+        for i in range(self.args.warmup + num_steps):
+            if i == self.args.warmup:
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+            if waits:
+                self._describe(runner.next_channel_step, batch, fresh)
+            runner.step(batch, constrained=mode != "free", wait=waits)
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        step_ms = elapsed / num_steps * 1e3
+        return {"batch": batch, "mode": mode, "steps": num_steps, "ms_per_step": step_ms,
+                "tokens_per_s": batch * num_steps / elapsed}
+
+    def _describe(self, n: int, batch: int, fresh: set[int]) -> None:
+        """Descriptor of channel step n; throttled so entry n % D is free to rewrite."""
+        chan = self.chan
+        oldest = n - self.depth + 1  # grammar_service must be done with it (it reads desc n-D)
+        if oldest >= self.first_step:
+            if not chan.wait_seq("mask_seq", oldest, timeout_s=60):
+                raise TimeoutError(f"grammar_service stuck before step {oldest}")
+            # rows whose document ended at step oldest-1 get a fresh matcher
+            results = chan.entry(oldest).results
+            prev_batch = chan.entry(oldest - 1).batch_size if oldest - 1 >= self.first_step else 0
+            for r in range(min(prev_batch, batch)):
+                if results[r, 0] >= 0 or results[r, 1] != 0:
+                    fresh.add(r)
+                    self.num_rebinds += 1
+                    self.num_errors += int(results[r, 1] != 0)
+        e = chan.entry(n)
+        e.desc_header[:] = (n, batch)
+        rows = e.desc_rows
+        rows[:batch, 0] = range(batch)
+        rows[:batch, 1] = 1
+        rows[:batch, 2] = FLAG_CONSTRAINED
+        rows[:batch, 3] = self.grammar_id
+        for r in fresh:
+            rows[r, 2] = FLAG_CONSTRAINED | FLAG_FRESH
+        fresh.clear()
+
+    def model_shape(self, preset: str) -> dict:
+        args = self.args
+        cfg = dataclasses.replace(PRESETS[preset], vocab_size=VOCAB, max_position_embeddings=4096)
+        log(f"{preset}: building random weights")
+        model = build_random_model(cfg, torch.device("cuda"), torch.bfloat16, seed=0)
+        max_batch = max(args.batches)
+        self.pages_per_row = -(-(args.context + args.warmup + args.steps * 3 + 8) // PAGE_SIZE)
+        kv = KVCache(cfg.num_layers, 1 + max_batch * self.pages_per_row, PAGE_SIZE, cfg.num_kv_heads,
+                     cfg.head_dim, torch.bfloat16, "cuda")
+        for t in kv.k + kv.v:
+            t.normal_(0.0, 1.0)
+        runner = GpuDecodeRunner(model, kv, max_batch=max_batch, buckets=tuple(args.batches),
+                                 mapped=self.mapped, variants=(FREE, WAIT_EVEN, WAIT_ODD, NOWAIT))
+        runner.set_channel_step(self.next_step)
+        with torch.no_grad():
+            capture_s = runner.capture()
+            log(f"{preset}: captured {len(runner.graphs.graphs)} graphs in {capture_s:.1f} s")
+            wbytes = weight_bytes_read(model)
+            kv_token_bytes = KVCache.bytes_per_page(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim,
+                                                    torch.bfloat16)
+            rows = []
+            for batch in args.batches:
+                for mode in ("free", "nowait", "constrained"):
+                    try:
+                        res = self.run(runner, batch, mode, args.steps)
+                    except BaseException:
+                        # NOTE: release a GPU that may wait for masks, or teardown would hang.
+                        self.chan.publish_seq("mask_seq", runner.next_channel_step - 1)
+                        raise
+                    mean_ctx = args.context + args.warmup + args.steps / 2
+                    floor_ms = wbytes / (self.bw * 1e9) * 1e3
+                    kv_ms = batch * mean_ctx * kv_token_bytes / (self.bw * 1e9) * 1e3
+                    res.update(weight_floor_ms=floor_ms, weight_kv_floor_ms=floor_ms + kv_ms,
+                               over_weight_floor=res["ms_per_step"] / floor_ms,
+                               over_weight_kv_floor=res["ms_per_step"] / (floor_ms + kv_ms))
+                    rows.append(res)
+                    log(f"{preset} b={batch:3d} {mode:11s} {res['ms_per_step']:7.3f} ms/step "
+                        f"{res['tokens_per_s']:9.1f} tok/s  x{res['over_weight_floor']:.2f} weight floor")
+                by = {r["mode"]: r for r in rows if r["batch"] == batch}
+                by["constrained"]["wait_fraction"] = max(
+                    0.0, 1 - by["nowait"]["ms_per_step"] / by["constrained"]["ms_per_step"])
+                by["constrained"]["constrained_over_free"] = (
+                    by["constrained"]["tokens_per_s"] / by["free"]["tokens_per_s"])
+        self.next_step = runner.next_channel_step
+        # NOTE: teardown order -- graphs before the channel is unregistered (main does that).
+        runner.close()
+        out = {"preset": preset, "sampler": runner.sampler, "weight_bytes_read": wbytes, "num_parameters": cfg.num_parameters,
+               "capture_s": capture_s, "rows": rows}
+        del runner, model, kv
+        torch.cuda.empty_cache()
+        return out
+
+
+def hf_baseline(preset: str, tokenizer_dir: str, batches: list[int], new_tokens: int, prompt_len: int) -> list[dict]:
+    """transformers generate(), eager, with and without xgrammar's HF logits processor."""
+    import xgrammar as xgr
+    from xgrammar.contrib.hf import LogitsProcessor
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    cfg = PRESETS[preset]
+    hf_cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+                         num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                         max_position_embeddings=4096, rms_norm_eps=cfg.rms_norm_eps,
+                         rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_word_embeddings,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=11)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(hf_cfg).eval()
+    torch.set_default_dtype(torch.float32)
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(pathlib.Path(tokenizer_dir) / "tokenizer.json"))
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=VOCAB, stop_token_ids=[2])
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA), any_whitespace=False)
+    out = []
+    for batch in batches:
+        prompt = torch.randint(100, 100000, (batch, prompt_len), device="cuda")
+        for mode in ("free", "constrained"):
+            def gen(n):
+                kwargs = dict(max_new_tokens=n, min_new_tokens=n if mode == "free" else 0, do_sample=False,
+                              pad_token_id=11, eos_token_id=2)
+                if mode == "constrained":
+                    kwargs["logits_processor"] = [LogitsProcessor(compiled)]
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                with torch.no_grad():
+                    seqs = model.generate(prompt, attention_mask=torch.ones_like(prompt), **kwargs)
+                torch.cuda.synchronize()
+                return time.perf_counter() - t0, seqs.shape[1] - prompt_len
+            gen(2)  # warm up
+            t1, _ = gen(1)
+            tn, steps = gen(new_tokens + 1)
+            per_step = (tn - t1) / max(1, steps - 1)
+            out.append({"preset": preset, "batch": batch, "mode": mode, "decode_steps": steps - 1,
+                        "ms_per_step": per_step * 1e3, "tokens_per_s": batch / per_step,
+                        "generate_s": tn})
+            log(f"HF {preset} b={batch:3d} {mode:11s} {per_step * 1e3:7.2f} ms/step {batch / per_step:8.1f} tok/s")
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
+def start_grammar_service(chan: StepChannel, tokenizer_dir: str, max_slots: int, tmp: pathlib.Path):
+    schema = tmp / "bench_schema.json"
+    schema.write_text(json.dumps(SCHEMA))
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tests/gpu/grammar_proc.py"), chan.name, tokenizer_dir,
+                             str(VOCAB), str(max_slots), "1", str(schema)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    return proc, json.loads(proc.stdout.readline())["grammar_id"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--presets", nargs="+", default=["llama-3.1-8b", "llama-3.2-1b"])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64, 128])
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--hf-batches", nargs="+", type=int, default=[1, 32])
+    ap.add_argument("--hf-new-tokens", type=int, default=24)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--tokenizer-dir", default=os.environ.get(
+        "STRUCTGEN_TEKKEN_DIR", str(pathlib.Path.home() / ".cache/structgen/tokenizers/tekken_131k")))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/decode-h200.json"))
+    args = ap.parse_args()
+    args.batches = sorted(args.batches)
+    torch.manual_seed(0)
+    result = {"command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name(),
+              "torch": torch.__version__, "python": platform.python_version(),
+              "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "mask_source": "grammar_service StepLoop (xgrammar) in its own process, through the step channel",
+              "schema": SCHEMA, "context_tokens": args.context}
+    bw = copy_bandwidth_gbs()
+    result["copy_bandwidth_gbs"] = bw
+    log(f"device copy bandwidth {bw:.0f} GB/s (read + write)")
+    geometry = Geometry(max_batch=max(args.batches), max_positions=1, vocab_size=VOCAB, depth=4)
+    chan = StepChannel.create(geometry)
+    mapped = MappedChannel.register(chan)
+    tmp = pathlib.Path(os.environ.get("TMPDIR", "/tmp"))
+    proc, grammar_id = start_grammar_service(chan, args.tokenizer_dir, max(args.batches), tmp)
+    bench = Bench(args, mapped, grammar_id)
+    bench.bw, bench.first_step, bench.next_step, bench.num_rebinds, bench.num_errors = bw, 1, 1, 0, 0
+    result["models"] = []
+    try:
+        for preset in args.presets:
+            result["models"].append(bench.model_shape(preset))
+    finally:
+        torch.cuda.synchronize()
+        proc.stdin.close()
+        tail = proc.stdout.read().strip().splitlines()
+        proc.wait(30)
+        result["grammar_service_stats"] = json.loads(tail[-1])["stats"] if tail else None
+        result["rebinds"], result["grammar_errors"] = bench.num_rebinds, bench.num_errors
+        mapped.close()
+        chan.close()
+    if not args.skip_hf:
+        result["hf_baseline"] = []
+        for preset in args.presets:
+            try:
+                result["hf_baseline"] += hf_baseline(preset, args.tokenizer_dir, args.hf_batches,
+                                                     args.hf_new_tokens, 128)
+            except Exception as exc:  # the baseline must not lose the main numbers
+                log(f"HF baseline {preset} failed: {exc!r}")
+                result.setdefault("hf_errors", []).append(f"{preset}: {exc!r}")
+    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
+    summary(result)
+    return 0
+
+
+def summary(result: dict) -> None:
+    print(f"\ncopy bandwidth {result['copy_bandwidth_gbs']:.0f} GB/s; masks: {result['mask_source']}")
+    print(f"{'model':14s} {'batch':>5s} {'free tok/s':>11s} {'constr tok/s':>12s} {'c/f':>5s} "
+          f"{'wait%':>6s} {'ms/step':>8s} {'x floor':>7s}")
+    for m in result["models"]:
+        for batch in sorted({r["batch"] for r in m["rows"]}):
+            by = {r["mode"]: r for r in m["rows"] if r["batch"] == batch}
+            f, c = by["free"], by["constrained"]
+            print(f"{m['preset']:14s} {batch:5d} {f['tokens_per_s']:11.1f} {c['tokens_per_s']:12.1f} "
+                  f"{c['constrained_over_free']:5.2f} {100 * c['wait_fraction']:6.1f} "
+                  f"{f['ms_per_step']:8.3f} {f['over_weight_floor']:7.2f}")
+    for h in result.get("hf_baseline", []):
+        print(f"HF {h['preset']:14s} b={h['batch']:3d} {h['mode']:11s} {h['tokens_per_s']:8.1f} tok/s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
