@@ -189,13 +189,20 @@ def bench_mask_sample(batches, bw):
             t_ref = bench(lambda: torch_sample_baseline(logits, mask, temperature, top_k,
                                                         top_p, temp == 0.0))
             nbytes = logits.numel() * 4 + (bitmask.numel() * 4 if use_mask else 0)
-            out.append(record("mask_sample", f"R={rows} {name}", t_tri, t_ref, nbytes, bw))
+            extra = {}
+            if filters:  # probes per search pass: 1 = bisection (32 passes), 16 = 8 passes
+                for probes in (1, 4, 16):
+                    extra[f"probes{probes}_ms"] = bench(lambda: mask_sample(
+                        logits, mask, temperature, top_k, top_p, seeds, steps,
+                        search_probes=probes))
+            out.append(record("mask_sample", f"R={rows} {name}", t_tri, t_ref, nbytes, bw,
+                              **extra))
     return out
 
 
 def print_table(records):
     cols = ["kernel", "case", "triton_ms", "torch_ms", "speedup", "sdpa_ms", "x_floor",
-            "tflops"]
+            "tflops", "probes1_ms", "probes16_ms"]
     print(" | ".join(f"{c:>14}" if i > 1 else f"{c:<22}" for i, c in enumerate(cols)))
     for rec in records:
         cells = []

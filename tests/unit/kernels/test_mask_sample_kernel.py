@@ -73,8 +73,8 @@ def test_tokens_past_the_mask_vocab_only_for_unconstrained_rows():
     assert torch.equal(ids, ref)
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_sampling_equals_reference(num_splits):
+@pytest.mark.parametrize("num_splits,probes", [(1, 1), (3, 8), (2, 16)])
+def test_sampling_equals_reference(num_splits, probes):
     rows = 6
     logits = torch.randn(rows, VOCAB) * 2
     mask = _random_mask(rows, 10, density=0.6)
@@ -83,7 +83,8 @@ def test_sampling_equals_reference(num_splits):
     top_ks = [0, 5, 0, 40, 3, 400]
     top_ps = [1.0, 1.0, 0.8, 0.9, 0.5, 1.0]
     params = _params(rows, temps, top_ks, top_ps, seed=num_splits)
-    ids, logprobs = mask_sample(logits.half(), mask, **params, num_splits=num_splits)
+    ids, logprobs = mask_sample(logits.half(), mask, **params, num_splits=num_splits,
+                                search_probes=probes)
     ref_ids, ref_logprobs = mask_sample_torch(logits.half(), mask, **params)
     assert torch.equal(ids, ref_ids)
     assert torch.allclose(logprobs, ref_logprobs, atol=1e-5)
