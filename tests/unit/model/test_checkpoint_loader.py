@@ -10,7 +10,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from conftest import save_hf_checkpoint
+from hf_reference import save_hf_checkpoint
 from generation_service.model.config import ModelLoadError
 from generation_service.model.loader import load_model
 from generation_service.model.presets import PRESETS

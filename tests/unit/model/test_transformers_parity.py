@@ -6,7 +6,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import hf_greedy, save_hf_checkpoint
+from hf_reference import hf_greedy, save_hf_checkpoint
 from generation_service.model.loader import load_model
 from generation_service.model.reference_generate import greedy_generate
 
@@ -96,9 +96,7 @@ def test_sharded_checkpoint_loads(tmp_path):
     assert len(list(tmp_path.glob("*.safetensors"))) > 1
     loaded = load_model(str(tmp_path))
     result = greedy_generate(loaded.model, loaded.config, PROMPTS[:1], 4, page_size=4)
-    assert_matches_prefix = hf_greedy(hf_model, PROMPTS[0], 4)
-    assert (result.prefill_logits[0] - assert_matches_prefix[0][0]).abs().max() < TOLERANCE
-    assert result.output_ids[0] == assert_matches_prefix[1]
+    assert_matches(result, [hf_greedy(hf_model, PROMPTS[0], 4)])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
