@@ -57,11 +57,12 @@ class StepLoop:
         self._first_step = first_step
         self._lookup_grammar = lookup_grammar  # grammar id -> backend compiled grammar or None
         g = channel.geometry
-        self._dirty: list[np.ndarray] = [np.zeros(0, np.int64) for _ in range(g.depth)]
-        self._prev_rows = np.zeros((0, 4), np.int32)
+        self._dirty: list[set[int]] = [set() for _ in range(g.depth)]  # per entry: rows not all ones
+        self._prev_rows: list[list[int]] = []  # descriptor rows of the previous step
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.num_steps = 0
+        self.total_step_ns = 0
         self._step_ns: deque[int] = deque(maxlen=1024)
         for k in range(g.depth):  # the region starts zeroed; unconstrained rows are all ones
             channel.entry(k).masks[:] = -1
@@ -96,34 +97,37 @@ class StepLoop:
         started = time.perf_counter_ns()
         entry = self.channel.entry(step)
         g = self.channel.geometry
-        rows = entry.desc_rows[:min(entry.batch_size, g.max_batch)].copy()  # (B, 4) snapshot
+        # (slot, num_positions, flags, grammar_id) per row; a copy, read once
+        rows = entry.desc_rows[:min(entry.batch_size, g.max_batch)].tolist()
         try:
             if step != self._first_step:
                 self._advance(self._prev_rows, self.channel.entry(step - 1), entry.results)
             self._bind_and_release(rows)
             self._fill(step, rows)
-            for slot in rows[(rows[:, 2] & FLAG_RELEASE != 0) & (rows[:, 1] > 0), 0]:
-                if self.slots.is_valid(int(slot)):
-                    self.slots.release(int(slot))  # dropped after this step's fill
+            for slot, num_positions, flags, _ in rows:
+                if flags & FLAG_RELEASE and num_positions > 0 and self.slots.is_valid(slot):
+                    self.slots.release(slot)  # dropped after this step's fill
         except Exception:  # never leave the GPU waiting: fail this step's constrained rows
             log.exception("step %d of channel %s failed", step, self.channel.name)
-            constrained = rows[:, 2] & FLAG_CONSTRAINED != 0
-            entry.valid_positions[:len(rows)][constrained] = 0
             entry.results[:len(self._prev_rows), 1] = ERR_INTERNAL
-            for slot in rows[constrained, 0]:
-                if self.slots.is_valid(int(slot)):
-                    self.slots.release(int(slot))
+            for r, (slot, _, flags, _) in enumerate(rows):
+                if flags & FLAG_CONSTRAINED:
+                    entry.valid_positions[r] = 0
+                    if self.slots.is_valid(slot):
+                        self.slots.release(slot)
         self._prev_rows = rows
         entry.mask_status[0] = MASK_OK
         self.channel.publish_seq("mask_seq", step)
+        elapsed_ns = time.perf_counter_ns() - started
         self.num_steps += 1
-        self._step_ns.append(time.perf_counter_ns() - started)
+        self.total_step_ns += elapsed_ns
+        self._step_ns.append(elapsed_ns)
 
-    def _advance(self, prev_rows: np.ndarray, prev_entry, results: np.ndarray) -> None:
+    def _advance(self, prev_rows: list[list[int]], prev_entry, results: np.ndarray) -> None:
         """a. Deferred advance by step N-1's accepted tokens; results indexed by N-1's rows."""
         results[:len(prev_rows)] = (-1, ERR_NONE)
         active = []  # (row, slot index, tokens)
-        for r, (slot, _, flags, _) in enumerate(prev_rows.tolist()):
+        for r, (slot, _, flags, _) in enumerate(prev_rows):
             if not flags & FLAG_CONSTRAINED or flags & FLAG_RELEASE or not self.slots.is_valid(slot):
                 continue
             state = self.slots[slot]
@@ -151,12 +155,12 @@ class StepLoop:
                     still.append((r, slot, tokens))
             active, j = still, j + 1
 
-    def _bind_and_release(self, rows: np.ndarray) -> None:
+    def _bind_and_release(self, rows: list[list[int]]) -> None:
         """b. Release-only rows first (a slot may be reused in the same step), then FRESH."""
-        for slot, num_positions, flags, _ in rows.tolist():
+        for slot, num_positions, flags, _ in rows:
             if flags & FLAG_RELEASE and num_positions == 0 and self.slots.is_valid(slot):
                 self.slots.release(slot)
-        for slot, _, flags, grammar_id in rows.tolist():
+        for slot, _, flags, grammar_id in rows:
             if not flags & FLAG_FRESH or not self.slots.is_valid(slot):
                 continue
             compiled = self._lookup_grammar(grammar_id)
@@ -165,13 +169,13 @@ class StepLoop:
             else:
                 self.slots.bind(slot, self.backend.new_matcher(compiled), grammar_id)
 
-    def _fill(self, step: int, rows: np.ndarray) -> None:
+    def _fill(self, step: int, rows: list[list[int]]) -> None:
         """c. One mask row per position; drafts walked with accept, undone with rollback."""
         g = self.channel.geometry
         entry = self.channel.entry(step)
         max_pos, masks, valid = g.max_positions, entry.masks, entry.valid_positions
         walkers: list[_Walker] = []
-        for r, (slot, num_positions, flags, _) in enumerate(rows.tolist()):
+        for r, (slot, num_positions, flags, _) in enumerate(rows):
             num_positions = min(max(num_positions, 0), max_pos)
             valid[r] = num_positions
             if not flags & FLAG_CONSTRAINED:
@@ -206,12 +210,12 @@ class StepLoop:
         undo = [w for w in walkers if w.num_accepted]
         if undo:
             self.backend.batch_rollback([w.matcher for w in undo], [w.num_accepted for w in undo])
-        self._reset_stale(step, np.asarray(filled, np.int64))
+        self._reset_stale(step, set(filled))
 
-    def _reset_stale(self, step: int, filled: np.ndarray) -> None:
+    def _reset_stale(self, step: int, filled: set[int]) -> None:
         """Rows that held a grammar mask on this entry's last use and not now become all ones."""
         k = step % self.channel.geometry.depth
-        stale = np.setdiff1d(self._dirty[k], filled, assume_unique=True)
-        if stale.size:
-            self.channel.entry(step).masks[stale] = -1
+        stale = self._dirty[k] - filled
+        if stale:
+            self.channel.entry(step).masks[sorted(stale)] = -1
         self._dirty[k] = filled

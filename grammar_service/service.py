@@ -47,6 +47,8 @@ class GrammarService:
         self._backends: dict[str, GrammarBackend] = {}
         self._compiler: GrammarCompiler | None = None
         self._loops: dict[str, StepLoop] = {}
+        self._closed_steps = 0      # steps of channels already closed (stats are cumulative)
+        self._closed_step_us = 0.0
         if config.tokenizer_dir is not None:
             self._use_tokenizer(config.tokenizer_dir, config.vocab_size)
 
@@ -122,6 +124,8 @@ class GrammarService:
             return False
         loop.stop()
         loop.channel.close()
+        self._closed_steps += loop.num_steps
+        self._closed_step_us += loop.total_step_ns / 1e3
         log.info("channel %s closed after %d steps", name, loop.num_steps)
         return True
 
@@ -139,7 +143,7 @@ class GrammarService:
     def stats(self) -> dict:
         loops = list(self._loops.values())
         compiler = self._compiler
-        steps = sum(loop.num_steps for loop in loops)
+        steps = self._closed_steps + sum(loop.num_steps for loop in loops)
         return {
             "num_channels": len(loops),
             "num_bound_matchers": sum(loop.slots.num_bound for loop in loops),
@@ -148,7 +152,8 @@ class GrammarService:
             "num_cache_hits": compiler.stats.num_cache_hits if compiler else 0,
             "num_compiles": compiler.stats.num_compiles if compiler else 0,
             "num_steps": steps,
-            "mean_step_us": (sum(loop.mean_step_us * loop.num_steps for loop in loops) / steps) if steps else 0.0,
+            "mean_step_us": (sum(loop.mean_step_us for loop in loops) / len(loops)) if loops else 0.0,
+            "total_step_us": self._closed_step_us + sum(loop.total_step_ns for loop in loops) / 1e3,
         }
 
     def close(self) -> None:

@@ -71,6 +71,9 @@ def continuation_ids(tokenizer, text: str) -> list[int]:
     SentencePiece tokenizers prepend "▁" to the first word of an encoding; a model writing a
     JSON document after its prompt does not. Encode "\\n" + text and drop the ids of "\\n".
     """
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    if ids and not tokenizer.id_to_token(ids[0]).startswith("\u2581") and tokenizer.decode(ids) == text:
+        return ids  # no prefix space (byte-level BPE such as Tekken)
     prefix = tokenizer.encode("\n", add_special_tokens=False).ids
     full = tokenizer.encode("\n" + text, add_special_tokens=False).ids
     if full[:len(prefix)] != prefix:

@@ -79,6 +79,7 @@ def test_compile_and_drive_steps_through_the_channel(grammar_process, mistral_32
         assert again.cache_hit and again.grammar_id == result.grammar_id
         ids = continuation_ids(mistral_32k, '{"ok": true, "n": 42}') + [2]
         driver = ChannelDriver(chan)
+        steps_before = client.stats()["num_steps"]
         rows = [Row.fresh(0, result.grammar_id, drafts=ids[:1]), Row(1, 1, 0)]
         for t in range(len(ids)):
             view = driver.step(rows)
@@ -91,7 +92,7 @@ def test_compile_and_drive_steps_through_the_channel(grammar_process, mistral_32
         view = driver.step([Row.release_only(0)])
         assert view.results[0].tolist() == [0, ERR_NONE]  # the stop token completed the grammar
         stats = client.stats()
-        assert stats["num_channels"] == 1 and stats["num_steps"] == len(ids) + 1
+        assert stats["num_channels"] == 1 and stats["num_steps"] - steps_before == len(ids) + 1
         assert stats["num_bound_matchers"] == 0 and stats["num_cache_hits"] >= 1
         client.close_channel(chan.name)
     assert client.stats()["num_channels"] == 0

@@ -1,0 +1,233 @@
+"""Per-step time of grammar_service's loop (advance + fill), measured through the step channel.
+
+A real grammar_service process (python -m grammar_service) serves each vocabulary; this
+process plays the engine: it writes descriptors and outputs, publishes `inputs_seq = N` and
+waits for `mask_seq >= N`. Reported per (vocabulary, workload, batch):
+- `step_us_p50/p90/p99`: publish inputs -> masks seen, as the engine experiences it
+  (includes the loop's wake-up latency);
+- `service_step_us`: the loop's own time per step (advance + fill), from GetStats.
+Workloads:
+- `replay`: realistic JSON documents, each constrained by its schema, tokenized with the
+  real tokenizer; rows start at staggered offsets and restart (FRESH) when done;
+- `replay_drafts3`: the same with 3 draft tokens per row (4 mask rows per row per step);
+- `random`: adversarial random walks: each row samples a uniformly random allowed token from
+  its own mask (EOS only when nothing else is allowed), restarting after 256 tokens.
+
+    .venv/bin/python benchmarks/grammar_step.py --machine ci-2core
+writes benchmarks/results/grammar_step-<machine>.json and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # tests/: the real tokenizers and the channel driver
+
+from channel_driver import Row  # noqa: E402
+from generation_service.engine.params import GrammarSpec  # noqa: E402
+from grammar_service.client import GrammarControlClient  # noqa: E402
+from real_tokenizers import VOCAB_SIZES, continuation_ids, tokenizer_dir  # noqa: E402
+from step_channel import FLAG_CONSTRAINED, FLAG_FRESH, Geometry, StepChannel  # noqa: E402
+from structgen.tokenizer_identity import fingerprint_tokenizer_json  # noqa: E402
+
+from _documents import DOCUMENTS  # noqa: E402  (benchmarks/_documents.py: schema + document pairs)
+
+MAX_BATCH = 128
+MAX_POSITIONS = 4
+EOS = 2  # "</s>" in both Mistral vocabularies
+RANDOM_WALK_MAX_TOKENS = 256
+
+
+class Engine:
+    """The engine side of the channel, timing each step."""
+
+    def __init__(self, chan: StepChannel):
+        self.chan = chan
+        self.step_no = 0
+
+    def step(self, rows: list[Row]) -> tuple[float, object]:
+        self.step_no += 1
+        e = self.chan.entry(self.step_no)
+        e.desc_header[:] = (self.step_no, len(rows))
+        for r, row in enumerate(rows):
+            e.desc_rows[r] = (row.slot, row.num_positions, row.flags, row.grammar_id)
+            if row.drafts:
+                e.drafts[r, :len(row.drafts)] = row.drafts
+        started = time.perf_counter()
+        self.chan.publish_seq("inputs_seq", self.step_no)
+        if not self.chan.wait_seq("mask_seq", self.step_no, timeout_s=30, spin_s=20e-6, max_sleep_s=20e-6):
+            raise TimeoutError(f"no masks for step {self.step_no}")
+        return (time.perf_counter() - started) * 1e6, e
+
+    def finish(self, tokens: list[list[int]]) -> None:
+        e = self.chan.entry(self.step_no)
+        for r, row_tokens in enumerate(tokens):
+            e.out_counts[r] = len(row_tokens)
+            e.out_tokens[r, :len(row_tokens)] = row_tokens
+        self.chan.publish_seq("outputs_seq", self.step_no)
+
+
+def _check_results(e, batch: int) -> None:
+    errors = e.results[:batch, 1]
+    if errors.any():
+        raise RuntimeError(f"grammar_service reported errors {errors.tolist()}: the replay is out of sync")
+
+
+def run_replay(engine: Engine, grammar_ids, docs_ids, batch: int, num_steps: int, num_drafts: int) -> list[float]:
+    """Row r replays document r % len(docs) from a staggered offset; a finished row restarts."""
+    ndocs = len(docs_ids)
+    doc = [r % ndocs for r in range(batch)]
+    pos = [0] * batch
+    fresh = [True] * batch
+    times = []
+    for step in range(num_steps):
+        rows = []
+        for r in range(batch):
+            ids = docs_ids[doc[r]]
+            drafts = ids[pos[r] + 1: pos[r] + 1 + num_drafts]
+            flags = FLAG_CONSTRAINED | (FLAG_FRESH if fresh[r] else 0)
+            rows.append(Row(r, 1 + len(drafts), flags, grammar_ids[doc[r]], drafts))
+        elapsed, e = engine.step(rows)
+        _check_results(e, batch if step else 0)
+        times.append(elapsed)
+        accepted = []
+        for r in range(batch):
+            ids = docs_ids[doc[r]]
+            take = ids[pos[r]: pos[r] + 1 + num_drafts]
+            accepted.append(take)
+            pos[r] += len(take)
+            fresh[r] = False
+            if pos[r] >= len(ids):  # the stop token went out: next step starts another document
+                doc[r], pos[r], fresh[r] = (doc[r] + 1) % ndocs, 0, True
+        engine.finish(accepted)
+    return times
+
+
+def run_random(engine: Engine, grammar_ids, batch: int, num_steps: int, seed: int = 0) -> list[float]:
+    rng = np.random.default_rng(seed)
+    fresh, length = [True] * batch, [0] * batch
+    gid = [grammar_ids[r % len(grammar_ids)] for r in range(batch)]
+    times = []
+    for step in range(num_steps):
+        rows = [Row(r, 1, FLAG_CONSTRAINED | (FLAG_FRESH if fresh[r] else 0), gid[r]) for r in range(batch)]
+        elapsed, e = engine.step(rows)
+        _check_results(e, batch if step else 0)
+        times.append(elapsed)
+        tokens = []
+        for r in range(batch):
+            allowed = np.flatnonzero(np.unpackbits(e.masks[r * MAX_POSITIONS].view(np.uint8), bitorder="little"))
+            choices = allowed[allowed != EOS] if len(allowed) > 1 else allowed
+            token = int(rng.choice(choices))
+            tokens.append([token])
+            length[r] += 1
+            fresh[r] = False
+            if token == EOS or length[r] >= RANDOM_WALK_MAX_TOKENS:
+                fresh[r], length[r] = True, 0
+        engine.finish(tokens)
+    return times
+
+
+def start_service(sock: str, tok_dir: str, vocab: int, fill_threads: int) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "grammar_service", "--listen", f"unix://{sock}",
+                             "--tokenizer-dir", tok_dir, "--vocab-size", str(vocab),
+                             "--num-fill-threads", str(fill_threads), "--log-level", "WARNING"], cwd=ROOT)
+
+
+def bench_vocab(name: str, args) -> list[dict]:
+    from tokenizers import Tokenizer
+
+    vocab = VOCAB_SIZES[name]
+    tok_dir = str(tokenizer_dir(name))
+    tok = Tokenizer.from_file(f"{tok_dir}/tokenizer.json")
+    docs_ids = [continuation_ids(tok, json.dumps(doc)) + [EOS] for _, doc in DOCUMENTS]
+    sock = os.path.join(tempfile.mkdtemp(prefix="grammar-bench-"), "grammar.sock")
+    proc = start_service(sock, tok_dir, vocab, args.fill_threads)
+    client = GrammarControlClient(f"unix://{sock}")
+    rows_out = []
+    try:
+        deadline = time.monotonic() + 180
+        while not client.is_serving():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("grammar_service did not start")
+            time.sleep(0.2)
+        compiled = [client.compile(GrammarSpec("json_schema", json.dumps(schema))).result(120) for schema, _ in DOCUMENTS]
+        grammar_ids = [c.grammar_id for c in compiled]
+        geometry = Geometry(max_batch=MAX_BATCH, max_positions=MAX_POSITIONS, vocab_size=vocab)
+        for workload in args.workloads:
+            for batch in args.batches:
+                num_steps = max(args.min_steps, args.steps // batch)
+                with StepChannel.create(geometry) as chan:
+                    client.open_channel(chan.name, geometry, max_slots=MAX_BATCH, first_step=1, tokenizer_dir=tok_dir,
+                                        tokenizer_fingerprint=fingerprint_tokenizer_json(tok_dir, vocab))
+                    engine = Engine(chan)
+                    before = client.stats()
+                    if workload == "random":
+                        times = run_random(engine, grammar_ids, batch, num_steps)
+                    else:
+                        drafts = 3 if workload == "replay_drafts3" else 0
+                        times = run_replay(engine, grammar_ids, docs_ids, batch, num_steps, drafts)
+                    after = client.stats()
+                    client.close_channel(chan.name)
+                t = np.array(times[args.warmup:] or times)
+                service_us = (after["total_step_us"] - before["total_step_us"]) / max(1, after["num_steps"] - before["num_steps"])
+                row = {"vocab": name, "vocab_size": vocab, "workload": workload, "batch": batch,
+                       "num_steps": len(t), "step_us_p50": float(np.percentile(t, 50)),
+                       "step_us_p90": float(np.percentile(t, 90)), "step_us_p99": float(np.percentile(t, 99)),
+                       "step_us_mean": float(t.mean()), "service_step_us": service_us,
+                       "service_us_per_row": service_us / batch}
+                rows_out.append(row)
+                print(f"{name:12s} {workload:15s} {batch:5d} {row['num_steps']:6d} {row['step_us_p50']:10.0f} "
+                      f"{row['step_us_p90']:10.0f} {row['step_us_p99']:10.0f} {service_us:12.0f} "
+                      f"{service_us / batch:10.1f}", flush=True)
+    finally:
+        client.close()
+        proc.terminate()
+        proc.wait(30)
+    return rows_out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--machine", default=f"{socket.gethostname()}-{os.cpu_count()}cpu")
+    parser.add_argument("--vocabs", nargs="+", default=list(VOCAB_SIZES), choices=list(VOCAB_SIZES))
+    parser.add_argument("--workloads", nargs="+", default=["replay", "replay_drafts3", "random"],
+                        choices=["replay", "replay_drafts3", "random"])
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64, 128])
+    parser.add_argument("--steps", type=int, default=3200, help="steps x batch budget per configuration")
+    parser.add_argument("--min-steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--fill-threads", type=int, default=0,
+                        help="BatchGrammarMatcher threads; 0 = xgrammar's auto (cores / 2)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    print(f"{'vocab':12s} {'workload':15s} {'batch':>5s} {'steps':>6s} {'p50 us':>10s} {'p90 us':>10s} "
+          f"{'p99 us':>10s} {'service us':>12s} {'us/row':>10s}")
+    started, load_at_start = time.time(), os.getloadavg()
+    results = [row for name in args.vocabs for row in bench_vocab(name, args)]
+    out = pathlib.Path(args.out or ROOT / "benchmarks" / "results" / f"grammar_step-{args.machine}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    import xgrammar  # noqa: F401  (version recorded below)
+    from importlib.metadata import version
+    out.write_text(json.dumps({
+        "benchmark": "grammar_step", "machine": args.machine, "cpu_count": os.cpu_count(),
+        "platform": platform.platform(), "processor": platform.processor(), "xgrammar": version("xgrammar"),
+        "fill_threads": args.fill_threads, "load_average_at_end": os.getloadavg(),
+        "load_average_at_start": load_at_start, "max_positions": MAX_POSITIONS, "wall_s": time.time() - started,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "results": results}, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
