@@ -1,0 +1,295 @@
+"""Real-world schemas per grammar backend: compile time, keywords not enforced, output validity.
+
+Corpus: benchmarks/corpus.py (>= 20 schemas shipped by installed packages). Per backend
+(xgrammar, llguidance) and schema, on a real tokenizer (default: Mistral v3, 32k):
+- `compile_ms`: the backend's compile as grammar_service runs it (JSON Schema, any
+  whitespace), in a worker process killed past `--compile-timeout` (xgrammar cannot be
+  interrupted otherwise);
+- `unenforced`: what the backend's keyword analysis reports (the guarantee report);
+- validity over `--walks` sampled generations: **random walks under the backend's mask**,
+  not the model (the built-in default model has random weights and a 32000-token
+  vocabulary; its samples are random walks too, only slower). Each step samples among the
+  allowed tokens: EOS with p=0.5 when allowed, else a structural token (quotes, brackets,
+  digits, true/false/null) with p=0.6 when one is allowed, else uniformly. Every finished
+  output is checked with structgen.schema_validation.validate_output; a violation of a
+  keyword the backend did *not* report is counted in `unreported_violations` (must be 0:
+  the guarantee report is honest);
+- `fill_us`: batch_fill time per token along the walks (p50, p90), `first_fill_us`.
+Per backend: compile median/p90/max, errors, timeouts, keyword counts, validity totals;
+per schema: `auto`'s choice (grammar_service.guarantees.rank with measured compile times).
+
+    .venv/bin/python benchmarks/schemas.py --machine ci-2core        # ~5 min on 2 cores
+writes benchmarks/results/schemas-<machine>.json and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import pathlib
+import platform
+import random
+import socket
+import statistics
+import sys
+import time
+from collections import Counter
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # tests/: the real tokenizers
+
+from benchmarks.corpus import load_corpus  # noqa: E402
+
+BACKENDS = ("xgrammar", "llguidance")
+STRUCTURAL_CHARS = set('"{}[],:0123456789.-')
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+# --- worker process: one backend, schemas one by one -----------------------------------------
+class _Walker:
+    def __init__(self, backend_name: str, tokenizer_name: str, vocab_size: int):
+        import numpy as np
+        from tokenizers import Tokenizer
+
+        from grammar_service.backends import load_backend_class
+        from grammar_service.tokenizer import load_tokenizer
+        from real_tokenizers import tokenizer_dir
+
+        folder = str(tokenizer_dir(tokenizer_name))
+        self.data, _ = load_tokenizer(folder, vocab_size)
+        self.backend = load_backend_class(backend_name)(self.data, num_compile_threads=1, num_fill_threads=1)
+        self.tokenizer = Tokenizer.from_file(f"{folder}/tokenizer.json")
+        self.np = np
+        self.stop_ids = set(self.data.stop_token_ids)
+        self.is_structural = np.zeros(vocab_size, dtype=bool)
+        for token_id, piece in enumerate(self.data.encoded_vocab):
+            text = piece.replace("\u2581", " ").replace("\u0120", " ").strip()
+            self.is_structural[token_id] = bool(text) and (
+                set(text) <= STRUCTURAL_CHARS or text in ("true", "false", "null"))
+
+    def run(self, name: str, text: str, num_walks: int, max_tokens: int, seed: int) -> dict:
+        from generation_service.engine.params import GrammarSpec
+        from grammar_service.backends.base import GrammarCompileError
+        from structgen.schema_validation import validate_output
+
+        spec = GrammarSpec("json_schema", text)
+        unenforced = self.backend.unenforced_keywords(spec)
+        result = {"schema": name, "unenforced": [[u.keyword, u.pointer] for u in unenforced]}
+        started = time.perf_counter()
+        try:
+            compiled = self.backend.compile(spec)
+        except GrammarCompileError as exc:
+            result.update(compile_error=str(exc)[:300], compile_ms=(time.perf_counter() - started) * 1e3)
+            return result
+        result["compile_ms"] = (time.perf_counter() - started) * 1e3
+        reported = {u.keyword for u in unenforced}
+        rng = random.Random(f"{seed}-{name}")
+        walks, fill_s, first_fill_s = [], [], []
+        for _ in range(num_walks):
+            ids, finished, fills, problem = self._walk(compiled, rng, max_tokens)
+            fill_s.extend(fills[1:])
+            first_fill_s.append(fills[0])
+            walk = {"num_tokens": len(ids), "finished": finished, "problem": problem}
+            if finished:
+                check = validate_output(text, self.tokenizer.decode(ids, skip_special_tokens=False))
+                violated = [issue.schema_pointer for issue in check.issues]
+                walk.update(valid=check.valid, violations=violated[:10],
+                            unreported=[p for p in violated if not set(p.split("/")) & reported
+                                        and not p == "schema"])
+            walks.append(walk)
+        result.update(walks=walks, fill_us=[s * 1e6 for s in fill_s], first_fill_us=[s * 1e6 for s in first_fill_s])
+        return result
+
+    def _walk(self, compiled, rng: random.Random, max_tokens: int):
+        np, backend = self.np, self.backend
+        matcher = backend.new_matcher(compiled)
+        masks = np.zeros((1, self.data.mask_words), dtype=np.int32)
+        ids, fills = [], []
+        for _ in range(max_tokens):
+            started = time.perf_counter()
+            backend.batch_fill([matcher], masks, [0])
+            fills.append(time.perf_counter() - started)
+            bits = np.unpackbits(masks[0].view(np.uint8), bitorder="little")[: self.data.vocab_size]
+            allowed = np.flatnonzero(bits)
+            if len(allowed) == 0:
+                return ids, False, fills, "empty mask"
+            stops = [t for t in allowed if t in self.stop_ids]
+            structural = allowed[self.is_structural[allowed]]
+            if stops and (rng.random() < 0.5 or len(allowed) == len(stops)):
+                token = stops[0]
+            elif len(structural) and rng.random() < 0.6:
+                token = int(structural[rng.randrange(len(structural))])
+            else:
+                token = int(allowed[rng.randrange(len(allowed))])
+            if not backend.batch_accept([matcher], [token])[0]:
+                return ids, False, fills, f"token {token} allowed by the mask but refused"
+            if token in self.stop_ids:
+                return ids, True, fills, ""
+            ids.append(token)
+        return ids, False, fills, "max tokens"
+
+
+def _worker(conn, backend_name: str, tokenizer_name: str, vocab_size: int) -> None:
+    walker = _Walker(backend_name, tokenizer_name, vocab_size)
+    conn.send("ready")
+    while True:
+        task = conn.recv()
+        if task is None:
+            return
+        conn.send(walker.run(*task))
+
+
+class _Pool:
+    """One worker process per backend; a schema past its timeout kills and restarts it."""
+
+    def __init__(self, backend: str, args):
+        self.backend, self.args, self.proc = backend, args, None
+
+    def _start(self):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker, args=(child, self.backend, self.args.tokenizer,
+                                                      self.args.vocab_size), daemon=True)
+        self.proc.start()
+        if not self.conn.poll(120) or self.conn.recv() != "ready":
+            raise RuntimeError(f"{self.backend} worker did not start")
+
+    def run(self, name: str, text: str) -> dict:
+        if self.proc is None or not self.proc.is_alive():
+            self._start()
+        a = self.args
+        self.conn.send((name, text, a.walks, a.max_tokens, a.seed))
+        budget = a.compile_timeout + a.walk_timeout
+        if self.conn.poll(budget):
+            return self.conn.recv()
+        self.proc.kill()
+        self.proc.join()
+        self.proc = None
+        return {"schema": name, "timeout_s": budget, "compile_error": f"no result within {budget:g} s"}
+
+    def close(self):
+        if self.proc is not None:
+            self.conn.send(None)
+            self.proc.join(10)
+
+
+# --- aggregation ---------------------------------------------------------------------------
+def summarize(backend: str, rows: list[dict]) -> dict:
+    compiled = [r["compile_ms"] for r in rows if "compile_error" not in r]
+    walks = [w for r in rows for w in r.get("walks", [])]
+    finished = [w for w in walks if w["finished"]]
+    fills = [f for r in rows for f in r.get("fill_us", [])]
+    first = [f for r in rows for f in r.get("first_fill_us", [])]
+    keywords = Counter(k for r in rows for k, _ in r["unenforced"]) if rows else Counter()
+    return {
+        "backend": backend,
+        "num_schemas": len(rows),
+        "num_compiled": len(compiled),
+        "compile_errors": {r["schema"]: r["compile_error"] for r in rows if "compile_error" in r},
+        "compile_ms": {"median": _percentile(compiled, 0.5), "p90": _percentile(compiled, 0.9),
+                       "max": max(compiled, default=None), "total": sum(compiled)},
+        "num_schemas_fully_enforced": sum(1 for r in rows if "unenforced" in r and not r["unenforced"]),
+        "unenforced_keywords": dict(keywords.most_common()),
+        "walks": {"num": len(walks), "finished": len(finished),
+                  "valid": sum(1 for w in finished if w["valid"]),
+                  "invalid": sum(1 for w in finished if not w["valid"]),
+                  "unreported_violations": sum(len(w["unreported"]) for w in finished),
+                  "mask_accept_mismatches": sum(1 for w in walks if "refused" in w["problem"]),
+                  "empty_masks": sum(1 for w in walks if w["problem"] == "empty mask")},
+        "fill_us": {"p50": _percentile(fills, 0.5), "p90": _percentile(fills, 0.9), "num": len(fills)},
+        "first_fill_us": {"p50": _percentile(first, 0.5), "p90": _percentile(first, 0.9)},
+    }
+
+
+def auto_choice(by_backend: dict[str, dict]) -> dict:
+    from generation_service.engine.events import UnenforcedKeyword
+    from grammar_service.guarantees import Candidate, num_gaps, rank
+
+    candidates = []
+    for name, row in by_backend.items():
+        unenforced = tuple(UnenforcedKeyword(k, p) for k, p in row["unenforced"]) if "unenforced" in row else ()
+        candidates.append(Candidate(name, unenforced, row.get("compile_error", ""), 0))
+    # measured speed decides ties here (the service ranks llguidance first: ms vs seconds)
+    speed = sorted(candidates, key=lambda c: by_backend[c.backend].get("compile_ms", 1e12))
+    candidates = [Candidate(c.backend, c.unenforced, c.error, speed.index(c)) for c in candidates]
+    choice = rank(candidates)
+    chosen = by_backend[choice.backend]
+    return {"backend": choice.backend, "reason": choice.reason, "compile_ms": chosen.get("compile_ms"),
+            "gaps": {c.backend: num_gaps(c.unenforced) for c in candidates}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--machine", default=f"{socket.gethostname()}-{os.cpu_count()}cpu")
+    parser.add_argument("--tokenizer", default="mistral_32k", choices=["mistral_32k", "tekken_131k"])
+    parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
+    parser.add_argument("--schemas", nargs="*", default=None, help="corpus names (default: all)")
+    parser.add_argument("--walks", type=int, default=4, help="random walks per schema and backend")
+    parser.add_argument("--max-tokens", type=int, default=400)
+    parser.add_argument("--compile-timeout", type=float, default=30.0)
+    parser.add_argument("--walk-timeout", type=float, default=30.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    from real_tokenizers import VOCAB_SIZES
+
+    args.vocab_size = VOCAB_SIZES[args.tokenizer]
+    corpus = [s for s in load_corpus() if args.schemas is None or s.name in args.schemas]
+    started, load_at_start = time.time(), os.getloadavg()
+    pools = {b: _Pool(b, args) for b in args.backends}
+    rows: dict[str, dict[str, dict]] = {b: {} for b in args.backends}
+    print(f"{'schema':26s} {'KiB':>6s} " + " ".join(f"{b + ' ms':>13s} {'gaps':>4s} {'ok/fin':>7s}" for b in args.backends))
+    for schema in corpus:
+        line = f"{schema.name:26s} {schema.size_bytes / 1024:6.0f} "
+        for backend, pool in pools.items():
+            row = rows[backend][schema.name] = pool.run(schema.name, schema.text)
+            row["size_bytes"] = schema.size_bytes
+            fin = [w for w in row.get("walks", []) if w["finished"]]
+            ms = "error" if "compile_error" in row else f"{row['compile_ms']:.1f}"
+            line += f"{ms:>13s} {len(row.get('unenforced', [])):4d} {sum(w['valid'] for w in fin):3d}/{len(fin):<3d} "
+        print(line, flush=True)
+    for pool in pools.values():
+        pool.close()
+    per_schema = {s.name: {b: rows[b][s.name] for b in args.backends} for s in corpus}
+    if len(args.backends) > 1:
+        for name, by_backend in per_schema.items():
+            by_backend["auto"] = auto_choice(by_backend)
+    summary = {b: summarize(b, list(rows[b].values())) for b in args.backends}
+    for b, s in summary.items():
+        c, w, f = s["compile_ms"], s["walks"], s["fill_us"]
+        print(f"{b:11s} compiled {s['num_compiled']}/{s['num_schemas']}  compile ms median {c['median']:.1f} "
+              f"p90 {c['p90']:.1f} max {c['max']:.1f}  walks valid {w['valid']}/{w['finished']} finished "
+              f"(unreported violations {w['unreported_violations']})  fill us p50 {f['p50'] or 0:.0f} p90 {f['p90'] or 0:.0f}")
+    from importlib.metadata import version
+
+    out = pathlib.Path(args.out or ROOT / "benchmarks" / "results" / f"schemas-{args.machine}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for by_backend in per_schema.values():  # keep the file readable: drop the raw timing lists
+        for row in by_backend.values():
+            for key in ("fill_us", "first_fill_us"):
+                if key in row:
+                    row[key] = {"p50": _percentile(row[key], 0.5), "p90": _percentile(row[key], 0.9)}
+    out.write_text(json.dumps({
+        "benchmark": "schemas", "machine": args.machine, "cpu_count": os.cpu_count(),
+        "platform": platform.platform(), "tokenizer": args.tokenizer, "vocab_size": args.vocab_size,
+        "versions": {p: version(p) for p in ("xgrammar", "llguidance", "jsonschema")},
+        "validity_method": "random walks under each backend's mask (see the module docstring)",
+        "walks_per_schema": args.walks, "max_tokens": args.max_tokens,
+        "compile_timeout_s": args.compile_timeout, "load_average_at_start": load_at_start,
+        "load_average_at_end": os.getloadavg(), "wall_s": time.time() - started,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "corpus": [{"name": s.name, "package": s.package, "path": s.path, "size_bytes": s.size_bytes} for s in corpus],
+        "summary": summary, "schemas": per_schema}, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
