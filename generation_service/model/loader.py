@@ -56,7 +56,7 @@ def read_config(config_path: pathlib.Path) -> ModelConfig:
 
 
 def _resolve_dtype(dtype: torch.dtype | str | None, config: ModelConfig) -> torch.dtype:
-    return config.torch_dtype if dtype is None else dtype_from_name(dtype)
+    return config.torch_dtype if dtype in (None, "auto") else dtype_from_name(dtype)
 
 
 def load_checkpoint(folder: pathlib.Path, device: torch.device, dtype: torch.dtype | str | None) -> LoadedModel:
@@ -94,7 +94,7 @@ def load_random(spec: str, device: torch.device, dtype: torch.dtype | str | None
 
 def load_model(source: str, *, device: torch.device | str = "cpu", dtype: torch.dtype | str | None = None,
                seed: int = 0) -> LoadedModel:
-    """The model named by ``source``; ``dtype`` None keeps the checkpoint's (config.json "dtype").
+    """The model named by ``source``; ``dtype`` None or "auto" keeps the checkpoint's (config.json "dtype").
 
     Raises ModelLoadError with one message naming the file and what is wrong.
     """

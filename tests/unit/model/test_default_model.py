@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
+
+import pytest
 
 import torch
 import transformers
 
+from generation_service.model.config import ModelLoadError
 from generation_service.model.default_model import ensure_default_model
 from generation_service.model.loader import load_model
 from generation_service.model.reference_generate import greedy_generate
@@ -61,3 +65,11 @@ def test_cache_dir_comes_from_the_environment(monkeypatch, tmp_path):
     monkeypatch.delenv("STRUCTGEN_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert default_model_dir() == tmp_path / "xdg" / "structgen" / "default-model-v1"
+
+
+def test_missing_models_extra_is_one_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "mistral_common", None)  # import now raises ImportError
+    with pytest.raises(ModelLoadError, match=r"building the default model needs mistral_common: "
+                                             r"pip install 'structgen\[models\]'"):
+        ensure_default_model(tmp_path / "default-model-v1")
+    assert not list(tmp_path.iterdir())
