@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable
 
 from generation_service.engine.errors import (
     DeadlineExceededError, EngineError, GrammarUnavailableError,
@@ -40,6 +41,8 @@ class RequestTable:
         self.draft_accepted = 0
         self.num_finished = 0
         self.tokens_generated = 0
+        # Called with each finished Request (engine thread, lock held): traces, metrics.
+        self.finish_listeners: list[Callable[[Request], None]] = []
 
     # ---- membership ------------------------------------------------------------------------
     def attach_stream(self, request: Request, stream: RequestStream) -> None:
@@ -142,6 +145,8 @@ class RequestTable:
     def _accept(self, row, request: Request, result: SampleResult) -> list[int]:
         # K/V is valid for the known tokens and the accepted drafts; the rest is rolled back.
         request.num_cached = row.seq_len - len(row.drafts) + result.num_accepted_drafts
+        if request.first_token_s is None and result.token_ids:
+            request.first_token_s = time.monotonic()
         request.num_drafts_proposed += len(row.drafts)
         request.num_drafts_accepted += result.num_accepted_drafts
         self.draft_proposed += len(row.drafts)
@@ -214,3 +219,5 @@ class RequestTable:
         self.tokens_generated += request.num_generated
         stream.put(OutputEvent(tuple(token_ids), text, tuple(logprobs), finish_reason=reason,
                                usage=usage, error=error))
+        for listener in self.finish_listeners:
+            listener(request)

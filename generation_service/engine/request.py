@@ -31,6 +31,8 @@ class Request:
     stop_token_ids: frozenset[int]
     sample_seed: int                              # spec seed, or a random one for unseeded requests
     arrival_s: float = field(default_factory=time.monotonic)
+    admitted_s: float | None = None               # first admitted by the scheduler (traces)
+    first_token_s: float | None = None            # first output token sampled (traces)
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(default_factory=list)
     num_cached: int = 0                           # tokens of token_ids whose K/V is in `pages`

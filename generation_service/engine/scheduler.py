@@ -11,6 +11,7 @@ request with nothing left to prefill is stepped over).
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -165,6 +166,8 @@ class Scheduler:
         if request.slot is None:
             request.slot = self.slots.allocate()
         request.status = RequestStatus.RUNNING
+        if request.admitted_s is None:  # a preempted request keeps its first admission
+            request.admitted_s = time.monotonic()
         self.running.append(request)
         return self._row(request, chunk, [])
 
