@@ -1,0 +1,99 @@
+"""Compile every kernel for an H100/H200 (sm_90) without a GPU: ptxas ships with triton.
+
+The interpreter forgives what the compiler refuses (loop-carried type changes, globals
+that are not constexpr, bad layouts), so the CPU tests run this in a subprocess with
+TRITON_INTERPRET unset. Prints one line per kernel with its resource usage.
+"""
+import os
+import subprocess
+import sys
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from generation_service.kernels import (decode_attention, extend_attention, kv_write,
+                                        mask_sample, philox, prepare_inputs)
+
+TARGET = GPUTarget("cuda", 90, 32)
+TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int32: "i32",
+         torch.int64: "i64"}
+BF, F32 = torch.empty(1, dtype=torch.bfloat16), torch.empty(1)
+I32, I64 = torch.empty(1, dtype=torch.int32), torch.empty(1, dtype=torch.int64)
+N = 1024  # strides and sizes: multiples of 16, as the launcher would specialise them
+
+
+def compile_sm90(fn, *args, num_warps=4, num_stages=2, **constexprs):
+    signature, attrs, values = {}, {}, list(args)
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+            continue
+        value = values.pop(0)
+        if isinstance(value, torch.Tensor):
+            signature[name] = "*" + TYPES[value.dtype]
+        else:
+            signature[name] = "fp32" if isinstance(value, float) else "i32"
+        if isinstance(value, torch.Tensor) or (isinstance(value, int) and value % 16 == 0
+                                               and value):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    assert not values, "too many arguments"
+    kernel = triton.compile(ASTSource(fn, signature, constexprs=constexprs, attrs=attrs),
+                            target=TARGET,
+                            options=dict(num_warps=num_warps, num_stages=num_stages))
+    return kernel
+
+
+def resource_usage(kernel) -> str:
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                             "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        out = subprocess.run([cuobjdump, "--dump-resource-usage", f.name],
+                             capture_output=True, text=True).stdout
+    return " ".join(line.split("Resource usage:")[-1].strip()
+                    for line in out.splitlines() if "REG:" in line)
+
+
+def main() -> int:
+    da, ea, ms = decode_attention, extend_attention, mask_sample
+    builds = {
+        "decode_split": lambda: compile_sm90(
+            da._decode_split_kernel, BF, BF, BF, I32, I32, F32, F32, 0.1, 0, *[N] * 15,
+            GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16, BLOCK_N=64, PAGE_SIZE=16,
+            NUM_SPLITS=8),
+        "decode_reduce": lambda: compile_sm90(
+            da._decode_reduce_kernel, F32, F32, BF, *[N] * 7, NUM_SPLITS=8, BLOCK_S=8,
+            HEAD_DIM=128, BLOCK_D=128),
+        "extend": lambda: compile_sm90(
+            ea._extend_kernel, BF, BF, BF, BF, I32, I32, I32, I64, 0.1, 0, *[N] * 12,
+            GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, PAGE_SIZE=16),
+        "prepare_inputs": lambda: compile_sm90(
+            prepare_inputs._prepare_kernel, I64, I32, I32, I32, I32, I64, I64, I32, I32, I64,
+            *[N] * 5, PAGE_SIZE=16, BLOCK_R=256, BLOCK_W=4, BLOCK_T=1024),
+        "kv_write": lambda: compile_sm90(
+            kv_write._kv_write_kernel, BF, BF, BF, BF, I64, *[N] * 4, ROW=1024, BLOCK=1024),
+        "philox": lambda: compile_sm90(philox._uniform_kernel, I64, I64, F32, N, BLOCK=1024),
+        "mask_sample_partial": lambda: compile_sm90(
+            ms._partial_kernel, F32, I32, F32, I64, I64, F32, *[N] * 5, HAS_MASK=True,
+            NUM_SPLITS=4, BLOCK=1024, BLOCK_W=1024),
+        "mask_sample_finalize": lambda: compile_sm90(
+            ms._finalize_kernel, BF, I32, F32, I32, F32, I64, I64, F32, I32, F32, *[N] * 4,
+            HAS_MASK=True, ENABLE_FILTERS=True, NUM_SPLITS=4, BLOCK_S=4, BLOCK=1024,
+            BLOCK_W=1024, PROBES=8),
+    }
+    failed = 0
+    for name, build in builds.items():
+        try:
+            print(f"{name}: ok {resource_usage(build())}")
+        except Exception as exc:  # report every kernel, then fail
+            failed += 1
+            print(f"{name}: FAILED {exc!r}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
