@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from generation_service.engine.events import UnenforcedKeyword
+from grammar_service import metrics
 from generation_service.engine.params import GrammarSpec
 from grammar_service.backends import resolve_backend_name
 from grammar_service.backends.base import GrammarBackend, GrammarCompileError
@@ -108,6 +109,7 @@ class GrammarCompiler:
             if (entry := self._by_key.get(key)) is not None:
                 self._by_key.move_to_end(key)
                 self.stats.num_cache_hits += 1
+                metrics.COMPILE_REQUESTS.labels("cache_hit").inc()
                 return _done(CompileOutcome(entry, cache_hit=True))
             if (negative := self._negative.get(key)) is not None:
                 if negative.expires_at > self._clock():
@@ -163,6 +165,7 @@ class GrammarCompiler:
             elapsed_ms = (time.perf_counter() - started) * 1e3
             exc = done.exception()
             if exc is None:
+                metrics.COMPILE_SECONDS.labels(spec.kind).observe(elapsed_ms / 1e3)
                 self._store(key, backend, done.result(), elapsed_ms, unenforced, result)
             elif isinstance(exc, GrammarCompileError):
                 self._fail(key, CompileError("INVALID_ARGUMENT", str(exc)), result)
@@ -185,6 +188,7 @@ class GrammarCompiler:
                 _, old = self._by_key.popitem(last=False)
                 del self._by_id[old.grammar_id]
             self.stats.num_compiles += 1
+        metrics.COMPILE_REQUESTS.labels("compiled").inc()
         result.set_result(CompileOutcome(entry, cache_hit=False))
 
     def _fail(self, key: str, error: CompileError, result: Future, *, timed_out: bool = False) -> None:
@@ -195,6 +199,7 @@ class GrammarCompiler:
             self._negative[key] = _Negative(error, self._clock() + self._config.negative_cache_ttl_s)
             self.stats.num_errors += 1
             self.stats.num_timeouts += timed_out
+        metrics.COMPILE_REQUESTS.labels("error").inc()
         result.set_exception(error)
 
     def _on_timeout(self, key: str, result: Future) -> None:

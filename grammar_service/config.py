@@ -18,6 +18,8 @@ class GrammarServiceConfig:
     tokenizer_dir: str | None = None    # preload a tokenizer (else the first OpenChannel's)
     vocab_size: int | None = None       # logits width for the preloaded tokenizer
     shutdown_grace_s: float = 5.0
+    health_port: int = 0                # >0: plaintext TCP port serving only grpc.health.v1 (probes)
+    metrics_port: int = 0               # >0: Prometheus /metrics over HTTP
 
     def __post_init__(self) -> None:
         if self.num_compile_threads < 1:

@@ -22,6 +22,7 @@ from typing import Callable
 
 import numpy as np
 
+from grammar_service import metrics
 from grammar_service.backends.base import GrammarBackend, Matcher
 from grammar_service.slots import SlotTable
 from step_channel import (
@@ -122,6 +123,7 @@ class StepLoop:
         self.num_steps += 1
         self.total_step_ns += elapsed_ns
         self._step_ns.append(elapsed_ns)
+        metrics.STEP_SECONDS.observe(elapsed_ns / 1e9)
 
     def _advance(self, prev_rows: list[list[int]], prev_entry, results: np.ndarray) -> None:
         """a. Deferred advance by step N-1's accepted tokens; results indexed by N-1's rows."""
@@ -147,6 +149,7 @@ class StepLoop:
                 if not ok:
                     log.info("slot %d: token %d (index %d) rejected by its grammar", slot, tokens[j], j)
                     results[r, 1] = ERR_TOKEN_REJECTED
+                    metrics.ROWS_REJECTED.inc()
                     self.slots.release(slot)
                 elif matcher.is_terminated():
                     results[r, 0] = j  # later tokens of the row are past the end: ignored

@@ -15,16 +15,19 @@ import threading
 from concurrent import futures
 
 import grpc
+import prometheus_client
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from generation_service.engine.params import GrammarSpec
+from structgen import telemetry
 from grammar_service.config import GrammarServiceConfig
 from grammar_service.service import GrammarService, ServiceError
 from step_channel import Geometry
 from structgen.v1 import grammar_pb2, grammar_pb2_grpc
 
 log = logging.getLogger(__name__)
+_tracer = telemetry.tracer(__name__)
 SERVICE_NAME = grammar_pb2.DESCRIPTOR.services_by_name["GrammarService"].full_name
 
 
@@ -89,7 +92,12 @@ class GrammarServicer(grammar_pb2_grpc.GrammarServiceServicer):
         return grammar_pb2.CloseChannelResponse(was_open=self.service.close_channel(request.channel_name))
 
     def Compile(self, request, context):
-        outcome = self.service.compile(spec_from_proto(request)).result()
+        spec = spec_from_proto(request)
+        # The caller's span (propagated in trace_context) is the parent of the compile span.
+        with _tracer.start_as_current_span("grammar.compile", context=telemetry.extract(request.trace_context)) as span:
+            span.set_attribute("grammar.kind", spec.kind)
+            outcome = self.service.compile(spec).result()
+            span.set_attribute("grammar.cache_hit", outcome.cache_hit)
         entry = outcome.entry
         return grammar_pb2.CompileResponse(
             grammar_id=entry.grammar_id, backend=entry.backend, cached=outcome.cache_hit,
@@ -126,6 +134,14 @@ class RunningServer:
             os.umask(old_umask)
         if path:
             os.chmod(path, 0o600)
+        self.health_server = None
+        if config.health_port:  # kubelet grpc probes cannot reach a Unix socket
+            self.health_server = grpc.server(futures.ThreadPoolExecutor(2))
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            self.health_server.add_insecure_port(f"0.0.0.0:{config.health_port}")
+            self.health_server.start()
+        if config.metrics_port:
+            prometheus_client.start_http_server(config.metrics_port)
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("grammar_service listening on %s", config.listen)
@@ -133,6 +149,8 @@ class RunningServer:
     def stop(self) -> None:
         self.health.enter_graceful_shutdown()
         self.server.stop(self.config.shutdown_grace_s).wait()
+        if self.health_server is not None:
+            self.health_server.stop(0)
         self.service.close()
         path = self.config.socket_path
         if path and os.path.exists(path):
@@ -171,5 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         log.error("bad configuration: %s", exc)
         return 2
-    serve(config)
+    telemetry.setup("structgen-grammar")
+    try:
+        serve(config)
+    finally:
+        telemetry.shutdown()
     return 0

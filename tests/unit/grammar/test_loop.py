@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 
 from channel_driver import Row, allowed_tokens, is_allowed
-from conftest import EOS
 from generation_service.engine.params import GrammarSpec
 from real_tokenizers import continuation_ids
 from step_channel import (
     ERR_NO_MATCHER, ERR_NONE, ERR_TOKEN_REJECTED, ERR_UNKNOWN_GRAMMAR, FLAG_CONSTRAINED, FLAG_RELEASE, MASK_OK,
 )
 
+EOS = 2  # "</s>" in the Mistral vocabulary
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string"}, "age": {"type": "integer", "minimum": 0},
     "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3}},
