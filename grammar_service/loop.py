@@ -67,6 +67,12 @@ class StepLoop:
         self._step_ns: deque[int] = deque(maxlen=1024)
         for k in range(g.depth):  # the region starts zeroed; unconstrained rows are all ones
             channel.entry(k).masks[:] = -1
+        # After a matcher accepted its stop token only stop tokens stay allowed (the engine
+        # learns of the termination from results one step later when steps overlap).
+        self._stop_only = np.zeros(g.mask_words, np.int32)
+        for token in backend.tokenizer.stop_token_ids:
+            if token < g.vocab_size:
+                self._stop_only.view(np.uint32)[token >> 5] |= np.uint32(1 << (token & 31))
 
     # ---- thread --------------------------------------------------------------------------
     def start(self) -> None:
@@ -178,18 +184,24 @@ class StepLoop:
         entry = self.channel.entry(step)
         max_pos, masks, valid = g.max_positions, entry.masks, entry.valid_positions
         walkers: list[_Walker] = []
+        stop_rows: list[int] = []
         for r, (slot, num_positions, flags, _) in enumerate(rows):
             num_positions = min(max(num_positions, 0), max_pos)
             valid[r] = num_positions
             if not flags & FLAG_CONSTRAINED:
                 continue
-            if self.slots.is_valid(slot) and self.slots[slot].can_fill and num_positions > 0:
-                walkers.append(_Walker(r, self.slots[slot].matcher, num_positions,
+            state = self.slots[slot] if self.slots.is_valid(slot) else None
+            if state is not None and state.can_fill and num_positions > 0:
+                walkers.append(_Walker(r, state.matcher, num_positions,
                                        entry.drafts[r, :num_positions - 1].tolist()))
                 valid[r] = 1
+            elif state is not None and state.is_terminated and num_positions > 0:
+                masks[r * max_pos] = self._stop_only
+                stop_rows.append(r * max_pos)
+                valid[r] = 1
             else:
-                valid[r] = 0  # no exact mask: no matcher (error reported), terminated, or no slot
-        filled: list[int] = []
+                valid[r] = 0  # no exact mask: no matcher (its error is in the results) or no slot
+        filled: list[int] = stop_rows
         level = walkers
         for p in range(max_pos):
             if not level:

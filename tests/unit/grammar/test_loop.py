@@ -85,9 +85,13 @@ def test_stop_token_reports_terminated_at(driver, compile_id, mistral_32k):
     ids = continuation_ids(mistral_32k, "yes")
     driver.step([Row.fresh(0, gid, drafts=[])])
     driver.finish([ids + [EOS]])  # the whole answer accepted in one step (drafts verified)
-    view = driver.step([Row(0)])
+    view = driver.step([Row(0, 2, FLAG_CONSTRAINED, 0, [EOS])])  # the engine has not seen the results yet
     assert view.results[0].tolist() == [len(ids), ERR_NONE]
-    assert view.valid_positions[0] == 0 and _ones(view.masks[0, 0])  # nothing to constrain any more
+    # a terminated matcher allows only the stop token and walks no drafts
+    assert view.valid_positions[0] == 1 and list(allowed_tokens(view.masks[0, 0])) == [EOS]
+    assert _ones(view.masks[0, 1])
+    driver.finish([[EOS]])
+    assert driver.step([Row(0)]).results.tolist() == [[-1, ERR_NONE]]  # tokens past the end are ignored
 
 
 def test_token_outside_mask_is_an_error_row_and_drops_the_matcher(driver, compile_id, mistral_32k):
