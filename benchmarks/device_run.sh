@@ -28,7 +28,7 @@ PY
 cat "$OUT/env.txt"
 rc=0
 if [[ $what == tests || $what == all ]]; then
-  timeout 240 python3 -m pytest -p no:cacheprovider -m gpu tests/gpu -v -s --timeout=150 \
+  timeout 240 python3 -m pytest -p no:cacheprovider -m gpu ${TESTS:-tests/gpu} -v -s --timeout=150 \
     --junitxml="$OUT/junit.xml" 2>&1 | tee "$OUT/tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|round trip|passed|failed|Error|error" | tail -40
   rc=$?
 fi

@@ -86,7 +86,7 @@ class GpuDecodeRunner:
 
     def __init__(self, model, kv: KVCache, *, max_batch: int = 128, buckets=DEFAULT_BUCKETS,
                  mapped=None, variants: tuple[GraphVariant, ...] | None = None,
-                 sampler: str = "triton", fuse_weights: bool = True) -> None:
+                 sampler: str = "triton", fuse_weights: bool = True, fused_ops: bool | None = None) -> None:
         self.model = model
         self.config = model.config
         self.kv = kv
@@ -98,6 +98,9 @@ class GpuDecodeRunner:
         max_pages = -(-self.config.max_position_embeddings // kv.page_size)
         self.buffers = DecodeBuffers.allocate(self.max_batch, max_pages, self.device)
         self.fused = fuse_layer_weights(model) if fuse_weights else None
+        if fused_ops is None:  # Triton element-wise fusions: Llama layout without q/k norms
+            fused_ops = fuse_weights and not self.config.qk_norm and self.config.head_dim % 32 == 0
+        self.fused_ops = fused_ops
         from generation_service.kernels import get_attention_backend
         self.attention = get_attention_backend("triton")
         if variants is None:
@@ -130,15 +133,54 @@ class GpuDecodeRunner:
 
     # ---- the forward -----------------------------------------------------------------
     def decode_forward(self, bucket: int) -> torch.Tensor:
-        """(bucket, vocab) fp32 logits of one token per row; graph safe (no host reads)."""
+        """(bucket, vocab) logits of one token per row; graph safe (no host reads)."""
+        if self.fused_ops:
+            return self._decode_forward_fused(bucket)
+        return self._decode_forward_torch(bucket)
+
+    def _slot_ids(self, bucket: int) -> torch.Tensor:
+        """(b,) int64 flattened cache slot of each row's new token (padding rows: dummy page)."""
+        buf, kv = self.buffers, self.kv
+        positions, page_table = buf.positions[:bucket], buf.page_table[:bucket]
+        page_col = (positions // kv.page_size).clamp(max=page_table.shape[1] - 1)
+        pages = page_table.gather(1, page_col.unsqueeze(1)).squeeze(1).long()
+        return pages * kv.page_size + positions % kv.page_size
+
+    def _decode_forward_fused(self, bucket: int) -> torch.Tensor:
+        """~10 launches per layer: norm, qkv, rope+kv write, attention (2), o_proj,
+        add+norm, gate_up, silu*mul, down. bf16 logits (mask_sample reads them as they are)."""
+        from generation_service.engine.decode_fused import add_rmsnorm, rope_write_kv, silu_mul
+        cfg, buf, m, kv = self.config, self.buffers, self.model, self.kv
+        ids = buf.input_ids[:bucket].clamp(0, cfg.vocab_size - 1)
+        meta = _Meta(buf.page_table[:bucket], buf.seq_lens[:bucket], self._extend_lens[:bucket])
+        slot_ids = self._slot_ids(bucket)
+        residual = m.model.embed_tokens(ids)  # (b, hidden)
+        cos, sin = m.rotary(buf.positions[:bucket], residual.dtype)  # (b, D) each
+        q_dim, eps, scale = cfg.num_heads * cfg.head_dim, cfg.rms_norm_eps, cfg.head_dim ** -0.5
+        delta = None
+        for index, layer in enumerate(m.model.layers):
+            w = self.fused[index]
+            x, residual = add_rmsnorm(delta if delta is not None else residual,
+                                      residual if delta is not None else None,
+                                      layer.input_layernorm.weight, eps)
+            qkv = F.linear(x, w.qkv, w.qkv_bias)
+            q = rope_write_kv(qkv, cos, sin, kv.k[index], kv.v[index], slot_ids,
+                              cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+            o = self.attention.decode(q, kv.k[index], kv.v[index], meta, scale,
+                                      sliding_window=cfg.sliding_window)
+            delta = layer.self_attn.o_proj(o.view(bucket, q_dim))
+            x, residual = add_rmsnorm(delta, residual, layer.post_attention_layernorm.weight, eps)
+            delta = layer.mlp.down_proj(silu_mul(F.linear(x, w.gate_up)))
+        x, _ = add_rmsnorm(delta, residual, m.model.norm.weight, eps)
+        return F.linear(x, m.output_weight)
+
+    def _decode_forward_torch(self, bucket: int) -> torch.Tensor:
+        """The same step from the model's own modules (the v1 path; ~36 launches per layer)."""
         cfg, buf, m, kv = self.config, self.buffers, self.model, self.kv
         ids = buf.input_ids[:bucket].clamp(0, cfg.vocab_size - 1)
         positions = buf.positions[:bucket]
-        page_table = buf.page_table[:bucket]
-        meta = _Meta(page_table, buf.seq_lens[:bucket], self._extend_lens[:bucket])
-        page_col = (positions // kv.page_size).clamp(max=page_table.shape[1] - 1)
-        pages = page_table.gather(1, page_col.unsqueeze(1)).squeeze(1).long()
-        slot_ids = pages * kv.page_size + positions % kv.page_size  # (b,) flattened cache slots
+        meta = _Meta(buf.page_table[:bucket], buf.seq_lens[:bucket], self._extend_lens[:bucket])
+        slot_ids = self._slot_ids(bucket)
         hidden = m.model.embed_tokens(ids)  # (b, hidden)
         cos, sin = m.rotary(positions, hidden.dtype)
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -200,7 +242,7 @@ class GpuDecodeRunner:
                                  mask_vocab_size=self.mask_vocab if masks is not None else None,
                                  enable_filters=False)
             return ids.long()
-        logits = logits.nan_to_num(nan=float("-inf"))
+        logits = logits.float().nan_to_num(nan=float("-inf"))
         if masks is not None:
             apply_bitmask_torch(logits, masks)
         return logits.argmax(dim=-1)
