@@ -15,7 +15,7 @@ from generation_service.engine.params import (
     GenerationRequest, GrammarSpec, SamplingParams, SpeculativeParams,
 )
 from tests.integration.test_engine_support import (
-    collect, make_engine, run_all, small_untied_model, start_grammar_service, wait_settled,
+    collect, make_engine, run_all, shared_grammar_service, shared_model, wait_settled,
 )
 
 PROMPTS = [
@@ -41,16 +41,14 @@ CHOICES = ("alpha", "beta", "gamma delta")
 
 
 @pytest.fixture(scope="module")
-def grammar_service(tmp_path_factory):
-    service = start_grammar_service(tmp_path_factory.mktemp("grammar"))
-    yield service
-    service.stop()
+def grammar_service():
+    return shared_grammar_service()
 
 
 @pytest.fixture(scope="module")
-def engine(grammar_service, tmp_path_factory):
-    engine = make_engine(grammar_service.address, model=small_untied_model(tmp_path_factory.mktemp("model")),
-                         max_batch=8, max_draft_tokens=4, page_size=8)
+def engine(grammar_service):
+    engine = make_engine(grammar_service.address, model=shared_model(), max_batch=8, max_draft_tokens=4,
+                         page_size=8)
     yield engine
     engine.stop()
 

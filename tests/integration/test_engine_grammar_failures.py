@@ -23,10 +23,10 @@ def test_grammar_service_death_fails_constrained_only_and_reconnects(folder):
     engine = make_engine(service.address, max_batch=8, grammar_wait_timeout_s=2.0)
     try:
         prompt = tuple(engine.tokenizer.encode("Write letters:"))
-        free = [engine.submit(GenerationRequest(f"free{i}", prompt, SamplingParams(max_new_tokens=120, ignore_eos=True)))
+        free = [engine.submit(GenerationRequest(f"free{i}", prompt, SamplingParams(max_new_tokens=48, ignore_eos=True)))
                 for i in range(2)]
         constrained = [engine.submit(GenerationRequest(
-            f"con{i}", prompt, SamplingParams(max_new_tokens=120), grammar=GrammarSpec("regex", "[a-z]{300}")))
+            f"con{i}", prompt, SamplingParams(max_new_tokens=48), grammar=GrammarSpec("regex", "[a-z]{300}")))
             for i in range(2)]
         for stream in free + constrained:
             while not stream.get(timeout=60).token_ids:
@@ -38,7 +38,7 @@ def test_grammar_service_death_fails_constrained_only_and_reconnects(folder):
             assert result.error.status == "UNAVAILABLE", result.error
         for stream in free:
             result = collect(stream)
-            assert result.finish_reason is FinishReason.MAX_TOKENS and result.usage.completion_tokens == 120
+            assert result.finish_reason is FinishReason.MAX_TOKENS and result.usage.completion_tokens == 48
         stats = wait_settled(engine)
         assert (stats.num_kv_pages_used, stats.num_slots_used, stats.num_grammar_matchers) == (0, 0, 0)
         assert not stats.grammar_available and stats.grammar_disconnects == 1

@@ -11,7 +11,7 @@ from generation_service.engine.errors import QueueFullError
 from generation_service.engine.events import FinishReason
 from generation_service.engine.params import GenerationRequest, GrammarSpec, SamplingParams, SpeculativeParams
 from tests.integration.test_engine_support import (
-    make_engine, run_all, small_untied_model, start_grammar_service, wait_settled,
+    make_engine, run_all, shared_grammar_service, shared_model, wait_settled,
 )
 
 SCHEMA = {"type": "object", "properties": {"word": {"type": "string", "maxLength": 8},
@@ -22,17 +22,15 @@ PROMPTS = ["The quick brown fox jumps over the lazy dog.", "Hello, my name is", 
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    service = start_grammar_service(tmp_path_factory.mktemp("grammar"))
-    model = small_untied_model(tmp_path_factory.mktemp("model"))
-    common = dict(model=model, max_batch=6, page_size=4, max_draft_tokens=3, prefill_chunk_tokens=16)
+def setup():
+    service = shared_grammar_service()
+    common = dict(model=shared_model(), max_batch=6, page_size=4, max_draft_tokens=3, prefill_chunk_tokens=16)
     large = make_engine(service.address, **common)
     # 24 pages x 4 tokens: about three of the six requests' full contexts at a time.
     tiny = make_engine(service.address, num_pages=25, max_waiting=8, **common)
     yield large, tiny
     large.stop()
     tiny.stop()
-    service.stop()
 
 
 def requests(engine):

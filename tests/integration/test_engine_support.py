@@ -2,10 +2,13 @@
 on a unix socket, an Engine wired to it, and collecting a stream into one result."""
 from __future__ import annotations
 
+import atexit
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -127,3 +130,32 @@ def small_untied_model(folder: pathlib.Path) -> str:
         if (source / name).is_file():
             shutil.copy(source / name, folder / name)
     return f"random:{folder / 'config.json'}"
+
+
+_SHARED: dict[str, object] = {}
+
+
+def _shared_folder() -> pathlib.Path:
+    if "folder" not in _SHARED:
+        folder = pathlib.Path(tempfile.mkdtemp(prefix="structgen-engine-tests-"))
+        atexit.register(shutil.rmtree, folder, True)
+        _SHARED["folder"] = folder
+    return _SHARED["folder"]
+
+
+def shared_grammar_service() -> GrammarServiceProcess:
+    """One grammar_service for the test modules that do not kill theirs (it loads the
+    tokenizer once: the slowest part of starting it)."""
+    service = _SHARED.get("grammar")
+    if service is None or service.process.poll() is not None:
+        service = start_grammar_service(_shared_folder(), "shared-grammar")
+        atexit.register(service.stop)
+        _SHARED["grammar"] = service
+    return service
+
+
+def shared_model() -> str:
+    """small_untied_model in one folder per test process (grammar_service keys its tokenizer by path)."""
+    if "model" not in _SHARED:
+        _SHARED["model"] = small_untied_model(_shared_folder() / "model")
+    return _SHARED["model"]
