@@ -37,6 +37,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--compact", action="store_true", help="JSON without free whitespace")
     parser.add_argument("--strict", action="store_true", help="refuse schemas the grammar cannot fully enforce")
     parser.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    parser.add_argument("--token", default=None, help="bearer token (default $STRUCTGEN_TOKEN)")
     parser.add_argument("-v", "--verbose", action="store_true", help="report, usage and validation on stderr")
     parser.set_defaults(run=run)
 
@@ -70,7 +71,8 @@ def run(args: argparse.Namespace, _rest) -> int:
         return 2
     last = None
     try:
-        with Client(address, timeout=args.timeout) as client:
+        token = args.token or os.environ.get("STRUCTGEN_TOKEN")
+        with Client(address, timeout=args.timeout, token=token) as client:
             for chunk in client.generate(**options):
                 if chunk.guarantee and args.verbose:
                     print(f"[guarantee] {chunk.guarantee}", file=sys.stderr)

@@ -1,16 +1,24 @@
-"""`structgen serve` process management, on a server of its own: the grammar_service child is
-restarted after a crash (free requests keep working meanwhile, constrained ones recover), and
-SIGTERM drains open streams, exits 0 and takes the child down."""
+"""`structgen serve` as operators run it, on a server of its own with a bearer token, a
+plaintext health-only port and a metrics port: unauthenticated calls are refused (health
+exempt); the grammar_service child is restarted after a crash (free requests keep working
+meanwhile, constrained ones recover); SIGTERM drains open streams, exits 0 and takes the
+child down."""
 import os
 import pathlib
 import signal
+import socket
 import threading
 import time
+import urllib.request
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import start_serve, stop_serve
-from structgen_client import Client, StructgenError, UnavailableError
+from structgen_client import Client, StructgenError, UnauthenticatedError, UnavailableError
+
+TOKEN = "s3cret-token"
 
 
 def _children(pid: int) -> list[int]:
@@ -29,13 +37,49 @@ def _is_alive(pid: int) -> bool:
         return False
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
 def own_server(tmp_path_factory):
-    server = start_serve(["--max-new-tokens-limit=256", "--drain-seconds=30"],
-                         tmp_path_factory.mktemp("serve2") / "serve.log")
+    folder = tmp_path_factory.mktemp("serve2")
+    (folder / "token").write_text(TOKEN + "\n")
+    health_port, metrics_port = _free_port(), _free_port()
+    server = start_serve(["--max-new-tokens-limit=256", "--drain-seconds=30",
+                          f"--auth-token-file={folder / 'token'}", f"--health-port={health_port}",
+                          f"--metrics-port={metrics_port}"], folder / "serve.log")
+    server.health_port, server.metrics_port = health_port, metrics_port
     yield server
     if server.process.poll() is None:
         stop_serve(server)
+
+
+def _health(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
+
+
+def test_bearer_token_is_required_except_for_health(own_server):
+    with Client(own_server.address, timeout=30) as anonymous:
+        with pytest.raises(UnauthenticatedError):
+            anonymous.generate_text("hi", max_tokens=2)
+        with pytest.raises(UnauthenticatedError):
+            anonymous.model_info()
+    with Client(own_server.address, timeout=30, token="wrong") as wrong:
+        with pytest.raises(UnauthenticatedError):
+            wrong.model_info()
+    with Client(own_server.address, timeout=30, token=TOKEN) as client:
+        assert len(client.generate_text("hi", max_tokens=2).token_ids) == 2
+    assert _health(own_server.address) == health_pb2.HealthCheckResponse.SERVING
+    assert _health(f"127.0.0.1:{own_server.health_port}") == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_metrics_port_serves_prometheus_text(own_server):
+    with urllib.request.urlopen(f"http://127.0.0.1:{own_server.metrics_port}/metrics", timeout=10) as reply:
+        assert reply.status == 200 and b"# TYPE" in reply.read()
 
 
 def _constrained_ok(client) -> bool:
@@ -47,7 +91,7 @@ def _constrained_ok(client) -> bool:
 
 def test_grammar_child_is_restarted_after_a_crash(own_server):
     (child,) = _children(own_server.process.pid)
-    with Client(own_server.address, timeout=60) as client:
+    with Client(own_server.address, timeout=60, token=TOKEN) as client:
         assert _constrained_ok(client)
         os.kill(child, signal.SIGKILL)
         free = client.generate_text("Free text still works", max_tokens=4)
@@ -62,7 +106,7 @@ def test_grammar_child_is_restarted_after_a_crash(own_server):
 
 def test_sigterm_drains_open_streams_then_exits_zero(own_server):
     (child,) = _children(own_server.process.pid)
-    with Client(own_server.address, timeout=120) as client:
+    with Client(own_server.address, timeout=120, token=TOKEN) as client:
         stream = iter(client.generate("A long answer:", max_tokens=200, ignore_eos=True))
         first = next(stream)
         result = {}

@@ -13,7 +13,8 @@ from structgen_client.aio import AsyncClient, AsyncGenerationStream
 from structgen_client.client import Client, GenerationStream
 from structgen_client.errors import (CancelledError, DeadlineExceededError, InternalError,
                                      InvalidArgumentError, OutOfRangeError, ResourceExhaustedError,
-                                     StructgenError, UnavailableError, from_rpc_error)
+                                     StructgenError, UnauthenticatedError, UnavailableError,
+                                     from_rpc_error)
 from structgen_client.types import (Chunk, Completion, EngineStats, Guarantee, ModelInfo,
                                     TokenLogprob, UnenforcedKeyword, Usage, Validation)
 
@@ -21,6 +22,6 @@ __all__ = [
     "AsyncClient", "AsyncGenerationStream", "CancelledError", "Chunk", "Client", "Completion",
     "DeadlineExceededError", "EngineStats", "GenerationStream", "Guarantee", "InternalError",
     "InvalidArgumentError", "ModelInfo", "OutOfRangeError", "ResourceExhaustedError",
-    "StructgenError", "TokenLogprob", "UnavailableError", "UnenforcedKeyword", "Usage",
-    "Validation", "build_request", "from_rpc_error",
+    "StructgenError", "TokenLogprob", "UnauthenticatedError", "UnavailableError",
+    "UnenforcedKeyword", "Usage", "Validation", "build_request", "from_rpc_error",
 ]

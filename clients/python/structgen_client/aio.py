@@ -11,6 +11,7 @@ from structgen.v1 import generation_pb2_grpc as pb_grpc
 
 from structgen_client._convert import (build_request, build_tokenize_request, to_chunk,
                                        to_engine_stats, to_model_info)
+from structgen_client.client import auth_metadata, make_channel
 from structgen_client.errors import from_rpc_error
 from structgen_client.types import Chunk, Completion, EngineStats, ModelInfo
 
@@ -42,15 +43,18 @@ class AsyncGenerationStream:
 class AsyncClient:
     """asyncio twin of `Client`; create it inside a running event loop."""
 
-    def __init__(self, address: str = "localhost:50051", *, timeout: float | None = None):
-        self._channel = grpc.aio.insecure_channel(address)
+    def __init__(self, address: str = "localhost:50051", *, timeout: float | None = None,
+                 token: str | None = None, root_certificates: bytes | None = None, options=()):
+        self._channel = make_channel(address, root_certificates, list(options), aio=True)
         self._stub = pb_grpc.GenerationServiceStub(self._channel)
         self._timeout = timeout
+        self._metadata = auth_metadata(token)
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None,
                  **options: Any) -> AsyncGenerationStream:
         request = build_request(prompt, **options)
-        return AsyncGenerationStream(self._stub.Generate(request, timeout=timeout or self._timeout))
+        return AsyncGenerationStream(self._stub.Generate(request, timeout=timeout or self._timeout,
+                                                         metadata=self._metadata))
 
     async def generate_text(self, prompt: str | None = None, *, timeout: float | None = None,
                             **options: Any) -> Completion:
@@ -68,7 +72,7 @@ class AsyncClient:
 
     async def _unary(self, method, request):
         try:
-            return await method(request, timeout=self._timeout)
+            return await method(request, timeout=self._timeout, metadata=self._metadata)
         except grpc.RpcError as error:
             raise from_rpc_error(error) from None
 

@@ -41,20 +41,41 @@ class GenerationStream:
         self.cancel()
 
 
+def make_channel(address: str, root_certificates: bytes | None, options, aio: bool = False):
+    """Plaintext, or TLS when `root_certificates` (PEM bytes of the server's CA) is given."""
+    module = grpc.aio if aio else grpc
+    if root_certificates is None:
+        return module.insecure_channel(address, options=options)
+    credentials = grpc.ssl_channel_credentials(root_certificates=root_certificates)
+    return module.secure_channel(address, credentials, options=options)
+
+
+def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
 class Client:
-    """A connection to a structgen server. `timeout` (seconds) is the default call deadline."""
+    """A connection to a structgen server.
+
+    `timeout` (seconds) is the default call deadline; `token` is sent as
+    "authorization: Bearer <token>" (servers started with --auth-token-file);
+    `root_certificates` (PEM bytes) switches to TLS.
+    """
 
     def __init__(self, address: str = "localhost:50051", *, timeout: float | None = None,
-                 channel: grpc.Channel | None = None):
-        self._channel = channel or grpc.insecure_channel(address)
+                 token: str | None = None, root_certificates: bytes | None = None,
+                 channel: grpc.Channel | None = None, options=()):
+        self._channel = channel or make_channel(address, root_certificates, list(options))
         self._stub = pb_grpc.GenerationServiceStub(self._channel)
         self._timeout = timeout
+        self._metadata = auth_metadata(token)
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None,
                  **options: Any) -> GenerationStream:
         """Stream a completion. Options: see `structgen_client.build_request`."""
         request = build_request(prompt, **options)
-        return GenerationStream(self._stub.Generate(request, timeout=timeout or self._timeout))
+        return GenerationStream(self._stub.Generate(request, timeout=timeout or self._timeout,
+                                                    metadata=self._metadata))
 
     def generate_text(self, prompt: str | None = None, *, timeout: float | None = None,
                       **options: Any) -> Completion:
@@ -86,7 +107,7 @@ class Client:
 
     def _unary(self, method, request):
         try:
-            return method(request, timeout=self._timeout)
+            return method(request, timeout=self._timeout, metadata=self._metadata)
         except grpc.RpcError as error:
             raise from_rpc_error(error) from None
 

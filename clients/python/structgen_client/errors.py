@@ -48,9 +48,14 @@ class InternalError(StructgenError):
     code = grpc.StatusCode.INTERNAL
 
 
+class UnauthenticatedError(StructgenError):
+    """The server requires a bearer token (Client(token=...)) and got none or a wrong one."""
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
 _BY_CODE = {cls.code: cls for cls in (InvalidArgumentError, OutOfRangeError, ResourceExhaustedError,
                                       DeadlineExceededError, CancelledError, UnavailableError,
-                                      InternalError)}
+                                      InternalError, UnauthenticatedError)}
 
 
 def from_rpc_error(error: grpc.RpcError) -> StructgenError:
