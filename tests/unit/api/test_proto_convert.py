@@ -1,0 +1,94 @@
+"""proto <-> domain at the gRPC edge (generation_service/proto_convert.py), no server."""
+import grpc
+import pytest
+
+from generation_service.config import ServeConfig
+from generation_service.engine.errors import InvalidRequestError, LimitExceededError, QueueFullError
+from generation_service.engine.events import FinishReason, GuaranteeReport, OutputEvent, Usage
+from generation_service.interceptors import status_of
+from generation_service.proto_convert import event_to_proto, to_generation_request, validation_to_proto
+from structgen.v1 import generation_pb2 as pb
+
+
+class FakeTokenizer:
+    vocab_size = 100
+
+    def encode(self, text):
+        return [ord(c) % 100 for c in text]
+
+    def apply_chat_template(self, messages):
+        return [1] + [len(m["content"]) for m in messages]
+
+
+CONFIG = ServeConfig(max_grammar_bytes=10, default_max_tokens=7, default_temperature=0.5)
+
+
+def convert(request, config=CONFIG):
+    return to_generation_request(request, FakeTokenizer(), config, time_remaining=None)
+
+
+def test_unset_sampling_fields_take_server_defaults_and_set_ones_win():
+    domain = convert(pb.GenerateRequest(prompt="hi"))
+    assert domain.sampling.temperature == 0.5 and domain.sampling.max_new_tokens == 7
+    assert domain.sampling.top_p == 1.0 and domain.sampling.seed is None
+    explicit = pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(temperature=0.0, seed=0))
+    domain = convert(explicit)
+    assert domain.sampling.temperature == 0.0 and domain.sampling.seed == 0
+
+
+def test_inputs_become_token_ids():
+    assert convert(pb.GenerateRequest(prompt="ab")).prompt_ids == (97, 98)
+    assert convert(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6]))).prompt_ids == (5, 6)
+    chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="abc")])
+    assert convert(pb.GenerateRequest(chat=chat)).prompt_ids == (1, 3)
+
+
+@pytest.mark.parametrize("request_, message", [
+    (pb.GenerateRequest(), "no input"),
+    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[100])), "vocabulary size 100"),
+    (pb.GenerateRequest(chat=pb.ChatMessages()), "at least one message"),
+    (pb.GenerateRequest(prompt="x", json_schema="{nope"), "not valid JSON"),
+])
+def test_bad_inputs_are_invalid_requests(request_, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        convert(request_)
+
+
+def test_grammar_over_the_byte_limit_names_the_limit_and_value():
+    with pytest.raises(LimitExceededError, match=r"regex constraint is 11 bytes; the limit max_grammar_bytes is 10"):
+        convert(pb.GenerateRequest(prompt="x", regex="a" * 11))
+    with pytest.raises(LimitExceededError, match="choice"):
+        convert(pb.GenerateRequest(prompt="x", choice=pb.Choice(choices=["abcdef", "ghijk"])))
+
+
+def test_constraint_options_reach_the_grammar_spec():
+    request = pb.GenerateRequest(prompt="x", json_object=pb.JsonObject(),
+                                 constraint_options=pb.ConstraintOptions(
+                                     compact=True, max_whitespace=0, strict=True,
+                                     backend=pb.GRAMMAR_BACKEND_LLGUIDANCE))
+    spec = convert(request).grammar
+    assert (spec.kind, spec.any_whitespace, spec.max_whitespace, spec.strict, spec.backend) == \
+        ("json_object", False, 0, True, "llguidance")
+
+
+def test_final_event_carries_finish_usage_and_schema_validation():
+    domain = convert(pb.GenerateRequest(prompt="x", json_schema="{}"))
+    first = event_to_proto(OutputEvent(guarantee=GuaranteeReport("xgrammar", compile_ms=1.5)), domain)
+    assert first.guarantee.backend == "xgrammar" and not first.HasField("validation")
+    final = event_to_proto(OutputEvent(token_ids=(1,), text="a", finish_reason=FinishReason.GRAMMAR_COMPLETE,
+                                       usage=Usage(1, 1), validation_errors=("/a/0: 3 is not a string",)),
+                           domain)
+    assert final.finish_reason == pb.FINISH_REASON_GRAMMAR_COMPLETE and final.usage.completion_tokens == 1
+    assert not final.validation.valid
+    assert (final.validation.errors[0].path, final.validation.errors[0].message) == ("/a/0", "3 is not a string")
+
+
+def test_validation_messages_without_a_pointer_keep_their_text():
+    result = validation_to_proto(("Expecting value: line 1 column 1",))
+    assert result.errors[0].path == "" and result.errors[0].message == "Expecting value: line 1 column 1"
+
+
+def test_status_mapping():
+    assert status_of(QueueFullError("full")) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "full")
+    assert status_of(ValueError("bad")) == (grpc.StatusCode.INVALID_ARGUMENT, "bad")
+    assert status_of(KeyError("x"))[0] == grpc.StatusCode.INTERNAL
