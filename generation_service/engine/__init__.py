@@ -1,0 +1,17 @@
+"""The generation engine: one file per noun (DESIGN §2 steps 3-6 live here).
+
+    engine.py        Engine: submit / cancel / stats / start / stop; the main loop `step`
+    config.py        EngineConfig (frozen) and EngineStats
+    request.py       Request and its states; token bookkeeping as derived properties
+    validation.py    synchronous checks of a submitted request (limits, vocabulary)
+    scheduler.py     continuous batching, chunked prefill, KV pages, preemption by recompute
+    runner.py        ScheduledBatch -> ForwardBatch -> logits (eager; CUDA graphs plug in)
+    sampler.py       NaN -> grammar mask -> temperature/top-k/top-p -> token, per-request seeds
+    speculative.py   draft proposers (n-gram) and the greedy / rejection verification rules
+    grammar_link.py  the step channel from the engine's side, with the watchdog
+    lifecycle.py     RequestTable: compile results, deadlines, events, finishing, releases
+    output.py        detokenization, stop tokens / strings / max tokens per request
+    stream.py        RequestStream handed to callers
+    params.py events.py errors.py   the contract with the server (no grpc here)
+    kv_cache.py      paged K/V storage and its page allocator (model engineer)
+"""

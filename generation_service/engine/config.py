@@ -21,6 +21,8 @@ class EngineConfig:
     channel_depth: int = 4             # step-channel ring depth (>= 3)
     kv_memory_budget_bytes: int | None = None  # num_pages None: CPU default 256 MiB, CUDA 85% of free
     seed: int = 0                      # random-weight models
+    runner: str = "eager"              # forward backend (runner.RUNNERS)
+    mask_backend: str = "torch"        # grammar-mask application (sampler.MASK_BACKENDS)
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_waiting", "page_size", "max_prompt_tokens",

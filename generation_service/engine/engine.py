@@ -30,7 +30,7 @@ from generation_service.engine.kv_cache import KVCache, PageAllocator, num_pages
 from generation_service.engine.lifecycle import RequestTable
 from generation_service.engine.params import GenerationRequest
 from generation_service.engine.request import Request
-from generation_service.engine.runner import ModelRunner
+from generation_service.engine.runner import make_runner
 from generation_service.engine.sampler import SampleResult, Sampler, SampleRow
 from generation_service.engine.scheduler import ScheduledBatch, Scheduler, SlotPool
 from generation_service.engine.speculative import PROPOSERS, make_proposer
@@ -65,8 +65,8 @@ class Engine:
             self.allocator, config.page_size, self.slots, max_batch=config.max_batch,
             max_waiting=config.max_waiting, prefill_chunk_tokens=config.prefill_chunk_tokens,
             propose_drafts=lambda r, k: self.proposers[r.spec.speculative.proposer].propose(r, k))
-        self.runner = ModelRunner(loaded.model, kv_cache, mc.vocab_size)
-        self.sampler = Sampler()
+        self.runner = make_runner(config.runner, loaded.model, kv_cache, mc.vocab_size)
+        self.sampler = Sampler(config.mask_backend)
         eos = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids if self.tokenizer else ())
         self.eos_token_ids = tuple(sorted(eos))
         self.link = self._make_link(grammar)

@@ -60,3 +60,13 @@ class ModelRunner:
 
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
         return self.model(forward_batch, self.kv_cache)
+
+
+# Runners by name (EngineConfig.runner); the CUDA-graph runner registers here.
+RUNNERS: dict[str, type[ModelRunner]] = {"eager": ModelRunner}
+
+
+def make_runner(name: str, model: torch.nn.Module, kv_cache: KVCache, vocab_size: int) -> ModelRunner:
+    if name not in RUNNERS:
+        raise ValueError(f"unknown runner {name!r}; available: {sorted(RUNNERS)}")
+    return RUNNERS[name](model, kv_cache, vocab_size)

@@ -68,10 +68,26 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
-    """In place: logits[rows[i]] := -inf where bitmask[i] disallows. (Torch reference; a
-    fused kernel, e.g. xgrammar's apply_token_bitmask_inplace, can take its place.)"""
+    """In place: logits[rows[i]] := -inf where bitmask[i] disallows (the torch reference)."""
     allowed = unpack_bitmask(bitmask, logits.shape[1])
     logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+
+def apply_token_bitmask_xgrammar(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """Same contract through xgrammar's kernel (CPU C++, CUDA or Triton by device)."""
+    import xgrammar
+
+    width = bitmask.shape[1]
+    if width * 32 < logits.shape[1]:  # tokens past the mask's vocabulary: disallowed
+        logits[rows, width * 32:] = float("-inf")
+    full = torch.full((logits.shape[0], width), -1, dtype=torch.int32, device=logits.device)
+    full[rows] = bitmask.to(logits.device)
+    xgrammar.apply_token_bitmask_inplace(logits, full, vocab_size=min(logits.shape[1], width * 32),
+                                         indices=rows.tolist())
+
+
+# Mask application backends by name (EngineConfig.mask_backend); same contract, same result.
+MASK_BACKENDS = {"torch": apply_token_bitmask, "xgrammar": apply_token_bitmask_xgrammar}
 
 
 def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -90,6 +106,11 @@ def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
 
 
 class Sampler:
+    def __init__(self, mask_backend: str = "torch") -> None:
+        if mask_backend not in MASK_BACKENDS:
+            raise ValueError(f"unknown mask backend {mask_backend!r}; available: {sorted(MASK_BACKENDS)}")
+        self.apply_mask = MASK_BACKENDS[mask_backend]
+
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow],
                  bitmask: torch.Tensor | None = None) -> list[SampleResult]:
         """logits (L, V), L = sum of rows' num_positions; bitmask (L, W) int32 aligned with
@@ -101,7 +122,7 @@ class Sampler:
                            for p in range(row.num_positions)]
             if constrained:
                 index = torch.tensor(constrained, dtype=torch.int64)
-                apply_token_bitmask(logits, bitmask[index], index)
+                self.apply_mask(logits, bitmask[index], index)
         probs = self._probs(logits, rows, starts)
         targets = logits.argmax(dim=-1).tolist()
         results = []

@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from generation_service.engine.errors import ShuttingDownError
 from generation_service.engine.events import FinishReason
 from generation_service.engine.params import GenerationRequest, GrammarSpec, SamplingParams
 from tests.integration.test_engine_support import (
@@ -64,14 +65,27 @@ def test_grammar_service_death_fails_constrained_only_and_reconnects(folder):
         service.stop()
 
 
-def test_without_grammar_service_constrained_requests_are_unavailable(tmp_path):
+def test_no_grammar_service_deadline_and_drain():
     engine = make_engine(None, max_batch=2)
+    prompt = tuple(engine.tokenizer.encode("hi"))
     try:
-        prompt = tuple(engine.tokenizer.encode("hi"))
         result = collect(engine.submit(GenerationRequest(
             "c", prompt, SamplingParams(max_new_tokens=4), grammar=GrammarSpec("regex", "a+"))))
         assert result.error.status == "UNAVAILABLE" and result.token_ids == []
-        free = collect(engine.submit(GenerationRequest("f", prompt, SamplingParams(max_new_tokens=4))))
-        assert free.finish_reason is FinishReason.MAX_TOKENS
+        late = collect(engine.submit(GenerationRequest("late", prompt, SamplingParams(max_new_tokens=4),
+                                                       deadline=time.monotonic() - 1)))
+        assert late.finish_reason is FinishReason.DEADLINE and late.error.status == "DEADLINE_EXCEEDED"
+        long = engine.submit(GenerationRequest("long", prompt, SamplingParams(max_new_tokens=1000, ignore_eos=True)))
+        short = engine.submit(GenerationRequest("short", prompt, SamplingParams(max_new_tokens=4)))
+        while not long.get(timeout=60).token_ids:
+            pass
     finally:
-        engine.stop()
+        engine.stop(grace_s=1.0)  # short finishes within the grace period, long is cancelled
+    assert collect(short).finish_reason is FinishReason.MAX_TOKENS
+    drained = collect(long)
+    assert drained.finish_reason is FinishReason.CANCELLED and drained.error.status == "UNAVAILABLE"
+    assert 0 < drained.usage.completion_tokens < 1000
+    with pytest.raises(ShuttingDownError):
+        engine.submit(GenerationRequest("after", prompt))
+    stats = engine.stats()
+    assert (stats.num_kv_pages_used, stats.num_slots_used, stats.num_running) == (0, 0, 0)

@@ -104,3 +104,19 @@ def test_speculative_greedy_rows_and_logprobs():
     expected = float(torch.log_softmax(logits[0], dim=-1)[4])
     assert math.isclose(out.logprobs[0].logprob, expected, rel_tol=1e-5)
     assert [t for t, _ in out.logprobs[0].top][0] == 4 and len(out.logprobs[0].top) == 2
+
+
+def test_mask_backends_agree():
+    from generation_service.engine.sampler import MASK_BACKENDS
+
+    torch.manual_seed(3)
+    logits = torch.randn(4, 70)  # wider than the 64-token mask: the tail is disallowed
+    bitmask = torch.randint(-2**31, 2**31 - 1, (2, 2), dtype=torch.int32)
+    rows = torch.tensor([1, 3])
+    results = []
+    for apply in MASK_BACKENDS.values():
+        out = logits.clone()
+        apply(out, bitmask, rows)
+        results.append(out)
+    assert torch.equal(results[0], results[1])
+    assert torch.isinf(results[0][1, 64:]).all() and torch.equal(results[0][0], logits[0])
