@@ -145,6 +145,38 @@ class Bench:
             rows[r, 2] = FLAG_CONSTRAINED | FLAG_FRESH
         fresh.clear()
 
+    def diagnostics(self, model, kv, runner) -> dict:
+        """Where the step time goes beyond the floor, at the smallest and largest bucket:
+        - gemm_only_ms: every projection and the LM head of one step with the real weights, alone
+          (what cuBLAS achieves on the weight read);
+        - free_unfused_ms: the v1 forward (torch element-wise ops), same run, for comparison."""
+        import torch.nn.functional as F
+        cfg, out = model.config, {}
+        for bucket in (min(self.args.batches), max(self.args.batches)):
+            x = torch.randn(bucket, cfg.hidden_size, dtype=torch.bfloat16, device="cuda")
+            xq = torch.randn(bucket, cfg.num_heads * cfg.head_dim, dtype=torch.bfloat16, device="cuda")
+            xi = torch.randn(bucket, cfg.intermediate_size, dtype=torch.bfloat16, device="cuda")
+
+            def chain():
+                for w, layer in zip(runner.fused, model.model.layers):
+                    F.linear(x, w.qkv)
+                    layer.self_attn.o_proj(xq)
+                    F.linear(x, w.gate_up)
+                    layer.mlp.down_proj(xi)
+                F.linear(x, model.output_weight)
+            gemm_ms = graph_ms(chain)
+            out[f"b{bucket}_gemm_only_ms"] = gemm_ms
+            out[f"b{bucket}_gemm_only_gbs"] = weight_bytes_read(model) / (gemm_ms / 1e3) / 1e9
+            log(f"{cfg.num_layers}-layer model b={bucket}: GEMMs alone {gemm_ms:.3f} ms "
+                f"({out[f'b{bucket}_gemm_only_gbs']:.0f} GB/s of weights)")
+        unfused = GpuDecodeRunner(model, kv, max_batch=1, buckets=(1,), fused_ops=False, variants=(FREE,))
+        unfused.capture()
+        res = self.run(unfused, 1, "free", self.args.steps)
+        unfused.close()
+        out["b1_free_unfused_ms"] = res["ms_per_step"]
+        log(f"b=1 free, unfused v1 forward: {res['ms_per_step']:.3f} ms/step")
+        return out
+
     def model_shape(self, preset: str) -> dict:
         args = self.args
         cfg = dataclasses.replace(PRESETS[preset], vocab_size=VOCAB, max_position_embeddings=4096)
@@ -188,14 +220,42 @@ class Bench:
                     0.0, 1 - by["nowait"]["ms_per_step"] / by["constrained"]["ms_per_step"])
                 by["constrained"]["constrained_over_free"] = (
                     by["constrained"]["tokens_per_s"] / by["free"]["tokens_per_s"])
+            try:  # diagnostics must not lose the main numbers
+                diagnostics = self.diagnostics(model, kv, runner)
+            except Exception as exc:  # noqa: BLE001
+                log(f"{preset}: diagnostics failed: {exc!r}")
+                diagnostics = {"error": repr(exc)}
         self.next_step = runner.next_channel_step
         # NOTE: teardown order -- graphs before the channel is unregistered (main does that).
         runner.close()
         out = {"preset": preset, "sampler": runner.sampler, "weight_bytes_read": wbytes, "num_parameters": cfg.num_parameters,
-               "capture_s": capture_s, "rows": rows}
+               "capture_s": capture_s, "rows": rows, "diagnostics": diagnostics}
         del runner, model, kv
         torch.cuda.empty_cache()
         return out
+
+
+def graph_ms(fn, reps: int = 30) -> float:
+    """Median replay time of fn captured as one CUDA graph."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        fn()
+    times = []
+    for _ in range(reps + 3):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    graph.reset()
+    return sorted(times[3:])[reps // 2]
+
+
 
 
 def hf_baseline(preset: str, tokenizer_dir: str, batches: list[int], new_tokens: int, prompt_len: int) -> list[dict]:
