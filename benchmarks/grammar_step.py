@@ -95,16 +95,19 @@ def run_replay(engine: Engine, grammar_ids, docs_ids, batch: int, num_steps: int
         rows = []
         for r in range(batch):
             ids = docs_ids[doc[r]]
-            drafts = ids[pos[r] + 1: pos[r] + 1 + num_drafts]
+            # mask p constrains the token after drafts[:p]: the drafts are the next tokens
+            drafts = ids[pos[r]: min(pos[r] + num_drafts, len(ids) - 1)]  # never the stop token
             flags = FLAG_CONSTRAINED | (FLAG_FRESH if fresh[r] else 0)
             rows.append(Row(r, 1 + len(drafts), flags, grammar_ids[doc[r]], drafts))
         elapsed, e = engine.step(rows)
         _check_results(e, batch if step else 0)
+        if list(e.valid_positions[:batch]) != [row.num_positions for row in rows]:
+            raise RuntimeError("a draft of a valid document was refused: the replay is out of sync")
         times.append(elapsed)
         accepted = []
         for r in range(batch):
             ids = docs_ids[doc[r]]
-            take = ids[pos[r]: pos[r] + 1 + num_drafts]
+            take = ids[pos[r]: pos[r] + len(rows[r].drafts) + 1]  # the drafts + the bonus token
             accepted.append(take)
             pos[r] += len(take)
             fresh[r] = False

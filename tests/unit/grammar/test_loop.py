@@ -181,3 +181,43 @@ def test_unconstrained_padded_and_unknown_rows(driver, compile_id):
     driver.finish([[5], [], []])
     view = driver.step([Row(1), Row(2)])
     assert view.results.tolist() == [[-1, ERR_NONE], [-1, ERR_NONE], [-1, ERR_UNKNOWN_GRAMMAR]]
+
+
+
+def test_draft_walk_stops_exactly_at_the_first_excluded_draft(driver, compile_id, mistral_32k):
+    """Rows follow valid documents with 0-3 drafts taken from the document, one of them
+    sometimes replaced by a random token; valid_positions must stop exactly at the first
+    draft its position's mask excludes, and the verifier's choice is never rejected."""
+    rng = np.random.default_rng(7)
+    docs_ids = [continuation_ids(mistral_32k, json.dumps(doc)) + [EOS] for _, doc in DOCS]
+    rows = [Row.fresh(r, compile_id("json_schema", schema)) for r, (schema, _) in enumerate(DOCS)]
+    pos = [0] * len(DOCS)
+    num_cut = 0
+    while min(len(ids) - p for ids, p in zip(docs_ids, pos)) > 4:
+        for r, row in enumerate(rows):
+            row.drafts = docs_ids[r][pos[r]:pos[r] + int(rng.integers(0, 4))]
+            if row.drafts and rng.random() < 0.5:
+                row.drafts[int(rng.integers(len(row.drafts)))] = int(rng.integers(32768))
+            row.num_positions = 1 + len(row.drafts)
+        view = driver.step(rows)
+        assert not view.results[:, 1].any()
+        tokens = []
+        for r, row in enumerate(rows):
+            valid = int(view.valid_positions[r])
+            assert 1 <= valid <= row.num_positions
+            for p in range(valid - 1):
+                assert is_allowed(view.masks[r, p], row.drafts[p])
+            if valid < row.num_positions:
+                num_cut += 1
+                assert not is_allowed(view.masks[r, valid - 1], row.drafts[valid - 1])
+                assert all(_ones(view.masks[r, p]) for p in range(valid, row.num_positions))
+            # the verifier keeps the drafts that match the document, then the document's next token
+            keep = 0
+            while keep < valid - 1 and row.drafts[keep] == docs_ids[r][pos[r] + keep]:
+                keep += 1
+            tokens.append(docs_ids[r][pos[r]:pos[r] + keep + 1])
+            assert is_allowed(view.masks[r, keep], tokens[-1][-1])
+            pos[r] += keep + 1
+        driver.finish(tokens)
+        rows = [Row(r, 1, FLAG_CONSTRAINED, 0) for r in range(len(DOCS))]
+    assert num_cut > 0
