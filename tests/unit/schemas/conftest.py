@@ -1,0 +1,32 @@
+"""Both grammar backends on the real 32k Mistral tokenizer, and real-world schemas."""
+from __future__ import annotations
+
+import pytest
+
+from grammar_service.backends import available_backends, load_backend_class
+from grammar_service.tokenizer import load_tokenizer
+
+VOCAB = 32768
+EOS = 2
+
+
+@pytest.fixture(scope="session")
+def tokenizer_data(mistral_32k_dir):
+    return load_tokenizer(mistral_32k_dir, VOCAB)[0]
+
+
+@pytest.fixture(scope="session")
+def make_backend(tokenizer_data):
+    built = {}
+
+    def make(name: str):
+        if name not in built:
+            built[name] = load_backend_class(name)(tokenizer_data, num_compile_threads=1, num_fill_threads=2)
+        return built[name]
+    return make
+
+
+@pytest.fixture(params=available_backends())
+def backend(request, make_backend):
+    """Each registered backend in turn: the slot tests run on all of them."""
+    return make_backend(request.param)
