@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -105,8 +106,10 @@ class GrammarLink:
         self.next_step = 1
         self._rows: dict[int, list[LinkRow]] = {}   # step -> its descriptor rows (N-1 and N)
         self._first_step = 1
-        self._last_attempt_s = 0.0
         self._stale_names: list[str] = []
+        self._prober: threading.Thread | None = None
+        self._serving_seen = threading.Event()
+        self._is_closed = False
         self.num_steps = 0
         self.wait_s_total = 0.0
         self.num_disconnects = 0
@@ -118,7 +121,6 @@ class GrammarLink:
     # ---- connection --------------------------------------------------------------------------
     def connect(self) -> bool:
         """Create a region and open it with grammar_service; False (logged) if that fails."""
-        self._last_attempt_s = time.monotonic()
         channel = StepChannel.create(self.geometry)
         try:
             self.control.open_channel(channel.name, self.geometry, max_slots=self.max_slots,
@@ -134,17 +136,26 @@ class GrammarLink:
         return True
 
     def maybe_reconnect(self) -> bool:
-        """Retry at most every reconnect_interval_s; True once connected."""
+        """Connect if the prober has seen grammar_service serving; never blocks on a dead or
+        stuck service (the engine loop calls this every step while disconnected)."""
         if self.is_connected:
             return True
-        if time.monotonic() - self._last_attempt_s < self.reconnect_interval_s:
-            return False
-        self._last_attempt_s = time.monotonic()
-        try:
-            serving = self.control.is_serving()
-        except Exception:  # noqa: BLE001
-            serving = False
-        return serving and self.connect()
+        if self._serving_seen.is_set():
+            self._serving_seen.clear()
+            if self.connect():
+                return True
+        if self._prober is None or not self._prober.is_alive():
+            self._prober = threading.Thread(target=self._probe, name="grammar-probe", daemon=True)
+            self._prober.start()
+        return False
+
+    def _probe(self) -> None:
+        # NOTE: is_serving() can take its whole timeout on a stuck service: off the loop thread.
+        while not self._is_closed and not self.is_connected:
+            if self._is_serving():
+                self._serving_seen.set()
+                return
+            time.sleep(self.reconnect_interval_s)
 
     def disconnect(self) -> None:
         """Drop the region; its matchers are gone. grammar_service is told when it is back."""
@@ -156,6 +167,7 @@ class GrammarLink:
         self.num_disconnects += 1
 
     def close(self) -> None:
+        self._is_closed = True
         if self.channel is not None:
             name = self.channel.name
             self.disconnect()

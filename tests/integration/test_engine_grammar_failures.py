@@ -2,6 +2,8 @@
 nothing leaks, and the engine reconnects once grammar_service is back."""
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
@@ -19,48 +21,71 @@ def folder(tmp_path_factory):
     return tmp_path_factory.mktemp("grammar")
 
 
-def test_grammar_service_death_fails_constrained_only_and_reconnects(folder):
-    service = start_grammar_service(folder)
-    engine = make_engine(service.address, max_batch=8, grammar_wait_timeout_s=2.0)
-    try:
-        prompt = tuple(engine.tokenizer.encode("Write letters:"))
-        free = [engine.submit(GenerationRequest(f"free{i}", prompt, SamplingParams(max_new_tokens=48, ignore_eos=True)))
-                for i in range(2)]
-        constrained = [engine.submit(GenerationRequest(
-            f"con{i}", prompt, SamplingParams(max_new_tokens=48), grammar=GrammarSpec("regex", "[a-z]{300}")))
+def interrupt_mid_stream(engine, action, num_disconnects):
+    """2 free + 2 constrained requests stream; `action` breaks grammar_service; then check."""
+    prompt = tuple(engine.tokenizer.encode("Write letters:"))
+    free = [engine.submit(GenerationRequest(f"free{i}-{num_disconnects}", prompt,
+                                            SamplingParams(max_new_tokens=48, ignore_eos=True)))
             for i in range(2)]
-        for stream in free + constrained:
-            while not stream.get(timeout=60).token_ids:
-                pass
-        service.kill()
-        for stream in constrained:
-            result = collect(stream)
-            assert result.finish_reason is FinishReason.ERROR
-            assert result.error.status == "UNAVAILABLE", result.error
-        for stream in free:
-            result = collect(stream)
-            assert result.finish_reason is FinishReason.MAX_TOKENS and result.usage.completion_tokens == 48
-        stats = wait_settled(engine)
-        assert (stats.num_kv_pages_used, stats.num_slots_used, stats.num_grammar_matchers) == (0, 0, 0)
-        assert not stats.grammar_available and stats.grammar_disconnects == 1
+    constrained = [engine.submit(GenerationRequest(
+        f"con{i}-{num_disconnects}", prompt, SamplingParams(max_new_tokens=48),
+        grammar=GrammarSpec("regex", "[a-z]{300}"))) for i in range(2)]
+    for stream in free + constrained:
+        while not stream.get(timeout=60).token_ids:
+            pass
+    action()
+    for stream in constrained:
+        result = collect(stream)
+        assert result.finish_reason is FinishReason.ERROR
+        assert result.error.status == "UNAVAILABLE", result.error
+    for stream in free:
+        result = collect(stream)
+        assert result.finish_reason is FinishReason.MAX_TOKENS and result.usage.completion_tokens == 48
+    stats = wait_settled(engine)
+    assert (stats.num_kv_pages_used, stats.num_slots_used, stats.num_grammar_matchers) == (0, 0, 0)
+    assert stats.grammar_disconnects == num_disconnects
 
+
+def wait_reconnected_and_constrained_works(engine, address):
+    from grammar_service.client import GrammarControlClient
+
+    deadline = time.monotonic() + 60
+    while not engine.stats().grammar_available:
+        assert time.monotonic() < deadline, "engine did not reconnect to grammar_service"
+        time.sleep(0.1)
+    prompt = tuple(engine.tokenizer.encode("Pick:"))
+    again = collect(engine.submit(GenerationRequest(
+        f"again-{time.monotonic()}", prompt, SamplingParams(max_new_tokens=8),
+        grammar=GrammarSpec("choice", choices=("x", "y")))))
+    assert again.error is None and again.text in ("x", "y")
+    stats = wait_settled(engine)
+    assert (stats.num_slots_used, stats.num_grammar_matchers) == (0, 0)
+    client = GrammarControlClient(address)
+    assert client.stats()["num_channels"] == 1  # a stuck service's old channel was closed
+    assert client.stats()["num_bound_matchers"] == 0
+    client.close()
+
+
+def test_stuck_then_dead_grammar_service_fails_constrained_only_and_reconnects(folder):
+    service = start_grammar_service(folder)
+    engine = make_engine(service.address, max_batch=8, grammar_wait_timeout_s=1.0)
+    try:
+        pid = service.process.pid
+        interrupt_mid_stream(engine, lambda: os.kill(pid, signal.SIGSTOP), 1)  # stuck: no heartbeat
+        os.kill(pid, signal.SIGCONT)
+        wait_reconnected_and_constrained_works(engine, service.address)
+
+        interrupt_mid_stream(engine, service.kill, 2)  # dead: its process is gone
+        prompt = tuple(engine.tokenizer.encode("hi"))
         while_down = collect(engine.submit(GenerationRequest(
             "down", prompt, SamplingParams(max_new_tokens=8), grammar=GrammarSpec("choice", choices=("x", "y")))))
         assert while_down.error is not None and while_down.error.status == "UNAVAILABLE"
         late_free = collect(engine.submit(GenerationRequest("late-free", prompt, SamplingParams(max_new_tokens=8))))
         assert late_free.finish_reason is FinishReason.MAX_TOKENS
-
         service = start_grammar_service(folder)
-        deadline = time.monotonic() + 60
-        while not engine.stats().grammar_available:
-            assert time.monotonic() < deadline, "engine did not reconnect to grammar_service"
-            time.sleep(0.1)
-        again = collect(engine.submit(GenerationRequest(
-            "again", prompt, SamplingParams(max_new_tokens=8), grammar=GrammarSpec("choice", choices=("x", "y")))))
-        assert again.error is None and again.text in ("x", "y")
-        stats = wait_settled(engine)
-        assert (stats.num_slots_used, stats.num_grammar_matchers) == (0, 0)
+        wait_reconnected_and_constrained_works(engine, service.address)
     finally:
+        os.kill(service.process.pid, signal.SIGCONT)
         engine.stop()
         service.stop()
 
