@@ -116,10 +116,14 @@ def _formats(supported: frozenset[str]) -> Rule:
 
 
 def _llg_min_max_properties(schema: dict) -> list[tuple[str, str]]:
+    """Measured: with optional listed properties and open additionalProperties, llguidance
+    counts only the unlisted ones (it lets {"a":1,"b":2} past maxProperties 1, and refuses
+    the valid {"a":1} under minProperties 1)."""
     names = set((schema.get("properties") or {}).keys())
-    if names <= set(schema.get("required") or ()):
+    if names <= set(schema.get("required") or ()) or schema.get("additionalProperties") is False:
         return []
-    return [(k, "property counts are enforced only when every listed property is required")
+    return [(k, "property counts are checked only over unlisted properties unless every listed "
+             "property is required or additionalProperties is false")
             for k in ("minProperties", "maxProperties") if k in schema]
 
 
