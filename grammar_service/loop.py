@@ -36,7 +36,7 @@ WAIT_SPIN_S = 100e-6   # spin this long on inputs_seq, then sleep in steps of at
 WAIT_SLEEP_S = 100e-6  # ...this (the fill overlaps the forward; wake-up latency adds to it)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Walker:
     """A constrained row being filled: its matcher walks the row's drafts."""
     row: int
@@ -114,14 +114,9 @@ class StepLoop:
             for slot, num_positions, flags, _ in rows:
                 if flags & FLAG_RELEASE and num_positions > 0 and self.slots.is_valid(slot):
                     self.slots.release(slot)  # dropped after this step's fill
-        except Exception:  # never leave the GPU waiting: fail this step's constrained rows
+        except Exception:  # never leave the GPU waiting on a bug
             log.exception("step %d of channel %s failed", step, self.channel.name)
-            entry.results[:len(self._prev_rows), 1] = ERR_INTERNAL
-            for r, (slot, _, flags, _) in enumerate(rows):
-                if flags & FLAG_CONSTRAINED:
-                    entry.valid_positions[r] = 0
-                    if self.slots.is_valid(slot):
-                        self.slots.release(slot)
+            self._fail_step(step, rows)
         self._prev_rows = rows
         entry.mask_status[0] = MASK_OK
         self.channel.publish_seq("mask_seq", step)
@@ -131,37 +126,52 @@ class StepLoop:
         self._step_ns.append(elapsed_ns)
         metrics.STEP_SECONDS.observe(elapsed_ns / 1e9)
 
+    def _fail_step(self, step: int, rows: list[list[int]]) -> None:
+        """Fail this step's constrained rows (ERR_INTERNAL, valid 0, matcher dropped); free rows go on."""
+        g, entry = self.channel.geometry, self.channel.entry(step)
+        entry.masks[:len(rows) * g.max_positions] = -1  # no half-filled rows left behind
+        self._dirty[step % g.depth] = set()
+        entry.results[:len(self._prev_rows), 1] = ERR_INTERNAL
+        for r, (slot, num_positions, flags, _) in enumerate(rows):
+            is_constrained = bool(flags & FLAG_CONSTRAINED)
+            entry.valid_positions[r] = 0 if is_constrained else min(max(num_positions, 0), g.max_positions)
+            if is_constrained and self.slots.is_valid(slot):
+                self.slots.release(slot)
+
     def _advance(self, prev_rows: list[list[int]], prev_entry, results: np.ndarray) -> None:
         """a. Deferred advance by step N-1's accepted tokens; results indexed by N-1's rows."""
-        results[:len(prev_rows)] = (-1, ERR_NONE)
-        active = []  # (row, slot index, tokens)
+        n = len(prev_rows)
+        results[:n] = (-1, ERR_NONE)
+        counts, out_tokens = prev_entry.out_counts[:n].tolist(), prev_entry.out_tokens[:n].tolist()
+        states, max_slots = self.slots.states, self.slots.max_slots
+        active = []  # (row, slot, its state, tokens)
         for r, (slot, _, flags, _) in enumerate(prev_rows):
-            if not flags & FLAG_CONSTRAINED or flags & FLAG_RELEASE or not self.slots.is_valid(slot):
+            if not flags & FLAG_CONSTRAINED or flags & FLAG_RELEASE or not 0 <= slot < max_slots:
                 continue
-            state = self.slots[slot]
+            state = states[slot]
             if state.pending_error != ERR_NONE:
                 results[r, 1] = state.pending_error
                 state.pending_error = ERR_NONE
             elif state.matcher is None:
                 results[r, 1] = ERR_NO_MATCHER
-            elif not state.is_terminated and (count := int(prev_entry.out_counts[r])) > 0:
-                active.append((r, slot, prev_entry.out_tokens[r, :count].tolist()))
+            elif not state.is_terminated and counts[r] > 0:
+                active.append((r, slot, state, out_tokens[r][:counts[r]]))
         j = 0
         while active:  # one batched accept per token index j
-            matchers = [self.slots[slot].matcher for _, slot, _ in active]
-            accepted = self.backend.batch_accept(matchers, [tokens[j] for _, _, tokens in active])
+            accepted = self.backend.batch_accept([a[2].matcher for a in active], [a[3][j] for a in active])
             still = []
-            for (r, slot, tokens), ok, matcher in zip(active, accepted, matchers):
+            for item, ok in zip(active, accepted):
+                r, slot, state, tokens = item
                 if not ok:
                     log.info("slot %d: token %d (index %d) rejected by its grammar", slot, tokens[j], j)
                     results[r, 1] = ERR_TOKEN_REJECTED
                     metrics.ROWS_REJECTED.inc()
                     self.slots.release(slot)
-                elif matcher.is_terminated():
+                elif state.matcher.is_terminated():
                     results[r, 0] = j  # later tokens of the row are past the end: ignored
-                    self.slots[slot].is_terminated = True
+                    state.is_terminated = True
                 elif j + 1 < len(tokens):
-                    still.append((r, slot, tokens))
+                    still.append(item)
             active, j = still, j + 1
 
     def _bind_and_release(self, rows: list[list[int]]) -> None:
@@ -182,26 +192,29 @@ class StepLoop:
         """c. One mask row per position; drafts walked with accept, undone with rollback."""
         g = self.channel.geometry
         entry = self.channel.entry(step)
-        max_pos, masks, valid = g.max_positions, entry.masks, entry.valid_positions
+        max_pos, masks = g.max_positions, entry.masks
+        states, max_slots = self.slots.states, self.slots.max_slots
+        drafts = entry.drafts[:len(rows)].tolist() if max_pos > 1 else None
+        valid = [0] * len(rows)
         walkers: list[_Walker] = []
-        stop_rows: list[int] = []
+        filled: list[int] = []
         for r, (slot, num_positions, flags, _) in enumerate(rows):
             num_positions = min(max(num_positions, 0), max_pos)
-            valid[r] = num_positions
             if not flags & FLAG_CONSTRAINED:
+                valid[r] = num_positions
                 continue
-            state = self.slots[slot] if self.slots.is_valid(slot) else None
-            if state is not None and state.can_fill and num_positions > 0:
+            state = states[slot] if 0 <= slot < max_slots else None
+            if state is None or num_positions == 0:
+                continue  # valid 0: no slot (a bug of the caller) or nothing to fill
+            if state.can_fill:
                 walkers.append(_Walker(r, state.matcher, num_positions,
-                                       entry.drafts[r, :num_positions - 1].tolist()))
+                                       drafts[r][:num_positions - 1] if num_positions > 1 else []))
                 valid[r] = 1
-            elif state is not None and state.is_terminated and num_positions > 0:
+            elif state.is_terminated:
                 masks[r * max_pos] = self._stop_only
-                stop_rows.append(r * max_pos)
+                filled.append(r * max_pos)
                 valid[r] = 1
-            else:
-                valid[r] = 0  # no exact mask: no matcher (its error is in the results) or no slot
-        filled: list[int] = stop_rows
+            # else valid 0: no matcher; its error is in the results
         level = walkers
         for p in range(max_pos):
             if not level:
@@ -225,6 +238,7 @@ class StepLoop:
         undo = [w for w in walkers if w.num_accepted]
         if undo:
             self.backend.batch_rollback([w.matcher for w in undo], [w.num_accepted for w in undo])
+        entry.valid_positions[:len(rows)] = valid
         self._reset_stale(step, set(filled))
 
     def _reset_stale(self, step: int, filled: set[int]) -> None:

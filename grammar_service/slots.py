@@ -24,25 +24,25 @@ class SlotTable:
 
     def __init__(self, max_slots: int):
         self.max_slots = max_slots
-        self._slots = [Slot() for _ in range(max_slots)]
+        self.states = [Slot() for _ in range(max_slots)]  # indexed by slot; the loop reads it directly
 
     def __getitem__(self, slot: int) -> Slot:
-        return self._slots[slot]
+        return self.states[slot]
 
     def is_valid(self, slot: int) -> bool:
         return 0 <= slot < self.max_slots
 
     def bind(self, slot: int, matcher: Matcher, grammar_id: int) -> None:
         """FRESH: a new request's matcher replaces whatever the slot held."""
-        self._slots[slot] = Slot(matcher=matcher, grammar_id=grammar_id)
+        self.states[slot] = Slot(matcher=matcher, grammar_id=grammar_id)
 
     def fail(self, slot: int, error: int) -> None:
         """Drop the matcher (never left desynchronised) and report `error` on the next results."""
-        self._slots[slot] = Slot(pending_error=error)
+        self.states[slot] = Slot(pending_error=error)
 
     def release(self, slot: int) -> None:
-        self._slots[slot] = Slot()
+        self.states[slot] = Slot()
 
     @property
     def num_bound(self) -> int:
-        return sum(1 for s in self._slots if s.matcher is not None)
+        return sum(1 for s in self.states if s.matcher is not None)

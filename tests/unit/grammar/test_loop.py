@@ -221,3 +221,21 @@ def test_draft_walk_stops_exactly_at_the_first_excluded_draft(driver, compile_id
         driver.finish(tokens)
         rows = [Row(r, 1, FLAG_CONSTRAINED, 0) for r in range(len(DOCS))]
     assert num_cut > 0
+
+
+def test_a_failing_step_fails_its_constrained_rows_and_still_publishes(driver, service, compile_id, monkeypatch):
+    gid = compile_id("regex", "[0-9]+")
+    driver.step([Row.fresh(0, gid), Row(1, 1, 0)])
+    driver.finish([[], [9]])
+    backend = service._backend("xgrammar")
+
+    def broken(*args):
+        raise RuntimeError("injected")
+    monkeypatch.setattr(backend, "batch_fill", broken)
+    view = driver.step([Row(0), Row(1, 1, 0)])
+    assert view.valid_positions.tolist() == [0, 1] and (view.masks == -1).all()
+    assert view.results[:, 1].tolist() == [4, 4]  # ERR_INTERNAL for the previous step's rows
+    monkeypatch.undo()
+    driver.finish([[], [9]])
+    view = driver.step([Row(0)])  # the service goes on; the failed slot lost its matcher
+    assert view.results[0, 1] == ERR_NO_MATCHER
