@@ -74,7 +74,7 @@ class _Walker:
             self.is_structural[token_id] = bool(text) and (
                 set(text) <= STRUCTURAL_CHARS or text in ("true", "false", "null"))
 
-    def run(self, name: str, text: str, num_walks: int, max_tokens: int, seed: int) -> dict:
+    def run(self, name: str, text: str, num_walks: int, max_tokens: int, seed: int, walk_budget_s: float) -> dict:
         from generation_service.engine.params import GrammarSpec
         from grammar_service.backends.base import GrammarCompileError
         from structgen.schema_validation import validate_output
@@ -92,10 +92,11 @@ class _Walker:
         reported = {u.keyword for u in unenforced}
         rng = random.Random(f"{seed}-{name}")
         walks, fill_s, first_fill_s = [], [], []
+        deadline = time.perf_counter() + walk_budget_s
         for _ in range(num_walks):
-            ids, finished, fills, problem = self._walk(compiled, rng, max_tokens)
+            ids, finished, fills, problem = self._walk(compiled, rng, max_tokens, deadline)
             fill_s.extend(fills[1:])
-            first_fill_s.append(fills[0])
+            first_fill_s.extend(fills[:1])
             walk = {"num_tokens": len(ids), "finished": finished, "problem": problem}
             if finished:
                 check = validate_output(text, self.tokenizer.decode(ids, skip_special_tokens=False))
@@ -107,12 +108,14 @@ class _Walker:
         result.update(walks=walks, fill_us=[s * 1e6 for s in fill_s], first_fill_us=[s * 1e6 for s in first_fill_s])
         return result
 
-    def _walk(self, compiled, rng: random.Random, max_tokens: int):
+    def _walk(self, compiled, rng: random.Random, max_tokens: int, deadline: float):
         np, backend = self.np, self.backend
         matcher = backend.new_matcher(compiled)
         masks = np.zeros((1, self.data.mask_words), dtype=np.int32)
         ids, fills = [], []
         for _ in range(max_tokens):
+            if time.perf_counter() > deadline:
+                return ids, False, fills, "walk time budget"
             started = time.perf_counter()
             backend.batch_fill([matcher], masks, [0])
             fills.append(time.perf_counter() - started)
@@ -165,14 +168,15 @@ class _Pool:
         if self.proc is None or not self.proc.is_alive():
             self._start()
         a = self.args
-        self.conn.send((name, text, a.walks, a.max_tokens, a.seed))
-        budget = a.compile_timeout + a.walk_timeout
+        self.conn.send((name, text, a.walks, a.max_tokens, a.seed, a.walk_timeout))
+        budget = a.compile_timeout + a.walk_timeout + 10  # the walks stop themselves at walk_timeout
         if self.conn.poll(budget):
             return self.conn.recv()
         self.proc.kill()
         self.proc.join()
         self.proc = None
-        return {"schema": name, "timeout_s": budget, "compile_error": f"no result within {budget:g} s"}
+        return {"schema": name, "timeout_s": a.compile_timeout,
+                "compile_error": f"compile did not finish within {a.compile_timeout:g} s"}
 
     def close(self):
         if self.proc is not None:
@@ -187,7 +191,7 @@ def summarize(backend: str, rows: list[dict]) -> dict:
     finished = [w for w in walks if w["finished"]]
     fills = [f for r in rows for f in r.get("fill_us", [])]
     first = [f for r in rows for f in r.get("first_fill_us", [])]
-    keywords = Counter(k for r in rows for k, _ in r["unenforced"]) if rows else Counter()
+    keywords = Counter(k for r in rows for k, _ in r.get("unenforced", ()))
     return {
         "backend": backend,
         "num_schemas": len(rows),
