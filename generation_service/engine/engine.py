@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
+import time
 
 import torch
 
@@ -116,31 +117,30 @@ class Engine:
     def stop(self, grace_s: float = 0) -> None:
         """Refuse new requests, let running ones finish for `grace_s`, cancel the rest, close."""
         self._is_accepting = False
-        deadline = threading.Event()
-        waited = 0.0
-        while waited < grace_s and self.table.num_live:
-            deadline.wait(0.05)
-            waited += 0.05
+        deadline = time.monotonic() + grace_s
+        while self.table.num_live and time.monotonic() < deadline:
+            time.sleep(0.02)
         with self._lock:
             error = ShuttingDownError("the engine shut down before the request finished")
             self._cancels.extend((request_id, error) for request_id in self.table.ids())
         self._wake.set()
         if self._thread is not None:
-            self._flush_and_join()
+            self._wait_released(timeout_s=2.0)
+            self._is_stopped = True
+            self._wake.set()
+            self._thread.join(timeout=30)
         if self.link is not None:
             self.link.close()
 
-    def _flush_and_join(self) -> None:
-        # Let the loop apply the cancels and send their RELEASE rows, then stop it.
-        for _ in range(100):
+    def _wait_released(self, timeout_s: float) -> None:
+        """Let the loop apply the cancels and send their RELEASE rows before it stops."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
             with self._lock:
-                if not self._cancels and not self.table.num_live and not self.table.pending_release:
-                    break
+                if not (self._cancels or self.table.num_live or self.table.num_bound_matchers):
+                    return
             self._wake.set()
-            threading.Event().wait(0.02)
-        self._is_stopped = True
-        self._wake.set()
-        self._thread.join(timeout=30)
+            time.sleep(0.02)
 
     # ---- requests ------------------------------------------------------------------------
     def submit(self, spec: GenerationRequest) -> RequestStream:
@@ -214,6 +214,8 @@ class Engine:
             except Exception as error:  # noqa: BLE001 -- a bug must not hang every stream
                 log.exception("engine step failed")
                 with self._lock:
+                    if self.link is not None:
+                        self.link.abandon_open_step()  # never leave a step half-published
                     self.table.fail_all(EngineError(f"engine step failed: {error!r}"), self.link)
                 did_work = False
             if not did_work:
@@ -230,14 +232,9 @@ class Engine:
             if batch.is_empty and not rows:
                 return False
             step = self.link.begin(rows) if rows else None
-        try:
-            logits = self.runner.run(batch) if batch.rows else None
-            masks = self.link.wait(step) if step is not None else None
-            samples = self._sample(batch, logits, masks)
-        except BaseException:
-            if step is not None and self.link.is_connected:
-                self.link.publish(step, [[] for _ in rows])  # never leave step N half-published
-            raise
+        logits = self.runner.run(batch) if batch.rows else None
+        masks = self.link.wait(step) if step is not None else None
+        samples = self._sample(batch, logits, masks)
         with self._lock:
             kept = self.table.postprocess(batch, samples, step, masks, self.link)
             if step is not None:
@@ -256,10 +253,14 @@ class Engine:
 
     def _apply_inbox(self) -> None:
         for request in self._inbox:
-            if request.error is not None:
-                self.table.finish(request, FinishReason.ERROR, request.error)
-            else:
+            if request.is_finished:  # failed while queued (fail_all)
+                continue
+            try:
+                if request.error is not None:
+                    raise request.error
                 self.scheduler.add(request)
+            except EngineError as error:
+                self.table.finish(request, FinishReason.ERROR, error)
         self._inbox.clear()
         for request_id, error in self._cancels:
             self.table.cancel(request_id, error)

@@ -110,6 +110,7 @@ class GrammarLink:
         self._prober: threading.Thread | None = None
         self._serving_seen = threading.Event()
         self._is_closed = False
+        self._open_step: int | None = None  # begun, outputs not yet published
         self.num_steps = 0
         self.wait_s_total = 0.0
         self.num_disconnects = 0
@@ -200,6 +201,7 @@ class GrammarLink:
         self._rows.pop(step - 2, None)
         # NOTE: inputs_seq = N also promises step N-1's outputs are written (publish did).
         self.channel.publish_seq("inputs_seq", step)
+        self._open_step = step
         self.num_steps += 1
         return step
 
@@ -236,6 +238,7 @@ class GrammarLink:
 
     def publish(self, step: int, outputs: list[list[int]]) -> None:
         """Accepted tokens per descriptor row (release rows: []), then outputs_seq = step."""
+        self._open_step = None
         if self.channel is None:
             return
         entry = self.channel.entry(step)
@@ -243,6 +246,17 @@ class GrammarLink:
             entry.out_tokens[r, :len(tokens)] = tokens
             entry.out_counts[r] = len(tokens)
         self.channel.publish_seq("outputs_seq", step)
+
+    def abandon_open_step(self) -> None:
+        """After a failed engine step: publish 'nothing accepted' for a step left open, so the
+        next step's deferred advance never reads stale outputs from the ring."""
+        step = self._open_step
+        if step is not None and self.channel is not None:
+            if self.channel.wait_seq("mask_seq", step, timeout_s=self.wait_timeout_s):
+                self.publish(step, [[] for _ in self._rows.get(step, [])])
+            else:
+                self.disconnect()
+        self._open_step = None
 
     # ---- watchdog ----------------------------------------------------------------------------
     def _wait_masks(self, step: int, start: float) -> bool:

@@ -196,6 +196,8 @@ class RequestTable:
     def finish(self, request: Request, reason: FinishReason, error: EngineError | None,
                token_ids: list[int] = (), text: str = "", logprobs=()) -> None:
         """End a request: free pages and slot (its matcher via a RELEASE row), final event."""
+        if request.is_finished:
+            return
         request.status = RequestStatus.FINISHED
         request.finish_reason, request.error = reason, error
         self.scheduler.remove(request)
@@ -205,9 +207,7 @@ class RequestTable:
             else:
                 self.slots.free(request.slot)
             request.slot = None
-        request.is_matcher_bound = False
-        if request.compile_future is not None and not request.compile_future.done():
-            request.compile_future.cancel()
+        request.is_matcher_bound = False  # (a pending compile just finishes into the cache)
         output = self._outputs.pop(request.request_id)
         if reason in (FinishReason.CANCELLED, FinishReason.DEADLINE):
             text += output.flush()  # held-back text that never became a stop string

@@ -187,3 +187,28 @@ def test_submit_refuses_bad_requests_synchronously(engine):
     bad_grammar = collect(engine.submit(request(engine, "bad-grammar", "hi", grammar=GrammarSpec("regex", "(("))))
     assert bad_grammar.finish_reason is FinishReason.ERROR and bad_grammar.error.status == "INVALID_ARGUMENT"
     assert bad_grammar.token_ids == []
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(engine):
+    real_run = engine.runner.run
+    calls = []
+
+    def run_once_broken(batch):
+        if not calls:
+            calls.append(1)
+            raise RuntimeError("injected forward failure")
+        return real_run(batch)
+
+    engine.runner.run = run_once_broken
+    try:
+        broken = run_all(engine, [request(engine, "broken-json", PROMPTS[0], grammar=json_grammar()),
+                                  request(engine, "broken-free", PROMPTS[1])])
+    finally:
+        engine.runner.run = real_run
+    assert calls and all(r.finish_reason is FinishReason.ERROR and r.error.status == "INTERNAL" for r in broken)
+    after = run_all(engine, [request(engine, "after-json", PROMPTS[0], grammar=json_grammar(), max_new_tokens=80),
+                             request(engine, "after-free", PROMPTS[1])])
+    check_constrained("json", after[0])
+    assert after[1].finish_reason is FinishReason.MAX_TOKENS
+    stats = wait_settled(engine)
+    assert (stats.num_kv_pages_used, stats.num_slots_used, stats.num_grammar_matchers) == (0, 0, 0)
