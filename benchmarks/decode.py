@@ -43,6 +43,8 @@ from generation_service.model.random_init import build_random_model  # noqa: E40
 from step_channel import FLAG_CONSTRAINED, FLAG_FRESH, Geometry, StepChannel  # noqa: E402
 from step_channel.cuda import MappedChannel  # noqa: E402
 
+from hf_baseline import hf_baseline  # noqa: E402  (benchmarks/, the script's folder)
+
 VOCAB = 131072
 PAGE_SIZE = 16
 SCHEMA = {  # a typical extraction schema: strings, numbers, enums, a nested array
@@ -158,7 +160,7 @@ class Bench:
             xi = torch.randn(bucket, cfg.intermediate_size, dtype=torch.bfloat16, device="cuda")
 
             def chain():
-                for w, layer in zip(runner.fused, model.model.layers):
+                for w, layer in zip(runner.forward.weights, model.model.layers):
                     F.linear(x, w.qkv)
                     layer.self_attn.o_proj(xq)
                     F.linear(x, w.gate_up)
@@ -258,55 +260,6 @@ def graph_ms(fn, reps: int = 30) -> float:
 
 
 
-def hf_baseline(preset: str, tokenizer_dir: str, batches: list[int], new_tokens: int, prompt_len: int) -> list[dict]:
-    """transformers generate(), eager, with and without xgrammar's HF logits processor."""
-    import xgrammar as xgr
-    from xgrammar.contrib.hf import LogitsProcessor
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-    cfg = PRESETS[preset]
-    hf_cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-                         num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                         max_position_embeddings=4096, rms_norm_eps=cfg.rms_norm_eps,
-                         rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_word_embeddings,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=11)
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(hf_cfg).eval()
-    torch.set_default_dtype(torch.float32)
-    tok = PreTrainedTokenizerFast(tokenizer_file=str(pathlib.Path(tokenizer_dir) / "tokenizer.json"))
-    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=VOCAB, stop_token_ids=[2])
-    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA), any_whitespace=False)
-    out = []
-    for batch in batches:
-        prompt = torch.randint(100, 100000, (batch, prompt_len), device="cuda")
-        # free_min: min_new_tokens keeps every row to the end (run 1 measured this slower than
-        # constrained, so it is kept apart); free: no logits processor at all.
-        for mode in ("free_min", "free", "constrained"):
-            def gen(n):
-                kwargs = dict(max_new_tokens=n, min_new_tokens=n if mode == "free_min" else 0, do_sample=False,
-                              pad_token_id=11, eos_token_id=2)
-                if mode == "constrained":
-                    kwargs["logits_processor"] = [LogitsProcessor(compiled)]
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                with torch.no_grad():
-                    seqs = model.generate(prompt, attention_mask=torch.ones_like(prompt), **kwargs)
-                torch.cuda.synchronize()
-                return time.perf_counter() - t0, seqs.shape[1] - prompt_len
-            gen(2)  # warm up
-            t1, _ = gen(1)
-            tn, steps = gen(new_tokens + 1)
-            per_step = (tn - t1) / max(1, steps - 1)
-            out.append({"preset": preset, "batch": batch, "mode": mode, "decode_steps": steps - 1,
-                        "ms_per_step": per_step * 1e3, "tokens_per_s": batch / per_step,
-                        "generate_s": tn})
-            log(f"HF {preset} b={batch:3d} {mode:11s} {per_step * 1e3:7.2f} ms/step {batch / per_step:8.1f} tok/s")
-    del model
-    torch.cuda.empty_cache()
-    return out
-
-
 def start_grammar_service(chan: StepChannel, tokenizer_dir: str, max_slots: int, tmp: pathlib.Path):
     schema = tmp / "bench_schema.json"
     schema.write_text(json.dumps(SCHEMA))
@@ -364,8 +317,8 @@ def main() -> int:
         result["hf_baseline"] = []
         for preset in args.presets:
             try:
-                result["hf_baseline"] += hf_baseline(preset, args.tokenizer_dir, args.hf_batches,
-                                                     args.hf_new_tokens, 128)
+                result["hf_baseline"] += hf_baseline(PRESETS[preset], preset, args.tokenizer_dir, SCHEMA,
+                                                     args.hf_batches, args.hf_new_tokens, 128, log)
             except Exception as exc:  # the baseline must not lose the main numbers
                 log(f"HF baseline {preset} failed: {exc!r}")
                 result.setdefault("hf_errors", []).append(f"{preset}: {exc!r}")

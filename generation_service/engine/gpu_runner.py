@@ -3,7 +3,7 @@
 One decode step of bucket b (the body captured by `DecodeGraphs`):
 
     [channel] inputs_seq = N                  fence + copy of the device step counter
-    forward(b rows) -> logits (b, V)          Triton attention backend, fused qkv / gate_up
+    forward(b rows) -> logits (b, V)          `DecodeForward` (decode_forward.py)
     [channel] wait mask_seq (parity of N)     cuStreamWaitValue32 on the mapped region
     [channel] masks = entry(N % D) rows       gather from mapped host memory
     sample (mask applied)                     kernels.mask_sample (greedy when temperature 0)
@@ -15,7 +15,7 @@ every replay. While step N waits, mask_seq is N-1 or N (grammar_service publishe
 after the GPU wrote inputs_seq = M, which happens at the start of step M), so "bit 0 of
 mask_seq == bit 0 of N" is exact: odd N waits with WAIT_AND 1, even N with WAIT_NOR ~1.
 Two graph copies per bucket, chosen by the host that knows N. The writes take N from a
-device counter (copy after a cuStreamWriteValue32 fence), so nothing is patched per replay.
+device counter (a kernel store after a cuStreamWriteValue32 fence), so nothing is patched per replay.
 Eager mode (debugging, the reference in tests) waits with GEQ N and writes N directly.
 
 The host only touches rows that change (`load_rows`, `scrub_tail`), never waits for the GPU
@@ -25,51 +25,16 @@ graph. Without a step channel (`mapped=None`) only the free variant exists.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from generation_service.engine.cuda_graphs import (
     DEFAULT_BUCKETS, FREE, SERVING_VARIANTS, DecodeBuffers, DecodeGraphs, GraphVariant, bucket_for,
 )
+from generation_service.engine.decode_forward import DecodeForward
 from generation_service.engine.kv_cache import KVCache
-from generation_service.model.layers import apply_rope
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Meta:
-    """What the attention backend reads (AttentionMetadata)."""
-
-    page_table: torch.Tensor
-    seq_lens: torch.Tensor
-    extend_lens: torch.Tensor
-
-
-@dataclass
-class _LayerWeights:
-    """Per-layer projections concatenated once so a decode step runs 2 GEMMs instead of 5."""
-
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    gate_up: torch.Tensor
-
-
-def fuse_layer_weights(model) -> list[_LayerWeights]:
-    fused = []
-    with torch.no_grad():
-        for layer in model.model.layers:
-            a, m = layer.self_attn, layer.mlp
-            bias = None
-            if a.q_proj.bias is not None:
-                bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
-            fused.append(_LayerWeights(
-                qkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
-                qkv_bias=bias,
-                gate_up=torch.cat([m.gate_proj.weight, m.up_proj.weight])))
-    return fused
 
 
 def apply_bitmask_torch(logits: torch.Tensor, masks: torch.Tensor) -> None:
@@ -97,12 +62,7 @@ class GpuDecodeRunner:
         self.sampler = sampler
         max_pages = -(-self.config.max_position_embeddings // kv.page_size)
         self.buffers = DecodeBuffers.allocate(self.max_batch, max_pages, self.device)
-        self.fused = fuse_layer_weights(model) if fuse_weights else None
-        if fused_ops is None:  # Triton element-wise fusions: Llama layout without q/k norms
-            fused_ops = fuse_weights and not self.config.qk_norm and self.config.head_dim % 32 == 0
-        self.fused_ops = fused_ops
-        from generation_service.kernels import get_attention_backend
-        self.attention = get_attention_backend("triton")
+        self.forward = DecodeForward(model, kv, self.buffers, fuse_weights=fuse_weights, fused_ops=fused_ops)
         if variants is None:
             variants = SERVING_VARIANTS if mapped is not None else (FREE,)
         self.variants = variants
@@ -112,12 +72,10 @@ class GpuDecodeRunner:
         self._capturing = False
         self._fence = torch.zeros(1, dtype=torch.int32, device=self.device)
         mb = self.max_batch
-        self._extend_lens = torch.ones(mb, dtype=torch.int32, device=self.device)
         self._temperature = torch.zeros(mb, dtype=torch.float32, device=self.device)
         self._top_k = torch.zeros(mb, dtype=torch.int32, device=self.device)
         self._top_p = torch.ones(mb, dtype=torch.float32, device=self.device)
         self._seeds = torch.zeros(mb, dtype=torch.int64, device=self.device)
-        self._sample_steps = torch.zeros(mb, dtype=torch.int64, device=self.device)
         if mapped is not None:
             g = mapped.channel.geometry
             if g.max_batch < self.max_batch:
@@ -133,93 +91,16 @@ class GpuDecodeRunner:
 
     # ---- the forward -----------------------------------------------------------------
     def decode_forward(self, bucket: int) -> torch.Tensor:
-        """(bucket, vocab) logits of one token per row; graph safe (no host reads)."""
-        if self.fused_ops:
-            return self._decode_forward_fused(bucket)
-        return self._decode_forward_torch(bucket)
-
-    def _slot_ids(self, bucket: int) -> torch.Tensor:
-        """(b,) int64 flattened cache slot of each row's new token (padding rows: dummy page)."""
-        buf, kv = self.buffers, self.kv
-        positions, page_table = buf.positions[:bucket], buf.page_table[:bucket]
-        page_col = (positions // kv.page_size).clamp(max=page_table.shape[1] - 1)
-        pages = page_table.gather(1, page_col.unsqueeze(1)).squeeze(1).long()
-        return pages * kv.page_size + positions % kv.page_size
-
-    def _decode_forward_fused(self, bucket: int) -> torch.Tensor:
-        """~10 launches per layer: norm, qkv, rope+kv write, attention (2), o_proj,
-        add+norm, gate_up, silu*mul, down. bf16 logits (mask_sample reads them as they are)."""
-        from generation_service.engine.decode_fused import add_rmsnorm, rope_write_kv, silu_mul
-        cfg, buf, m, kv = self.config, self.buffers, self.model, self.kv
-        ids = buf.input_ids[:bucket].clamp(0, cfg.vocab_size - 1)
-        meta = _Meta(buf.page_table[:bucket], buf.seq_lens[:bucket], self._extend_lens[:bucket])
-        slot_ids = self._slot_ids(bucket)
-        residual = m.model.embed_tokens(ids)  # (b, hidden)
-        cos, sin = m.rotary(buf.positions[:bucket], residual.dtype)  # (b, D) each
-        q_dim, eps, scale = cfg.num_heads * cfg.head_dim, cfg.rms_norm_eps, cfg.head_dim ** -0.5
-        delta = None
-        for index, layer in enumerate(m.model.layers):
-            w = self.fused[index]
-            x, residual = add_rmsnorm(delta if delta is not None else residual,
-                                      residual if delta is not None else None,
-                                      layer.input_layernorm.weight, eps)
-            qkv = F.linear(x, w.qkv, w.qkv_bias)
-            q = rope_write_kv(qkv, cos, sin, kv.k[index], kv.v[index], slot_ids,
-                              cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-            o = self.attention.decode(q, kv.k[index], kv.v[index], meta, scale,
-                                      sliding_window=cfg.sliding_window)
-            delta = layer.self_attn.o_proj(o.view(bucket, q_dim))
-            x, residual = add_rmsnorm(delta, residual, layer.post_attention_layernorm.weight, eps)
-            delta = layer.mlp.down_proj(silu_mul(F.linear(x, w.gate_up)))
-        x, _ = add_rmsnorm(delta, residual, m.model.norm.weight, eps)
-        return F.linear(x, m.output_weight)
-
-    def _decode_forward_torch(self, bucket: int) -> torch.Tensor:
-        """The same step from the model's own modules (the v1 path; ~36 launches per layer)."""
-        cfg, buf, m, kv = self.config, self.buffers, self.model, self.kv
-        ids = buf.input_ids[:bucket].clamp(0, cfg.vocab_size - 1)
-        positions = buf.positions[:bucket]
-        meta = _Meta(buf.page_table[:bucket], buf.seq_lens[:bucket], self._extend_lens[:bucket])
-        slot_ids = self._slot_ids(bucket)
-        hidden = m.model.embed_tokens(ids)  # (b, hidden)
-        cos, sin = m.rotary(positions, hidden.dtype)
-        q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        scale = cfg.head_dim ** -0.5
-        for index, layer in enumerate(m.model.layers):
-            attn = layer.self_attn
-            x = layer.input_layernorm(hidden)
-            if self.fused is not None:
-                w = self.fused[index]
-                q, k, v = F.linear(x, w.qkv, w.qkv_bias).split([q_dim, kv_dim, kv_dim], dim=-1)
-            else:
-                q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
-            q = q.reshape(bucket, cfg.num_heads, cfg.head_dim)  # (b, Hq, D)
-            k = k.reshape(bucket, cfg.num_kv_heads, cfg.head_dim)  # (b, Hkv, D)
-            v = v.reshape(bucket, cfg.num_kv_heads, cfg.head_dim).contiguous()
-            if cfg.qk_norm:
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            self.attention.write_kv(k.contiguous(), v, kv.k[index], kv.v[index], slot_ids)
-            o = self.attention.decode(q.contiguous(), kv.k[index], kv.v[index], meta, scale,
-                                      sliding_window=cfg.sliding_window)
-            hidden = hidden + attn.o_proj(o.reshape(bucket, q_dim))
-            x = layer.post_attention_layernorm(hidden)
-            if self.fused is not None:
-                gate, up = F.linear(x, self.fused[index].gate_up).chunk(2, dim=-1)
-                hidden = hidden + layer.mlp.down_proj(F.silu(gate) * up)
-            else:
-                hidden = hidden + layer.mlp(x)
-        hidden = m.model.norm(hidden)
-        return F.linear(hidden, m.output_weight).float()
+        """(bucket, vocab) logits of one token per row from the persistent buffers."""
+        return self.forward(bucket)
 
     # ---- the step body -----------------------------------------------------------------
     def _publish(self, which: str) -> None:
         from step_channel.cuda import driver
         if self._capturing:
             # NOTE: the memop write fences (like __threadfence_system) so the outputs written
-            # above are visible before the sequence number the copy then stores.
-            # An elementwise kernel stores N (not copy_, which may become a D2D memcpy node
-            # aimed at host memory).
+            # above are visible before the sequence number the next kernel stores. A kernel,
+            # not copy_, which may become a D2D memcpy node aimed at host memory.
             driver().write_value32(torch.cuda.current_stream().cuda_stream, self._fence.data_ptr(), 0)
             torch.add(self.buffers.step, 0, out=self.mapped.seq_view(which))
         else:
@@ -238,7 +119,9 @@ class GpuDecodeRunner:
         if self.sampler == "triton":
             from generation_service.kernels.mask_sample import mask_sample
             ids, _ = mask_sample(logits, masks, self._temperature[:bucket], self._top_k[:bucket],
-                                 self._top_p[:bucket], self._seeds[:bucket], self._sample_steps[:bucket],
+                                 # the token's position is the philox step: a new draw per token,
+                                 # the same draw for the same (seed, position) in any batch layout
+                                 self._top_p[:bucket], self._seeds[:bucket], self.buffers.positions[:bucket],
                                  mask_vocab_size=self.mask_vocab if masks is not None else None,
                                  enable_filters=False)
             return ids.long()
@@ -319,6 +202,16 @@ class GpuDecodeRunner:
 
     def load_rows(self, input_ids, positions, seq_lens, page_table, start: int = 0) -> None:
         self.buffers.set_rows(start, input_ids, positions, seq_lens, page_table)
+
+    def load_sampling(self, start: int, temperature: torch.Tensor, seeds: torch.Tensor) -> None:
+        """Per-row temperature (0 = greedy) and seed for rows [start, start+n).
+
+        NOTE: top-k / top-p are compiled out of the captured sampler (enable_filters=False);
+        a filter variant of the graphs is not captured yet.
+        """
+        n = temperature.shape[0]
+        self._temperature[start:start + n].copy_(temperature, non_blocking=True)
+        self._seeds[start:start + n].copy_(seeds, non_blocking=True)
 
     def set_channel_step(self, step: int) -> None:
         """The next channel step (OpenChannel's first_step, or after a reconnect)."""

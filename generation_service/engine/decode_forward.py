@@ -1,0 +1,148 @@
+"""The decode forward over the persistent buffers: one token per row, graph safe.
+
+Two versions of the same step (docs/gpu.md has their H200 timings):
+- fused (default for Llama layouts): the model's weights with q/k/v and gate/up concatenated,
+  Triton add+RMSNorm, RoPE+KV write and silu*mul (`decode_fused`), the Triton attention
+  backend: ~10 launches per layer;
+- torch: the model's own modules around the same GEMMs and attention: ~36 launches per layer.
+Both read input ids, positions, page tables and seq_lens from `DecodeBuffers`; padding rows
+(seq_len 0, page table 0) write only into the dummy page.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from generation_service.engine.cuda_graphs import DecodeBuffers
+from generation_service.engine.kv_cache import KVCache
+from generation_service.model.layers import apply_rope
+
+
+@dataclass
+class DecodeMeta:
+    """What the attention backend reads (AttentionMetadata)."""
+
+    page_table: torch.Tensor
+    seq_lens: torch.Tensor
+    extend_lens: torch.Tensor
+
+
+@dataclass
+class LayerWeights:
+    """Per-layer projections concatenated once so a decode step runs 2 GEMMs instead of 5."""
+
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    gate_up: torch.Tensor
+
+
+def fuse_layer_weights(model) -> list[LayerWeights]:
+    fused = []
+    with torch.no_grad():
+        for layer in model.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            bias = None
+            if a.q_proj.bias is not None:
+                bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+            fused.append(LayerWeights(
+                qkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                qkv_bias=bias,
+                gate_up=torch.cat([m.gate_proj.weight, m.up_proj.weight])))
+    return fused
+
+
+class DecodeForward:
+    """Callable: bucket -> logits, reading the persistent buffers of one runner."""
+
+    def __init__(self, model, kv: KVCache, buffers: DecodeBuffers, *, fuse_weights: bool = True,
+                 fused_ops: bool | None = None) -> None:
+        from generation_service.kernels import get_attention_backend
+        self.model, self.config, self.kv, self.buffers = model, model.config, kv, buffers
+        self.weights = fuse_layer_weights(model) if fuse_weights else None
+        if fused_ops is None:  # Triton element-wise fusions: Llama layout without q/k norms
+            fused_ops = fuse_weights and not self.config.qk_norm and self.config.head_dim % 32 == 0
+        self.fused_ops = fused_ops
+        self.attention = get_attention_backend("triton")
+        self._extend_lens = torch.ones(buffers.max_batch, dtype=torch.int32, device=kv.device)
+
+    def __call__(self, bucket: int) -> torch.Tensor:
+        """(bucket, vocab) logits of one token per row; graph safe (no host reads)."""
+        if self.fused_ops:
+            return self._fused(bucket)
+        return self._torch(bucket)
+
+    def _slot_ids(self, bucket: int) -> torch.Tensor:
+        """(b,) int64 flattened cache slot of each row's new token (padding rows: dummy page)."""
+        buf, kv = self.buffers, self.kv
+        positions, page_table = buf.positions[:bucket], buf.page_table[:bucket]
+        page_col = (positions // kv.page_size).clamp(max=page_table.shape[1] - 1)
+        pages = page_table.gather(1, page_col.unsqueeze(1)).squeeze(1).long()
+        return pages * kv.page_size + positions % kv.page_size
+
+    def _fused(self, bucket: int) -> torch.Tensor:
+        """~10 launches per layer: norm, qkv, rope+kv write, attention (2), o_proj,
+        add+norm, gate_up, silu*mul, down. bf16 logits (mask_sample reads them as they are)."""
+        from generation_service.engine.decode_fused import add_rmsnorm, rope_write_kv, silu_mul
+        cfg, buf, m, kv = self.config, self.buffers, self.model, self.kv
+        ids = buf.input_ids[:bucket].clamp(0, cfg.vocab_size - 1)
+        meta = DecodeMeta(buf.page_table[:bucket], buf.seq_lens[:bucket], self._extend_lens[:bucket])
+        slot_ids = self._slot_ids(bucket)
+        residual = m.model.embed_tokens(ids)  # (b, hidden)
+        cos, sin = m.rotary(buf.positions[:bucket], residual.dtype)  # (b, D) each
+        q_dim, eps, scale = cfg.num_heads * cfg.head_dim, cfg.rms_norm_eps, cfg.head_dim ** -0.5
+        delta = None
+        for index, layer in enumerate(m.model.layers):
+            w = self.weights[index]
+            x, residual = add_rmsnorm(delta if delta is not None else residual,
+                                      residual if delta is not None else None,
+                                      layer.input_layernorm.weight, eps)
+            qkv = F.linear(x, w.qkv, w.qkv_bias)
+            q = rope_write_kv(qkv, cos, sin, kv.k[index], kv.v[index], slot_ids,
+                              cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+            o = self.attention.decode(q, kv.k[index], kv.v[index], meta, scale,
+                                      sliding_window=cfg.sliding_window)
+            delta = layer.self_attn.o_proj(o.view(bucket, q_dim))
+            x, residual = add_rmsnorm(delta, residual, layer.post_attention_layernorm.weight, eps)
+            delta = layer.mlp.down_proj(silu_mul(F.linear(x, w.gate_up)))
+        x, _ = add_rmsnorm(delta, residual, m.model.norm.weight, eps)
+        return F.linear(x, m.output_weight)
+
+    def _torch(self, bucket: int) -> torch.Tensor:
+        """The same step from the model's own modules (the v1 path; ~36 launches per layer)."""
+        cfg, buf, m, kv = self.config, self.buffers, self.model, self.kv
+        ids = buf.input_ids[:bucket].clamp(0, cfg.vocab_size - 1)
+        positions = buf.positions[:bucket]
+        meta = DecodeMeta(buf.page_table[:bucket], buf.seq_lens[:bucket], self._extend_lens[:bucket])
+        slot_ids = self._slot_ids(bucket)
+        hidden = m.model.embed_tokens(ids)  # (b, hidden)
+        cos, sin = m.rotary(positions, hidden.dtype)
+        q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        scale = cfg.head_dim ** -0.5
+        for index, layer in enumerate(m.model.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(hidden)
+            if self.weights is not None:
+                w = self.weights[index]
+                q, k, v = F.linear(x, w.qkv, w.qkv_bias).split([q_dim, kv_dim, kv_dim], dim=-1)
+            else:
+                q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+            q = q.reshape(bucket, cfg.num_heads, cfg.head_dim)  # (b, Hq, D)
+            k = k.reshape(bucket, cfg.num_kv_heads, cfg.head_dim)  # (b, Hkv, D)
+            v = v.reshape(bucket, cfg.num_kv_heads, cfg.head_dim).contiguous()
+            if cfg.qk_norm:
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            self.attention.write_kv(k.contiguous(), v, kv.k[index], kv.v[index], slot_ids)
+            o = self.attention.decode(q.contiguous(), kv.k[index], kv.v[index], meta, scale,
+                                      sliding_window=cfg.sliding_window)
+            hidden = hidden + attn.o_proj(o.reshape(bucket, q_dim))
+            x = layer.post_attention_layernorm(hidden)
+            if self.weights is not None:
+                gate, up = F.linear(x, self.weights[index].gate_up).chunk(2, dim=-1)
+                hidden = hidden + layer.mlp.down_proj(F.silu(gate) * up)
+            else:
+                hidden = hidden + layer.mlp(x)
+        hidden = m.model.norm(hidden)
+        return F.linear(hidden, m.output_weight).float()
