@@ -1,4 +1,4 @@
-"""transformers as the reference: writing its checkpoints and running its greedy decode."""
+"""transformers as the reference: writing its checkpoints and scoring our generations."""
 
 from __future__ import annotations
 
@@ -14,14 +14,13 @@ def save_hf_checkpoint(hf_model, folder: pathlib.Path, **kwargs) -> pathlib.Path
 
 
 @torch.no_grad()
-def hf_greedy(hf_model, prompt: list[int], num_steps: int) -> tuple[list[torch.Tensor], list[int]]:
-    """transformers' last-position logits and greedy token for ``num_steps`` steps (no cache: full forwards)."""
-    ids = torch.tensor([prompt])
-    logits_per_step, generated = [], []
-    for _ in range(num_steps):
-        logits = hf_model(ids).logits[0, -1].float()
-        token = int(logits.argmax())
-        logits_per_step.append(logits)
-        generated.append(token)
-        ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
-    return logits_per_step, generated
+def hf_step_logits(hf_model, prompt: list[int], generated: list[int]) -> torch.Tensor:
+    """transformers' logits for every generation step, (len(generated), vocab) fp32.
+
+    One uncached forward over prompt + generated[:-1]: row i is the logits after
+    prompt + generated[:i], exactly what step i of a greedy decode computes. If each
+    row's argmax equals generated[i], transformers' own greedy decode yields `generated`
+    (by induction over the steps).
+    """
+    ids = torch.tensor([prompt + generated[:-1]])
+    return hf_model(ids).logits[0, len(prompt) - 1 :].float()

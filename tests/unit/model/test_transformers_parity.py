@@ -6,7 +6,7 @@ import pytest
 import torch
 import transformers
 
-from hf_reference import hf_greedy, save_hf_checkpoint
+from hf_reference import hf_step_logits, save_hf_checkpoint
 from generation_service.model.loader import load_model
 from generation_service.model.reference_generate import greedy_generate
 
@@ -49,16 +49,17 @@ def make_hf_model(family: str, dtype=torch.float32):
 def checkpoint(request, tmp_path_factory):
     hf_model = make_hf_model(request.param)
     folder = save_hf_checkpoint(hf_model, tmp_path_factory.mktemp(request.param))
-    references = [hf_greedy(hf_model, prompt, NUM_STEPS) for prompt in PROMPTS]
-    return request.param, folder, references
+    return request.param, folder, hf_model
 
 
-def assert_matches(result, references):
-    for row, (ref_logits, ref_ids) in enumerate(references):
-        ours = [result.prefill_logits[row]] + [step[row] for step in result.step_logits]
-        diffs = [(a - b).abs().max().item() for a, b in zip(ours, ref_logits)]
+def assert_matches(result, hf_model, prompts):
+    """Logits of prefill and every decode step within TOLERANCE of transformers', same greedy ids."""
+    for row, prompt in enumerate(prompts):
+        reference = hf_step_logits(hf_model, prompt, result.output_ids[row])
+        ours = torch.stack([result.prefill_logits[row]] + [step[row] for step in result.step_logits])
+        diffs = (ours - reference).abs().amax(dim=-1).tolist()
         assert max(diffs) < TOLERANCE, f"row {row}: max abs diff per step {diffs}"
-        assert result.output_ids[row] == ref_ids
+        assert reference.argmax(dim=-1).tolist() == result.output_ids[row]
 
 
 def test_config_is_read_as_family(checkpoint):
@@ -75,18 +76,19 @@ def test_config_is_read_as_family(checkpoint):
     (4, 6, 2),  # chunked prefill across page boundaries, padding rows in every decode step
 ])
 def test_batched_greedy_matches_transformers(checkpoint, page_size, prefill_chunk, num_padding_rows):
-    _, folder, references = checkpoint
+    _, folder, hf_model = checkpoint
     loaded = load_model(str(folder))
     result = greedy_generate(loaded.model, loaded.config, PROMPTS, NUM_STEPS, page_size=page_size,
                              prefill_chunk=prefill_chunk, num_padding_rows=num_padding_rows)
-    assert_matches(result, references)
+    assert len(result.output_ids[0]) == NUM_STEPS
+    assert_matches(result, hf_model, PROMPTS)
 
 
 def test_single_request_matches_transformers(checkpoint):
-    _, folder, references = checkpoint
+    _, folder, hf_model = checkpoint
     loaded = load_model(str(folder))
     result = greedy_generate(loaded.model, loaded.config, PROMPTS[2:], NUM_STEPS, page_size=3)
-    assert_matches(result, references[2:])
+    assert_matches(result, hf_model, PROMPTS[2:])
 
 
 def test_sharded_checkpoint_loads(tmp_path):
@@ -96,7 +98,7 @@ def test_sharded_checkpoint_loads(tmp_path):
     assert len(list(tmp_path.glob("*.safetensors"))) > 1
     loaded = load_model(str(tmp_path))
     result = greedy_generate(loaded.model, loaded.config, PROMPTS[:1], 4, page_size=4)
-    assert_matches(result, [hf_greedy(hf_model, PROMPTS[0], 4)])
+    assert_matches(result, hf_model, PROMPTS[:1])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
