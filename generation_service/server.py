@@ -15,12 +15,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from generation_service import proto_convert
+from generation_service import metrics, proto_convert, tracing
 from generation_service.config import ServeConfig
 from generation_service.engine.errors import DeadlineExceededError, EngineError, LimitExceededError
 from generation_service.engine.events import FinishReason
 from generation_service.engine.params import GRAMMAR_KINDS
 from generation_service.interceptors import BearerTokenInterceptor, ErrorMappingInterceptor
+from structgen import telemetry
 from structgen.v1 import generation_pb2 as pb
 from structgen.v1 import generation_pb2_grpc as pb_grpc
 
@@ -46,12 +47,13 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         domain = proto_convert.to_generation_request(
             request, self._engine.tokenizer, self._config,
             None if remaining is None or remaining > _NO_DEADLINE_S else remaining)
+        domain = tracing.with_trace_context(domain)  # compile and engine spans join this rpc's trace
         stream = self._engine.submit(domain)
         # Client disconnect, deadline or normal end: the callback runs once the rpc is over;
         # cancelling a finished stream is a no-op, so freeing resources never waits on us.
         if not context.add_callback(stream.cancel):
             stream.cancel()
-        for event in stream:
+        for event in metrics.get().observe(stream, domain):
             if event.error is not None:
                 raise event.error
             if event.finish_reason is FinishReason.DEADLINE:
@@ -121,7 +123,10 @@ def _credentials(config: ServeConfig) -> grpc.ServerCredentials:
 
 
 def _interceptors(config: ServeConfig) -> list[grpc.ServerInterceptor]:
-    interceptors: list[grpc.ServerInterceptor] = []
+    # Outermost first: the server span and the status count see auth refusals too.
+    interceptors: list[grpc.ServerInterceptor] = [metrics.get().interceptor()]
+    if telemetry.is_enabled():
+        interceptors.insert(0, tracing.TracingInterceptor())
     if config.auth_token_file:
         with open(config.auth_token_file, encoding="utf-8") as file:
             interceptors.append(BearerTokenInterceptor(file.read().strip()))
@@ -146,6 +151,8 @@ def start_server(engine, config: ServeConfig) -> RunningServer:
                          interceptors=_interceptors(config), options=options,
                          maximum_concurrent_rpcs=config.max_concurrent_rpcs)
     pb_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(engine, config), server)
+    metrics.get().watch(engine)  # engine gauges at scrape time
+    engine.table.finish_listeners.append(tracing.RequestSpans())
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

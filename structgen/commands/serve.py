@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass
 
 
@@ -90,16 +91,34 @@ def run(args: argparse.Namespace, _rest) -> int:
     level = (args.log_level or os.environ.get("STRUCTGEN_LOG_LEVEL") or "INFO").upper()
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from generation_service.config import ServeConfig
+    from structgen import telemetry
+    telemetry.setup("structgen")  # OTEL_* variables; off without an OTLP endpoint
+    telemetry.install_log_correlation()
     config = ServeConfig(**resolve(args, os.environ, "serve"))
     stop_requested = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop_requested.set())
-    with ServeStack(config, resolve(args, os.environ, "engine")) as stack:
-        print(f"structgen serve: listening on {config.host}:{stack.port} "
-              f"(model {stack.model_name}, grammar_service at {stack.grammar_address})", flush=True)
-        stop_requested.wait()
-        log.info("stopping: draining for up to %.1f s", config.grace_s)
-    return 0
+    try:
+        with ServeStack(config, resolve(args, os.environ, "engine")) as stack:
+            print(f"structgen serve: listening on {config.host}:{stack.port} "
+                  f"(model {stack.model_name}, grammar_service at {stack.grammar_address})", flush=True)
+            stop_requested.wait()
+            log.info("stopping: draining for up to %.1f s", config.grace_s)
+    finally:
+        telemetry.shutdown()  # flush the last spans (the drained streams')
+    exit_now(0)
+
+
+def exit_now(code: int) -> None:
+    """Exit without the interpreter's finalization.
+
+    NOTE: call only once everything is released (channel unlinked, child stopped, spans
+    flushed). Finalization garbage-collects torch and tokenizer objects for seconds, which
+    a drain (SIGTERM -> exit within --drain-seconds) cannot afford."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 class ServeStack:
@@ -147,10 +166,11 @@ class ServeStack:
         return self._engine.model_name
 
     def __exit__(self, *exc) -> None:
-        grace_s = self.config.grace_s
+        # One grace period for the whole drain: the engine gets what the server left over.
+        deadline_s = time.monotonic() + self.config.grace_s
         if self._server is not None:
-            self._server.stop(grace_s)
+            self._server.stop(self.config.grace_s)
         if self._engine is not None:
-            self._engine.stop(grace_s)
+            self._engine.stop(max(0.0, deadline_s - time.monotonic()))
         if self._supervisor is not None:
             self._supervisor.stop()

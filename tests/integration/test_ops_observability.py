@@ -1,0 +1,254 @@
+"""Traces, metrics and graceful drain of a real `structgen serve` (issue 7).
+
+One server for the module, started with OTEL_* pointing at an in-test OTLP receiver and with
+`--metrics-port`. The drain test runs last: it SIGTERMs that server while streams are open.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from otlp_receiver import OtlpReceiver
+from conftest import LIMITS, start_serve, stop_serve
+from structgen.v1 import generation_pb2 as pb
+from structgen.v1 import generation_pb2_grpc as pb_grpc
+
+GENERATE = "structgen.v1.GenerationService/Generate"
+SCHEMA = json.dumps({"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                                      "age": {"type": "integer"}},
+                     "required": ["name", "age"], "additionalProperties": False})
+DRAIN_S = 30
+MAX_TOKENS_LIMIT = 1024
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def receiver():
+    with OtlpReceiver() as receiver:
+        yield receiver
+
+
+@pytest.fixture(scope="module")
+def server(receiver, tmp_path_factory):
+    metrics_port = _free_port()
+    limits = {**LIMITS, "max_new_tokens_limit": MAX_TOKENS_LIMIT}
+    args = [f"--{name.replace('_', '-')}={value}" for name, value in limits.items()]
+    args += [f"--metrics-port={metrics_port}", f"--drain-seconds={DRAIN_S}"]
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_EXPORTER_OTLP_INSECURE": "true",
+           "OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_TRACES_SAMPLER": "parentbased_always_on"}
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES", "OTEL_SDK_DISABLED",
+                     "OTEL_TRACES_EXPORTER"):
+            patch.delenv(name, raising=False)
+        for name, value in env.items():
+            patch.setenv(name, value)
+        live = start_serve(args, tmp_path_factory.mktemp("ops") / "serve.log")
+    live.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    yield live
+    if live.process.poll() is None:  # the drain test did not run
+        assert stop_serve(live) == 0
+
+
+@pytest.fixture(scope="module")
+def stub(server):
+    with grpc.insecure_channel(server.address) as channel:
+        yield pb_grpc.GenerationServiceStub(channel)
+
+
+def _generate(stub, metadata=(), **fields) -> list[pb.GenerateResponse]:
+    return list(stub.Generate(pb.GenerateRequest(**fields), metadata=metadata, timeout=120))
+
+
+def _scrape(url: str) -> dict[str, float]:
+    """Every sample as {"name{label=value,...}": value}."""
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}"] = sample.value
+    return samples
+
+
+def _total(samples: dict[str, float], name: str, **labels) -> float:
+    """Sum of the samples of `name` whose labels include `labels`."""
+    wanted = [f"{k}={v}" for k, v in labels.items()]
+    return sum(value for key, value in samples.items()
+               if key.split("{", 1)[0] == name and all(w in key for w in wanted))
+
+
+# ---- traces ------------------------------------------------------------------------------------
+def test_constrained_request_is_one_trace_across_both_processes(stub, receiver):
+    trace_id, caller_span_id = secrets.token_hex(16), secrets.token_hex(8)
+    traceparent = f"00-{trace_id}-{caller_span_id}-01"
+    responses = _generate(stub, metadata=(("traceparent", traceparent),),
+                          prompt="A person as JSON:", json_schema=SCHEMA,
+                          stop=pb.StopConditions(max_tokens=48))
+    assert responses[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED
+
+    names = {"structgen.queue", "structgen.prefill", "structgen.decode", "grammar.compile", GENERATE}
+    spans = receiver.wait_for(
+        lambda spans: names <= {s.name for s in spans if s.trace_id == trace_id}, timeout_s=30)
+    ours = {s.name: s for s in spans if s.trace_id == trace_id}
+    assert names <= set(ours), f"missing spans {names - set(ours)}; got {sorted(ours)}"
+
+    server_span = ours[GENERATE]
+    assert server_span.parent_span_id == caller_span_id  # joined the caller's trace
+    assert server_span.service == "structgen"
+    assert server_span.attributes["rpc.grpc.status_code"] == 0
+    assert server_span.attributes["gen_ai.usage.output_tokens"] == responses[-1].usage.completion_tokens
+    for name in ("structgen.queue", "structgen.prefill", "structgen.decode"):
+        assert ours[name].parent_span_id == server_span.span_id, name
+        assert ours[name].service == "structgen"
+        assert server_span.start_ns <= ours[name].start_ns <= ours[name].end_ns <= server_span.end_ns
+    # queue -> prefill -> decode follow each other
+    assert ours["structgen.queue"].end_ns <= ours["structgen.prefill"].start_ns + 1000
+    assert ours["structgen.prefill"].end_ns <= ours["structgen.decode"].start_ns + 1000
+
+    compile_span = ours["grammar.compile"]
+    assert compile_span.service == "structgen-grammar"  # exported by the other process
+    assert compile_span.parent_span_id == server_span.span_id
+    assert "grammar.cache_hit" in compile_span.attributes
+
+    decode = ours["structgen.decode"].attributes
+    assert decode["gen_ai.usage.output_tokens"] == responses[-1].usage.completion_tokens
+    assert decode["gen_ai.response.finish_reasons"][0] in ("grammar_complete", "max_tokens", "stop_token")
+    assert {"structgen.drafts.proposed", "structgen.drafts.accepted"} <= set(decode)
+    assert "structgen.grammar.cache_hit" in ours["structgen.prefill"].attributes
+
+
+def test_failed_rpc_span_has_its_status(stub, receiver):
+    trace_id = secrets.token_hex(16)
+    with pytest.raises(grpc.RpcError) as error:
+        _generate(stub, metadata=(("traceparent", f"00-{trace_id}-{secrets.token_hex(8)}-01"),),
+                  prompt="x", json_schema="{not json")
+    assert error.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    spans = receiver.wait_for(lambda s: any(x.trace_id == trace_id and x.name == GENERATE for x in s))
+    span = next(s for s in spans if s.trace_id == trace_id and s.name == GENERATE)
+    assert span.attributes["rpc.grpc.status_code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert span.status_code == 2  # ERROR
+
+
+# ---- metrics -----------------------------------------------------------------------------------
+FAMILIES = (
+    "structgen_time_to_first_token_seconds_bucket", "structgen_inter_token_latency_seconds_bucket",
+    "structgen_request_duration_seconds_bucket", "structgen_generated_tokens_total",
+    "structgen_queue_depth", "structgen_running_requests", "structgen_kv_pages_used",
+    "structgen_kv_pages_total", "structgen_request_grammar_compile_seconds_bucket",
+    "structgen_constrained_requests_total", "structgen_grammar_mask_wait_seconds_total",
+    "structgen_grammar_steps_total", "structgen_draft_tokens_proposed_total",
+    "structgen_draft_tokens_accepted_total", "structgen_rpcs_total", "structgen_rpc_errors_total",
+    "structgen_finished_requests_total",
+)
+
+
+def test_metrics_expose_the_families_and_move(server, stub):
+    before = _scrape(server.metrics_url)
+    # A constrained request with a fresh schema (a compile, not a cache hit), a speculative
+    # free one, and one refused with OUT_OF_RANGE.
+    schema = json.dumps({"type": "object", "properties": {f"k{secrets.token_hex(3)}": {"type": "boolean"}}})
+    _generate(stub, prompt="JSON:", json_schema=schema, stop=pb.StopConditions(max_tokens=24))
+    _generate(stub, prompt="one two three one two three one two", stop=pb.StopConditions(max_tokens=24, ignore_eos=True),
+              speculative=pb.SpeculativeOptions(num_draft_tokens=3))
+    with pytest.raises(grpc.RpcError) as error:
+        _generate(stub, prompt="x", stop=pb.StopConditions(max_tokens=MAX_TOKENS_LIMIT + 1))
+    refused = error.value.code().name
+    after = _scrape(server.metrics_url)
+
+    missing = [f for f in FAMILIES if not any(key.startswith(f + "{") for key in after)]
+    assert not missing, f"families missing from /metrics: {missing}"
+
+    def moved(name, **labels):
+        return _total(after, name, **labels) - _total(before, name, **labels)
+
+    assert moved("structgen_time_to_first_token_seconds_count") == 2
+    assert moved("structgen_time_to_first_token_seconds_count", constrained="true") == 1
+    assert moved("structgen_inter_token_latency_seconds_count") > 0
+    assert moved("structgen_generated_tokens_total", constrained="false") == 24
+    assert moved("structgen_request_grammar_compile_seconds_count") == 1
+    assert moved("structgen_constrained_requests_total", cache="miss") == 1
+    assert moved("structgen_grammar_steps_total") > 0
+    assert moved("structgen_grammar_mask_wait_seconds_total") >= 0
+    assert moved("structgen_draft_tokens_proposed_total") > 0
+    assert moved("structgen_rpcs_total", method=f"/{GENERATE}", code="OK") == 2
+    assert moved("structgen_rpc_errors_total", method=f"/{GENERATE}", code=refused) == 1
+    assert _total(after, "structgen_kv_pages_total") > 0
+
+
+def test_engine_gauges_move_while_a_stream_runs(server, stub):
+    stream = stub.Generate(pb.GenerateRequest(prompt="count:", stop=pb.StopConditions(
+        max_tokens=MAX_TOKENS_LIMIT, ignore_eos=True)), timeout=120)
+    next(stream)  # it is running now
+    during = _scrape(server.metrics_url)
+    stream.cancel()
+    assert _total(during, "structgen_running_requests") >= 1
+    assert _total(during, "structgen_kv_pages_used") >= 1
+    deadline = time.monotonic() + 10
+    while _total(_scrape(server.metrics_url), "structgen_running_requests") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    after = _scrape(server.metrics_url)
+    assert _total(after, "structgen_running_requests") == 0
+    assert _total(after, "structgen_kv_pages_used") == 0
+    assert _total(after, "structgen_rpcs_total", code="CANCELLED") >= 1
+
+
+# ---- drain (last: it stops the server) ----------------------------------------------------------
+def test_sigterm_drains_open_streams_refuses_new_calls_and_exits_0(server, stub, receiver):
+    num_streams, max_tokens = 3, 400
+    results: list[list[pb.GenerateResponse] | Exception] = [None] * num_streams
+    started = threading.Barrier(num_streams + 1)
+
+    def consume(i: int) -> None:
+        responses = []
+        try:
+            kwargs = {"json_schema": SCHEMA} if i == 0 else {"stop": pb.StopConditions(
+                max_tokens=max_tokens, ignore_eos=True)}
+            if i == 0:  # a constrained stream needs the grammar child until it ends
+                kwargs["stop"] = pb.StopConditions(max_tokens=200)
+            for response in stub.Generate(pb.GenerateRequest(prompt=f"stream {i}:", **kwargs), timeout=120):
+                responses.append(response)
+                if len(responses) == 1 + (i == 0):  # first tokens (after the guarantee)
+                    started.wait(60)
+            results[i] = responses
+        except Exception as error:  # noqa: BLE001 -- reported below
+            results[i] = error
+            started.abort()
+
+    threads = [threading.Thread(target=consume, args=(i,)) for i in range(num_streams)]
+    for thread in threads:
+        thread.start()
+    started.wait(60)
+    sigterm_s = time.monotonic()
+    server.process.send_signal(15)
+    time.sleep(0.5)
+    with pytest.raises(grpc.RpcError) as refused:
+        _generate(stub, prompt="too late", stop=pb.StopConditions(max_tokens=4))
+    assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
+    still_running = [t.is_alive() for t in threads]
+    for thread in threads:
+        thread.join(DRAIN_S + 10)
+    code = server.process.wait(DRAIN_S + 10)
+    exit_s = time.monotonic() - sigterm_s
+    for i, result in enumerate(results):
+        assert not isinstance(result, Exception), f"stream {i} failed during the drain: {result!r}"
+        assert result[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED, f"stream {i} did not finish"
+    assert code == 0, server.log_text()[-3000:]
+    assert exit_s < DRAIN_S, f"exit {exit_s:.1f} s after SIGTERM: streams ended, yet the grace ran out"
+    assert any(still_running), "every stream ended before the refused call: the drain was not tested"
+    assert results[1][-1].usage.completion_tokens == max_tokens
+    # The drained streams' spans were flushed on the way out.
+    assert receiver.wait_for(lambda s: sum(x.name == GENERATE for x in s) >= 5, timeout_s=5)
