@@ -17,6 +17,7 @@ from functools import lru_cache
 
 import jsonschema
 from jsonschema.exceptions import SchemaError
+from referencing.exceptions import Unresolvable
 
 MAX_ERRORS = 50  # a final message stays small; `num_errors` still counts them all
 
@@ -113,7 +114,7 @@ def validate_output(schema_text: str, output_text: str) -> ValidationResult:
         return ValidationResult(False, (ValidationIssue("$", f"output is not valid JSON: {exc}", ""),), 1)
     try:
         found = violations(schema_text, instance)
-    except (SchemaError, ValueError, jsonschema.exceptions.RefResolutionError) as exc:
+    except (SchemaError, ValueError, Unresolvable) as exc:
         message = getattr(exc, "message", None) or str(exc).splitlines()[0]
         return _unusable_schema(message)
     except Exception as exc:  # e.g. a pattern neither re nor regex compiles, a malformed schema

@@ -1,0 +1,72 @@
+"""validate_output: the full schema, checked with jsonschema, draft from $schema, paths of failures."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from benchmarks.corpus import get_schema
+from structgen.schema_validation import MAX_ERRORS, validate_output, violations
+
+DRAFT4 = {"$schema": "http://json-schema.org/draft-04/schema#", "type": "number", "maximum": 3,
+          "exclusiveMaximum": True}
+DRAFT2020 = {"type": "number", "exclusiveMaximum": 3}
+
+
+def test_valid_output():
+    result = validate_output(json.dumps({"type": "object", "required": ["a"]}), '{"a": 1}')
+    assert result.valid and result.errors == () and result.num_errors == 0
+
+
+def test_failures_carry_the_output_path_and_the_schema_keyword():
+    schema = {"type": "object", "properties": {"jobs": {"type": "array", "items": {
+        "type": "object", "properties": {"id": {"type": "integer"}}}, "uniqueItems": True}}}
+    result = validate_output(json.dumps(schema), '{"jobs": [{"id": "x"}, {"id": "x"}]}')
+    assert not result.valid and result.num_errors == 3
+    paths = {(i.path, i.schema_pointer) for i in result.issues}
+    assert ("$.jobs", "/properties/jobs/uniqueItems") in paths
+    assert ("$.jobs[0].id", "/properties/jobs/items/properties/id/type") in paths
+    assert "$.jobs[1].id: 'x' is not of type 'integer'" in result.errors[-1]
+
+
+@pytest.mark.parametrize("schema,valid", [(DRAFT4, False), (DRAFT2020, False),
+                                          ({**DRAFT4, "exclusiveMaximum": False}, True)])
+def test_draft_comes_from_dollar_schema(schema, valid):
+    assert validate_output(json.dumps(schema), "3").valid is valid
+
+
+def test_formats_are_checked():
+    schema = {"type": "object", "properties": {"when": {"type": "string", "format": "date-time"},
+                                               "site": {"type": "string", "format": "uri"}}}
+    result = validate_output(json.dumps(schema), '{"when": "yesterday", "site": "not a uri"}')
+    assert {i.schema_pointer for i in result.issues} == {"/properties/when/format", "/properties/site/format"}
+
+
+def test_ecma_patterns_python_re_lacks_are_still_checked():
+    schema = json.dumps({"type": "string", "pattern": "^\\p{Lu}"})
+    assert validate_output(schema, '"Élan"').valid and not validate_output(schema, '"élan"').valid
+
+
+def test_output_that_is_not_json():
+    result = validate_output('{"type": "object"}', '{"a": ')
+    assert not result.valid and result.issues[0].path == "$" and "not valid JSON" in result.errors[0]
+
+
+def test_a_schema_jsonschema_cannot_use_is_said_so():
+    result = validate_output('{"type": 12}', '"x"')
+    assert not result.valid and "cannot validate with jsonschema" in result.errors[0]
+
+
+def test_errors_are_capped_but_counted():
+    schema = json.dumps({"type": "array", "items": {"type": "string"}})
+    result = validate_output(schema, json.dumps(list(range(MAX_ERRORS + 7))))
+    assert len(result.issues) == MAX_ERRORS and result.num_errors == MAX_ERRORS + 7
+
+
+def test_same_violations_as_jsonschema_on_a_real_schema():
+    text = get_schema("github-issue-config").text
+    doc = {"blank_issues_enabled": "yes", "contact_links": [{"name": "", "url": "ftp://x"}], "extra": 1}
+    cls = jsonschema.validators.validator_for(json.loads(text))
+    expected = sorted((e.json_path, e.message) for e in cls(json.loads(text)).iter_errors(doc))
+    assert sorted((i.path, i.message) for i in violations(text, doc)) == expected and len(expected) >= 4
