@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 
 SCHEMA = {
@@ -32,14 +33,16 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--model", default=None, help="model for the demo server (default: built-in)")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--startup-timeout-s", type=float, default=600.0)
+    parser.add_argument("-v", "--verbose", action="store_true", help="show the server's log")
     parser.set_defaults(run=run)
 
 
-def start_server(model: str | None, timeout_s: float) -> tuple[subprocess.Popen, str]:
+def start_server(model: str | None, timeout_s: float, log_file) -> tuple[subprocess.Popen, str]:
     """`structgen serve --port 0` as a child; returns it and its address once it listens."""
     argv = [sys.executable, "-m", "structgen.cli", "serve", "--port", "0", "--host", "127.0.0.1"]
     argv += ["--model", model] if model else []
-    process = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log_file, text=True,
+                               env=os.environ.copy())
     found: list[str] = []
     ready = threading.Event()
 
@@ -57,12 +60,25 @@ def start_server(model: str | None, timeout_s: float) -> tuple[subprocess.Popen,
     return process, found[0]
 
 
+def _log_tail(log_file, num_chars: int = 4000) -> str:
+    if log_file is None:
+        return ""
+    log_file.flush()
+    with open(log_file.name, errors="replace") as file:
+        return file.read()[-num_chars:]
+
+
 def run(args, _rest) -> int:
     import jsonschema
 
     from structgen_client import Client, StructgenError
     print("demo: starting a server with the default model ...", flush=True)
-    process, address = start_server(args.model, args.startup_timeout_s)
+    log_file = None if args.verbose else tempfile.NamedTemporaryFile("w+", prefix="structgen-demo-", suffix=".log")
+    try:
+        process, address = start_server(args.model, args.startup_timeout_s, log_file)
+    except RuntimeError as error:
+        print(f"demo: FAILED: {error}\n{_log_tail(log_file)}", file=sys.stderr)
+        return 1
     try:
         print(f"demo: server at {address}\ndemo: schema {json.dumps(SCHEMA)}\ndemo: output: ", end="", flush=True)
         text, last = [], None
@@ -75,10 +91,10 @@ def run(args, _rest) -> int:
         print(f"\ndemo: finish reason {last.finish_reason}, usage {last.usage}")
         value = json.loads(output)
         jsonschema.validate(value, SCHEMA)
-        print(f"demo: VALID against the schema: {json.dumps(value)}")
+        print(f"demo: VALID against the schema: {json.dumps(value, ensure_ascii=False)}")
         return 0
     except (StructgenError, ValueError, jsonschema.ValidationError) as error:
-        print(f"\ndemo: FAILED: {error}", file=sys.stderr)
+        print(f"\ndemo: FAILED: {error}\n{_log_tail(log_file)}", file=sys.stderr)
         return 1
     finally:
         process.send_signal(signal.SIGTERM)
@@ -86,3 +102,6 @@ def run(args, _rest) -> int:
             process.wait(60)
         except subprocess.TimeoutExpired:
             process.kill()
+        print(f"demo: server stopped (exit code {process.poll()})")
+        if log_file is not None:
+            log_file.close()
