@@ -7,6 +7,7 @@ Servicer code raises domain exceptions and never calls `context.abort` itself:
 """
 from __future__ import annotations
 
+import hmac
 import logging
 import uuid
 
@@ -88,7 +89,7 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
     _EXEMPT_PREFIX = "/grpc.health.v1.Health/"
 
     def __init__(self, token: str):
-        self._expected = f"Bearer {token}"
+        self._expected = f"Bearer {token}".encode()
 
         def deny(request, context):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
@@ -98,7 +99,9 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
     def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
         metadata = dict(handler_call_details.invocation_metadata or ())
-        if method.startswith(self._EXEMPT_PREFIX) or metadata.get("authorization") == self._expected:
+        given = str(metadata.get("authorization", "")).encode()
+        # compare_digest: the time taken must not tell how much of a guess was right
+        if method.startswith(self._EXEMPT_PREFIX) or hmac.compare_digest(given, self._expected):
             return continuation(handler_call_details)
         handler = continuation(handler_call_details)
         if handler is not None and handler.unary_stream is not None:
