@@ -200,6 +200,30 @@ def bench_mask_sample(batches, bw):
     return out
 
 
+def bench_norm_rope(bw):
+    from generation_service.kernels.rmsnorm import fused_add_rmsnorm, fused_add_rmsnorm_torch
+    from generation_service.kernels.rotary import rope_qk_, rope_qk_torch
+    out = []
+    hidden = 4096
+    weight = torch.rand(hidden, device=DEV, dtype=torch.bfloat16) + 0.5
+    inv_freq = 1.0 / 500000.0 ** (torch.arange(0, D, 2, device=DEV).float() / D)
+    for tokens in (1, 64, 128, 4096):
+        x = torch.randn(tokens, hidden, device=DEV, dtype=torch.bfloat16)
+        residual = torch.randn_like(x)
+        t_tri = bench(lambda: fused_add_rmsnorm(x, residual, weight, 1e-5))
+        t_ref = bench(lambda: fused_add_rmsnorm_torch(x, residual, weight, 1e-5))
+        out.append(record("fused_add_rmsnorm", f"T={tokens} dim={hidden}", t_tri, t_ref,
+                          4 * x.numel() * 2, bw))
+        q = torch.randn(tokens, HQ, D, device=DEV, dtype=torch.bfloat16)
+        k = torch.randn(tokens, HKV, D, device=DEV, dtype=torch.bfloat16)
+        positions = torch.randint(0, 8192, (tokens,), device=DEV)
+        t_tri = bench(lambda: rope_qk_(q, k, positions, inv_freq))
+        t_ref = bench(lambda: rope_qk_torch(q, k, positions, inv_freq))
+        out.append(record("rope_qk", f"T={tokens}", t_tri, t_ref,
+                          2 * (q.numel() + k.numel()) * 2, bw))
+    return out
+
+
 def print_table(records):
     cols = ["kernel", "case", "triton_ms", "torch_ms", "speedup", "sdpa_ms", "x_floor",
             "tflops", "probes1_ms", "probes16_ms"]
@@ -220,7 +244,7 @@ def main() -> int:
     parser.add_argument("--out", required=True, help="JSON file for the results")
     parser.add_argument("--quick", action="store_true", help="fewer shapes (~1 minute)")
     parser.add_argument("--only", default="", help="comma list: decode,extend,prepare,"
-                        "kv_write,mask_sample")
+                        "kv_write,mask_sample,norm_rope")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
@@ -236,7 +260,8 @@ def main() -> int:
               "extend": lambda: bench_extend(bw, args.quick),
               "prepare": lambda: bench_prepare(batches, bw),
               "kv_write": lambda: bench_kv_write(bw),
-              "mask_sample": lambda: bench_mask_sample(batches, bw)}
+              "mask_sample": lambda: bench_mask_sample(batches, bw),
+              "norm_rope": lambda: bench_norm_rope(bw)}
     records = []
     for name, run in suites.items():
         if only and name not in only:

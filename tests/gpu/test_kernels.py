@@ -234,3 +234,35 @@ def test_cuda_graph_replay_equals_eager():
     torch.cuda.synchronize()
     assert torch.equal(got[0], attn_out) and torch.equal(got[1], ids)
     assert torch.equal(got[2], logprobs)
+
+
+@pytest.mark.parametrize("tokens", [1, 64, 3000])
+def test_fused_add_rmsnorm_bf16(tokens):
+    from generation_service.kernels.rmsnorm import (fused_add_rmsnorm,
+                                                    fused_add_rmsnorm_torch)
+    x = torch.randn(tokens, 4096, device=DEV, dtype=torch.bfloat16)
+    residual = torch.randn_like(x)
+    weight = torch.rand(4096, device=DEV, dtype=torch.bfloat16) + 0.5
+    want_residual = residual.clone()
+    want = fused_add_rmsnorm_torch(x, want_residual, weight, 1e-5)
+    out = torch.full_like(x, float("nan"))
+    fused_add_rmsnorm(x, residual, weight, 1e-5, out=out)
+    assert torch.equal(residual, want_residual)
+    assert rel_err(out, want) < BF16_TOL
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_bf16(qk_norm):
+    from generation_service.kernels.rotary import rope_qk_, rope_qk_torch
+    tokens = 512
+    q = torch.randn(tokens, 32, 128, device=DEV, dtype=torch.bfloat16)
+    k = torch.randn(tokens, 8, 128, device=DEV, dtype=torch.bfloat16)
+    positions = torch.randint(0, 131072, (tokens,), device=DEV)
+    inv_freq = 1.0 / 500000.0 ** (torch.arange(0, 128, 2, device=DEV).float() / 128)
+    weights = {}
+    if qk_norm:
+        weights = dict(q_norm_weight=torch.rand(128, device=DEV, dtype=torch.bfloat16) + 0.5,
+                       k_norm_weight=torch.rand(128, device=DEV, dtype=torch.bfloat16) + 0.5)
+    want_q, want_k = rope_qk_torch(q, k, positions, inv_freq, **weights)
+    rope_qk_(q, k, positions, inv_freq, **weights)
+    assert rel_err(q, want_q) < BF16_TOL and rel_err(k, want_k) < BF16_TOL

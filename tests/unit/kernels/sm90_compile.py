@@ -15,7 +15,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from generation_service.kernels import (decode_attention, extend_attention, kv_write,
-                                        mask_sample, philox, prepare_inputs)
+                                        mask_sample, philox, prepare_inputs, rmsnorm,
+                                        rotary)
 
 TARGET = GPUTarget("cuda", 90, 32)
 TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int32: "i32",
@@ -84,6 +85,12 @@ def main() -> int:
             ms._finalize_kernel, BF, I32, F32, I32, F32, I64, I64, F32, I32, F32, *[N] * 4,
             HAS_MASK=True, ENABLE_FILTERS=True, NUM_SPLITS=4, BLOCK_S=4, BLOCK=1024,
             BLOCK_W=1024, PROBES=8),
+        "fused_add_rmsnorm": lambda: compile_sm90(
+            rmsnorm._rmsnorm_kernel, BF, BF, BF, BF, N, N, N, 4096, 1e-5, HAS_RESIDUAL=True,
+            BLOCK=4096, num_warps=16),
+        "qk_norm_rope": lambda: compile_sm90(
+            rotary._rope_kernel, BF, BF, I64, F32, BF, BF, *[N] * 4, 32, 8, 1e-6,
+            HAS_NORM=True, HALF=64, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_HALF=64),
     }
     failed = 0
     for name, build in builds.items():

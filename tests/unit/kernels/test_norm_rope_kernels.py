@@ -1,0 +1,60 @@
+"""RMSNorm, residual-add + RMSNorm and fused (q/k-norm +) RoPE vs the torch references."""
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from generation_service.kernels.rmsnorm import (  # noqa: E402
+    fused_add_rmsnorm, fused_add_rmsnorm_torch, rmsnorm, rmsnorm_torch)
+from generation_service.kernels.rotary import rope_qk_, rope_qk_torch  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.float16, 2e-3)])
+def test_rmsnorm_and_fused_add(rel_err, dtype, tol):
+    x = torch.randn(5, 96).to(dtype)  # dim not a power of 2: masked tail
+    weight = (torch.rand(96) + 0.5).to(dtype)
+    out = torch.full_like(x, float("nan"))
+    rmsnorm(x, weight, 1e-5, out=out)
+    assert rel_err(out, rmsnorm_torch(x, weight, 1e-5)) < tol
+
+    residual = torch.randn(5, 96).to(dtype)
+    want_residual = residual.clone()
+    want = fused_add_rmsnorm_torch(x, want_residual, weight, 1e-5)
+    got = fused_add_rmsnorm(x, residual, weight, 1e-5)
+    assert torch.equal(residual, want_residual)  # the add rounds exactly as torch's
+    assert rel_err(got, want) < tol
+
+
+def _inv_freq(head_dim, theta=10000.0):
+    return 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 3e-3)])
+def test_rope_in_place(rel_err, qk_norm, dtype, tol):
+    tokens, head_dim = 6, 32
+    q = torch.randn(tokens, 4, head_dim).to(dtype)
+    k = torch.randn(tokens, 2, head_dim).to(dtype)
+    positions = torch.tensor([0, 1, 17, 900, 4095, 70000])
+    inv_freq = _inv_freq(head_dim)
+    weights = {}
+    if qk_norm:
+        weights = dict(q_norm_weight=(torch.rand(head_dim) + 0.5).to(dtype),
+                       k_norm_weight=(torch.rand(head_dim) + 0.5).to(dtype))
+    want_q, want_k = rope_qk_torch(q, k, positions, inv_freq, **weights)
+    rope_qk_(q, k, positions, inv_freq, **weights)
+    assert rel_err(q, want_q) < tol and rel_err(k, want_k) < tol
+
+
+def test_rope_matches_the_model_layers():
+    layers = pytest.importorskip("generation_service.model.layers")
+    q = torch.randn(4, 4, 64)
+    k = torch.randn(4, 2, 64)
+    positions = torch.tensor([3, 10, 100, 1000])
+    inv_freq = layers.rope_inv_freq(64, 500000.0, None)
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    angles = torch.cat((freqs, freqs), dim=-1)
+    want_q = layers.apply_rope(q, angles.cos(), angles.sin())
+    want_k = layers.apply_rope(k, angles.cos(), angles.sin())
+    rope_qk_(q, k, positions, inv_freq)
+    assert torch.allclose(q, want_q, atol=1e-5) and torch.allclose(k, want_k, atol=1e-5)
