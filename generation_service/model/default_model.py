@@ -66,7 +66,9 @@ TOKENIZER_CONFIG = {
     "add_bos_token": True,
     "add_eos_token": False,
     "clean_up_tokenization_spaces": False,
-    "tokenizer_class": "LlamaTokenizerFast",
+    # The generic class uses tokenizer.json as written; transformers 5's LlamaTokenizer would
+    # rebuild the normalizer and stop matching SentencePiece on leading spaces.
+    "tokenizer_class": "PreTrainedTokenizerFast",
     "chat_template": CHAT_TEMPLATE,
 }
 

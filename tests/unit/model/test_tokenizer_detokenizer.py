@@ -31,6 +31,17 @@ def test_encodes_exactly_like_sentencepiece(mistral_tokenizer):
         assert mistral_tokenizer.decode(processor.encode(text)) == processor.decode(processor.encode(text))
 
 
+def test_transformers_reads_the_same_tokenizer(mistral_tokenizer, default_model_path):
+    import transformers
+
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(default_model_path))
+    for text in TEXTS:
+        assert hf_tokenizer.encode(text) == mistral_tokenizer.encode(text)
+    messages = [{"role": "user", "content": "Hi"}]
+    hf_ids = hf_tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+    assert hf_ids == mistral_tokenizer.apply_chat_template(messages)
+
+
 def test_special_tokens(mistral_tokenizer):
     assert mistral_tokenizer.vocab_size == 32000
     assert mistral_tokenizer.bos_token_id == 1 and mistral_tokenizer.eos_token_ids == (2,)
