@@ -3,7 +3,8 @@
 Kernel modules import triton; nothing here does until a triton backend is asked for.
 Rooms: decode_attention, extend_attention, kv_write (paged attention and its cache
 writes), prepare_inputs (fused decode input preparation), mask_sample + philox
-(grammar mask + sampling; sample_reference is its torch twin).
+(grammar mask + sampling; sample_reference is its torch twin), rmsnorm and rotary
+(residual-add + RMSNorm, q/k-norm + RoPE in place). NOTES.md: floors and measurements.
 """
 from __future__ import annotations
 

@@ -99,7 +99,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      page_table: torch.Tensor, seq_lens: torch.Tensor,
                      extend_lens: torch.Tensor, sm_scale: float,
                      max_extend_len: int | None = None, out: torch.Tensor | None = None,
-                     block_m: int = 64, block_n: int = 64,
+                     block_m: int | None = None, block_n: int = 64,
                      sliding_window: int | None = None) -> torch.Tensor:
     """q (T, Hq, D) ragged new tokens -> out (T, Hq, D).
 
@@ -119,7 +119,11 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return out
     extend_start = torch.cumsum(extend_lens, 0, dtype=torch.int64) - extend_lens
     block_d = triton.next_power_of_2(head_dim)
-    grid = (batch, num_kv_heads, triton.cdiv(max_extend_len * group, block_m))
+    rows = max_extend_len * group  # (token, head) rows of the longest row
+    if block_m is None:  # prefill: big tiles reuse K/V; verify: no idle rows
+        block_m = 128 if rows >= 512 else max(16, min(64, triton.next_power_of_2(rows)))
+    num_warps = 8 if block_m >= 128 else 4
+    grid = (batch, num_kv_heads, triton.cdiv(rows, block_m))
     _extend_kernel[grid](
         q, k_cache, v_cache, out, page_table, seq_lens, extend_lens, extend_start, sm_scale,
         sliding_window or 0, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -127,7 +131,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         page_table.stride(0), page_table.shape[1],
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-        PAGE_SIZE=page_size, num_warps=4, num_stages=2,
+        PAGE_SIZE=page_size, num_warps=num_warps, num_stages=2,
     )
     return out
 

@@ -72,6 +72,10 @@ def main() -> int:
         "extend": lambda: compile_sm90(
             ea._extend_kernel, BF, BF, BF, BF, I32, I32, I32, I64, 0.1, 0, *[N] * 12,
             GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, PAGE_SIZE=16),
+        "extend_prefill_tile": lambda: compile_sm90(
+            ea._extend_kernel, BF, BF, BF, BF, I32, I32, I32, I64, 0.1, 0, *[N] * 12,
+            GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=128, BLOCK_N=64, PAGE_SIZE=16,
+            num_warps=8),
         "prepare_inputs": lambda: compile_sm90(
             prepare_inputs._prepare_kernel, I64, I32, I32, I32, I32, I64, I64, I32, I32, I64,
             *[N] * 5, PAGE_SIZE=16, BLOCK_R=256, BLOCK_W=4, BLOCK_T=1024),
