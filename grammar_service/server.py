@@ -191,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("bad configuration: %s", exc)
         return 2
     telemetry.setup("structgen-grammar")
+    telemetry.install_log_correlation()
     try:
         serve(config)
     finally:

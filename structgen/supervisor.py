@@ -80,7 +80,12 @@ class GrammarSupervisor:
             os.unlink(self.socket_path)  # a crashed child leaves its socket behind
         argv = [sys.executable, "-m", "structgen.cli", "grammar", "--listen", self.address,
                 *self._extra_args, *extra_args]
-        return subprocess.Popen(argv, preexec_fn=_die_with_parent)
+        env = dict(os.environ)
+        if env.get("OTEL_SERVICE_NAME"):  # its spans show as a second service, as in the chart
+            env["OTEL_SERVICE_NAME"] += "-grammar"
+        # NOTE: a session of its own: Ctrl-C in a terminal (SIGINT to the foreground group)
+        # must not stop the child while serve still drains constrained streams through it.
+        return subprocess.Popen(argv, preexec_fn=_die_with_parent, env=env, start_new_session=True)
 
     def start(self, ready_timeout_s: float = 120.0) -> None:
         """Spawn the child and wait until it reports SERVING."""
