@@ -153,7 +153,7 @@ def bench_vocab(name: str, args) -> list[dict]:
     vocab = VOCAB_SIZES[name]
     tok_dir = str(tokenizer_dir(name))
     tok = Tokenizer.from_file(f"{tok_dir}/tokenizer.json")
-    docs_ids = [continuation_ids(tok, json.dumps(doc)) + [EOS] for _, doc in DOCUMENTS]
+    docs_ids = [continuation_ids(tok, json.dumps(doc, ensure_ascii=False)) + [EOS] for _, doc in DOCUMENTS]
     sock = os.path.join(tempfile.mkdtemp(prefix="grammar-bench-"), "grammar.sock")
     proc = start_service(sock, tok_dir, vocab, args.fill_threads)
     client = GrammarControlClient(f"unix://{sock}")

@@ -21,7 +21,7 @@ from typing import Any, Callable
 from generation_service.engine.events import UnenforcedKeyword
 from grammar_service import metrics
 from generation_service.engine.params import GrammarSpec
-from grammar_service.backends import resolve_backend_name
+from grammar_service.backends import DEFAULT_BACKEND, resolve_backend_name
 from grammar_service.backends.base import GrammarBackend, GrammarCompileError
 from grammar_service.config import GrammarServiceConfig
 
@@ -96,31 +96,37 @@ class GrammarCompiler:
 
     # ---- public --------------------------------------------------------------------------
     def compile(self, spec: GrammarSpec) -> Future:
-        """Future[CompileOutcome]; raises CompileError through the future."""
+        """Future[CompileOutcome]; raises CompileError through the future.
+
+        The cache key names the requested backend ("auto" included), so `auto`'s choice is
+        made once per spec, in the compile pool. `strict` is applied to each caller's
+        outcome (cached or not): it changes the answer, not the grammar.
+        """
         try:
-            backend = resolve_backend_name(spec.backend)
+            requested = "auto" if spec.backend in ("", "auto") else resolve_backend_name(spec.backend)
             self._check_size(spec)
-            unenforced = self._backend_for(backend).unenforced_keywords(spec)
-            self._check_strict(spec, unenforced)
         except (ValueError, CompileError) as exc:
             return _failed(exc if isinstance(exc, CompileError) else CompileError("INVALID_ARGUMENT", str(exc)))
-        key = spec_key(spec, backend)
+        key = spec_key(spec, requested)
         with self._lock:
             if (entry := self._by_key.get(key)) is not None:
                 self._by_key.move_to_end(key)
                 self.stats.num_cache_hits += 1
                 metrics.COMPILE_REQUESTS.labels("cache_hit").inc()
-                return _done(CompileOutcome(entry, cache_hit=True))
+                return self._apply_strict(spec, _done(CompileOutcome(entry, cache_hit=True)))
             if (negative := self._negative.get(key)) is not None:
                 if negative.expires_at > self._clock():
                     return _failed(negative.error)
                 del self._negative[key]
-            if (shared := self._in_flight.get(key)) is not None:
-                return shared
-            result: Future = Future()
-            self._in_flight[key] = result
-        self._start(key, spec, backend, unenforced, result)
-        return result
+            shared = self._in_flight.get(key)
+            if shared is None:
+                shared = self._in_flight[key] = Future()
+                start = True
+            else:
+                start = False
+        if start:
+            self._start(key, spec, requested, shared)
+        return self._apply_strict(spec, shared)
 
     def get(self, grammar_id: int) -> CompiledEntry | None:
         with self._lock:
@@ -146,16 +152,53 @@ class GrammarCompiler:
                                f"limit of {limit} bytes (max_grammar_bytes)")
 
     @staticmethod
-    def _check_strict(spec: GrammarSpec, unenforced: tuple[UnenforcedKeyword, ...]) -> None:
-        if spec.strict and unenforced:
-            listed = "; ".join(f"{u.keyword} at {u.pointer or '/'} ({u.reason})" for u in unenforced)
-            raise CompileError("INVALID_ARGUMENT", "strict: the schema uses keywords the grammar "
-                               f"cannot enforce: {listed}")
+    def _apply_strict(spec: GrammarSpec, outcome: Future) -> Future:
+        """A future of `outcome` that fails under `strict` when the grammar leaves keywords out."""
+        if not spec.strict:
+            return outcome
+        result: Future = Future()
 
-    def _start(self, key: str, spec: GrammarSpec, backend: str,
-               unenforced: tuple[UnenforcedKeyword, ...], result: Future) -> None:
+        def check(done: Future) -> None:
+            if (exc := done.exception()) is not None:
+                result.set_exception(exc)
+            elif unenforced := done.result().entry.unenforced:
+                listed = "; ".join(f"{u.keyword} at {u.pointer or '/'} ({u.reason})" for u in unenforced)
+                result.set_exception(CompileError("INVALID_ARGUMENT", "strict: the schema uses keywords "
+                                                  f"the grammar cannot enforce: {listed}"))
+            else:
+                result.set_result(done.result())
+
+        outcome.add_done_callback(check)
+        return result
+
+    def _compile_with(self, spec: GrammarSpec, requested: str) -> tuple[str, Any, tuple]:
+        """(backend name, compiled, unenforced) -- runs in the pool. `auto` ranks the backends
+        on this spec (grammar_service.guarantees) and falls back in order if a compile fails."""
+        if requested == "auto":
+            from grammar_service.guarantees import choose_backend
+
+            choice = choose_backend(spec, self._backend_for, DEFAULT_BACKEND)
+            order, chosen = (choice.backend, *choice.fallbacks), {choice.backend: choice.unenforced}
+        else:
+            order, chosen = (requested,), {}
+        first_error: GrammarCompileError | None = None
+        for name in order:
+            try:
+                backend = self._backend_for(name)
+            except ValueError:  # a fallback that is not installed here
+                continue
+            try:
+                compiled = backend.compile(spec)
+            except GrammarCompileError as exc:
+                first_error = first_error or exc
+                continue
+            unenforced = chosen[name] if name in chosen else tuple(backend.unenforced_keywords(spec))
+            return name, compiled, tuple(unenforced)
+        raise first_error or GrammarCompileError(f"no grammar backend could compile this {spec.kind}")
+
+    def _start(self, key: str, spec: GrammarSpec, requested: str, result: Future) -> None:
         started = time.perf_counter()
-        work = self._pool.submit(self._backend_for(backend).compile, spec)
+        work = self._pool.submit(self._compile_with, spec, requested)
         timer = threading.Timer(self._config.compile_timeout_s, self._on_timeout, (key, result))
         timer.daemon = True
         timer.start()
@@ -165,12 +208,13 @@ class GrammarCompiler:
             elapsed_ms = (time.perf_counter() - started) * 1e3
             exc = done.exception()
             if exc is None:
+                backend, compiled, unenforced = done.result()
                 metrics.COMPILE_SECONDS.labels(spec.kind).observe(elapsed_ms / 1e3)
-                self._store(key, backend, done.result(), elapsed_ms, unenforced, result)
-            elif isinstance(exc, GrammarCompileError):
+                self._store(key, backend, compiled, elapsed_ms, unenforced, result)
+            elif isinstance(exc, (GrammarCompileError, ValueError)):
                 self._fail(key, CompileError("INVALID_ARGUMENT", str(exc)), result)
             else:
-                log.exception("compile of %s failed unexpectedly", spec.kind, exc_info=exc)
+                log.error("compile of %s failed unexpectedly", spec.kind, exc_info=exc)
                 self._fail(key, CompileError("INTERNAL", f"compile failed: {exc!r}"), result)
 
         work.add_done_callback(finished)

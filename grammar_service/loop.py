@@ -7,7 +7,8 @@
     d. mask_status = MASK_OK, mask_seq = N
 
 Every backend call covers all rows of a step at one position (batch_accept / batch_fill /
-batch_rollback); Python touches rows only for bookkeeping. Masks are written in place in
+batch_rollback), one call per backend present in the step (usually one); Python touches
+rows only for bookkeeping. Masks are written in place in
 the shared region; rows that are not filled with a grammar mask are all ones, and only rows
 that were written with a grammar mask on the entry's previous use are reset.
 """
@@ -18,7 +19,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import numpy as np
 
@@ -36,11 +37,28 @@ WAIT_SPIN_S = 100e-6   # spin this long on inputs_seq, then sleep in steps of at
 WAIT_SLEEP_S = 100e-6  # ...this (the fill overlaps the forward; wake-up latency adds to it)
 
 
+T = TypeVar("T")
+
+
+def by_backend(items: Sequence[T], backend_of: Callable[[T], GrammarBackend]) -> Iterator[tuple[GrammarBackend, list[T]]]:
+    """Split `items` by backend, keeping order within each group (one group in the usual case)."""
+    first = backend_of(items[0])
+    if all(backend_of(item) is first for item in items):
+        yield first, list(items)
+        return
+    groups: dict[int, tuple[GrammarBackend, list[T]]] = {}
+    for item in items:
+        backend = backend_of(item)
+        groups.setdefault(id(backend), (backend, []))[1].append(item)
+    yield from groups.values()
+
+
 @dataclass(slots=True)
 class _Walker:
     """A constrained row being filled: its matcher walks the row's drafts."""
     row: int
     matcher: Matcher
+    backend: GrammarBackend
     num_positions: int
     drafts: list[int]
     num_accepted: int = 0
@@ -49,14 +67,14 @@ class _Walker:
 class StepLoop:
     """Owns a channel's slots and its loop thread; `start`, then `stop` from another thread."""
 
-    def __init__(self, channel: StepChannel, backend: GrammarBackend, max_slots: int, first_step: int,
-                 lookup_grammar: Callable[[int], object | None]):
+    def __init__(self, channel: StepChannel, max_slots: int, first_step: int,
+                 lookup_grammar: Callable[[int], tuple[GrammarBackend, Any] | None],
+                 stop_token_ids: Sequence[int]):
         self.channel = channel
-        self.backend = backend
         self.slots = SlotTable(max_slots)
         self.next_step = first_step
         self._first_step = first_step
-        self._lookup_grammar = lookup_grammar  # grammar id -> backend compiled grammar or None
+        self._lookup_grammar = lookup_grammar  # grammar id -> (backend, compiled grammar) or None
         g = channel.geometry
         self._dirty: list[set[int]] = [set() for _ in range(g.depth)]  # per entry: rows not all ones
         self._prev_rows: list[list[int]] = []  # descriptor rows of the previous step
@@ -70,7 +88,7 @@ class StepLoop:
         # After a matcher accepted its stop token only stop tokens stay allowed (the engine
         # learns of the termination from results one step later when steps overlap).
         self._stop_only = np.zeros(g.mask_words, np.int32)
-        for token in backend.tokenizer.stop_token_ids:
+        for token in stop_token_ids:
             if token < g.vocab_size:
                 self._stop_only.view(np.uint32)[token >> 5] |= np.uint32(1 << (token & 31))
 
@@ -158,9 +176,9 @@ class StepLoop:
                 active.append((r, slot, state, out_tokens[r][:counts[r]]))
         j = 0
         while active:  # one batched accept per token index j
-            accepted = self.backend.batch_accept([a[2].matcher for a in active], [a[3][j] for a in active])
             still = []
-            for item, ok in zip(active, accepted):
+            for item, ok in self._batch_accept(active, lambda a: a[2].matcher, lambda a: a[2].backend,
+                                               lambda a: a[3][j]):
                 r, slot, state, tokens = item
                 if not ok:
                     log.info("slot %d: token %d (index %d) rejected by its grammar", slot, tokens[j], j)
@@ -182,11 +200,12 @@ class StepLoop:
         for slot, _, flags, grammar_id in rows:
             if not flags & FLAG_FRESH or not self.slots.is_valid(slot):
                 continue
-            compiled = self._lookup_grammar(grammar_id)
-            if compiled is None:
+            found = self._lookup_grammar(grammar_id)
+            if found is None:
                 self.slots.fail(slot, ERR_UNKNOWN_GRAMMAR)
             else:
-                self.slots.bind(slot, self.backend.new_matcher(compiled), grammar_id)
+                backend, compiled = found
+                self.slots.bind(slot, backend, backend.new_matcher(compiled), grammar_id)
 
     def _fill(self, step: int, rows: list[list[int]]) -> None:
         """c. One mask row per position; drafts walked with accept, undone with rollback."""
@@ -207,7 +226,7 @@ class StepLoop:
             if state is None or num_positions == 0:
                 continue  # valid 0: no slot (a bug of the caller) or nothing to fill
             if state.can_fill:
-                walkers.append(_Walker(r, state.matcher, num_positions,
+                walkers.append(_Walker(r, state.matcher, state.backend, num_positions,
                                        drafts[r][:num_positions - 1] if num_positions > 1 else []))
                 valid[r] = 1
             elif state.is_terminated:
@@ -219,15 +238,16 @@ class StepLoop:
         for p in range(max_pos):
             if not level:
                 break
-            indices = [w.row * max_pos + p for w in level]
-            self.backend.batch_fill([w.matcher for w in level], masks, indices)
-            filled.extend(indices)
+            for backend, group in by_backend(level, lambda w: w.backend):
+                indices = [w.row * max_pos + p for w in group]
+                backend.batch_fill([w.matcher for w in group], masks, indices)
+                filled.extend(indices)
             level = [w for w in level if w.num_positions > p + 1]
             if not level:
                 break
-            accepted = self.backend.batch_accept([w.matcher for w in level], [w.drafts[p] for w in level])
             next_level = []
-            for w, ok in zip(level, accepted):
+            for w, ok in self._batch_accept(level, lambda w: w.matcher, lambda w: w.backend,
+                                            lambda w: w.drafts[p]):
                 if not ok:
                     continue  # the mask at p excludes this draft: the verifier stops there
                 w.num_accepted += 1
@@ -237,9 +257,19 @@ class StepLoop:
             level = next_level
         undo = [w for w in walkers if w.num_accepted]
         if undo:
-            self.backend.batch_rollback([w.matcher for w in undo], [w.num_accepted for w in undo])
+            for backend, group in by_backend(undo, lambda w: w.backend):
+                backend.batch_rollback([w.matcher for w in group], [w.num_accepted for w in group])
         entry.valid_positions[:len(rows)] = valid
         self._reset_stale(step, set(filled))
+
+    @staticmethod
+    def _batch_accept(items: list[T], matcher_of, backend_of, token_of) -> list[tuple[T, bool]]:
+        """One batch_accept per backend; (item, accepted) pairs in backend-group order."""
+        out: list[tuple[T, bool]] = []
+        for backend, group in by_backend(items, backend_of):
+            accepted = backend.batch_accept([matcher_of(i) for i in group], [token_of(i) for i in group])
+            out.extend(zip(group, accepted))
+        return out
 
     def _reset_stale(self, step: int, filled: set[int]) -> None:
         """Rows that held a grammar mask on this entry's last use and not now become all ones."""

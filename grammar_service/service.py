@@ -83,9 +83,9 @@ class GrammarService:
                                        num_fill_threads=self.config.num_fill_threads)
         return self._backends[name]
 
-    def _lookup_grammar(self, grammar_id: int):
+    def _lookup_grammar(self, grammar_id: int) -> tuple[GrammarBackend, object] | None:
         entry = self._compiler.get(grammar_id) if self._compiler else None
-        return None if entry is None else entry.compiled
+        return None if entry is None else (self._backend(entry.backend), entry.compiled)
 
     # ---- control calls -------------------------------------------------------------------
     def open_channel(self, name: str, geometry: Geometry, *, max_slots: int, first_step: int,
@@ -103,7 +103,7 @@ class GrammarService:
                 channel = StepChannel.attach(name, geometry)
             except ChannelError as exc:
                 raise ServiceError("FAILED_PRECONDITION", str(exc)) from None
-            loop = StepLoop(channel, self._backend(DEFAULT_BACKEND), max_slots, first_step, self._lookup_grammar)
+            loop = StepLoop(channel, max_slots, first_step, self._lookup_grammar, tok.data.stop_token_ids)
             self._loops[name] = loop
             loop.start()
         log.info("channel %s open: %s, %d slots, first step %d", name, geometry, max_slots, first_step)

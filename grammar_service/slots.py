@@ -3,13 +3,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from grammar_service.backends.base import Matcher
+from grammar_service.backends.base import GrammarBackend, Matcher
 from step_channel import ERR_NONE
 
 
 @dataclass
 class Slot:
     matcher: Matcher | None = None
+    backend: GrammarBackend | None = None  # the backend that made the matcher (batch calls group by it)
     grammar_id: int = 0
     is_terminated: bool = False  # accepted a stop token; later tokens of the slot are ignored
     pending_error: int = ERR_NONE  # reported with the slot's next results row, then cleared
@@ -32,9 +33,9 @@ class SlotTable:
     def is_valid(self, slot: int) -> bool:
         return 0 <= slot < self.max_slots
 
-    def bind(self, slot: int, matcher: Matcher, grammar_id: int) -> None:
+    def bind(self, slot: int, backend: GrammarBackend, matcher: Matcher, grammar_id: int) -> None:
         """FRESH: a new request's matcher replaces whatever the slot held."""
-        self.states[slot] = Slot(matcher=matcher, grammar_id=grammar_id)
+        self.states[slot] = Slot(matcher=matcher, backend=backend, grammar_id=grammar_id)
 
     def fail(self, slot: int, error: int) -> None:
         """Drop the matcher (never left desynchronised) and report `error` on the next results."""

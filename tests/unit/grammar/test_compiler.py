@@ -132,3 +132,15 @@ def test_each_kind_compiles(service):
                          {"type": "tag", "begin": "<f>", "content": {"type": "json_schema", "json_schema": {"type": "integer"}},
                           "end": "</f>"}]}}))]:
         assert service.compile(spec).result(30).entry.grammar_id > 0, spec
+
+
+def test_auto_reports_the_backend_it_chose_and_its_gaps(service):
+    schema = json.dumps({"type": "array", "items": {"type": "integer"}, "uniqueItems": True})
+    outcome = service.compile(GrammarSpec("json_schema", schema)).result(60)
+    assert outcome.entry.backend in ("xgrammar", "llguidance")
+    assert [(u.keyword, u.pointer) for u in outcome.entry.unenforced] == [("uniqueItems", "")]
+    assert service.compile(GrammarSpec("regex", "[0-9]{3}")).result(60).entry.backend == "xgrammar"
+    with pytest.raises(CompileError, match=r"strict: .*uniqueItems at /"):
+        service.compile(GrammarSpec("json_schema", schema, strict=True)).result(60)
+    # strict is applied per caller: the cached grammar still serves non-strict requests
+    assert service.compile(GrammarSpec("json_schema", schema)).result(60).cache_hit

@@ -69,7 +69,7 @@ def _replay(driver, grammar_ids, docs_ids):
 
 
 def test_masks_allow_each_next_token_of_valid_documents(driver, compile_id, mistral_32k):
-    docs_ids = [continuation_ids(mistral_32k, json.dumps(doc)) + [EOS] for _, doc in DOCS]
+    docs_ids = [continuation_ids(mistral_32k, json.dumps(doc, ensure_ascii=False)) + [EOS] for _, doc in DOCS]
     grammar_ids = [compile_id("json_schema", schema) for schema, _ in DOCS]
     masks, _ = _replay(driver, grammar_ids, docs_ids)
     for ids, doc_masks in zip(docs_ids, masks):
@@ -141,7 +141,7 @@ def test_walk_stops_at_the_first_rejected_draft(driver, compile_id, mistral_32k)
 
 def test_rollback_restores_matcher_state(service, compile_id, mistral_32k):
     backend = service._backend("xgrammar")
-    entry = service.compile(GrammarSpec("json_schema", json.dumps(PERSON))).result(30).entry
+    entry = service.compile(GrammarSpec("json_schema", json.dumps(PERSON), backend="xgrammar")).result(30).entry
     matcher = backend.new_matcher(entry.compiled)
     ids = continuation_ids(mistral_32k, '{"name": "Ada", "age": 3')
     masks = np.zeros((2, 1024), np.int32)
@@ -189,7 +189,7 @@ def test_draft_walk_stops_exactly_at_the_first_excluded_draft(driver, compile_id
     sometimes replaced by a random token; valid_positions must stop exactly at the first
     draft its position's mask excludes, and the verifier's choice is never rejected."""
     rng = np.random.default_rng(7)
-    docs_ids = [continuation_ids(mistral_32k, json.dumps(doc)) + [EOS] for _, doc in DOCS]
+    docs_ids = [continuation_ids(mistral_32k, json.dumps(doc, ensure_ascii=False)) + [EOS] for _, doc in DOCS]
     rows = [Row.fresh(r, compile_id("json_schema", schema)) for r, (schema, _) in enumerate(DOCS)]
     pos = [0] * len(DOCS)
     num_cut = 0

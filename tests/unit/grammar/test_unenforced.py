@@ -59,11 +59,11 @@ def _grammar_accepts(entry, instance) -> bool:
 @pytest.mark.parametrize("keyword, schema, violating", UNENFORCED, ids=[f"{k}-{i}" for i, (k, _, _) in enumerate(UNENFORCED)])
 def test_unenforced_keyword_is_reported_refused_under_strict_and_truly_unenforced(service, keyword, schema, violating):
     text = json.dumps(_wrap(schema))
-    entry = service.compile(GrammarSpec("json_schema", text)).result(30).entry
+    entry = service.compile(GrammarSpec("json_schema", text, backend="xgrammar")).result(30).entry
     assert any(u.keyword == keyword and u.pointer == "/properties/v" and u.reason for u in entry.unenforced), entry.unenforced
     assert _grammar_accepts(entry, violating), f"xgrammar now enforces {keyword}: drop it from the list"
     with pytest.raises(CompileError) as info:
-        service.compile(GrammarSpec("json_schema", text, strict=True)).result(30)
+        service.compile(GrammarSpec("json_schema", text, strict=True, backend="xgrammar")).result(30)
     assert info.value.status == "INVALID_ARGUMENT"
     assert info.value.message.startswith("strict: the schema uses keywords the grammar cannot enforce: ")
     assert f"{keyword} at /properties/v" in info.value.message
@@ -72,7 +72,7 @@ def test_unenforced_keyword_is_reported_refused_under_strict_and_truly_unenforce
 @pytest.mark.parametrize("schema, violating", ENFORCED)
 def test_enforced_keywords_are_not_reported(service, schema, violating):
     text = json.dumps(_wrap(schema))
-    entry = service.compile(GrammarSpec("json_schema", text, strict=True)).result(30).entry
+    entry = service.compile(GrammarSpec("json_schema", text, strict=True, backend="xgrammar")).result(30).entry
     assert entry.unenforced == ()
     assert not _grammar_accepts(entry, violating)
 
@@ -80,7 +80,7 @@ def test_enforced_keywords_are_not_reported(service, schema, violating):
 def test_pointers_are_rfc6901_and_nested(service):
     schema = {"type": "object", "properties": {"a/b~c": {"type": "array", "items": {"not": {"type": "null"}}}},
               "$defs": {"t": {"type": "array", "uniqueItems": True}}}
-    entry = service.compile(GrammarSpec("json_schema", json.dumps(schema))).result(30).entry
+    entry = service.compile(GrammarSpec("json_schema", json.dumps(schema), backend="xgrammar")).result(30).entry
     assert set(entry.unenforced) == {
         UnenforcedKeyword("not", "/properties/a~1b~0c/items", "the grammar cannot exclude what a subschema matches"),
         UnenforcedKeyword("uniqueItems", "/$defs/t", "the grammar cannot compare array items with each other")}
