@@ -52,3 +52,11 @@ def write_kv_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, slot_ids: torch.Tensor) -> None:
     _flat(k_cache).index_copy_(0, slot_ids, k.reshape(k.shape[0], -1).to(k_cache.dtype))
     _flat(v_cache).index_copy_(0, slot_ids, v.reshape(v.shape[0], -1).to(v_cache.dtype))
+
+
+def slot_ids_for(page_table: torch.Tensor, positions: torch.Tensor, token_rows: torch.Tensor,
+                 page_size: int) -> torch.Tensor:
+    """(T,) int64 flattened cache slot of every new token (eager/prefill paths; decode
+    gets them from prepare_decode_inputs). token_rows: (T,) row of each token."""
+    pages = page_table[token_rows, positions // page_size].long()
+    return pages * page_size + positions % page_size

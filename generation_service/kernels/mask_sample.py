@@ -314,5 +314,5 @@ def mask_sample(logits: torch.Tensor, bitmask: torch.Tensor | None, temperature:
         out_ids, out_logprobs, vocab, mask_vocab_size, logits.stride(0), stride_m,
         HAS_MASK=has_mask, ENABLE_FILTERS=enable_filters, NUM_SPLITS=num_splits,
         BLOCK_S=triton.next_power_of_2(num_splits), BLOCK=block, BLOCK_W=1024,
-        PROBES=search_probes, num_warps=4)
+        PROBES=search_probes, num_warps=8 if enable_filters else 4)  # one program per row
     return out_ids, out_logprobs

@@ -88,7 +88,7 @@ def main() -> int:
         "mask_sample_finalize": lambda: compile_sm90(
             ms._finalize_kernel, BF, I32, F32, I32, F32, I64, I64, F32, I32, F32, *[N] * 4,
             HAS_MASK=True, ENABLE_FILTERS=True, NUM_SPLITS=4, BLOCK_S=4, BLOCK=1024,
-            BLOCK_W=1024, PROBES=8),
+            BLOCK_W=1024, PROBES=8, num_warps=8),
         "fused_add_rmsnorm": lambda: compile_sm90(
             rmsnorm._rmsnorm_kernel, BF, BF, BF, BF, N, N, N, 4096, 1e-5, HAS_RESIDUAL=True,
             BLOCK=4096, num_warps=16),

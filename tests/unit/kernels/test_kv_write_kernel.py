@@ -30,3 +30,11 @@ def test_padding_tokens_only_touch_the_dummy_page():
     assert torch.equal(k_cache[1, 4], k[0].half()) and torch.equal(v_cache[1, 4], k[0].half())
     changed = (k_cache != before_k).any(dim=(2, 3)) | (v_cache != before_v).any(dim=(2, 3))
     assert changed.nonzero().tolist() == [[0, 0], [1, 4]]
+
+
+def test_slot_ids_for_matches_page_table():
+    from generation_service.kernels.kv_write import slot_ids_for
+    page_table = torch.tensor([[5, 2, 0], [7, 0, 0]], dtype=torch.int32)
+    positions = torch.tensor([15, 16, 17, 3])
+    rows = torch.tensor([0, 0, 0, 1])
+    assert slot_ids_for(page_table, positions, rows, 16).tolist() == [95, 32, 33, 115]
