@@ -19,6 +19,7 @@ writes benchmarks/results/grammar_step-<machine>.json and prints a table.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import pathlib
@@ -147,13 +148,36 @@ def start_service(sock: str, tok_dir: str, vocab: int, fill_threads: int) -> sub
                              "--num-fill-threads", str(fill_threads), "--log-level", "WARNING"], cwd=ROOT)
 
 
+def bench_one(client, tok_dir: str, fingerprint: str, geometry: Geometry, grammar_ids, docs_ids,
+              workload: str, batch: int, args) -> tuple[np.ndarray, float]:
+    """(engine-side step times in us, the service's own mean step time in us) for one configuration."""
+    num_steps = max(args.min_steps, args.steps // batch)
+    with StepChannel.create(geometry) as chan:
+        client.open_channel(chan.name, geometry, max_slots=MAX_BATCH, first_step=1, tokenizer_dir=tok_dir,
+                            tokenizer_fingerprint=fingerprint)
+        engine = Engine(chan)
+        before = client.stats()
+        if workload == "random":
+            times = run_random(engine, grammar_ids, batch, num_steps)
+        else:
+            drafts = 3 if workload == "replay_drafts3" else 0
+            times = run_replay(engine, grammar_ids, docs_ids, batch, num_steps, drafts)
+        after = client.stats()
+        client.close_channel(chan.name)
+    service_us = (after["total_step_us"] - before["total_step_us"]) / max(1, after["num_steps"] - before["num_steps"])
+    return np.array(times[args.warmup:] or times), service_us
+
+
 def bench_vocab(name: str, args) -> list[dict]:
     from tokenizers import Tokenizer
 
     vocab = VOCAB_SIZES[name]
     tok_dir = str(tokenizer_dir(name))
     tok = Tokenizer.from_file(f"{tok_dir}/tokenizer.json")
+    # documents as a model writes them: UTF-8, no \u escapes
     docs_ids = [continuation_ids(tok, json.dumps(doc, ensure_ascii=False)) + [EOS] for _, doc in DOCUMENTS]
+    fingerprint = fingerprint_tokenizer_json(tok_dir, vocab)
+    geometry = Geometry(max_batch=MAX_BATCH, max_positions=MAX_POSITIONS, vocab_size=vocab)
     sock = os.path.join(tempfile.mkdtemp(prefix="grammar-bench-"), "grammar.sock")
     proc = start_service(sock, tok_dir, vocab, args.fill_threads)
     client = GrammarControlClient(f"unix://{sock}")
@@ -164,35 +188,19 @@ def bench_vocab(name: str, args) -> list[dict]:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("grammar_service did not start")
             time.sleep(0.2)
-        compiled = [client.compile(GrammarSpec("json_schema", json.dumps(schema))).result(120) for schema, _ in DOCUMENTS]
-        grammar_ids = [c.grammar_id for c in compiled]
-        geometry = Geometry(max_batch=MAX_BATCH, max_positions=MAX_POSITIONS, vocab_size=vocab)
-        for workload in args.workloads:
-            for batch in args.batches:
-                num_steps = max(args.min_steps, args.steps // batch)
-                with StepChannel.create(geometry) as chan:
-                    client.open_channel(chan.name, geometry, max_slots=MAX_BATCH, first_step=1, tokenizer_dir=tok_dir,
-                                        tokenizer_fingerprint=fingerprint_tokenizer_json(tok_dir, vocab))
-                    engine = Engine(chan)
-                    before = client.stats()
-                    if workload == "random":
-                        times = run_random(engine, grammar_ids, batch, num_steps)
-                    else:
-                        drafts = 3 if workload == "replay_drafts3" else 0
-                        times = run_replay(engine, grammar_ids, docs_ids, batch, num_steps, drafts)
-                    after = client.stats()
-                    client.close_channel(chan.name)
-                t = np.array(times[args.warmup:] or times)
-                service_us = (after["total_step_us"] - before["total_step_us"]) / max(1, after["num_steps"] - before["num_steps"])
-                row = {"vocab": name, "vocab_size": vocab, "workload": workload, "batch": batch,
-                       "num_steps": len(t), "step_us_p50": float(np.percentile(t, 50)),
-                       "step_us_p90": float(np.percentile(t, 90)), "step_us_p99": float(np.percentile(t, 99)),
-                       "step_us_mean": float(t.mean()), "service_step_us": service_us,
-                       "service_us_per_row": service_us / batch}
-                rows_out.append(row)
-                print(f"{name:12s} {workload:15s} {batch:5d} {row['num_steps']:6d} {row['step_us_p50']:10.0f} "
-                      f"{row['step_us_p90']:10.0f} {row['step_us_p99']:10.0f} {service_us:12.0f} "
-                      f"{service_us / batch:10.1f}", flush=True)
+        for backend, workload, batch in itertools.product(args.backends, args.workloads, args.batches):
+            grammar_ids = [client.compile(GrammarSpec("json_schema", json.dumps(schema), backend=backend)).result(120)
+                           .grammar_id for schema, _ in DOCUMENTS]
+            t, service_us = bench_one(client, tok_dir, fingerprint, geometry, grammar_ids, docs_ids, workload, batch, args)
+            row = {"vocab": name, "vocab_size": vocab, "backend": backend, "workload": workload, "batch": batch,
+                   "num_steps": len(t), "step_us_p50": float(np.percentile(t, 50)),
+                   "step_us_p90": float(np.percentile(t, 90)), "step_us_p99": float(np.percentile(t, 99)),
+                   "step_us_mean": float(t.mean()), "service_step_us": service_us,
+                   "service_us_per_row": service_us / batch}
+            rows_out.append(row)
+            print(f"{name:12s} {backend:10s} {workload:15s} {batch:5d} {row['num_steps']:6d} {row['step_us_p50']:10.0f} "
+                  f"{row['step_us_p90']:10.0f} {row['step_us_p99']:10.0f} {service_us:12.0f} "
+                  f"{service_us / batch:10.1f}", flush=True)
     finally:
         client.close()
         proc.terminate()
@@ -206,15 +214,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocabs", nargs="+", default=list(VOCAB_SIZES), choices=list(VOCAB_SIZES))
     parser.add_argument("--workloads", nargs="+", default=["replay", "replay_drafts3", "random"],
                         choices=["replay", "replay_drafts3", "random"])
+    parser.add_argument("--backends", nargs="+", default=["xgrammar", "llguidance"])
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64, 128])
-    parser.add_argument("--steps", type=int, default=3200, help="steps x batch budget per configuration")
-    parser.add_argument("--min-steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=1600, help="steps x batch budget per configuration")
+    parser.add_argument("--min-steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--fill-threads", type=int, default=0,
                         help="BatchGrammarMatcher threads; 0 = xgrammar's auto (cores / 2)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    print(f"{'vocab':12s} {'workload':15s} {'batch':>5s} {'steps':>6s} {'p50 us':>10s} {'p90 us':>10s} "
+    print(f"{'vocab':12s} {'backend':10s} {'workload':15s} {'batch':>5s} {'steps':>6s} {'p50 us':>10s} {'p90 us':>10s} "
           f"{'p99 us':>10s} {'service us':>12s} {'us/row':>10s}")
     started, load_at_start = time.time(), os.getloadavg()
     results = [row for name in args.vocabs for row in bench_vocab(name, args)]
