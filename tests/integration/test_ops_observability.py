@@ -15,6 +15,7 @@ import urllib.request
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from otlp_receiver import OtlpReceiver
@@ -26,7 +27,7 @@ GENERATE = "structgen.v1.GenerationService/Generate"
 SCHEMA = json.dumps({"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                                       "age": {"type": "integer"}},
                      "required": ["name", "age"], "additionalProperties": False})
-DRAIN_S = 30
+DRAIN_S = 60
 MAX_TOKENS_LIMIT = 1024
 
 
@@ -44,10 +45,10 @@ def receiver():
 
 @pytest.fixture(scope="module")
 def server(receiver, tmp_path_factory):
-    metrics_port = _free_port()
+    metrics_port, health_port = _free_port(), _free_port()
     limits = {**LIMITS, "max_new_tokens_limit": MAX_TOKENS_LIMIT}
     args = [f"--{name.replace('_', '-')}={value}" for name, value in limits.items()]
-    args += [f"--metrics-port={metrics_port}", f"--drain-seconds={DRAIN_S}"]
+    args += [f"--metrics-port={metrics_port}", f"--drain-seconds={DRAIN_S}", f"--health-port={health_port}"]
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_EXPORTER_OTLP_INSECURE": "true",
            "OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_TRACES_SAMPLER": "parentbased_always_on"}
     with pytest.MonkeyPatch.context() as patch:
@@ -58,6 +59,7 @@ def server(receiver, tmp_path_factory):
             patch.setenv(name, value)
         live = start_serve(args, tmp_path_factory.mktemp("ops") / "serve.log")
     live.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    live.health_address = f"127.0.0.1:{health_port}"
     yield live
     if live.process.poll() is None:  # the drain test did not run
         assert stop_serve(live) == 0
@@ -208,8 +210,9 @@ def test_engine_gauges_move_while_a_stream_runs(server, stub):
 
 # ---- drain (last: it stops the server) ----------------------------------------------------------
 def test_sigterm_drains_open_streams_refuses_new_calls_and_exits_0(server, stub, receiver):
-    num_streams, max_tokens = 3, 400
+    num_streams, max_tokens = 3, 160
     results: list[list[pb.GenerateResponse] | Exception] = [None] * num_streams
+    ended_s = [0.0] * num_streams
     started = threading.Barrier(num_streams + 1)
 
     def consume(i: int) -> None:
@@ -224,6 +227,7 @@ def test_sigterm_drains_open_streams_refuses_new_calls_and_exits_0(server, stub,
                 if len(responses) == 1 + (i == 0):  # first tokens (after the guarantee)
                     started.wait(60)
             results[i] = responses
+            ended_s[i] = time.monotonic()
         except Exception as error:  # noqa: BLE001 -- reported below
             results[i] = error
             started.abort()
@@ -238,16 +242,21 @@ def test_sigterm_drains_open_streams_refuses_new_calls_and_exits_0(server, stub,
     with pytest.raises(grpc.RpcError) as refused:
         _generate(stub, prompt="too late", stop=pb.StopConditions(max_tokens=4))
     assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
+    with grpc.insecure_channel(server.health_address) as channel:  # what the readiness probe sees
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
     still_running = [t.is_alive() for t in threads]
     for thread in threads:
         thread.join(DRAIN_S + 10)
     code = server.process.wait(DRAIN_S + 10)
-    exit_s = time.monotonic() - sigterm_s
+    exited_s = time.monotonic()
     for i, result in enumerate(results):
         assert not isinstance(result, Exception), f"stream {i} failed during the drain: {result!r}"
         assert result[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED, f"stream {i} did not finish"
     assert code == 0, server.log_text()[-3000:]
-    assert exit_s < DRAIN_S, f"exit {exit_s:.1f} s after SIGTERM: streams ended, yet the grace ran out"
+    assert exited_s - sigterm_s < DRAIN_S
+    # Exit follows the last stream at once: no second grace period, no slow teardown.
+    assert exited_s - max(ended_s) < 5, f"exit {exited_s - max(ended_s):.1f} s after the last stream ended"
     assert any(still_running), "every stream ended before the refused call: the drain was not tested"
     assert results[1][-1].usage.completion_tokens == max_tokens
     # The drained streams' spans were flushed on the way out.
