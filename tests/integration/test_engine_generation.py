@@ -158,6 +158,7 @@ def test_stop_strings_and_max_tokens_end_with_their_reason(engine):
 def test_cancel_frees_pages_slots_and_matchers(engine, grammar_service):
     from grammar_service.client import GrammarControlClient
 
+    wait_settled(engine)  # earlier tests' matchers are released
     streams = [engine.submit(request(engine, "c-free", PROMPTS[0], max_new_tokens=400, ignore_eos=True)),
                engine.submit(request(engine, "c-json", PROMPTS[1], grammar=GrammarSpec("regex", "[a-z]{500}"),
                                      max_new_tokens=400))]
@@ -193,8 +194,8 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(engine):
     real_run = engine.runner.run
     calls = []
 
-    def run_once_broken(batch):
-        if not calls:
+    def run_once_broken(batch):  # the first forward that holds both requests fails
+        if not calls and {row.request.request_id for row in batch.rows} >= {"broken-json", "broken-free"}:
             calls.append(1)
             raise RuntimeError("injected forward failure")
         return real_run(batch)
