@@ -24,11 +24,13 @@ MAX_ERRORS = 50  # a final message stays small; `num_errors` still counts them a
 
 @dataclass(frozen=True)
 class ValidationIssue:
-    path: str            # JSONPath of the offending part of the output, "$.jobs.build"
+    path: str            # RFC 6901 pointer into the output, "/jobs/0/id" ("" = the whole output)
     message: str         # jsonschema's message
     schema_pointer: str  # RFC 6901 pointer of the failing keyword in the schema
 
     def __str__(self) -> str:
+        """"<pointer>: <message> (schema <pointer>)", the form OutputEvent.validation_errors
+        carries and generation_service/proto_convert.py splits at the first ": "."""
         where = f" (schema {self.schema_pointer})" if self.schema_pointer.startswith("/") else ""
         return f"{self.path}: {self.message}{where}"
 
@@ -41,7 +43,7 @@ class ValidationResult:
 
     @property
     def errors(self) -> tuple[str, ...]:
-        """"<JSON path>: <message> (schema <pointer>)" per issue (OutputEvent.validation_errors)."""
+        """str(issue) per issue, for OutputEvent.validation_errors."""
         return tuple(map(str, self.issues))
 
     @property
@@ -55,7 +57,7 @@ def _pointer(path) -> str:
 
 def to_issue(error: jsonschema.ValidationError) -> ValidationIssue:
     """One violation: where in the output, what, and which schema keyword said so."""
-    return ValidationIssue(error.json_path, error.message, _pointer(error.schema_path))
+    return ValidationIssue(_pointer(error.absolute_path), error.message, _pointer(error.schema_path))
 
 
 def _search(pattern: str, text: str) -> bool:
@@ -105,13 +107,13 @@ def validate_output(schema_text: str, output_text: str) -> ValidationResult:
     """Validate a generated document against the full schema; never raises.
 
     Output that is not JSON (cut by max_tokens, a stop string...) is invalid with a parse
-    error at "$". A schema jsonschema cannot use (bad `pattern` regex, invalid schema) gives
+    error at path "". A schema jsonschema cannot use (bad `pattern` regex, invalid schema) gives
     one issue whose schema_pointer is "schema", so the client sees the output was not checked.
     """
     try:
         instance = json.loads(output_text)
     except ValueError as exc:
-        return ValidationResult(False, (ValidationIssue("$", f"output is not valid JSON: {exc}", ""),), 1)
+        return ValidationResult(False, (ValidationIssue("", f"output is not valid JSON: {exc}", ""),), 1)
     try:
         found = violations(schema_text, instance)
     except (SchemaError, ValueError, Unresolvable) as exc:
@@ -123,4 +125,4 @@ def validate_output(schema_text: str, output_text: str) -> ValidationResult:
 
 
 def _unusable_schema(message: str) -> ValidationResult:
-    return ValidationResult(False, (ValidationIssue("$", f"cannot validate with jsonschema: {message}", "schema"),), 1)
+    return ValidationResult(False, (ValidationIssue("", f"cannot validate with jsonschema: {message}", "schema"),), 1)
