@@ -5,7 +5,9 @@ Flash-decoding in two launches:
    GROUP query heads that share a kv head (so K/V are read once per group, not once per
    query head), walks its slice of the row's KV through the page table with an online
    softmax, and writes a partial output and its log-sum-exp.
-2. ``_decode_reduce_kernel``, grid (B, num_q_heads): merges the splits by their LSE.
+2. ``_decode_reduce_kernel``, grid (B, num_q_heads): merges the splits by their LSE
+   (skipped when there is one split: large batches fill the GPU without splitting, and
+   the split kernel then writes the output itself).
 
 The split count is fixed at launch (it never depends on ``seq_lens`` values), so the
 launch is CUDA-graph safe; a split whose slice is empty writes LSE = -inf and is ignored.
@@ -27,14 +29,14 @@ _NUM_SMS_FALLBACK = 132  # H200; used when no CUDA device is visible (interprete
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr,
+    q_ptr, k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr, out_ptr,
     sm_scale, window,
     stride_qb, stride_qh,
     stride_kp, stride_ks, stride_kh,
     stride_vp, stride_vs, stride_vh,
     stride_ptb, max_pages,
     stride_ob, stride_oh, stride_os,
-    stride_lb, stride_lh,
+    stride_lb, stride_lh, stride_outb, stride_outh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
@@ -86,12 +88,16 @@ def _decode_split_kernel(
     # Empty slice: l_i == 0, m_i == -inf -> o = 0, lse = -inf (ignored by the reduce).
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
-    lse = m_i + tl.log(l_safe)
-    lse = tl.where(l_i > 0, lse, float("-inf"))
-    o_ptrs = (part_o_ptr + b * stride_ob + head[:, None] * stride_oh + split * stride_os
-              + offs_d[None, :])
-    tl.store(o_ptrs, o, mask=h_mask[:, None] & d_mask[None, :])
-    tl.store(part_lse_ptr + b * stride_lb + head * stride_lh + split, lse, mask=h_mask)
+    if NUM_SPLITS == 1:  # nothing to merge: write the output, skip the reduce launch
+        tl.store(out_ptr + b * stride_outb + head[:, None] * stride_outh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
+    else:
+        lse = m_i + tl.log(l_safe)
+        lse = tl.where(l_i > 0, lse, float("-inf"))
+        o_ptrs = (part_o_ptr + b * stride_ob + head[:, None] * stride_oh + split * stride_os
+                  + offs_d[None, :])
+        tl.store(o_ptrs, o, mask=h_mask[:, None] & d_mask[None, :])
+        tl.store(part_lse_ptr + b * stride_lb + head * stride_lh + split, lse, mask=h_mask)
 
 
 @triton.jit
@@ -154,25 +160,27 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                         q.device)
     if out is None:
         out = torch.empty_like(q)
-    part_o = torch.empty(batch, num_q_heads, num_splits, head_dim, device=q.device,
-                         dtype=torch.float32)
-    part_lse = torch.empty(batch, num_q_heads, num_splits, device=q.device,
-                           dtype=torch.float32)
+    # Partial results only when there is something to merge (else unused placeholders).
+    part_shape = (batch, num_q_heads, num_splits, head_dim) if num_splits > 1 else (1, 1, 1, 1)
+    part_o = torch.empty(part_shape, device=q.device, dtype=torch.float32)
+    part_lse = torch.empty(part_shape[:3], device=q.device, dtype=torch.float32)
     block_d = triton.next_power_of_2(head_dim)
     # tl.dot needs M >= 16 on the GPU; the padded head rows are masked out.
     block_h = max(16, triton.next_power_of_2(group))
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, page_table, seq_lens, part_o, part_lse, sm_scale,
+        q, k_cache, v_cache, page_table, seq_lens, part_o, part_lse, out, sm_scale,
         sliding_window or 0, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         page_table.stride(0), page_table.shape[1],
         part_o.stride(0), part_o.stride(1), part_o.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
+        part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h,
         BLOCK_N=block_n, PAGE_SIZE=page_size, NUM_SPLITS=num_splits,
         num_warps=4, num_stages=2,
     )
+    if num_splits == 1:
+        return out
     _decode_reduce_kernel[(batch, num_q_heads)](
         part_o, part_lse, out,
         part_o.stride(0), part_o.stride(1), part_o.stride(2),

@@ -63,7 +63,7 @@ def main() -> int:
     da, ea, ms = decode_attention, extend_attention, mask_sample
     builds = {
         "decode_split": lambda: compile_sm90(
-            da._decode_split_kernel, BF, BF, BF, I32, I32, F32, F32, 0.1, 0, *[N] * 15,
+            da._decode_split_kernel, BF, BF, BF, I32, I32, F32, F32, BF, 0.1, 0, *[N] * 17,
             GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16, BLOCK_N=64, PAGE_SIZE=16,
             NUM_SPLITS=8),
         "decode_reduce": lambda: compile_sm90(

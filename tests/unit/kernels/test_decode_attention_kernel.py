@@ -27,6 +27,16 @@ def test_decode_matches_reference(make_paged, rel_err, group, num_splits):
     assert torch.equal(out[SEQ_LENS.index(0)], torch.zeros_like(out[0]))
 
 
+def test_decode_single_row_many_splits(make_paged, rel_err):
+    k_cache, v_cache, page_table, seq_lens = make_paged([150])
+    q = torch.randn(1, 8, k_cache.shape[3])
+    out = decode_attention(q, k_cache, v_cache, page_table, seq_lens, 0.17, num_splits=5,
+                           block_n=16)
+    ref = decode_attention_torch(q.double(), k_cache.double(), v_cache.double(), page_table,
+                                 seq_lens, 0.17, compute_dtype=torch.float64)
+    assert rel_err(out, ref) < 1e-5
+
+
 def test_decode_fp16_and_sliding_window(make_paged, rel_err):
     k_cache, v_cache, page_table, seq_lens = make_paged(SEQ_LENS, dtype=torch.float16)
     q = torch.randn(len(SEQ_LENS), 8, k_cache.shape[3]).half()
