@@ -220,4 +220,7 @@ class RequestTable:
         stream.put(OutputEvent(tuple(token_ids), text, tuple(logprobs), finish_reason=reason,
                                usage=usage, error=error))
         for listener in self.finish_listeners:
-            listener(request)
+            try:
+                listener(request)
+            except Exception:  # noqa: BLE001 -- observers must never fail the engine
+                log.exception("finish listener %r failed for request %s", listener, request.request_id)

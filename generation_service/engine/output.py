@@ -51,7 +51,7 @@ class OutputProcessor:
     def _token_stop(self, token: int) -> FinishReason | None:
         if token in self.eos_token_ids and (self.request.is_constrained or not self.request.sampling.ignore_eos):
             return FinishReason.GRAMMAR_COMPLETE if self.request.is_constrained else FinishReason.STOP_TOKEN
-        if token in self.request.sampling.stop_token_ids:
+        if token in self.request.stop_token_ids:
             return FinishReason.STOP_TOKEN
         if self.request.num_generated >= self.request.max_new_tokens:
             return FinishReason.MAX_TOKENS

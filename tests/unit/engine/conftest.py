@@ -12,7 +12,7 @@ def make_request(request_id: str = "r", prompt_len: int = 4, *, max_new_tokens: 
     prompt = tuple(prompt) if prompt is not None else tuple(range(1, prompt_len + 1))
     spec = GenerationRequest(request_id, prompt, SamplingParams(max_new_tokens=max_new_tokens, **sampling),
                              speculative=SpeculativeParams(num_draft_tokens))
-    return Request(spec, frozenset(), sample_seed=0)
+    return Request(spec, frozenset(spec.sampling.stop_token_ids), sample_seed=0)
 
 
 class CharTokenizer:
