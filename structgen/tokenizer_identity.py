@@ -13,14 +13,15 @@ import json
 import os
 import pathlib
 
-DEFAULT_MODEL_NAME = "default-model-v1"
+# Bump when the default model's files change: a cache folder is never rewritten in place.
+DEFAULT_MODEL_NAME = "default-model-v2"
 
 
 def default_model_dir() -> pathlib.Path:
     """Cache folder of the built-in default model.
 
-    ``$STRUCTGEN_CACHE/default-model-v1`` if STRUCTGEN_CACHE is set, else
-    ``$XDG_CACHE_HOME/structgen/default-model-v1`` (``~/.cache`` when XDG_CACHE_HOME is unset).
+    ``$STRUCTGEN_CACHE/default-model-v2`` if STRUCTGEN_CACHE is set, else
+    ``$XDG_CACHE_HOME/structgen/default-model-v2`` (``~/.cache`` when XDG_CACHE_HOME is unset).
     """
     root = os.environ.get("STRUCTGEN_CACHE")
     if root:

@@ -12,7 +12,7 @@ from generation_service.model.default_model import ensure_default_model
 @pytest.fixture(scope="session")
 def default_model_path(tmp_path_factory) -> pathlib.Path:
     """The built-in default model, built into a temporary cache (never the user's ~/.cache)."""
-    return ensure_default_model(tmp_path_factory.mktemp("cache") / "default-model-v1")
+    return ensure_default_model(tmp_path_factory.mktemp("cache") / "default-model-v2")
 
 
 @pytest.fixture(scope="session")

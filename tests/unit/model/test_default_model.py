@@ -38,7 +38,7 @@ def test_loads_fast_and_generates(default_model_path):
 
 
 def test_is_seeded_the_same_every_time(default_model_path, tmp_path):
-    again = ensure_default_model(tmp_path / "default-model-v1")
+    again = ensure_default_model(tmp_path / "default-model-v2")
     assert (again / "model.safetensors").read_bytes() == (default_model_path / "model.safetensors").read_bytes()
     assert (again / "tokenizer.json").read_bytes() == (default_model_path / "tokenizer.json").read_bytes()
 
@@ -61,17 +61,17 @@ def test_transformers_reads_it_identically(default_model_path):
 
 def test_cache_dir_comes_from_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("STRUCTGEN_CACHE", str(tmp_path))
-    assert default_model_dir() == tmp_path / "default-model-v1"
+    assert default_model_dir() == tmp_path / "default-model-v2"
     monkeypatch.delenv("STRUCTGEN_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert default_model_dir() == tmp_path / "xdg" / "structgen" / "default-model-v1"
+    assert default_model_dir() == tmp_path / "xdg" / "structgen" / "default-model-v2"
 
 
 def test_missing_models_extra_is_one_clear_error(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "mistral_common", None)  # import now raises ImportError
     with pytest.raises(ModelLoadError, match=r"building the default model needs mistral_common: "
                                              r"pip install 'structgen\[models\]'"):
-        ensure_default_model(tmp_path / "default-model-v1")
+        ensure_default_model(tmp_path / "default-model-v2")
     assert not list(tmp_path.iterdir())
 
 
@@ -81,7 +81,7 @@ def test_racing_creator_that_wins_is_kept(monkeypatch, tmp_path, default_model_p
 
     from generation_service.model import default_model
 
-    target = tmp_path / "default-model-v1"
+    target = tmp_path / "default-model-v2"
 
     def slow_write(staging):
         shutil.copytree(default_model_path, target)  # the other process wins the rename
@@ -90,4 +90,4 @@ def test_racing_creator_that_wins_is_kept(monkeypatch, tmp_path, default_model_p
     monkeypatch.setattr(default_model, "write_default_model", slow_write)
     assert ensure_default_model(target) == target
     assert json.loads((target / "config.json").read_text())["vocab_size"] == 32000  # the winner's files
-    assert [p.name for p in tmp_path.iterdir()] == ["default-model-v1"]  # our staging folder is gone
+    assert [p.name for p in tmp_path.iterdir()] == ["default-model-v2"]  # our staging folder is gone
