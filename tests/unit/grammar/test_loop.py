@@ -172,7 +172,7 @@ def test_released_slot_is_reused_by_a_new_request(driver, compile_id, mistral_32
 
 def test_unconstrained_padded_and_unknown_rows(driver, compile_id):
     gid = compile_id("regex", "[0-9]+")
-    view = driver.step([Row(0, 2, 0), Row.fresh(1, gid), Row.fresh(2, 999_999)])
+    view = driver.step([Row(0, 2, 0), Row.fresh(1, gid), Row.fresh(2, 0)])  # ids start at 1: 0 names none
     assert view.valid_positions.tolist() == [2, 1, 0]
     assert _ones(view.masks[0]) and _ones(view.masks[2]) and not _ones(view.masks[1, 0])
     assert _ones(view.masks[1, 1:])
@@ -239,3 +239,14 @@ def test_a_failing_step_fails_its_constrained_rows_and_still_publishes(driver, s
     driver.finish([[], [9]])
     view = driver.step([Row(0)])  # the service goes on; the failed slot lost its matcher
     assert view.results[0, 1] == ERR_NO_MATCHER
+
+
+def test_rows_of_two_backends_share_a_step(driver, compile_id, mistral_32k):
+    """One batch call per backend: an xgrammar row and an llguidance row in the same steps."""
+    ids = continuation_ids(mistral_32k, json.dumps(DOCS[0][1], ensure_ascii=False)) + [EOS]
+    grammar_ids = [compile_id("json_schema", PERSON, backend="xgrammar"),
+                   compile_id("json_schema", PERSON, backend="llguidance")]
+    masks, _ = _replay(driver, grammar_ids, [ids, ids])
+    for backend_masks in masks:
+        assert all(is_allowed(m, t) for m, t in zip(backend_masks, ids))
+    assert list(allowed_tokens(masks[1][-1])) == [EOS]
