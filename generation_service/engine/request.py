@@ -44,6 +44,7 @@ class Request:
     guarantee: GuaranteeReport | None = None
     is_matcher_bound: bool = False                # FRESH was sent for this slot
     # speculation counters
+    num_preemptions: int = 0                      # times its pages were dropped for lack of room
     num_drafts_proposed: int = 0
     num_drafts_accepted: int = 0
     # end

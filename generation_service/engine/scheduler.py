@@ -214,6 +214,7 @@ class Scheduler:
         victim.pages = []
         victim.num_cached = 0
         victim.status = RequestStatus.PREEMPTED
+        victim.num_preemptions += 1
         self.waiting.appendleft(victim)
         self.num_preemptions += 1
         return victim

@@ -47,8 +47,13 @@ def requests(engine):
 def test_tiny_pool_preempts_and_gives_the_same_outputs(setup):
     large, tiny = setup
     expected = run_all(large, requests(large))
+    finished = []
+    tiny.table.finish_listeners.append(finished.append)
     got = run_all(tiny, requests(tiny))
+    tiny.table.finish_listeners.remove(finished.append)
     assert tiny.stats().num_preemptions > 0
+    # a constrained request resumed with its matcher kept (no replay): still valid, same tokens
+    assert any(r.num_preemptions and r.is_constrained for r in finished)
     assert large.stats().num_preemptions == 0
     for i, (e, g) in enumerate(zip(expected, got)):
         assert g.error is None and e.error is None
