@@ -12,8 +12,8 @@ Semantics (``sample_reference.mask_sample_torch`` implements the same, step by s
    top-k (keep iff fewer than k tokens are strictly larger; ties kept; off if k <= 0 or
    k >= vocab) and then top-p on the top-k-renormalised mass (keep iff the mass strictly
    larger is < top_p; off if top_p >= 1), as in HF/vLLM.
-6. token = argmax over kept of s + g, g = -log(-log(u)), u = philox_uniform(seed, step,
-   t): Gumbel-max, an exact sample of softmax(s) restricted to the kept set, whose
+6. token = argmax over kept of s + g, g = -log(-log(u)), u = the Philox uniform of
+   (seed, step, t) (philox.py): Gumbel-max, an exact sample of softmax(s) restricted to the kept set, whose
    randomness depends only on (seed, step, token id) -- never on the batch layout.
    For verifying deterministic drafts, sample each position with its own step and
    accept the draft iff it equals the sample: P(accept) = p(draft), and on rejection the
@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .philox import philox_uniform
+from .philox import philox_uniform_block
 
 _NEG_INF_KEY = tl.constexpr(-2139095041)  # _key(-inf)
 
@@ -73,8 +73,9 @@ def _masked_logits(logits_ptr, mask_ptr, row_l, row_m, offs, vocab, mask_vocab,
 
 
 @triton.jit
-def _gumbel(seed, step, offs):
-    u = philox_uniform(seed, step, offs)
+def _gumbel(seed, step, t0, BLOCK: tl.constexpr):
+    """Gumbel noise of tokens t0 .. t0 + BLOCK - 1."""
+    u = philox_uniform_block(seed, step, t0, BLOCK)
     return -tl.log(-tl.log(u))
 
 
@@ -119,7 +120,7 @@ def _partial_kernel(
             best_x = bx
             best_xi = t0 + bi
         if temp > 0:
-            score = x * inv_t + _gumbel(seed, step, offs)
+            score = x * inv_t + _gumbel(seed, step, t0, BLOCK)
             bg, bgi = tl.max(score, 0, return_indices=True, return_indices_tie_break_left=True)
             if bg > best_g:
                 best_g = bg
@@ -254,7 +255,7 @@ def _filtered_sample(logits_ptr, mask_ptr, row, vocab, mask_vocab, stride_l, str
         s = _masked_logits(logits_ptr, mask_ptr, row_l, row_m, offs, vocab, mask_vocab,
                            unconstrained, HAS_MASK) * inv_t
         keep = (_key(s).to(tl.int64) >= tau) & (offs < vocab)
-        score = tl.where(keep, s + _gumbel(seed, step, offs), float("-inf"))
+        score = tl.where(keep, s + _gumbel(seed, step, t0, BLOCK), float("-inf"))
         bg, bgi = tl.max(score, 0, return_indices=True, return_indices_tie_break_left=True)
         if bg > best_g:
             best_g = bg
