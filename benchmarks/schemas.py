@@ -90,6 +90,7 @@ class _Walker:
             return result
         result["compile_ms"] = (time.perf_counter() - started) * 1e3
         reported = {u.keyword for u in unenforced}
+        reported |= {"then", "else"} if "if" in reported else set()  # one report covers the conditional
         rng = random.Random(f"{seed}-{name}")
         walks, fill_s, first_fill_s = [], [], []
         deadline = time.perf_counter() + walk_budget_s
