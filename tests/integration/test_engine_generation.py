@@ -70,7 +70,7 @@ def json_grammar():
 def check_constrained(kind, result):
     assert result.error is None, result.error
     assert result.finish_reason is FinishReason.GRAMMAR_COMPLETE, (kind, result.text)
-    assert result.guarantee is not None and result.guarantee.backend
+    assert result.guarantee is not None and result.guarantee.backend and result.is_guarantee_first
     if kind == "json":
         jsonschema.validate(json.loads(result.text), SCHEMA)
     elif kind == "regex":
@@ -213,3 +213,11 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(engine):
     assert after[1].finish_reason is FinishReason.MAX_TOKENS
     stats = wait_settled(engine)
     assert (stats.num_kv_pages_used, stats.num_slots_used, stats.num_grammar_matchers) == (0, 0, 0)
+
+
+def test_logprobs_are_streamed_per_token(engine):
+    result = collect(engine.submit(request(engine, "logprobs", PROMPTS[0], max_new_tokens=6, num_logprobs=3,
+                                           drafts=2)))
+    assert [lp.token_id for lp in result.logprobs] == result.token_ids
+    for lp in result.logprobs:  # greedy: the chosen token is the most likely one
+        assert len(lp.top) == 3 and lp.top[0][0] == lp.token_id and lp.logprob <= 0

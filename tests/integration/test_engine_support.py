@@ -76,6 +76,8 @@ class Result:
     error: Exception | None = None
     usage: Usage | None = None
     guarantee: GuaranteeReport | None = None
+    is_guarantee_first: bool = False  # the guarantee came before any token
+    logprobs: list = field(default_factory=list)
     num_events: int = 0
 
 
@@ -86,7 +88,9 @@ def collect(stream: RequestStream, timeout_s: float = 120) -> Result:
         result.num_events += 1
         result.token_ids += event.token_ids
         result.text += event.text
-        result.guarantee = result.guarantee or event.guarantee
+        if event.guarantee is not None and result.guarantee is None:
+            result.guarantee, result.is_guarantee_first = event.guarantee, not result.token_ids
+        result.logprobs += event.logprobs
         if event.is_final:
             result.finish_reason, result.error, result.usage = event.finish_reason, event.error, event.usage
             return result
