@@ -85,6 +85,40 @@ def bench_decode(batches, contexts, bw):
     return out
 
 
+def bench_tuning(bw):
+    """A few tile configs at representative shapes, to pick the defaults from data."""
+    from generation_service.kernels.decode_attention import decode_attention
+    from generation_service.kernels.extend_attention import extend_attention
+    out = []
+    decode_configs = [dict(block_n=64, num_warps=4, num_stages=2),  # the default
+                      dict(block_n=32, num_warps=4, num_stages=3),
+                      dict(block_n=128, num_warps=8, num_stages=2),
+                      dict(block_n=64, num_warps=2, num_stages=3)]
+    for batch, ctx in ((1, 8192), (32, 2048), (128, 2048)):
+        k, v, table, seq_lens = paged_cache(batch, ctx)
+        q = torch.randn(batch, HQ, D, device=DEV, dtype=torch.bfloat16)
+        nbytes = 2 * batch * ctx * HKV * D * 2
+        for cfg in decode_configs:
+            t = bench(lambda: decode_attention(q, k, v, table, seq_lens, D ** -0.5, **cfg))
+            out.append(record("tune_decode", f"B={batch} ctx={ctx} {cfg}", t, None, nbytes,
+                              bw))
+    extend_configs = [dict(block_m=128, block_n=64, num_warps=8),  # prefill default
+                      dict(block_m=64, block_n=64, num_warps=4),
+                      dict(block_m=128, block_n=128, num_warps=8),
+                      dict(block_m=64, block_n=32, num_warps=4, num_stages=3)]
+    new = 4096
+    k, v, table, seq_lens = paged_cache(1, new)
+    extend_lens = torch.full((1,), new, dtype=torch.int32, device=DEV)
+    q = torch.randn(new, HQ, D, device=DEV, dtype=torch.bfloat16)
+    flops = 4 * HQ * D * new * (new + 1) / 2
+    for cfg in extend_configs:
+        t = bench(lambda: extend_attention(q, k, v, table, seq_lens, extend_lens, D ** -0.5,
+                                           max_extend_len=new, **cfg))
+        out.append(record("tune_extend", f"prefill {new} {cfg}", t, None, 0, bw,
+                          tflops=flops / t / 1e9))
+    return out
+
+
 def bench_extend(bw, quick):
     from generation_service.kernels.extend_attention import (extend_attention,
                                                              extend_attention_torch)
@@ -226,7 +260,7 @@ def bench_norm_rope(bw):
 
 def print_table(records):
     cols = ["kernel", "case", "triton_ms", "torch_ms", "speedup", "sdpa_ms", "x_floor",
-            "tflops", "probes1_ms", "probes16_ms"]
+            "tflops", "probes1_ms", "probes16_ms"]  # full records, probes4_ms too: --out
     print(" | ".join(f"{c:>14}" if i > 1 else f"{c:<22}" for i, c in enumerate(cols)))
     for rec in records:
         cells = []
@@ -244,7 +278,7 @@ def main() -> int:
     parser.add_argument("--out", required=True, help="JSON file for the results")
     parser.add_argument("--quick", action="store_true", help="fewer shapes (~1 minute)")
     parser.add_argument("--only", default="", help="comma list: decode,extend,prepare,"
-                        "kv_write,mask_sample,norm_rope")
+                        "kv_write,mask_sample,norm_rope,tuning")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
@@ -261,10 +295,11 @@ def main() -> int:
               "prepare": lambda: bench_prepare(batches, bw),
               "kv_write": lambda: bench_kv_write(bw),
               "mask_sample": lambda: bench_mask_sample(batches, bw),
-              "norm_rope": lambda: bench_norm_rope(bw)}
+              "norm_rope": lambda: bench_norm_rope(bw),
+              "tuning": lambda: bench_tuning(bw)}
     records = []
     for name, run in suites.items():
-        if only and name not in only:
+        if (only and name not in only) or (args.quick and name == "tuning" and not only):
             continue
         try:
             records += run()

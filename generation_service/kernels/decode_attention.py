@@ -148,7 +148,8 @@ def default_num_splits(batch_size: int, num_kv_heads: int, max_context_len: int,
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      page_table: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
                      num_splits: int | None = None, out: torch.Tensor | None = None,
-                     block_n: int = 64, sliding_window: int | None = None) -> torch.Tensor:
+                     block_n: int = 64, sliding_window: int | None = None,
+                     num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """q (B, Hq, D) -> out (B, Hq, D) attending to the first seq_lens[b] cached tokens
     (only the last ``sliding_window`` of them when set)."""
     batch, num_q_heads, head_dim = q.shape
@@ -177,7 +178,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h,
         BLOCK_N=block_n, PAGE_SIZE=page_size, NUM_SPLITS=num_splits,
-        num_warps=4, num_stages=2,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits == 1:
         return out

@@ -100,7 +100,8 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      extend_lens: torch.Tensor, sm_scale: float,
                      max_extend_len: int | None = None, out: torch.Tensor | None = None,
                      block_m: int | None = None, block_n: int = 64,
-                     sliding_window: int | None = None) -> torch.Tensor:
+                     sliding_window: int | None = None, num_warps: int | None = None,
+                     num_stages: int = 2) -> torch.Tensor:
     """q (T, Hq, D) ragged new tokens -> out (T, Hq, D).
 
     Pass ``max_extend_len`` (an upper bound on extend_lens) under CUDA graphs; without it
@@ -122,7 +123,8 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     rows = max_extend_len * group  # (token, head) rows of the longest row
     if block_m is None:  # prefill: big tiles reuse K/V; verify: no idle rows
         block_m = 128 if rows >= 512 else max(16, min(64, triton.next_power_of_2(rows)))
-    num_warps = 8 if block_m >= 128 else 4
+    if num_warps is None:
+        num_warps = 8 if block_m >= 128 else 4
     grid = (batch, num_kv_heads, triton.cdiv(rows, block_m))
     _extend_kernel[grid](
         q, k_cache, v_cache, out, page_table, seq_lens, extend_lens, extend_start, sm_scale,
@@ -131,7 +133,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         page_table.stride(0), page_table.shape[1],
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-        PAGE_SIZE=page_size, num_warps=num_warps, num_stages=2,
+        PAGE_SIZE=page_size, num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
