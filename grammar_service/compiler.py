@@ -219,18 +219,27 @@ class GrammarCompiler:
         return tuple(order), chosen
 
     def _start(self, key: str, spec: GrammarSpec, requested: str, result: Future) -> None:
-        started = time.perf_counter()
-        work = self._pool.submit(self._compile_with, spec, requested)
-        timer = threading.Timer(self._config.compile_timeout_s, self._on_timeout, (key, result))
-        timer.daemon = True
-        timer.start()
+        timers: list[threading.Timer] = []
+
+        def run() -> tuple[float, str, Any, tuple]:
+            # The timeout counts the compile itself, not the wait for a pool thread.
+            timer = threading.Timer(self._config.compile_timeout_s, self._on_timeout, (key, result))
+            timer.daemon = True
+            timers.append(timer)
+            timer.start()
+            started = time.perf_counter()
+            backend, compiled, unenforced = self._compile_with(spec, requested)
+            return (time.perf_counter() - started) * 1e3, backend, compiled, unenforced
 
         def finished(done: Future) -> None:
-            timer.cancel()
-            elapsed_ms = (time.perf_counter() - started) * 1e3
+            for timer in timers:
+                timer.cancel()
+            if done.cancelled():  # the pool was shut down before it ran
+                self._fail(key, CompileError("UNAVAILABLE", "grammar_service is shutting down"), result)
+                return
             exc = done.exception()
             if exc is None:
-                backend, compiled, unenforced = done.result()
+                elapsed_ms, backend, compiled, unenforced = done.result()
                 metrics.COMPILE_SECONDS.labels(spec.kind).observe(elapsed_ms / 1e3)
                 self._store(key, backend, compiled, elapsed_ms, unenforced, result)
             elif isinstance(exc, (GrammarCompileError, ValueError)):
@@ -239,7 +248,7 @@ class GrammarCompiler:
                 log.error("compile of %s failed unexpectedly", spec.kind, exc_info=exc)
                 self._fail(key, CompileError("INTERNAL", f"compile failed: {exc!r}"), result)
 
-        work.add_done_callback(finished)
+        self._pool.submit(run).add_done_callback(finished)
 
     def _store(self, key, backend, compiled, elapsed_ms, unenforced, result: Future) -> None:
         with self._lock:

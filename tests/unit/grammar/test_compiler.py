@@ -87,6 +87,15 @@ def test_compile_timeout_is_reported_and_remembered_for_the_ttl():
     compiler.close()
 
 
+def test_the_timeout_counts_the_compile_not_the_wait_for_a_thread():
+    backend = _SlowBackend(delay_s=0.3)
+    config = GrammarServiceConfig(num_compile_threads=1, compile_timeout_s=0.5)
+    compiler = GrammarCompiler(lambda name: backend, config)
+    futures = [compiler.compile(GrammarSpec("regex", r)) for r in ("a", "b", "c")]  # 0.9 s in all
+    assert [f.result(5).cache_hit for f in futures] == [False, False, False]
+    compiler.close()
+
+
 def test_grammar_text_over_the_size_limit_names_the_limit(mistral_32k_dir):
     compiler = GrammarCompiler(lambda name: _SlowBackend(0), GrammarServiceConfig(max_grammar_bytes=100))
     err = _error(compiler.compile(GrammarSpec("regex", "a" * 101)))
