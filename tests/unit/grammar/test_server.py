@@ -7,6 +7,7 @@ import socket
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from generation_service.engine.errors import GrammarUnavailableError
 from generation_service.engine.params import GrammarSpec
@@ -56,6 +57,9 @@ def test_health_port_and_compile_before_any_tokenizer(tmp_path):
         with pytest.raises(GrammarUnavailableError, match="FAILED_PRECONDITION: no tokenizer loaded yet"):
             client.compile(GrammarSpec("regex", "a")).result(10)
         assert client.stats()["num_channels"] == 0
+        with grpc.insecure_channel(config.listen) as channel:  # reflection lists the service
+            services = ProtoReflectionDescriptorDatabase(channel).get_services()
+            assert "structgen.v1.GrammarService" in services and "grpc.health.v1.Health" in services
     finally:
         client.close()
         running.stop()
