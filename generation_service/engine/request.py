@@ -100,6 +100,11 @@ class Request:
         return self.max_new_tokens - self.num_generated
 
     @property
+    def is_prefilling(self) -> bool:
+        """Admitted with more than the last token still to compute (first prefill or a resume)."""
+        return self.status is RequestStatus.RUNNING and self.num_uncached > 1
+
+    @property
     def is_decoding(self) -> bool:
         """Prefill done: only the last token lacks K/V."""
         return self.num_uncached == 1

@@ -81,7 +81,7 @@ def check_constrained(kind, result):
 
 
 def test_greedy_with_speculation_is_token_identical(engine):
-    before = engine.stats()
+    before = wait_settled(engine)
     for batch_size in (1, 5):
         prompts = PROMPTS[:batch_size]
         plain = run_all(engine, [request(engine, f"p{batch_size}-{i}", p) for i, p in enumerate(prompts)])
@@ -91,6 +91,7 @@ def test_greedy_with_speculation_is_token_identical(engine):
     after = engine.stats()
     proposed, accepted = after.draft_proposed - before.draft_proposed, after.draft_accepted - before.draft_accepted
     assert 0 < accepted < proposed  # both outcomes of verification happened
+    assert after.grammar_steps == before.grammar_steps  # free-only steps never touch the channel
 
 
 def test_greedy_with_speculation_is_identical_under_a_grammar(engine):
