@@ -31,10 +31,44 @@ class GreedyResult:
     output_ids: list[list[int]]  # generated ids per row (first one from the prefill logits)
 
 
-def _ensure_pages(row: _Row, num_tokens: int, allocator: PageAllocator, page_size: int) -> None:
-    need = num_pages_for(num_tokens, page_size) - len(row.pages)
-    if need > 0:
-        row.pages += allocator.allocate(need)
+class _PagedRows:
+    """The requests, their pages and the cache: what an engine's scheduler would own."""
+
+    def __init__(self, model: nn.Module, config: ModelConfig, prompts: list[list[int]], max_len: int,
+                 page_size: int, device: torch.device | str, dtype: torch.dtype) -> None:
+        self.model, self.device, self.page_size = model, device, page_size
+        self.pages_per_row = num_pages_for(max_len, page_size)
+        self.allocator = PageAllocator(len(prompts) * self.pages_per_row + 1)
+        self.kv = KVCache(config.num_layers, self.allocator.num_pages, page_size, config.num_kv_heads,
+                          config.head_dim, dtype, device)
+        self.rows = [_Row(list(p)) for p in prompts]
+        # Padding rows carry an out-of-range id: the model must clamp it, like CUDA-graph garbage.
+        self.padding_id = config.vocab_size + 7
+
+    def forward(self, new_ids: list[list[int]], num_padding_rows: int = 0) -> torch.Tensor:
+        """Run one forward of ``new_ids`` per row (+ padding rows); logits of each non-empty row's last token."""
+        for row, ids in zip(self.rows, new_ids):
+            need = num_pages_for(row.num_cached + len(ids), self.page_size) - len(row.pages)
+            row.pages += self.allocator.allocate(max(need, 0))
+        batch = build_forward_batch(
+            new_ids + [[self.padding_id]] * num_padding_rows,
+            [r.num_cached for r in self.rows] + [0] * num_padding_rows,
+            [r.pages for r in self.rows] + [[]] * num_padding_rows,
+            max_pages_per_req=self.pages_per_row, device=self.device)
+        logits = self.model(batch, self.kv)
+        for row, ids in zip(self.rows, new_ids):
+            row.num_cached += len(ids)
+        return logits
+
+    def prefill(self, chunk: int) -> torch.Tensor:
+        """(B, vocab) logits after each prompt, prefilling ``chunk`` tokens per row per forward."""
+        last_logits: dict[int, torch.Tensor] = {}
+        while any(r.num_cached < len(r.token_ids) for r in self.rows):
+            new_ids = [r.token_ids[r.num_cached : r.num_cached + chunk] for r in self.rows]
+            active = [i for i, ids in enumerate(new_ids) if ids]  # rows done earlier return no logits
+            for row_index, logits in zip(active, self.forward(new_ids)):
+                last_logits[row_index] = logits
+        return torch.stack([last_logits[i] for i in range(len(self.rows))])
 
 
 @torch.no_grad()
@@ -46,39 +80,15 @@ def greedy_generate(model: nn.Module, config: ModelConfig, prompts: list[list[in
     ``num_padding_rows`` extra rows with zero page tables ride along in every decode step,
     as CUDA-graph padding does; they must not change any real row's logits.
     """
-    dtype = dtype or next(model.parameters()).dtype
     max_len = max(len(p) for p in prompts) + max_new_tokens
-    pages_per_row = num_pages_for(max_len, page_size)
-    allocator = PageAllocator(len(prompts) * pages_per_row + 1)
-    kv = KVCache(config.num_layers, allocator.num_pages, page_size, config.num_kv_heads, config.head_dim,
-                 dtype, device)
-    rows = [_Row(list(p)) for p in prompts]
-    chunk = prefill_chunk or max_len
-    last_logits: dict[int, torch.Tensor] = {}
-    while any(r.num_cached < len(r.token_ids) for r in rows):
-        new_ids = [r.token_ids[r.num_cached : r.num_cached + chunk] for r in rows]
-        for row, ids in zip(rows, new_ids):
-            _ensure_pages(row, row.num_cached + len(ids), allocator, page_size)
-        batch = build_forward_batch(new_ids, [r.num_cached for r in rows], [r.pages for r in rows],
-                                    max_pages_per_req=pages_per_row, device=device)
-        logits = model(batch, kv)
-        active = [i for i, ids in enumerate(new_ids) if ids]
-        for out_row, i in enumerate(active):
-            rows[i].num_cached += len(new_ids[i])
-            last_logits[i] = logits[out_row]
-    prefill_logits = torch.stack([last_logits[i] for i in range(len(rows))])
-    outputs = [[int(prefill_logits[i].argmax())] for i in range(len(rows))]
+    rows = _PagedRows(model, config, prompts, max_len, page_size, device,
+                      dtype or next(model.parameters()).dtype)
+    prefill_logits = rows.prefill(prefill_chunk or max_len)
+    outputs = [[int(logits.argmax())] for logits in prefill_logits]
     step_logits = []
     for _ in range(max_new_tokens - 1):
-        new_ids = [[out[-1]] for out in outputs] + [[0]] * num_padding_rows
-        for row, ids in zip(rows, new_ids):
-            _ensure_pages(row, row.num_cached + 1, allocator, page_size)
-        cached = [r.num_cached for r in rows] + [0] * num_padding_rows
-        tables = [r.pages for r in rows] + [[]] * num_padding_rows
-        batch = build_forward_batch(new_ids, cached, tables, max_pages_per_req=pages_per_row, device=device)
-        logits = model(batch, kv)[: len(rows)]
+        logits = rows.forward([[out[-1]] for out in outputs], num_padding_rows)[: len(prompts)]
         step_logits.append(logits)
-        for row, out, row_logits in zip(rows, outputs, logits):
-            row.num_cached += 1
+        for out, row_logits in zip(outputs, logits):
             out.append(int(row_logits.argmax()))
     return GreedyResult(prefill_logits, step_logits, outputs)
