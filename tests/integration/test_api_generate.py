@@ -84,3 +84,14 @@ def test_model_info_reports_the_configured_limits(client):
     assert info.max_grammar_bytes == 65536 and info.max_message_bytes == 262144
     assert set(info.constraint_kinds) == {"json_schema", "regex", "lark", "structural_tag",
                                           "json_object", "choice"}
+
+
+def test_speculative_settings_keep_greedy_output_and_report_drafts(client):
+    prompt = "one two three one two three one two"
+    plain = client.generate_text(prompt, max_tokens=24, ignore_eos=True)
+    drafted = client.generate_text(prompt, max_tokens=24, ignore_eos=True, num_draft_tokens=3,
+                                   proposer="ngram")
+    assert drafted.token_ids == plain.token_ids  # verification never changes greedy output
+    usage = drafted.usage
+    assert usage.draft_tokens_proposed > 0 and 0 <= usage.draft_tokens_accepted <= usage.draft_tokens_proposed
+    assert plain.usage.draft_tokens_proposed == 0
