@@ -6,7 +6,8 @@ K/V are already in the cache. Query i of the row attends to cache positions
 ``0 .. prefix_len + i`` (causal over the new tokens, full over the cached prefix).
 
 q / out are ragged and row-major: (T, Hq, D) with row b's tokens at
-``extend_start[b] .. extend_start[b] + extend_lens[b] - 1`` (exclusive cumsum).
+``extend_start[b] .. extend_start[b] + extend_lens[b] - 1`` (exclusive cumsum). Tokens
+past sum(extend_lens) (the padding tail of a captured graph's buffers) get zeros.
 
 GQA: a program owns one kv head and packs (token, group head) pairs into the M rows of
 its tile (row r -> token r // GROUP, head r % GROUP), so each K/V tile is loaded once
@@ -24,19 +25,41 @@ from .decode_attention import gather_kv
 
 
 @triton.jit
+def _zero_tail(o_ptr, extend_lens_ptr, extend_start_ptr, batch, num_tokens, kvh, m_block,
+               stride_ot, stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+               BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr):
+    """Zero this kv head's q heads for tokens past sum(extend_lens) (a graph's padding
+    tail), which no row owns; programs along grid axis 2 interleave over the tokens."""
+    total = tl.load(extend_start_ptr + batch - 1) + tl.load(extend_lens_ptr + batch - 1)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_g[:, None] < GROUP) & (offs_d[None, :] < HEAD_DIM)
+    zero = tl.zeros([BLOCK_G, BLOCK_D], tl.float32).to(o_ptr.dtype.element_ty)
+    head = kvh * GROUP + offs_g
+    for t in range(total + m_block, num_tokens, tl.num_programs(2)):
+        tl.store(o_ptr + t * stride_ot + head[:, None] * stride_oh + offs_d[None, :], zero,
+                 mask=mask)
+
+
+@triton.jit
 def _extend_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, page_table_ptr, seq_lens_ptr, extend_lens_ptr,
-    extend_start_ptr, sm_scale, window,
+    extend_start_ptr, sm_scale, window, batch, num_tokens,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kp, stride_ks, stride_kh,
     stride_vp, stride_vs, stride_vh,
     stride_ptb, max_pages,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     m_block = tl.program_id(2)
+    if b == batch:  # the extra row of programs: the padding tail
+        _zero_tail(o_ptr, extend_lens_ptr, extend_start_ptr, batch, num_tokens, kvh, m_block,
+                   stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_D, BLOCK_G)
+        return
     extend_len = tl.load(extend_lens_ptr + b)
     if m_block * BLOCK_M >= extend_len * GROUP:
         return
@@ -125,15 +148,16 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         block_m = 128 if rows >= 512 else max(16, min(64, triton.next_power_of_2(rows)))
     if num_warps is None:
         num_warps = 8 if block_m >= 128 else 4
-    grid = (batch, num_kv_heads, triton.cdiv(rows, block_m))
+    grid = (batch + 1, num_kv_heads, triton.cdiv(rows, block_m))  # + 1: padding tail
     _extend_kernel[grid](
         q, k_cache, v_cache, out, page_table, seq_lens, extend_lens, extend_start, sm_scale,
-        sliding_window or 0, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        sliding_window or 0, batch, num_tokens, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         page_table.stride(0), page_table.shape[1],
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-        PAGE_SIZE=page_size, num_warps=num_warps, num_stages=num_stages,
+        PAGE_SIZE=page_size, BLOCK_G=triton.next_power_of_2(group), num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out
 

@@ -61,3 +61,18 @@ def test_extend_matches_model_reference(make_paged, rel_err):
     out = extend_attention(q, k_cache, v_cache, page_table, seq_lens, extend_lens, 0.2,
                            block_m=32, block_n=16)
     assert rel_err(out, ref) < 1e-5
+
+
+def test_padding_tail_tokens_get_zeros(make_paged, rel_err):
+    rows = [(30, 3), (0, 0), (9, 2)]
+    k_cache, v_cache, page_table, seq_lens = make_paged([s for s, _ in rows])
+    extend_lens = torch.tensor([e for _, e in rows], dtype=torch.int32)
+    q = torch.randn(5 + 7, 8, k_cache.shape[3])  # 5 real tokens, a 7-token padding tail
+    out = torch.full_like(q, float("nan"))
+    extend_attention(q, k_cache, v_cache, page_table, seq_lens, extend_lens, 0.2,
+                     max_extend_len=4, out=out, block_n=16)
+    ref = extend_attention_torch(q[:5].double(), k_cache.double(), v_cache.double(),
+                                 page_table, seq_lens, extend_lens, 0.2,
+                                 compute_dtype=torch.float64)
+    assert rel_err(out[:5], ref) < 1e-5
+    assert torch.equal(out[5:], torch.zeros_like(out[5:]))
