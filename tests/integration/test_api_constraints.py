@@ -90,3 +90,16 @@ def test_structural_tag_output_has_the_tag_around_valid_content(client):
     completion = client.generate_text("Q:", structural_tag=tag, max_tokens=24)
     assert completion.finish_reason == "grammar_complete"
     assert re.fullmatch(r"<answer>[0-9]{2}</answer>", completion.text), completion.text
+
+
+def test_max_whitespace_caps_whitespace_runs(client):
+    schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 3}
+    completion = client.generate_text("List:", json_schema=schema, max_whitespace=1, max_tokens=48)
+    assert not re.search(r"\s{2,}", completion.text), repr(completion.text)
+    if completion.finish_reason == "grammar_complete":
+        jsonschema.validate(json.loads(completion.text), schema)
+
+
+def test_strict_accepts_a_fully_enforceable_schema(client):
+    completion = client.generate_text("Flag:", json_schema={"type": "boolean"}, strict=True, max_tokens=8)
+    assert completion.text in ("true", "false") and completion.guarantee.is_fully_enforced
