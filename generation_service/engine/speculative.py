@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 from typing import Callable
 
+import numpy as np
 import torch
 
 from generation_service.engine.request import Request
@@ -38,13 +39,16 @@ class NgramProposer(DraftProposer):
 
     def propose(self, request: Request, k: int) -> list[int]:
         tokens = request.token_ids
+        context = np.asarray(tokens, dtype=np.int64)
         for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
-            tail = tokens[-n:]
-            # Latest match first: recent text is the best predictor of what comes next.
-            last = tail[-1]
-            for start in range(len(tokens) - n - 1, -1, -1):
-                if tokens[start + n - 1] == last and tokens[start:start + n] == tail:
-                    return tokens[start + n:start + n + k]
+            tail = context[-n:]
+            # starts s of earlier occurrences: context[s:s+n] == tail with s + n < len(context)
+            starts = np.flatnonzero(context[:len(tokens) - n] == tail[0])
+            for j in range(1, n):
+                starts = starts[context[starts + j] == tail[j]]
+            if starts.size:  # latest match first: recent text predicts best
+                start = int(starts[-1]) + n
+                return tokens[start:start + k]
         return []
 
 
