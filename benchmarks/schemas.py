@@ -225,6 +225,8 @@ def auto_choice(by_backend: dict[str, dict]) -> dict:
     speed = sorted(candidates, key=lambda c: by_backend[c.backend].get("compile_ms", 1e12))
     candidates = [Candidate(c.backend, c.unenforced, c.error, speed.index(c)) for c in candidates]
     choice = rank(candidates)
+    if choice.reason.startswith("auto: no backend"):
+        return {"backend": None, "reason": choice.reason}
     chosen = by_backend[choice.backend]
     return {"backend": choice.backend, "reason": choice.reason, "compile_ms": chosen.get("compile_ms"),
             "gaps": {c.backend: num_gaps(c.unenforced) for c in candidates}}

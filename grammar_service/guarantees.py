@@ -236,7 +236,11 @@ def num_gaps(unenforced: tuple[UnenforcedKeyword, ...]) -> int:
 
 def rank(candidates: list[Candidate]) -> AutoChoice:
     """The candidate that compiles, then enforces the most, then compiles fastest."""
-    usable = [c for c in candidates if not c.error] or candidates
+    usable = [c for c in candidates if not c.error]
+    if not usable:
+        first = min(candidates, key=lambda c: c.speed_rank)
+        return AutoChoice(first.backend, first.unenforced, "auto: no backend compiles this schema" + "".join(
+            f"; {c.backend}: {c.error}" for c in candidates), ())
     ordered = sorted(usable, key=lambda c: (num_gaps(c.unenforced), c.speed_rank))
     best, rest = ordered[0], ordered[1:]
     if len(ordered) == 1:
