@@ -108,7 +108,7 @@ class GrammarLink:
         self._first_step = 1
         self._stale_names: list[str] = []
         self._prober: threading.Thread | None = None
-        self._serving_seen = threading.Event()
+        self._ready: tuple[StepChannel, int] | None = None  # opened by the prober, not yet installed
         self._is_closed = False
         self._open_step: int | None = None  # begun, outputs not yet published
         self.num_steps = 0
@@ -121,42 +121,56 @@ class GrammarLink:
 
     # ---- connection --------------------------------------------------------------------------
     def connect(self) -> bool:
-        """Create a region and open it with grammar_service; False (logged) if that fails."""
-        channel = StepChannel.create(self.geometry)
-        try:
-            self.control.open_channel(channel.name, self.geometry, max_slots=self.max_slots,
-                                      first_step=self.next_step, tokenizer_dir=self.tokenizer_dir,
-                                      tokenizer_fingerprint=self.tokenizer_fingerprint)
-        except Exception as error:  # noqa: BLE001 -- any failure means "not connected yet"
-            log.warning("grammar_service did not open step channel %s: %s", channel.name, error)
-            channel.close()
-            return False
-        self.channel, self._first_step, self._rows = channel, self.next_step, {}
-        self._close_stale()
-        log.info("step channel %s open from step %d", channel.name, self.next_step)
-        return True
+        """Create a region and open it with grammar_service (blocking); False if that fails."""
+        channel = self._open(self.next_step)
+        if channel is not None:
+            self._install(channel, self.next_step)
+        return channel is not None
 
     def maybe_reconnect(self) -> bool:
-        """Connect if the prober has seen grammar_service serving; never blocks on a dead or
-        stuck service (the engine loop calls this every step while disconnected)."""
+        """Install a channel the prober opened; never blocks on a dead or stuck service (the
+        engine loop calls this, under its lock, every step while disconnected)."""
         if self.is_connected:
             return True
-        if self._serving_seen.is_set():
-            self._serving_seen.clear()
-            if self.connect():
-                return True
+        ready, self._ready = self._ready, None
+        if ready is not None:
+            self._install(*ready)
+            return True
         if self._prober is None or not self._prober.is_alive():
             self._prober = threading.Thread(target=self._probe, name="grammar-probe", daemon=True)
             self._prober.start()
         return False
 
     def _probe(self) -> None:
-        # NOTE: is_serving() can take its whole timeout on a stuck service: off the loop thread.
+        # NOTE: every RPC of a reconnect runs here, off the loop thread: is_serving() can take
+        # its whole timeout on a stuck service, open_channel waits for the service to be ready.
+        # next_step does not move while disconnected, so the opened channel starts where the
+        # loop will continue.
         while not self._is_closed and not self.is_connected:
             if self._is_serving():
-                self._serving_seen.set()
-                return
+                first_step = self.next_step
+                channel = self._open(first_step)
+                if channel is not None:
+                    self._close_stale()
+                    self._ready = (channel, first_step)
+                    return
             time.sleep(self.reconnect_interval_s)
+
+    def _open(self, first_step: int) -> StepChannel | None:
+        channel = StepChannel.create(self.geometry)
+        try:
+            self.control.open_channel(channel.name, self.geometry, max_slots=self.max_slots,
+                                      first_step=first_step, tokenizer_dir=self.tokenizer_dir,
+                                      tokenizer_fingerprint=self.tokenizer_fingerprint)
+        except Exception as error:  # noqa: BLE001 -- any failure means "not connected yet"
+            log.warning("grammar_service did not open step channel %s: %s", channel.name, error)
+            channel.close()
+            return None
+        return channel
+
+    def _install(self, channel: StepChannel, first_step: int) -> None:
+        self.channel, self._first_step, self._rows = channel, first_step, {}
+        log.info("step channel %s open from step %d", channel.name, first_step)
 
     def disconnect(self) -> None:
         """Drop the region; its matchers are gone. grammar_service is told when it is back."""
@@ -169,6 +183,9 @@ class GrammarLink:
 
     def close(self) -> None:
         self._is_closed = True
+        ready, self._ready = self._ready, None
+        if ready is not None:  # opened by the prober, never installed
+            self.channel = ready[0]
         if self.channel is not None:
             name = self.channel.name
             self.disconnect()
