@@ -236,6 +236,69 @@ def test_cuda_graph_replay_equals_eager():
     assert torch.equal(got[2], logprobs)
 
 
+def test_cuda_graph_verify_step_replay_equals_eager():
+    """prepare -> RoPE -> K/V write -> extend attention -> add+norm, captured for a bucket
+    of 16 rows x 4 tokens, replayed with fewer real rows and fresh inputs."""
+    from generation_service.kernels.extend_attention import extend_attention
+    from generation_service.kernels.kv_write import write_kv
+    from generation_service.kernels.prepare_inputs import PreparedInputs, prepare_decode_inputs
+    from generation_service.kernels.rmsnorm import fused_add_rmsnorm
+    from generation_service.kernels.rotary import rope_qk_
+    max_rows, width, vocab = 16, 4, 32768
+    max_tokens = max_rows * width
+    lens = torch.randint(100, 2000, (max_rows,)).tolist()
+    k_cache, v_cache, table, seq_lens_full = paged(lens, 8, 128, width=200)
+    before = seq_lens_full - width
+    num_new = torch.randint(1, width + 1, (max_rows,), dtype=torch.int32, device=DEV)
+    num_rows = torch.tensor([max_rows], dtype=torch.int32, device=DEV)
+    ids = torch.randint(-5, vocab + 5, (max_tokens,), device=DEV)
+    bufs = PreparedInputs.allocate(max_rows, max_tokens, DEV)
+    q_base = torch.randn(max_tokens, 32, 128, device=DEV, dtype=torch.bfloat16)
+    k_base = torch.randn(max_tokens, 8, 128, device=DEV, dtype=torch.bfloat16)
+    v_new = torch.randn_like(k_base)
+    res_base = torch.randn(max_tokens, 4096, device=DEV, dtype=torch.bfloat16)
+    q, k_new = torch.empty_like(q_base), torch.empty_like(k_base)
+    residual = torch.empty_like(res_base)
+    attn = torch.empty_like(q_base)
+    normed = torch.empty_like(res_base)
+    weight = torch.rand(4096, device=DEV, dtype=torch.bfloat16) + 0.5
+    inv_freq = 1.0 / 500000.0 ** (torch.arange(0, 128, 2, device=DEV).float() / 128)
+
+    def step():
+        prepare_decode_inputs(ids, before, num_new, table, num_rows, bufs, PAGE, vocab, width)
+        q.copy_(q_base)
+        k_new.copy_(k_base)
+        residual.copy_(res_base)
+        rope_qk_(q, k_new, bufs.positions, inv_freq)
+        write_kv(k_new, v_new, k_cache, v_cache, bufs.slot_ids)
+        extend_attention(q, k_cache, v_cache, table, bufs.seq_lens, bufs.extend_lens,
+                         128 ** -0.5, max_extend_len=width, out=attn)
+        fused_add_rmsnorm(attn.view(max_tokens, 4096), residual, weight, 1e-5, out=normed)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    num_rows.fill_(5)
+    num_new.copy_(torch.randint(1, width + 1, (max_rows,), dtype=torch.int32, device=DEV))
+    ids.copy_(torch.randint(-5, vocab + 5, (max_tokens,), device=DEV))
+    q_base.copy_(torch.randn_like(q_base))
+    graph.replay()
+    torch.cuda.synchronize()
+    got = [t.clone() for t in (attn, normed, residual, bufs.positions, bufs.slot_ids, ids)]
+    step()
+    torch.cuda.synchronize()
+    for a, b in zip(got, (attn, normed, residual, bufs.positions, bufs.slot_ids, ids)):
+        assert torch.equal(a, b)
+    total = int(num_new[:5].sum())
+    assert torch.isfinite(attn).all() and not attn[total:].any()  # padding tail zeroed
+    assert not bufs.slot_ids[total:].any() and int(ids.max()) < vocab
+
+
 @pytest.mark.parametrize("tokens", [1, 64, 3000])
 def test_fused_add_rmsnorm_bf16(tokens):
     from generation_service.kernels.rmsnorm import (fused_add_rmsnorm,
