@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import pytest
 
 from generation_service.engine.grammar_link import GrammarLink, LinkRow
 from step_channel import (
@@ -26,10 +27,22 @@ class FakeControl:
         return self.serving
 
 
+@pytest.fixture(autouse=True)
+def _close_links():
+    """Every link a test makes is closed (its /dev/shm region unlinked), pass or fail."""
+    yield
+    while _LINKS:
+        _LINKS.pop().close()
+
+
+_LINKS: list[GrammarLink] = []
+
+
 def make_link(control, timeout_s=0.3):
     geometry = Geometry(max_batch=4, max_positions=3, vocab_size=64)
     link = GrammarLink(control, geometry, max_slots=4, tokenizer_dir="/tok", tokenizer_fingerprint="fp",
                        wait_timeout_s=timeout_s, reconnect_interval_s=0.01)
+    _LINKS.append(link)
     assert link.connect()
     return link
 
@@ -105,7 +118,6 @@ def test_watchdog_releases_a_silent_step_and_the_link_reconnects():
     assert control.opened[-1][1] == step + 1  # numbering continues: a new first_step
     assert control.opened[-1][0] != control.opened[0][0]  # in a fresh region
     assert control.closed == [control.opened[0][0]]  # the old channel is closed on the service
-    link.close()
 
 
 def test_a_step_left_open_is_published_empty():
@@ -117,4 +129,3 @@ def test_a_step_left_open_is_published_empty():
     link.abandon_open_step()
     assert entry.out_counts[0] == 0 and link.channel.load_seq("outputs_seq") == step
     assert np.all(entry.masks[0] == -1)
-    link.close()
