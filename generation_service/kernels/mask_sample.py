@@ -285,6 +285,8 @@ def mask_sample(logits: torch.Tensor, bitmask: torch.Tensor | None, temperature:
     """
     num_rows, vocab = logits.shape
     assert logits.stride(1) == 1
+    assert temperature.dtype == top_p.dtype == torch.float32 and top_k.dtype == torch.int32
+    assert seeds.dtype == steps.dtype == torch.int64
     has_mask = bitmask is not None
     if has_mask:
         assert bitmask.dtype == torch.int32 and bitmask.stride(1) == 1
