@@ -14,6 +14,7 @@ number as `first_step` once grammar_service is serving again.
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
@@ -158,6 +159,7 @@ class GrammarLink:
 
     def _open(self, first_step: int) -> StepChannel | None:
         channel = StepChannel.create(self.geometry)
+        atexit.register(_unlink_region, channel.name)  # even if the engine is never stopped
         try:
             self.control.open_channel(channel.name, self.geometry, max_slots=self.max_slots,
                                       first_step=first_step, tokenizer_dir=self.tokenizer_dir,
@@ -310,3 +312,10 @@ class GrammarLink:
         except (OSError, IndexError):
             return True
         return state not in (b"Z", b"X")
+
+
+def _unlink_region(name: str) -> None:
+    try:
+        os.unlink(os.path.join("/dev/shm", name))
+    except FileNotFoundError:
+        pass
