@@ -27,8 +27,8 @@ def test_decode_matches_reference(make_paged, rel_err, group, num_splits):
     assert torch.equal(out[SEQ_LENS.index(0)], torch.zeros_like(out[0]))
 
 
-def test_decode_single_row_many_splits(make_paged, rel_err):
-    k_cache, v_cache, page_table, seq_lens = make_paged([150])
+def test_decode_single_row_many_splits_page_size_8(make_paged, rel_err):
+    k_cache, v_cache, page_table, seq_lens = make_paged([150], page_size=8)
     q = torch.randn(1, 8, k_cache.shape[3])
     out = decode_attention(q, k_cache, v_cache, page_table, seq_lens, 0.17, num_splits=5,
                            block_n=16)
