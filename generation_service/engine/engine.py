@@ -25,7 +25,7 @@ from generation_service.engine.config import EngineConfig, EngineStats
 from generation_service.engine.errors import (
     EngineError, GrammarUnavailableError, InvalidRequestError, QueueFullError, ShuttingDownError,
 )
-from generation_service.engine.events import FinishReason, OutputEvent
+from generation_service.engine.events import FinishReason
 from generation_service.engine.grammar_link import GrammarControl, GrammarLink, StepMasks
 from generation_service.engine.kv_cache import KVCache, PageAllocator, num_pages_for
 from generation_service.engine.lifecycle import RequestTable

@@ -17,7 +17,7 @@ import torch
 
 from generation_service.engine.events import TokenLogprob
 from generation_service.engine.params import SamplingParams
-from generation_service.engine.speculative import accept_greedy, accept_rejection, sample_from
+from generation_service.engine.speculative import accept_greedy, accept_rejection
 
 _MASK64 = (1 << 64) - 1
 _BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
