@@ -154,13 +154,7 @@ def driver(service, mistral_32k_dir):
     chan.close()
 
 
-# NOTE: grammar_service/loop.py drives every slot with the service's default backend; until
-# it takes each grammar's own backend (hook requested in issue 8's report) an llguidance
-# grammar cannot be bound in a channel. strict: this fails loudly once the hook lands.
-@pytest.mark.parametrize("backend_name", [
-    b if b != "llguidance" else pytest.param(b, marks=pytest.mark.xfail(
-        strict=True, reason="StepLoop binds every grammar with the default backend"))
-    for b in available_backends()])
+@pytest.mark.parametrize("backend_name", available_backends())
 def test_channel_draft_walk_release_and_reuse(service, driver, mistral_32k, backend_name):
     def compile_id(**kw):
         return service.compile(GrammarSpec(backend=backend_name, **kw)).result(30).entry.grammar_id
