@@ -42,6 +42,38 @@ def _zero_tail(o_ptr, extend_lens_ptr, extend_start_ptr, batch, num_tokens, kvh,
 
 
 @triton.jit
+def _attend_block(q, m_i, l_i, acc, k_ptr, v_ptr, pt_row, n0, kv_end, q_pos, first_visible,
+                  kvh, sm_scale, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
+                  stride_vh, max_pages, offs_d, d_mask, MASKED: tl.constexpr,
+                  BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """One K/V block of the online softmax. MASKED=False: every key of the block is
+    visible to every row (and inside the row's length), so no mask is built."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < kv_end
+    col = tl.minimum(offs_n // PAGE_SIZE, max_pages - 1)
+    page = tl.load(pt_row + col, mask=n_mask, other=0).to(tl.int64)
+    slot = offs_n % PAGE_SIZE
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(k_ptr + page[:, None] * stride_kp + slot[:, None] * stride_ks
+                + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+    qk = tl.dot(q, tl.trans(k)) * sm_scale  # (M, N)
+    if MASKED:
+        visible = ((offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+                   & (offs_n[None, :] >= first_visible[:, None]))
+        qk = tl.where(visible, qk, float("-inf"))
+    # A row may see nothing in a masked block (window): keep exp() off -inf - -inf.
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(qk - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_ptr + page[:, None] * stride_vp + slot[:, None] * stride_vs
+                + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _extend_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, page_table_ptr, seq_lens_ptr, extend_lens_ptr,
     extend_start_ptr, sm_scale, window, batch, num_tokens,
@@ -89,29 +121,20 @@ def _extend_kernel(
     kv_start = tl.where(window > 0, tl.maximum(prefix_len + (m_block * BLOCK_M) // GROUP
                                                - window + 1, 0), 0)
     pt_row = page_table_ptr + b.to(tl.int64) * stride_ptb
-    for n0 in range(kv_start, kv_end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < kv_end
-        col = tl.minimum(offs_n // PAGE_SIZE, max_pages - 1)
-        page = tl.load(pt_row + col, mask=n_mask, other=0).to(tl.int64)
-        slot = offs_n % PAGE_SIZE
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + page[:, None] * stride_kp + slot[:, None] * stride_ks
-                    + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k)) * sm_scale  # (M, N)
-        visible = ((offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
-                   & (offs_n[None, :] >= first_visible[:, None]))
-        qk = tl.where(visible, qk, float("-inf"))
-        # A row may see nothing in this block (window): keep exp() away from -inf - -inf.
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(qk - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + page[:, None] * stride_vp + slot[:, None] * stride_vs
-                    + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    # Keys below the tile's first query position are visible to every row (no window):
+    # those whole blocks skip the mask; the rest, and every block under a window, mask.
+    first_tok = (m_block * BLOCK_M) // GROUP
+    full_end = tl.where(window > 0, kv_start, (prefix_len + first_tok + 1) // BLOCK_N * BLOCK_N)
+    for n0 in range(kv_start, full_end, BLOCK_N):
+        m_i, l_i, acc = _attend_block(
+            q, m_i, l_i, acc, k_ptr, v_ptr, pt_row, n0, kv_end, q_pos, first_visible, kvh,
+            sm_scale, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+            max_pages, offs_d, d_mask, False, BLOCK_N, PAGE_SIZE)
+    for n0 in range(full_end, kv_end, BLOCK_N):
+        m_i, l_i, acc = _attend_block(
+            q, m_i, l_i, acc, k_ptr, v_ptr, pt_row, n0, kv_end, q_pos, first_visible, kvh,
+            sm_scale, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+            max_pages, offs_d, d_mask, True, BLOCK_N, PAGE_SIZE)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh
