@@ -30,6 +30,7 @@ _ONE = ("additionalProperties", "additionalItems", "items", "not", "if", "then",
 _MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _LIST = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 
+
 def _escape(token: str) -> str:
     return token.replace("~", "~0").replace("/", "~1")
 
@@ -89,7 +90,9 @@ def _types(schema: dict) -> set[str] | None:
     if not isinstance(declared, list):
         return None
     types = set(declared)
-    return types | {"number"} if "integer" in types else types | ({"integer"} if "number" in types else set())
+    if types & {"integer", "number"}:
+        types |= {"integer", "number"}  # an integer is a number: such branches overlap
+    return types
 
 
 def _one_of(schema: dict) -> list[tuple[str, str]]:
