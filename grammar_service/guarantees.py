@@ -283,13 +283,3 @@ def choose_backend(spec, backend_for: Callable[[str], object], default: str = "x
     if not candidates:
         raise ValueError("no grammar backend is installed")
     return rank(candidates)
-
-
-def strict_refusal(unenforced: tuple[UnenforcedKeyword, ...], backend: str) -> str:
-    """INVALID_ARGUMENT message for a strict request; '' when nothing blocks it."""
-    if not unenforced:
-        return ""
-    listed = "; ".join(f"{u.keyword} at {u.pointer or '/'}" for u in unenforced[:50])
-    more = f" (and {len(unenforced) - 50} more)" if len(unenforced) > 50 else ""
-    return (f"strict: the {backend} grammar cannot enforce {len(unenforced)} schema keyword(s): "
-            f"{listed}{more}")
