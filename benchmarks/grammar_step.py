@@ -234,7 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps({
         "benchmark": "grammar_step", "machine": args.machine, "cpu_count": os.cpu_count(),
         "platform": platform.platform(), "processor": platform.processor(), "xgrammar": version("xgrammar"),
-        "fill_threads": args.fill_threads, "load_average_at_end": os.getloadavg(),
+        "fill_threads": args.fill_threads,
+        "fill_threads_effective": args.fill_threads or max(1, (os.cpu_count() or 2) // 2),
+        "load_average_at_end": os.getloadavg(),
         "load_average_at_start": load_at_start, "max_positions": MAX_POSITIONS, "wall_s": time.time() - started,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "results": results}, indent=1) + "\n")
     print(f"wrote {out}")

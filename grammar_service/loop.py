@@ -40,17 +40,24 @@ WAIT_SLEEP_S = 100e-6  # ...this (the fill overlaps the forward; wake-up latency
 T = TypeVar("T")
 
 
-def by_backend(items: Sequence[T], backend_of: Callable[[T], GrammarBackend]) -> Iterator[tuple[GrammarBackend, list[T]]]:
-    """Split `items` by backend, keeping order within each group (one group in the usual case)."""
-    first = backend_of(items[0])
-    if all(backend_of(item) is first for item in items):
-        yield first, list(items)
+def by_backend(items: Sequence[T], backend_of: Callable[[T], GrammarBackend],
+               single: GrammarBackend | None = None) -> Iterator[tuple[GrammarBackend, list[T]]]:
+    """Split `items` by backend, keeping order within each group. `single`: the caller
+    knows every item has this backend (the usual case; no per-item look)."""
+    if single is not None:
+        yield single, list(items)
         return
     groups: dict[int, tuple[GrammarBackend, list[T]]] = {}
     for item in items:
         backend = backend_of(item)
         groups.setdefault(id(backend), (backend, []))[1].append(item)
     yield from groups.values()
+
+
+def the_only_backend(backends: Iterator[GrammarBackend]) -> GrammarBackend | None:
+    """The backend if all are the same one, else None."""
+    found = {id(b): b for b in backends}
+    return next(iter(found.values())) if len(found) == 1 else None
 
 
 @dataclass(slots=True)
@@ -68,8 +75,7 @@ class StepLoop:
     """Owns a channel's slots and its loop thread; `start`, then `stop` from another thread."""
 
     def __init__(self, channel: StepChannel, max_slots: int, first_step: int,
-                 lookup_grammar: Callable[[int], tuple[GrammarBackend, Any] | None],
-                 stop_token_ids: Sequence[int]):
+                 lookup_grammar: Callable[[int], tuple[GrammarBackend, Any] | None]):
         self.channel = channel
         self.slots = SlotTable(max_slots)
         self.next_step = first_step
@@ -85,12 +91,7 @@ class StepLoop:
         self._step_ns: deque[int] = deque(maxlen=1024)
         for k in range(g.depth):  # the region starts zeroed; unconstrained rows are all ones
             channel.entry(k).masks[:] = -1
-        # After a matcher accepted its stop token only stop tokens stay allowed (the engine
-        # learns of the termination from results one step later when steps overlap).
-        self._stop_only = np.zeros(g.mask_words, np.int32)
-        for token in stop_token_ids:
-            if token < g.vocab_size:
-                self._stop_only.view(np.uint32)[token >> 5] |= np.uint32(1 << (token & 31))
+        self._stop_only_rows: dict[int, np.ndarray] = {}  # backend id -> stop-tokens-only mask row
 
     # ---- thread --------------------------------------------------------------------------
     def start(self) -> None:
@@ -174,18 +175,19 @@ class StepLoop:
                 results[r, 1] = ERR_NO_MATCHER
             elif not state.is_terminated and counts[r] > 0:
                 active.append((r, slot, state, out_tokens[r][:counts[r]]))
+        single = the_only_backend(a[2].backend for a in active)
         j = 0
         while active:  # one batched accept per token index j
             still = []
             for item, ok in self._batch_accept(active, lambda a: a[2].matcher, lambda a: a[2].backend,
-                                               lambda a: a[3][j]):
+                                               lambda a: a[3][j], single):
                 r, slot, state, tokens = item
                 if not ok:
                     log.info("slot %d: token %d (index %d) rejected by its grammar", slot, tokens[j], j)
                     results[r, 1] = ERR_TOKEN_REJECTED
                     metrics.ROWS_REJECTED.inc()
                     self.slots.release(slot)
-                elif state.matcher.is_terminated():
+                elif tokens[j] in state.backend.stop_token_ids and state.matcher.is_terminated():
                     results[r, 0] = j  # later tokens of the row are past the end: ignored
                     state.is_terminated = True
                 elif j + 1 < len(tokens):
@@ -230,15 +232,16 @@ class StepLoop:
                                        drafts[r][:num_positions - 1] if num_positions > 1 else []))
                 valid[r] = 1
             elif state.is_terminated:
-                masks[r * max_pos] = self._stop_only
+                masks[r * max_pos] = self._stop_only(state.backend)
                 filled.append(r * max_pos)
                 valid[r] = 1
             # else valid 0: no matcher; its error is in the results
+        single = the_only_backend(w.backend for w in walkers)
         level = walkers
         for p in range(max_pos):
             if not level:
                 break
-            for backend, group in by_backend(level, lambda w: w.backend):
+            for backend, group in by_backend(level, lambda w: w.backend, single):
                 indices = [w.row * max_pos + p for w in group]
                 backend.batch_fill([w.matcher for w in group], masks, indices)
                 filled.extend(indices)
@@ -247,26 +250,40 @@ class StepLoop:
                 break
             next_level = []
             for w, ok in self._batch_accept(level, lambda w: w.matcher, lambda w: w.backend,
-                                            lambda w: w.drafts[p]):
+                                            lambda w: w.drafts[p], single):
                 if not ok:
                     continue  # the mask at p excludes this draft: the verifier stops there
                 w.num_accepted += 1
-                if not w.matcher.is_terminated():  # a stop draft ends the row: nothing after it
-                    valid[w.row] = p + 2
-                    next_level.append(w)
+                if w.drafts[p] in w.backend.stop_token_ids and w.matcher.is_terminated():
+                    continue  # a stop draft ended the grammar: no position after it
+                valid[w.row] = p + 2
+                next_level.append(w)
             level = next_level
         undo = [w for w in walkers if w.num_accepted]
         if undo:
-            for backend, group in by_backend(undo, lambda w: w.backend):
+            for backend, group in by_backend(undo, lambda w: w.backend, single):
                 backend.batch_rollback([w.matcher for w in group], [w.num_accepted for w in group])
         entry.valid_positions[:len(rows)] = valid
         self._reset_stale(step, set(filled))
 
+    def _stop_only(self, backend: GrammarBackend) -> np.ndarray:
+        """The mask row of a terminated matcher: only stop tokens stay allowed (the engine
+        learns of the termination from the results one step later when steps overlap)."""
+        row = self._stop_only_rows.get(id(backend))
+        if row is None:
+            row = np.zeros(self.channel.geometry.mask_words, np.uint32)
+            for token in backend.stop_token_ids:
+                if token < self.channel.geometry.vocab_size:
+                    row[token >> 5] |= np.uint32(1 << (token & 31))
+            row = self._stop_only_rows[id(backend)] = row.view(np.int32)
+        return row
+
     @staticmethod
-    def _batch_accept(items: list[T], matcher_of, backend_of, token_of) -> list[tuple[T, bool]]:
+    def _batch_accept(items: list[T], matcher_of, backend_of, token_of,
+                      single: GrammarBackend | None) -> list[tuple[T, bool]]:
         """One batch_accept per backend; (item, accepted) pairs in backend-group order."""
         out: list[tuple[T, bool]] = []
-        for backend, group in by_backend(items, backend_of):
+        for backend, group in by_backend(items, backend_of, single):
             accepted = backend.batch_accept([matcher_of(i) for i in group], [token_of(i) for i in group])
             out.extend(zip(group, accepted))
         return out

@@ -103,7 +103,7 @@ class GrammarService:
                 channel = StepChannel.attach(name, geometry)
             except ChannelError as exc:
                 raise ServiceError("FAILED_PRECONDITION", str(exc)) from None
-            loop = StepLoop(channel, max_slots, first_step, self._lookup_grammar, tok.data.stop_token_ids)
+            loop = StepLoop(channel, max_slots, first_step, self._lookup_grammar)
             self._loops[name] = loop
             loop.start()
         log.info("channel %s open: %s, %d slots, first step %d", name, geometry, max_slots, first_step)

@@ -13,11 +13,14 @@ Invariants every backend keeps:
   the token was allowed; a matcher that refused a token is left where it was.
 - `batch_rollback` undoes the last n accepted tokens of each matcher, including the stop
   token that terminated it.
+- A matcher terminates only by accepting one of `stop_token_ids` (the loop asks
+  `is_terminated` only after those).
 - Compile errors raise `GrammarCompileError` with a message fit for the user.
 """
 from __future__ import annotations
 
 import abc
+import functools
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -85,6 +88,11 @@ class GrammarBackend(abc.ABC):
 
     @abc.abstractmethod
     def batch_rollback(self, matchers: Sequence[Matcher], num_tokens: Sequence[int]) -> None: ...
+
+    @functools.cached_property
+    def stop_token_ids(self) -> frozenset[int]:
+        """Tokens whose acceptance can terminate a matcher (read once per row and token)."""
+        return frozenset(self.tokenizer.stop_token_ids)
 
     def unenforced_keywords(self, spec: GrammarSpec) -> tuple:
         """JSON Schema keywords in `spec` this backend does not enforce (UnenforcedKeyword)."""
