@@ -13,8 +13,9 @@ Semantics (``sample_reference.mask_sample_torch`` implements the same, step by s
    k >= vocab) and then top-p on the top-k-renormalised mass (keep iff the mass strictly
    larger is < top_p; off if top_p >= 1), as in HF/vLLM.
 6. token = argmax over kept of s + g, g = -log(-log(u)), u = the Philox uniform of
-   (seed, step, t) (philox.py): Gumbel-max, an exact sample of softmax(s) restricted to the kept set, whose
-   randomness depends only on (seed, step, token id) -- never on the batch layout.
+   (seed, step, t) (philox.py): Gumbel-max, an exact sample of softmax(s) restricted to
+   the kept set, whose randomness depends only on (seed, step, token id), never on the
+   batch layout.
    For verifying deterministic drafts, sample each position with its own step and
    accept the draft iff it equals the sample: P(accept) = p(draft), and on rejection the
    sample is distributed as p without the draft, which is the speculative rule for q = 1.
