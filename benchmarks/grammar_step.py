@@ -216,8 +216,8 @@ def main(argv: list[str] | None = None) -> int:
                         choices=["replay", "replay_drafts3", "random"])
     parser.add_argument("--backends", nargs="+", default=["xgrammar", "llguidance"])
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64, 128])
-    parser.add_argument("--steps", type=int, default=1600, help="steps x batch budget per configuration")
-    parser.add_argument("--min-steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=3200, help="steps x batch budget per configuration")
+    parser.add_argument("--min-steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--fill-threads", type=int, default=0,
                         help="BatchGrammarMatcher threads; 0 = xgrammar's auto (cores / 2)")
