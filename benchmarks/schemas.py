@@ -77,7 +77,7 @@ class _Walker:
     def run(self, name: str, text: str, num_walks: int, max_tokens: int, seed: int, walk_budget_s: float) -> dict:
         from generation_service.engine.params import GrammarSpec
         from grammar_service.backends.base import GrammarCompileError
-        from structgen.schema_validation import validate_output
+        from structgen.schema_validation import unexplained_violations, validate_output
 
         spec = GrammarSpec("json_schema", text)
         unenforced = self.backend.unenforced_keywords(spec)
@@ -103,7 +103,7 @@ class _Walker:
                 output = self.tokenizer.decode(ids, skip_special_tokens=False)
                 check = validate_output(text, output)
                 walk.update(valid=check.valid, violations=[i.schema_pointer for i in check.issues][:10],
-                            unreported=_unexplained(text, output, reported) if not check.valid else [])
+                            unreported=unexplained_violations(text, output, reported) if not check.valid else [])
             walks.append(walk)
         result.update(walks=walks, fill_us=[s * 1e6 for s in fill_s], first_fill_us=[s * 1e6 for s in first_fill_s])
         return result
@@ -137,29 +137,6 @@ class _Walker:
                 return ids, True, fills, ""
             ids.append(token)
         return ids, False, fills, "max tokens"
-
-
-def _unexplained(schema_text: str, output: str, reported: set[str]) -> list[str]:
-    """Schema pointers of violations that no reported keyword explains: neither the failing
-    keyword nor any keyword in the failures beneath it (a oneOf that no branch matches
-    because of a nested propertyNames is explained by propertyNames)."""
-    import jsonschema
-
-    try:
-        document = json.loads(output)
-    except ValueError:
-        return ["(not JSON)"]
-    schema = json.loads(schema_text)
-    cls = jsonschema.validators.validator_for(schema)
-
-    def explained(error) -> bool:
-        return bool(set(map(str, error.absolute_schema_path)) & reported) or any(
-            explained(sub) for sub in error.context or ())
-    try:
-        errors = list(cls(schema, format_checker=cls.FORMAT_CHECKER).iter_errors(document))
-    except Exception:  # a pattern Python cannot compile: validate_output reported it
-        return []
-    return ["/" + "/".join(map(str, e.absolute_schema_path)) for e in errors if not explained(e)]
 
 
 def _worker(conn, backend_name: str, tokenizer_name: str, vocab_size: int) -> None:

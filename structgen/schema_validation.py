@@ -126,3 +126,26 @@ def validate_output(schema_text: str, output_text: str) -> ValidationResult:
 
 def _unusable_schema(message: str) -> ValidationResult:
     return ValidationResult(False, (ValidationIssue("", f"cannot validate with jsonschema: {message}", "schema"),), 1)
+
+
+def unexplained_violations(schema_text: str, output_text: str, unenforced_keywords: set[str]) -> list[str]:
+    """Schema pointers of violations that no keyword of the guarantee report explains.
+
+    A violation is explained when the failing keyword, or a keyword failing beneath it (a
+    `oneOf` no branch matches because of a nested `propertyNames`), is in
+    `unenforced_keywords`. Output that is not JSON is never explained. A non-empty answer
+    means the grammar was weaker than its report said: a bug to log, never expected.
+    """
+    try:
+        instance = json.loads(output_text)
+    except ValueError:
+        return ["(not JSON)"]
+
+    def explained(error) -> bool:
+        return bool(set(map(str, error.absolute_schema_path)) & unenforced_keywords) or any(
+            explained(sub) for sub in error.context or ())
+    try:
+        errors = list(_validator(schema_text).iter_errors(instance))
+    except Exception:  # noqa: BLE001 -- a schema jsonschema cannot use: validate_output says so
+        return []
+    return [_pointer(e.absolute_schema_path) for e in errors if not explained(e)]

@@ -7,7 +7,7 @@ import jsonschema
 import pytest
 
 from benchmarks.corpus import get_schema
-from structgen.schema_validation import MAX_ERRORS, validate_output, violations
+from structgen.schema_validation import MAX_ERRORS, unexplained_violations, validate_output, violations
 
 DRAFT4 = {"$schema": "http://json-schema.org/draft-04/schema#", "type": "number", "maximum": 3,
           "exclusiveMaximum": True}
@@ -71,3 +71,13 @@ def test_same_violations_as_jsonschema_on_a_real_schema():
     expected = sorted(("".join(f"/{p}" for p in e.absolute_path), e.message)
                       for e in cls(json.loads(text)).iter_errors(doc))
     assert sorted((i.path, i.message) for i in violations(text, doc)) == expected and len(expected) >= 4
+
+
+def test_unexplained_violations_look_beneath_oneof():
+    schema = json.dumps({"oneOf": [
+        {"type": "object", "propertyNames": {"maxLength": 2}},
+        {"type": "array"}]})
+    output = '{"toolong": 1}'  # no branch matches, because of propertyNames beneath oneOf
+    assert unexplained_violations(schema, output, {"propertyNames"}) == []
+    assert unexplained_violations(schema, output, {"uniqueItems"}) == ["/oneOf"]
+    assert unexplained_violations(schema, "[1, ", {"oneOf"}) == ["(not JSON)"]
