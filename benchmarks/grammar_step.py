@@ -229,7 +229,6 @@ def main(argv: list[str] | None = None) -> int:
     results = [row for name in args.vocabs for row in bench_vocab(name, args)]
     out = pathlib.Path(args.out or ROOT / "benchmarks" / "results" / f"grammar_step-{args.machine}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    import xgrammar  # noqa: F401  (version recorded below)
     from importlib.metadata import version
     out.write_text(json.dumps({
         "benchmark": "grammar_step", "machine": args.machine, "cpu_count": os.cpu_count(),

@@ -16,13 +16,14 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from generation_service.engine.events import UnenforcedKeyword
-from grammar_service import metrics
 from generation_service.engine.params import GrammarSpec
-from grammar_service.backends import DEFAULT_BACKEND, resolve_backend_name
+from grammar_service import metrics
+from grammar_service.backend_choice import compile_with
+from grammar_service.backends import resolve_backend_name
 from grammar_service.backends.base import GrammarBackend, GrammarCompileError
 from grammar_service.config import GrammarServiceConfig
 
@@ -175,49 +176,6 @@ class GrammarCompiler:
         outcome.add_done_callback(check)
         return result
 
-    def _compile_with(self, spec: GrammarSpec, requested: str) -> tuple[str, Any, tuple]:
-        """(backend name, compiled, unenforced) -- runs in the pool. `auto` ranks the backends
-        on this spec (grammar_service.guarantees) and falls back in order if a compile fails."""
-        if requested == "auto":
-            order, chosen = self._auto_order(spec)
-        else:
-            order, chosen = (requested,), {}
-        first_error: GrammarCompileError | None = None
-        for name in order:
-            try:
-                backend = self._backend_for(name)
-            except ValueError:  # a fallback that is not installed here
-                continue
-            try:
-                compiled = backend.compile(spec)
-            except GrammarCompileError as exc:
-                first_error = first_error or exc
-                continue
-            unenforced = chosen[name] if name in chosen else tuple(backend.unenforced_keywords(spec))
-            return name, compiled, tuple(unenforced)
-        raise first_error or GrammarCompileError(f"no grammar backend could compile this {spec.kind}")
-
-    def _auto_order(self, spec: GrammarSpec) -> tuple[tuple[str, ...], dict[str, tuple]]:
-        """Backends to try for `auto`, best first, and the unenforced keywords already known.
-
-        guarantees.choose_backend ranks by unenforced keywords, then compile speed. Compiles
-        are cached, mask fills run every step: along JSON documents on the 32k Mistral
-        vocabulary, xgrammar fills ~24 us/row and llguidance ~140 us/row (2-core box, see
-        docs/grammar_service.md). So the default backend keeps the
-        grammar unless another one enforces strictly more of it.
-        """
-        from grammar_service.guarantees import choose_backend, num_gaps
-
-        choice = choose_backend(spec, self._backend_for, DEFAULT_BACKEND)
-        order, chosen = [choice.backend, *choice.fallbacks], {choice.backend: choice.unenforced}
-        if order[0] != DEFAULT_BACKEND and DEFAULT_BACKEND in order:
-            default_gaps = tuple(self._backend_for(DEFAULT_BACKEND).unenforced_keywords(spec))
-            if num_gaps(default_gaps) <= num_gaps(choice.unenforced):
-                order.remove(DEFAULT_BACKEND)
-                order.insert(0, DEFAULT_BACKEND)
-                chosen[DEFAULT_BACKEND] = default_gaps
-        return tuple(order), chosen
-
     def _start(self, key: str, spec: GrammarSpec, requested: str, result: Future) -> None:
         timers: list[threading.Timer] = []
 
@@ -228,7 +186,7 @@ class GrammarCompiler:
             timers.append(timer)
             timer.start()
             started = time.perf_counter()
-            backend, compiled, unenforced = self._compile_with(spec, requested)
+            backend, compiled, unenforced = compile_with(spec, requested, self._backend_for)
             return (time.perf_counter() - started) * 1e3, backend, compiled, unenforced
 
         def finished(done: Future) -> None:

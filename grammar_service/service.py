@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from generation_service.engine.params import GrammarSpec
 from grammar_service.backends import DEFAULT_BACKEND, load_backend_class, resolve_backend_name
 from grammar_service.backends.base import GrammarBackend, TokenizerData
-from grammar_service.compiler import CompileError, GrammarCompiler
+from grammar_service.compiler import GrammarCompiler
 from grammar_service.config import GrammarServiceConfig
 from grammar_service.loop import StepLoop
 from grammar_service.tokenizer import load_tokenizer
@@ -162,5 +162,3 @@ class GrammarService:
         if self._compiler is not None:
             self._compiler.close()
 
-
-__all__ = ["GrammarService", "ServiceError", "CompileError"]

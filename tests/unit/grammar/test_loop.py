@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import pytest
 
 from channel_driver import Row, allowed_tokens, is_allowed
 from generation_service.engine.params import GrammarSpec

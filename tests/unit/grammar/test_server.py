@@ -1,7 +1,6 @@
 """The gRPC edge in-process: proto <-> GrammarSpec, CLI defaults, health port, status mapping."""
 from __future__ import annotations
 
-import dataclasses
 import socket
 
 import grpc
