@@ -2,7 +2,7 @@
 // Example client of structgen.v1.GenerationService, loading the proto at run time.
 //
 //   node client.js [--server localhost:50051] [--json-schema FILE | --regex RE | --choice A ...]
-//                  [--compact] [--max-tokens N] [--temperature T] [--seed S] PROMPT
+//                  [--compact] [--token TOKEN] [--max-tokens N] [--temperature T] [--seed S] PROMPT
 //
 // Streams the generated text to stdout; the final message (finish reason, usage, validation)
 // goes to stderr as JSON. A failed call prints "error: <STATUS>: <message>" and exits 1.
@@ -33,6 +33,7 @@ function parseArgs(argv) {
     else if (flag === '--regex') options.regex = value();
     else if (flag === '--choice') options.choices.push(value());
     else if (flag === '--compact') options.compact = true;
+    else if (flag === '--token') options.token = value();
     else if (flag === '--max-tokens') options.maxTokens = Number(value());
     else if (flag === '--temperature') options.temperature = Number(value());
     else if (flag === '--seed') options.seed = Number(value());
@@ -59,7 +60,10 @@ function main() {
   const options = parseArgs(process.argv.slice(2));
   const GenerationService = loadService();
   const client = new GenerationService(options.server, grpc.credentials.createInsecure());
-  const call = client.Generate(buildRequest(options));
+  // Servers started with --auth-token-file want "authorization: Bearer <token>".
+  const metadata = new grpc.Metadata();
+  if (options.token) metadata.add('authorization', `Bearer ${options.token}`);
+  const call = client.Generate(buildRequest(options), metadata);
   call.on('data', (response) => {
     process.stdout.write(response.text);
     if (response.finish_reason !== 'FINISH_REASON_UNSPECIFIED') {

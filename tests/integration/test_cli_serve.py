@@ -7,6 +7,7 @@ import os
 import pathlib
 import signal
 import socket
+import subprocess
 import threading
 import time
 import urllib.request
@@ -82,6 +83,15 @@ def test_metrics_port_serves_prometheus_text(own_server):
         assert reply.status == 200 and b"# TYPE" in reply.read()
 
 
+def test_node_client_sends_the_bearer_token(own_server):
+    from test_clients_node import CLIENT, _node
+    argv = [_node(), str(CLIENT), "--server", own_server.address, "--choice", "a", "--choice", "b"]
+    ok = subprocess.run(argv + ["--token", TOKEN, "Pick"], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and ok.stdout.strip() in ("a", "b"), ok.stderr
+    refused = subprocess.run(argv + ["Pick"], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr
+
+
 def _constrained_ok(client) -> bool:
     try:
         return client.generate_text("Pick:", choices=["a", "b"], max_tokens=8, timeout=20).text in ("a", "b")
@@ -104,6 +114,7 @@ def test_grammar_child_is_restarted_after_a_crash(own_server):
         assert new_child != child and _is_alive(new_child)
 
 
+# NOTE: last in this file: it stops the module's server.
 def test_sigterm_drains_open_streams_then_exits_zero(own_server):
     (child,) = _children(own_server.process.pid)
     with Client(own_server.address, timeout=120, token=TOKEN) as client:
@@ -122,3 +133,4 @@ def test_sigterm_drains_open_streams_then_exits_zero(own_server):
     while _is_alive(child) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _is_alive(child), "the grammar_service child outlived serve"
+
