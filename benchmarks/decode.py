@@ -12,6 +12,8 @@ What is measured (per model shape, per batch size):
 - nowait:      the same mask gather/apply and outputs writes without the wait: the step
                time a constrained step would have if masks were always ready; so
                wait fraction = (constrained - nowait) / constrained;
+- engine:      the whole Engine with runner "cuda_graph" (scheduler, streams, host loop),
+               free greedy decode; its ms/step against `free` is the host's share;
 - floor:       weights read per step (every parameter but an untied input embedding, of
                which only B rows are read) / device copy bandwidth measured in this run;
                also weights + KV read.
@@ -260,6 +262,47 @@ def graph_ms(fn, reps: int = 30) -> float:
 
 
 
+def engine_decode(preset: str, batches: list[int], context: int, new_tokens: int) -> list[dict]:
+    """The whole Engine (scheduler, streams, runner "cuda_graph"), free greedy decode of
+    random prompts: graph step + the host loop around it (no overlap yet, docs/gpu.md)."""
+    from generation_service.engine.engine import Engine, EngineConfig
+    from generation_service.engine.params import GenerationRequest, SamplingParams
+    max_batch = max(batches)
+    pages_per_row = -(-(context + new_tokens + 8) // PAGE_SIZE)
+    engine = Engine(EngineConfig(model=f"random:{preset}", device="cuda", dtype="bfloat16", runner="cuda_graph",
+                                 max_batch=max_batch, num_pages=1 + max_batch * pages_per_row,
+                                 page_size=PAGE_SIZE, max_prompt_tokens=context, max_new_tokens_limit=new_tokens,
+                                 prefill_chunk_tokens=max(512, context * max_batch)))
+    engine.start()
+    rows = []
+    try:
+        gen = torch.Generator().manual_seed(0)
+        for batch in batches:
+            streams = [engine.submit(GenerationRequest(
+                f"{preset}-{batch}-{i}", tuple(torch.randint(0, engine.model_config.vocab_size, (context,),
+                                                             generator=gen).tolist()),
+                SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))) for i in range(batch)]
+            pending = [[] for _ in streams]
+            for i, stream in enumerate(streams):  # until every row has its first token
+                while not pending[i]:
+                    pending[i] += stream.get(timeout=300).token_ids
+            t0, steps0, graph0 = time.perf_counter(), engine.num_steps, engine.runner.num_graph_steps
+            for stream in streams:
+                while not stream.get(timeout=300).is_final:
+                    pass
+            elapsed = time.perf_counter() - t0
+            steps = engine.num_steps - steps0
+            row = {"preset": preset, "batch": batch, "runner": "cuda_graph", "steps": steps,
+                   "graph_steps": engine.runner.num_graph_steps - graph0, "ms_per_step": elapsed / steps * 1e3,
+                   "tokens_per_s": batch * steps / elapsed, "vocab_size": engine.model_config.vocab_size}
+            rows.append(row)
+            log(f"engine {preset} b={batch:3d} {row['ms_per_step']:8.3f} ms/step {row['tokens_per_s']:9.1f} tok/s "
+                f"({row['graph_steps']}/{steps} graph steps)")
+    finally:
+        engine.stop()
+    return rows
+
+
 def start_grammar_service(chan: StepChannel, tokenizer_dir: str, max_slots: int, tmp: pathlib.Path):
     schema = tmp / "bench_schema.json"
     schema.write_text(json.dumps(SCHEMA))
@@ -279,6 +322,9 @@ def main() -> int:
     ap.add_argument("--hf-batches", nargs="+", type=int, default=[1, 32])
     ap.add_argument("--hf-new-tokens", type=int, default=24)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--engine-batches", nargs="*", type=int, default=[1, 32],
+                    help="Engine(runner='cuda_graph') end to end, free; none: skip")
+    ap.add_argument("--engine-new-tokens", type=int, default=64)
     ap.add_argument("--tokenizer-dir", default=os.environ.get(
         "STRUCTGEN_TEKKEN_DIR", str(pathlib.Path.home() / ".cache/structgen/tokenizers/tekken_131k")))
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/decode-h200.json"))
@@ -322,6 +368,15 @@ def main() -> int:
             except Exception as exc:  # the baseline must not lose the main numbers
                 log(f"HF baseline {preset} failed: {exc!r}")
                 result.setdefault("hf_errors", []).append(f"{preset}: {exc!r}")
+    if args.engine_batches:
+        result["engine"] = []
+        for preset in args.presets:
+            torch.cuda.empty_cache()
+            try:
+                result["engine"] += engine_decode(preset, args.engine_batches, args.context, args.engine_new_tokens)
+            except Exception as exc:  # noqa: BLE001 -- must not lose the main numbers
+                log(f"engine {preset} failed: {exc!r}")
+                result.setdefault("engine_errors", []).append(f"{preset}: {exc!r}")
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
     summary(result)
@@ -339,6 +394,8 @@ def summary(result: dict) -> None:
             print(f"{m['preset']:14s} {batch:5d} {f['tokens_per_s']:11.1f} {c['tokens_per_s']:12.1f} "
                   f"{c['constrained_over_free']:5.2f} {100 * c['wait_fraction']:6.1f} "
                   f"{f['ms_per_step']:8.3f} {f['over_weight_floor']:7.2f}")
+    for e in result.get("engine", []):
+        print(f"Engine {e['preset']:14s} b={e['batch']:3d} {e['ms_per_step']:8.3f} ms/step {e['tokens_per_s']:9.1f} tok/s")
     for h in result.get("hf_baseline", []):
         print(f"HF {h['preset']:14s} b={h['batch']:3d} {h['mode']:11s} {h['tokens_per_s']:8.1f} tok/s")
 

@@ -21,7 +21,7 @@ class EngineConfig:
     channel_depth: int = 4             # step-channel ring depth (>= 3)
     kv_memory_budget_bytes: int | None = None  # num_pages None: CPU default 256 MiB, CUDA 85% of free
     seed: int = 0                      # random-weight models
-    runner: str = "eager"              # forward backend (runner.RUNNERS)
+    runner: str = "auto"               # "eager" | "cuda_graph" | "auto" (cuda_graph on a CUDA device)
     mask_backend: str = "torch"        # grammar-mask application (sampler.MASK_BACKENDS)
 
     def __post_init__(self) -> None:
@@ -35,6 +35,8 @@ class EngineConfig:
             raise ValueError(f"max_draft_tokens must be >= 0, got {self.max_draft_tokens}")
         if self.grammar_wait_timeout_s <= 0:
             raise ValueError(f"grammar_wait_timeout_s must be > 0, got {self.grammar_wait_timeout_s}")
+        if self.runner not in ("auto", "eager", "cuda_graph"):
+            raise ValueError(f"runner must be auto, eager or cuda_graph, got {self.runner!r}")
         if self.channel_depth < 3:
             raise ValueError(f"channel_depth must be >= 3, got {self.channel_depth}")
 

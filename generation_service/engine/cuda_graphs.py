@@ -14,6 +14,8 @@ Variants (`GraphVariant`):
 - ``nowait``           mask gather/apply and outputs-area writes without the wait and
                        without the sequence words (benchmarks: isolates the wait's cost;
                        grammar_service sees nothing of these steps).
+Each has a ``+filters`` twin whose sampler keeps top-k/top-p (mask_sample's
+``enable_filters``); batches where no row uses them replay the plain, cheaper one.
 
 Capture: largest bucket first, all graphs into one memory pool (the big graph's blocks are
 reused by the small ones; graphs never run concurrently and their results live in the
@@ -56,14 +58,17 @@ class GraphVariant:
     uses_channel: bool      # applies the entry's masks, writes the entry's outputs
     waits: bool             # publishes inputs_seq/outputs_seq, waits for mask_seq: a channel step
     parity: int | None = None  # the step parity this copy's baked wait accepts
+    filters: bool = False   # the sampler applies top-k/top-p (else compiled out)
 
     @staticmethod
-    def for_step(constrained: bool, step: int, wait: bool = True) -> "GraphVariant":
+    def for_step(constrained: bool, step: int, wait: bool = True, filters: bool = False) -> "GraphVariant":
         if not constrained:
-            return FREE
-        if not wait:
-            return NOWAIT
-        return WAIT_ODD if step & 1 else WAIT_EVEN
+            variant = FREE
+        elif not wait:
+            variant = NOWAIT
+        else:
+            variant = WAIT_ODD if step & 1 else WAIT_EVEN
+        return with_filters(variant) if filters else variant
 
 
 FREE = GraphVariant("free", uses_channel=False, waits=False)
@@ -71,6 +76,13 @@ WAIT_EVEN = GraphVariant("wait_even", uses_channel=True, waits=True, parity=0)
 WAIT_ODD = GraphVariant("wait_odd", uses_channel=True, waits=True, parity=1)
 NOWAIT = GraphVariant("nowait", uses_channel=True, waits=False)
 SERVING_VARIANTS = (FREE, WAIT_EVEN, WAIT_ODD)
+
+
+def with_filters(variant: GraphVariant) -> GraphVariant:
+    """The twin of `variant` whose sampler applies top-k/top-p."""
+    if variant.filters:
+        return variant
+    return GraphVariant(variant.name + "+filters", variant.uses_channel, variant.waits, variant.parity, True)
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 Two versions of the same step (docs/gpu.md has their H200 timings):
 - fused (default for Llama layouts): the model's weights with q/k/v and gate/up concatenated,
-  Triton add+RMSNorm, RoPE+KV write and silu*mul (`decode_fused`), the Triton attention
+  Triton add+RMSNorm, RoPE+KV write and silu*mul (`kernels/decode_fused.py`), the Triton attention
   backend: ~10 launches per layer;
 - torch: the model's own modules around the same GEMMs and attention: ~36 launches per layer.
 Both read input ids, positions, page tables and seq_lens from `DecodeBuffers`; padding rows
@@ -84,7 +84,7 @@ class DecodeForward:
     def _fused(self, bucket: int) -> torch.Tensor:
         """~10 launches per layer: norm, qkv, rope+kv write, attention (2), o_proj,
         add+norm, gate_up, silu*mul, down. bf16 logits (mask_sample reads them as they are)."""
-        from generation_service.engine.decode_fused import add_rmsnorm, rope_write_kv, silu_mul
+        from generation_service.kernels.decode_fused import add_rmsnorm, rope_write_kv, silu_mul
         cfg, buf, m, kv = self.config, self.buffers, self.model, self.kv
         ids = buf.input_ids[:bucket].clamp(0, cfg.vocab_size - 1)
         meta = DecodeMeta(buf.page_table[:bucket], buf.seq_lens[:bucket], self._extend_lens[:bucket])

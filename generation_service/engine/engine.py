@@ -9,6 +9,10 @@ One background thread runs `step` in a loop:
     sample    -> masked sampling / draft verification
     postprocess -> stream events, finish requests, publish accepted tokens to the channel
 
+Under runner "cuda_graph" a decode-only batch replaces run/wait/sample/publish by one graph
+replay (`runner.decode`): the GPU publishes inputs/outputs on the channel itself, the link
+only wrote the descriptor and keeps the watchdog while the GPU waits for masks.
+
 Threads: `submit`, `cancel` and `stats` take `_lock` briefly; the loop holds it for its
 bookkeeping, never across the forward or the mask wait.
 """
@@ -31,7 +35,7 @@ from generation_service.engine.kv_cache import KVCache, PageAllocator, num_pages
 from generation_service.engine.lifecycle import RequestTable
 from generation_service.engine.params import GenerationRequest
 from generation_service.engine.request import Request
-from generation_service.engine.runner import make_runner
+from generation_service.engine.runner import make_runner, resolve_runner
 from generation_service.engine.sampler import SampleResult, Sampler, SampleRow
 from generation_service.engine.scheduler import ScheduledBatch, Scheduler, SlotPool
 from generation_service.engine.speculative import PROPOSERS, make_proposer
@@ -56,7 +60,8 @@ class Engine:
         self.model_name = config.model if loaded.path is None else loaded.path.rstrip("/").split("/")[-1]
         mc = loaded.config
         dtype = next(loaded.model.parameters()).dtype
-        num_pages = config.num_pages or self._num_pages_from_budget(mc, dtype)
+        self.runner_name = resolve_runner(config.runner, config.device)
+        num_pages = config.num_pages or self._num_pages_from_budget(mc, dtype, loaded.model)
         kv_cache = KVCache(mc.num_layers, num_pages, config.page_size, mc.num_kv_heads, mc.head_dim,
                            dtype, config.device)
         self.allocator = PageAllocator(num_pages)
@@ -66,7 +71,8 @@ class Engine:
             self.allocator, config.page_size, self.slots, max_batch=config.max_batch,
             max_waiting=config.max_waiting, prefill_chunk_tokens=config.prefill_chunk_tokens,
             propose_drafts=lambda r, k: self.proposers[r.spec.speculative.proposer].propose(r, k))
-        self.runner = make_runner(config.runner, loaded.model, kv_cache, mc.vocab_size)
+        self.runner = make_runner(self.runner_name, loaded.model, kv_cache, mc.vocab_size,
+                                  max_batch=config.max_batch)
         self.sampler = Sampler(config.mask_backend)
         eos = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids if self.tokenizer else ())
         self.eos_token_ids = tuple(sorted(eos))
@@ -81,12 +87,14 @@ class Engine:
         self._is_stopped = False
         self.num_steps = 0
 
-    def _num_pages_from_budget(self, mc, dtype: torch.dtype) -> int:
+    def _num_pages_from_budget(self, mc, dtype: torch.dtype, model) -> int:
         per_page = KVCache.bytes_per_page(mc.num_layers, self.config.page_size, mc.num_kv_heads,
                                           mc.head_dim, dtype)
         budget = self.config.kv_memory_budget_bytes
         if budget is None and self.config.device.startswith("cuda"):
             budget = int(torch.cuda.mem_get_info()[0] * 0.85)
+            if self.runner_name == "cuda_graph":  # its fused q/k/v and gate/up weight copies
+                budget -= sum(p.numel() * p.element_size() for p in model.model.layers.parameters())
         budget = budget or CPU_KV_BUDGET_BYTES
         # No more than every slot of the batch at its longest context can use.
         cap = self.config.max_batch * num_pages_for(
@@ -129,6 +137,9 @@ class Engine:
             self._is_stopped = True
             self._wake.set()
             self._thread.join(timeout=30)
+        close_runner = getattr(self.runner, "close", None)
+        if close_runner is not None:  # NOTE: graphs and registration go before the region
+            close_runner()
         if self.link is not None:
             self.link.close()
 
@@ -231,13 +242,17 @@ class Engine:
             rows = self.table.grammar_rows(batch, self.link)
             if batch.is_empty and not rows:
                 return False
-            step = self.link.begin(rows) if rows else None
-        logits = self.runner.run(batch) if batch.rows else None
-        masks = self.link.wait(step) if step is not None else None
-        samples = self._sample(batch, logits, masks)
+            graphed = getattr(self.runner, "can_graph", None) is not None and self.runner.can_graph(batch)
+            step = self.link.begin(rows, gpu=graphed) if rows else None
+        if graphed:  # the GPU wrote the outputs and outputs_seq of a grammar step
+            samples, masks = self.runner.decode(batch, step, self.link)
+        else:
+            logits = self.runner.run(batch) if batch.rows else None
+            masks = self.link.wait(step) if step is not None else None
+            samples = self._sample(batch, logits, masks)
         with self._lock:
             kept = self.table.postprocess(batch, samples, step, masks, self.link)
-            if step is not None:
+            if step is not None and not graphed:
                 self.link.publish(step, [kept.get(id(row.request), []) for row in rows])
             self.num_steps += 1
         return True

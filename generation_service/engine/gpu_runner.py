@@ -30,6 +30,7 @@ import torch
 
 from generation_service.engine.cuda_graphs import (
     DEFAULT_BUCKETS, FREE, SERVING_VARIANTS, DecodeBuffers, DecodeGraphs, GraphVariant, bucket_for,
+    with_filters,
 )
 from generation_service.engine.decode_forward import DecodeForward
 from generation_service.engine.kv_cache import KVCache
@@ -76,18 +77,38 @@ class GpuDecodeRunner:
         self._top_k = torch.zeros(mb, dtype=torch.int32, device=self.device)
         self._top_p = torch.ones(mb, dtype=torch.float32, device=self.device)
         self._seeds = torch.zeros(mb, dtype=torch.int64, device=self.device)
+        self._ones = torch.ones(1, self.max_batch, dtype=torch.int32, device=self.device)
         if mapped is not None:
-            g = mapped.channel.geometry
-            if g.max_batch < self.max_batch:
-                raise ValueError(f"channel max_batch {g.max_batch} < largest bucket {self.max_batch}")
-            self.depth = g.depth
-            # (D, max_batch, P, W) masks and (D, max_batch, P) tokens: row r position 0 of each entry.
-            self._masks = mapped.ring_view("masks", (g.max_batch, g.max_positions, g.mask_words))[:, :, 0, :]
-            self._out_tokens = mapped.ring_view("out_tokens", (g.max_batch, g.max_positions))[:, :, 0]
-            self._out_counts = mapped.ring_view("out_counts", (g.max_batch,))
-            self._ones = torch.ones(1, self.max_batch, dtype=torch.int32, device=self.device)
-            self.mask_vocab = min(g.vocab_size, self.config.vocab_size)
-            self.buffers.set_step(self.next_channel_step, self.depth)
+            self._map_channel(mapped)
+
+    def _map_channel(self, mapped) -> None:
+        g = mapped.channel.geometry
+        if g.max_batch < self.max_batch:
+            raise ValueError(f"channel max_batch {g.max_batch} < largest bucket {self.max_batch}")
+        self.mapped = mapped
+        self.depth = g.depth
+        # (D, max_batch, P, W) masks and (D, max_batch, P) tokens: row r position 0 of each entry.
+        self._masks = mapped.ring_view("masks", (g.max_batch, g.max_positions, g.mask_words))[:, :, 0, :]
+        self._out_tokens = mapped.ring_view("out_tokens", (g.max_batch, g.max_positions))[:, :, 0]
+        self._out_counts = mapped.ring_view("out_counts", (g.max_batch,))
+        self.mask_vocab = min(g.vocab_size, self.config.vocab_size)
+        self.buffers.set_step(self.next_channel_step, self.depth)
+
+    def attach_channel(self, mapped, variants: tuple[GraphVariant, ...], first_step: int) -> None:
+        """Serve a (new) step channel: graphs over the old region are dropped first, then the
+        graphs of `variants` are captured over this one (a reconnect; seconds, not per step).
+        `mapped=None` detaches: the caller unregisters the old region after this returns."""
+        self.close()
+        torch.cuda.synchronize(self.device)
+        self.mapped = None
+        if mapped is not None:
+            self.next_channel_step = first_step
+            self._map_channel(mapped)
+        self.variants = variants
+        # NOTE: warm-up runs the body on whatever rows are loaded; padding everywhere keeps its
+        # K/V writes in the dummy page (a finished request's pages may belong to another now).
+        self.buffers.scrub_tail(0, self.max_batch)
+        self.capture()
 
     # ---- the forward -----------------------------------------------------------------
     def decode_forward(self, bucket: int) -> torch.Tensor:
@@ -115,7 +136,8 @@ class GpuDecodeRunner:
         else:
             self.mapped.wait_value32(None, "mask_seq", 0xFFFFFFFE, WAIT_NOR)
 
-    def _sample(self, logits: torch.Tensor, masks: torch.Tensor | None, bucket: int) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, masks: torch.Tensor | None, bucket: int,
+                filters: bool = False) -> torch.Tensor:
         if self.sampler == "triton":
             from generation_service.kernels.mask_sample import mask_sample
             ids, _ = mask_sample(logits, masks, self._temperature[:bucket], self._top_k[:bucket],
@@ -123,8 +145,10 @@ class GpuDecodeRunner:
                                  # the same draw for the same (seed, position) in any batch layout
                                  self._top_p[:bucket], self._seeds[:bucket], self.buffers.positions[:bucket],
                                  mask_vocab_size=self.mask_vocab if masks is not None else None,
-                                 enable_filters=False)
+                                 enable_filters=filters)
             return ids.long()
+        if filters:
+            raise RuntimeError("the torch fallback sampler is greedy only; top-k/top-p need mask_sample")
         logits = logits.float().nan_to_num(nan=float("-inf"))
         if masks is not None:
             apply_bitmask_torch(logits, masks)
@@ -140,7 +164,7 @@ class GpuDecodeRunner:
             if variant.waits:
                 self._wait_masks(variant)
             masks = self._masks[:, :bucket].index_select(0, buf.ring_slot)[0]  # (b, W) from host memory
-        tokens = self._sample(logits, masks, bucket)  # (b,) int64
+        tokens = self._sample(logits, masks, bucket, variant.filters)  # (b,) int64
         buf.out_tokens[:bucket].copy_(tokens)
         if variant.uses_channel:
             self._out_tokens[:, :bucket].index_put_((buf.ring_slot,), tokens.int().view(1, bucket))
@@ -161,8 +185,10 @@ class GpuDecodeRunner:
         saved = [t.clone() for t in (self.buffers.input_ids, self.buffers.positions, self.buffers.seq_lens)]
         try:
             self.body(bucket, FREE)
+            if any(v.filters for v in self.variants):  # compile the filtered sampler before capture
+                self.body(bucket, with_filters(FREE))
         except Exception:  # noqa: BLE001 -- a broken sampler kernel must not stop decoding
-            if self.sampler == "torch":
+            if self.sampler == "torch" or any(v.filters for v in self.variants):
                 raise
             log.exception("triton sampler failed; falling back to the torch sampler")
             self.sampler = "torch"
@@ -170,6 +196,7 @@ class GpuDecodeRunner:
         for t, s in zip((self.buffers.input_ids, self.buffers.positions, self.buffers.seq_lens), saved):
             t.copy_(s)
 
+    @torch.no_grad()
     def capture(self) -> float:
         """Capture every bucket x variant; returns seconds spent."""
         self.graphs = DecodeGraphs(self.body, self.buckets, self.variants, self.device)
@@ -181,7 +208,7 @@ class GpuDecodeRunner:
         return self.graphs.capture_s
 
     def step(self, batch_size: int, constrained: bool = False, wait: bool = True,
-             use_graph: bool = True) -> GraphVariant:
+             use_graph: bool = True, filters: bool = False) -> GraphVariant:
         """Launch one decode step of rows [0, batch_size). Returns the variant run.
 
         A constrained step is channel step `next_channel_step`: its descriptor must be
@@ -190,7 +217,7 @@ class GpuDecodeRunner:
         bucket = bucket_for(batch_size, self.buckets)
         self.buffers.scrub_tail(batch_size, bucket)
         step = self.next_channel_step
-        variant = GraphVariant.for_step(constrained, step, wait)
+        variant = GraphVariant.for_step(constrained, step, wait, filters)
         if use_graph and self.graphs is not None:
             self.graphs.replay(bucket, variant)
         else:
@@ -203,15 +230,22 @@ class GpuDecodeRunner:
     def load_rows(self, input_ids, positions, seq_lens, page_table, start: int = 0) -> None:
         self.buffers.set_rows(start, input_ids, positions, seq_lens, page_table)
 
-    def load_sampling(self, start: int, temperature: torch.Tensor, seeds: torch.Tensor) -> None:
-        """Per-row temperature (0 = greedy) and seed for rows [start, start+n).
-
-        NOTE: top-k / top-p are compiled out of the captured sampler (enable_filters=False);
-        a filter variant of the graphs is not captured yet.
-        """
+    def load_sampling(self, start: int, temperature: torch.Tensor, seeds: torch.Tensor,
+                      top_k: torch.Tensor | None = None, top_p: torch.Tensor | None = None) -> None:
+        """Per-row temperature (0 = greedy), seed, top-k (0 = off) and top-p (1 = off) for
+        rows [start, start+n). top-k/top-p act only in the `+filters` variants
+        (`step(..., filters=True)`); the plain variants compile them out."""
         n = temperature.shape[0]
         self._temperature[start:start + n].copy_(temperature, non_blocking=True)
         self._seeds[start:start + n].copy_(seeds, non_blocking=True)
+        if top_k is None:
+            self._top_k[start:start + n].zero_()
+        else:
+            self._top_k[start:start + n].copy_(top_k, non_blocking=True)
+        if top_p is None:
+            self._top_p[start:start + n].fill_(1.0)
+        else:
+            self._top_p[start:start + n].copy_(top_p, non_blocking=True)
 
     def set_channel_step(self, step: int) -> None:
         """The next channel step (OpenChannel's first_step, or after a reconnect)."""

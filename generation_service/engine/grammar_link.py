@@ -6,6 +6,11 @@ forward, so the grammar service fills masks while the model runs; `wait` waits f
 `mask_seq >= N` under the watchdog and returns the mask rows and the results of step N-1;
 `publish` writes the accepted tokens and `outputs_seq = N`.
 
+GPU steps (runner "cuda_graph", docs/gpu.md): `begin(rows, gpu=True)` writes the descriptor
+only; the captured graph publishes `inputs_seq`, waits for `mask_seq` on the device, and
+writes the outputs and `outputs_seq`. `wait_gpu` keeps the watchdog on `mask_seq` while the
+GPU waits and returns the step's tokens from the outputs area once `outputs_seq = N`.
+
 Watchdog: while waiting, a grammar_service whose process is gone, or which is past the
 deadline with a stale heartbeat or not serving, is declared lost: the engine writes
 `mask_status = MASK_RELEASED_BY_WATCHDOG` and `mask_seq = N` itself, the link disconnects
@@ -21,7 +26,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import numpy as np
 import torch
@@ -87,7 +92,7 @@ class RowResult:
 
 @dataclass
 class StepMasks:
-    bitmask: torch.Tensor      # (sum of num_positions of sampling rows, mask_words) int32
+    bitmask: torch.Tensor | None  # (sum of num_positions of sampling rows, mask_words) int32; None: applied on the GPU
     results: list[RowResult]   # errors/termination for rows of the previous grammar step
     valid_positions: dict[int, int]  # id(request) -> leading positions with exact masks (0: none)
 
@@ -115,6 +120,8 @@ class GrammarLink:
         self.num_steps = 0
         self.wait_s_total = 0.0
         self.num_disconnects = 0
+        # Called with a region before it is unmapped (the GPU runner unregisters it first).
+        self.before_close: Callable[[StepChannel], None] | None = None
 
     @property
     def is_connected(self) -> bool:
@@ -179,6 +186,8 @@ class GrammarLink:
         if self.channel is None:
             return
         self._stale_names.append(self.channel.name)
+        if self.before_close is not None:
+            self.before_close(self.channel)
         self.channel.close()
         self.channel = None
         self.num_disconnects += 1
@@ -207,8 +216,9 @@ class GrammarLink:
         self._stale_names = []
 
     # ---- one grammar step ----------------------------------------------------------------
-    def begin(self, rows: list[LinkRow]) -> int:
-        """Write descriptor + drafts of a new step, then inputs_seq; returns its number."""
+    def begin(self, rows: list[LinkRow], gpu: bool = False) -> int:
+        """Write descriptor + drafts of a new step, then inputs_seq; returns its number.
+        gpu=True: descriptor and drafts only, the GPU step publishes inputs_seq itself."""
         step = self.next_step
         self.next_step += 1
         entry = self.channel.entry(step)
@@ -219,7 +229,8 @@ class GrammarLink:
         self._rows[step] = rows
         self._rows.pop(step - 2, None)
         # NOTE: inputs_seq = N also promises step N-1's outputs are written (publish did).
-        self.channel.publish_seq("inputs_seq", step)
+        if not gpu:
+            self.channel.publish_seq("inputs_seq", step)
         self._open_step = step
         self.num_steps += 1
         return step
@@ -244,6 +255,35 @@ class GrammarLink:
         valid = {id(row.request): int(entry.valid_positions[r])
                  for r, row in enumerate(rows) if row.request is not None}
         return StepMasks(bitmask, self._results(step, entry), valid)
+
+    def wait_gpu(self, step: int, num_rows: int, gpu_timeout_s: float = 60.0) -> tuple[StepMasks | None, list[int]]:
+        """A GPU step: (results, tokens of rows [0, num_rows)) once the GPU wrote outputs_seq = N.
+
+        The graph waits for mask_seq on the device; this thread watches the same word. A lost
+        grammar_service is released as on the host path, except that the masks of the entry
+        are first set to all ones so the free rows of the step sample unconstrained; the
+        link then disconnects (the masks' results are None) after the GPU finished.
+        """
+        start = time.monotonic()
+        released = not self._wait_masks(step, start)
+        entry = self.channel.entry(step)
+        if released:
+            log.error("grammar_service lost at step %d; releasing the GPU", step)
+            entry.masks[:] = -1
+            entry.mask_status[0] = MASK_RELEASED_BY_WATCHDOG
+            self.channel.publish_seq("mask_seq", step)
+        self.wait_s_total += time.monotonic() - start
+        if not self.channel.wait_seq("outputs_seq", step, timeout_s=gpu_timeout_s):
+            raise RuntimeError(f"the GPU did not finish grammar step {step} in {gpu_timeout_s} s")
+        tokens = entry.out_tokens[:num_rows, 0].tolist()
+        self._open_step = None
+        if released or int(entry.mask_status[0]) != MASK_OK:
+            self.disconnect()
+            return None, tokens
+        rows = self._rows[step]
+        valid = {id(row.request): int(entry.valid_positions[r])
+                 for r, row in enumerate(rows) if row.request is not None}
+        return StepMasks(None, self._results(step, entry), valid), tokens
 
     def _results(self, step: int, entry) -> list[RowResult]:
         if step == self._first_step or step - 1 not in self._rows:

@@ -1,8 +1,8 @@
 """ModelRunner: a ScheduledBatch -> ForwardBatch -> logits of the positions that sample.
 
-This is the eager path (CPU, and the GPU fallback). The CUDA-graph runner replaces
-`forward` with a replay over persistent, bucket-padded buffers (padding rows: all-zero page
-tables -> the dummy page) and keeps `prepare` and the logits contract unchanged.
+This is the eager path (CPU, prefill and other non-graph batches on the GPU). The CUDA-graph
+runner (`graph_runner.CudaGraphRunner`, runner "cuda_graph") adds `can_graph` / `decode`:
+decode-only batches replay a captured step (sampling inside), the rest come here.
 """
 from __future__ import annotations
 
@@ -62,11 +62,26 @@ class ModelRunner:
         return self.model(forward_batch, self.kv_cache)
 
 
-# Runners by name (EngineConfig.runner); the CUDA-graph runner registers here.
+# Runners by name (EngineConfig.runner). "cuda_graph" imports its module (and CUDA) lazily.
 RUNNERS: dict[str, type[ModelRunner]] = {"eager": ModelRunner}
+RUNNER_NAMES = ("auto", "eager", "cuda_graph")
 
 
-def make_runner(name: str, model: torch.nn.Module, kv_cache: KVCache, vocab_size: int) -> ModelRunner:
+def resolve_runner(name: str, device: str) -> str:
+    """"auto": cuda_graph on a CUDA device, eager otherwise."""
+    if name != "auto":
+        return name
+    return "cuda_graph" if str(device).startswith("cuda") and torch.cuda.is_available() else "eager"
+
+
+def make_runner(name: str, model: torch.nn.Module, kv_cache: KVCache, vocab_size: int,
+                **options) -> ModelRunner:
+    """`options` go to runners that take them (cuda_graph: max_batch)."""
+    if name == "cuda_graph" and name not in RUNNERS:
+        from generation_service.engine.graph_runner import CudaGraphRunner
+        RUNNERS[name] = CudaGraphRunner
     if name not in RUNNERS:
-        raise ValueError(f"unknown runner {name!r}; available: {sorted(RUNNERS)}")
-    return RUNNERS[name](model, kv_cache, vocab_size)
+        raise ValueError(f"unknown runner {name!r}; available: {sorted(set(RUNNERS) | {'cuda_graph'})}")
+    if name == "eager":
+        return RUNNERS[name](model, kv_cache, vocab_size)
+    return RUNNERS[name](model, kv_cache, vocab_size, **options)

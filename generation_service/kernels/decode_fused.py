@@ -12,7 +12,7 @@ model size. These three kernels cut a layer to ~10 launches:
 
 Rounding follows the torch reference op by op (bf16 after every torch op), so results differ
 from the unfused path only by fp32 summation order inside the norm.
-NOTE: this is kernel code; it lives here until the kernels' owner adopts it into kernels/.
+Used by `engine/decode_forward.py` (the fused decode forward).
 """
 from __future__ import annotations
 

@@ -1,0 +1,154 @@
+"""CudaGraphRunner: the engine's runner on CUDA (EngineConfig.runner "cuda_graph").
+
+Decode-only batches (every row samples one new token, no drafts, no logprobs, bucket fits)
+run as one replay of a captured decode graph (`GpuDecodeRunner`): sampling happens inside
+the graph, and for a grammar step so do the channel's inputs_seq, the wait for mask_seq,
+the mask apply and the outputs + outputs_seq. Every other batch (prefill chunks, speculative
+verify rows, logprobs) takes the eager path of `ModelRunner` with the CPU sampler and the
+host side of the step channel, so the engine mixes both step kinds on one channel.
+
+Per graph step the host: writes rows [0, B) of the persistent buffers (the scheduler's
+view is the truth; the graph's own feed-back is overwritten), replays, then learns the
+tokens without a device-wide sync: from the outputs area after outputs_seq (grammar steps)
+or from a pinned copy behind a CUDA event (free steps).
+
+Channel lifetime: the graphs hold device pointers into one registered region. A region is
+registered (and the serving variants captured over it) at its first graph step; before the
+link unmaps it (watchdog disconnect, stop) `release_channel` drops the graphs, recaptures
+the free variants and unregisters it (docs/gpu.md teardown order).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from generation_service.engine.cuda_graphs import DEFAULT_BUCKETS, FREE, SERVING_VARIANTS, with_filters
+from generation_service.engine.gpu_runner import GpuDecodeRunner
+from generation_service.engine.kv_cache import KVCache
+from generation_service.engine.runner import ModelRunner
+from generation_service.engine.sampler import SampleResult
+from generation_service.engine.scheduler import ScheduledBatch, ScheduledRow
+from step_channel.layout import seq_reached
+
+log = logging.getLogger(__name__)
+
+
+def uses_filters(row: ScheduledRow) -> bool:
+    sampling = row.request.sampling
+    return sampling.temperature > 0 and (sampling.top_k > 0 or sampling.top_p < 1.0)
+
+
+def graph_buckets(max_batch: int) -> tuple[int, ...]:
+    return tuple(b for b in DEFAULT_BUCKETS if b < max_batch) + (max_batch,)
+
+
+class CudaGraphRunner(ModelRunner):
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, vocab_size: int, *,
+                 max_batch: int, filters: bool = True) -> None:
+        super().__init__(model, kv_cache, vocab_size)
+        self.filters = filters
+        self.gpu = GpuDecodeRunner(model, kv_cache, max_batch=max_batch, buckets=graph_buckets(max_batch),
+                                   variants=self._variants((FREE,)))
+        self.gpu.capture()
+        self.channel = None     # the StepChannel the graphs are captured over
+        self._mapped = None
+        self._host_tokens = torch.zeros(self.gpu.max_batch, dtype=torch.int64, pin_memory=True)
+        self._tokens_ready = torch.cuda.Event()
+        self.num_graph_steps = 0
+        self.num_eager_steps = 0
+
+    def _variants(self, base) -> tuple:
+        return tuple(base) + (tuple(with_filters(v) for v in base) if self.filters else ())
+
+    # ---- which path ------------------------------------------------------------------------
+    def can_graph(self, batch: ScheduledBatch) -> bool:
+        """Decode-only rows that the captured step can run as they are."""
+        rows = batch.rows
+        max_pages = self.gpu.buffers.page_table.shape[1]
+        return 0 < len(rows) <= self.gpu.max_batch and all(
+            row.is_sampling and len(row.input_ids) == 1 and not row.drafts
+            and row.request.sampling.num_logprobs == 0 and len(row.request.pages) <= max_pages
+            and (self.filters or not uses_filters(row)) for row in rows)
+
+    def run(self, batch: ScheduledBatch) -> torch.Tensor:
+        self.num_eager_steps += 1
+        return super().run(batch)
+
+    # ---- one graph step ----------------------------------------------------------------------
+    @torch.no_grad()
+    def decode(self, batch: ScheduledBatch, step: int | None, link=None):
+        """Replay one decode step. `step`: the grammar step whose descriptor `link.begin(...,
+        gpu=True)` wrote, or None (free step). Returns (samples, StepMasks | None)."""
+        rows = batch.rows
+        num_rows = len(rows)
+        if step is not None:  # NOTE: before _load: a (re)capture scrubs every row of the buffers
+            self._ensure_channel(link, step)
+        self._load(rows)
+        self.gpu.step(num_rows, constrained=step is not None,
+                      filters=self.filters and any(uses_filters(row) for row in rows))
+        self.num_graph_steps += 1
+        if step is not None:
+            masks, tokens = link.wait_gpu(step, num_rows)
+        else:
+            masks = None
+            self._host_tokens[:num_rows].copy_(self.gpu.buffers.out_tokens[:num_rows], non_blocking=True)
+            self._tokens_ready.record()
+            self._tokens_ready.synchronize()  # this step's copy only, not the whole device
+            tokens = self._host_tokens[:num_rows].tolist()
+        return [SampleResult([int(t)]) for t in tokens], masks
+
+    def _load(self, rows: list[ScheduledRow]) -> None:
+        width = max(len(row.request.pages) for row in rows)
+        table = torch.zeros((len(rows), width), dtype=torch.int32)
+        for r, row in enumerate(rows):
+            table[r, :len(row.request.pages)] = torch.tensor(row.request.pages, dtype=torch.int32)
+        ids = torch.tensor([row.input_ids[0] for row in rows], dtype=torch.int64).clamp_(0, self.vocab_size - 1)
+        self.gpu.load_rows(ids, torch.tensor([row.num_cached for row in rows], dtype=torch.int64),
+                           torch.tensor([row.seq_len for row in rows], dtype=torch.int32), table)
+        params = [row.request.sampling for row in rows]
+        self.gpu.load_sampling(
+            0, torch.tensor([p.temperature for p in params], dtype=torch.float32),
+            torch.tensor([row.request.sample_seed & ((1 << 63) - 1) for row in rows], dtype=torch.int64),
+            torch.tensor([p.top_k for p in params], dtype=torch.int32),
+            torch.tensor([p.top_p for p in params], dtype=torch.float32))
+
+    # ---- the step channel ----------------------------------------------------------------------
+    def _ensure_channel(self, link, step: int) -> None:
+        channel = link.channel
+        if channel is not self.channel:
+            from step_channel.cuda import MappedChannel
+            if self.channel is not None:
+                self.release_channel(self.channel)
+            # NOTE: the graphs wait on the parity of mask_seq; a fresh region starts at 0, which
+            # has the parity of an even first step: start it at step - 1 so the wait holds.
+            if not seq_reached(channel.load_seq("mask_seq"), step - 1):
+                channel.publish_seq("mask_seq", step - 1)
+            self._mapped = MappedChannel.register(channel)
+            self.channel = channel
+            link.before_close = self.release_channel
+            self.gpu.attach_channel(self._mapped, self._variants(SERVING_VARIANTS), step)
+            log.info("decode graphs captured over step channel %s in %.2f s", channel.name,
+                     self.gpu.graphs.capture_s)
+        elif self.gpu.next_channel_step != step:  # host-side grammar steps ran in between
+            self.gpu.set_channel_step(step)
+
+    @torch.no_grad()
+    def release_channel(self, channel, recapture: bool = True) -> None:
+        """Before `channel` is unmapped: drop the graphs over it, recapture the free ones,
+        unregister it (graphs -> synchronize -> unregister -> unmap)."""
+        if channel is not self.channel:
+            return
+        if recapture:
+            self.gpu.attach_channel(None, self._variants((FREE,)), self.gpu.next_channel_step)
+        else:
+            self.gpu.close()
+            torch.cuda.synchronize(self.gpu.device)
+        self._mapped.close()
+        self._mapped, self.channel = None, None
+
+    def close(self) -> None:
+        """Engine stop, after the loop ended and before the link closes its region."""
+        if self.channel is not None:
+            self.release_channel(self.channel, recapture=False)
+        self.gpu.close()
