@@ -142,8 +142,7 @@ class CudaGraphRunner(ModelRunner):
         if recapture:
             self.gpu.attach_channel(None, self._variants((FREE,)), self.gpu.next_channel_step)
         else:
-            self.gpu.close()
-            torch.cuda.synchronize(self.gpu.device)
+            self.gpu.close()  # synchronizes before it resets the graphs
         self._mapped.close()
         self._mapped, self.channel = None, None
 
