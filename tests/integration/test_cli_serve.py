@@ -16,7 +16,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import start_serve, stop_serve
+from live_server import start_serve, stop_serve
 from structgen_client import Client, StructgenError, UnauthenticatedError, UnavailableError
 
 TOKEN = "s3cret-token"

@@ -7,7 +7,7 @@ import tempfile
 
 import pytest
 
-from conftest import ROOT, start_serve, stop_serve
+from live_server import ROOT, start_serve, stop_serve
 from structgen_client import Client
 
 

@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from otlp_receiver import OtlpReceiver
-from conftest import LIMITS, start_serve, stop_serve
+from live_server import LIMITS, start_serve, stop_serve
 from structgen.v1 import generation_pb2 as pb
 from structgen.v1 import generation_pb2_grpc as pb_grpc
 

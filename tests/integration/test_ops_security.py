@@ -14,7 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import LIMITS, start_serve, stop_serve
+from live_server import LIMITS, start_serve, stop_serve
 from pki import make_pki
 from structgen.v1 import generation_pb2 as pb
 from structgen.v1 import generation_pb2_grpc as pb_grpc
