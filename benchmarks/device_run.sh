@@ -35,16 +35,16 @@ PY
 cat "$OUT/env.txt"
 rc=0
 if [[ $what == tests || $what == all ]]; then
-  timeout ${TESTS_TIMEOUT:-220} python3 -m pytest -p no:cacheprovider -m gpu ${TESTS:-tests/gpu} -v -s --timeout=120 \
+  timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -p no:cacheprovider -m gpu ${TESTS:-tests/gpu} -v -s --timeout=120 \
     --junitxml="$OUT/junit.xml" 2>&1 | tee "$OUT/tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|round trip|graph ==|diverged|passed|failed|Error|error" | tail -40
   rc=$?
 fi
 if [[ $what == bench || $what == all ]]; then
-  timeout ${BENCH_TIMEOUT:-190} python3 benchmarks/decode.py --out "$OUT/decode-h200.json" "$@" 2>&1 | tee "$OUT/bench.log" | tail -45
+  timeout ${BENCH_TIMEOUT:-180} python3 benchmarks/decode.py --out "$OUT/decode-h200.json" "$@" 2>&1 | tee "$OUT/bench.log" | tail -45
 fi
 if [[ $what == grammar || $what == all ]]; then
   # xgrammar only: no llguidance wheel for this platform in the registry
-  timeout ${GRAMMAR_TIMEOUT:-160} python3 benchmarks/grammar_step.py --machine h200-host-16cpu --backends xgrammar \
+  timeout ${GRAMMAR_TIMEOUT:-150} python3 benchmarks/grammar_step.py --machine h200-host-16cpu --backends xgrammar \
     --out "$OUT/grammar_step-h200-host-16cpu.json" 2>&1 | tee "$OUT/grammar_step.log" | tail -30
 fi
 exit $rc

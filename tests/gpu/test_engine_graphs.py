@@ -113,7 +113,10 @@ def test_graph_engine_greedy_equals_eager_and_filters_run_in_graphs(model_spec):
         assert tie <= 0.1 * row.std().item() + 1e-3, (prompt, diverged, tie)
     print(f"graph == eager on {num_identical}/{len(prompts)} requests; graph steps {runner.num_graph_steps},"
           f" eager steps {runner.num_eager_steps}")
-    assert graph[5].token_ids == graph[0].token_ids and graph[6].token_ids == graph[2].token_ids
+    # rows 5 and 6 (temperature 1) passed the near-argmax check above only because top-k/top-p
+    # cut them to the argmax inside the graph: plain temperature-1 draws over 131k tokens
+    # would land far from it. (Not compared with rows 0/2 token by token: a bf16 tie is
+    # broken by smallest id when greedy, at random when sampled.)
 
 
 @pytest.fixture(scope="module")
