@@ -18,7 +18,7 @@ from real_tokenizers import continuation_ids
 from step_channel import ERR_NONE, FLAG_CONSTRAINED, FLAG_RELEASE, MASK_OK, Geometry, StepChannel
 from structgen.tokenizer_identity import fingerprint_tokenizer_json
 
-from conftest import EOS, VOCAB
+EOS, VOCAB = 2, 32768  # "</s>" and the size of the Mistral v3 vocabulary (conftest.py)
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string"}, "age": {"type": "integer", "minimum": 0},

@@ -16,7 +16,7 @@ from grammar_service.guarantees import (
 )
 from grammar_service.service import GrammarService
 
-from conftest import EOS, VOCAB
+EOS, VOCAB = 2, 32768  # "</s>" and the size of the Mistral v3 vocabulary (conftest.py)
 
 D7 = "http://json-schema.org/draft-07/schema#"
 OBJ_AB = {"a": {"type": "integer"}, "b": {"type": "integer"}}
