@@ -6,8 +6,7 @@ import pytest
 from grammar_service.backends import available_backends, load_backend_class
 from grammar_service.tokenizer import load_tokenizer
 
-VOCAB = 32768
-EOS = 2
+from backend_vocab import EOS, VOCAB  # noqa: F401  (re-exported for fixtures)
 
 
 @pytest.fixture(scope="session")
