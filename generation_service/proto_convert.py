@@ -14,6 +14,7 @@ from generation_service.engine.errors import InvalidRequestError, LimitExceededE
 from generation_service.engine.events import FinishReason, GuaranteeReport, OutputEvent
 from generation_service.engine.params import (GenerationRequest, GrammarSpec, SamplingParams,
                                               SpeculativeParams)
+from structgen.schema_validation import ValidationResult
 from structgen.v1 import generation_pb2 as pb
 
 _BACKENDS = {pb.GRAMMAR_BACKEND_UNSPECIFIED: "auto", pb.GRAMMAR_BACKEND_XGRAMMAR: "xgrammar",
@@ -132,18 +133,32 @@ def guarantee_to_proto(report: GuaranteeReport) -> pb.GuaranteeReport:
                     for k in report.unenforced])
 
 
-def validation_to_proto(errors: tuple[str, ...]) -> pb.ValidationResult:
-    """Engine validation errors are "<json pointer>: <message>" (or just a message)."""
-    result = pb.ValidationResult(valid=not errors)
-    for error in errors:
-        path, sep, message = error.partition(": ")
+def validation_to_proto(result: "ValidationResult | None") -> pb.ValidationResult:
+    """The final validation; `None` (not run) is never reported as valid.
+
+    Issues are structgen.schema_validation's ("<json pointer>", "<message> (schema <pointer>)");
+    an issue at schema pointer "schema" means jsonschema could not use the schema: NOT_RUN.
+    """
+    if result is None:
+        return pb.ValidationResult(valid=False, status=pb.VALIDATION_STATUS_NOT_RUN, errors=[
+            pb.ValidationError(path="", message="the output was not validated")])
+    not_run = any(issue.schema_pointer == "schema" for issue in result.issues)
+    status = (pb.VALIDATION_STATUS_NOT_RUN if not_run else
+              pb.VALIDATION_STATUS_VALID if result.valid else pb.VALIDATION_STATUS_INVALID)
+    message = pb.ValidationResult(valid=status == pb.VALIDATION_STATUS_VALID, status=status,
+                                  num_errors=result.num_errors)
+    for error in result.errors:
+        path, sep, text = error.partition(": ")
         if not sep or not (path == "" or path.startswith("/")):
-            path, message = "", error
-        result.errors.add(path=path, message=message)
-    return result
+            path, text = "", error
+        message.errors.add(path=path, message=text)
+    return message
 
 
-def event_to_proto(event: OutputEvent, request: GenerationRequest) -> pb.GenerateResponse:
+def event_to_proto(event: OutputEvent, request: GenerationRequest,
+                   validation: "ValidationResult | None" = None) -> pb.GenerateResponse:
+    """`validation`: the final output checked against the full schema (server.Generate runs
+    it on the final event of a json_schema request); None there reports NOT_RUN."""
     response = pb.GenerateResponse(request_id=request.request_id, token_ids=event.token_ids,
                                    text=event.text)
     for logprob in event.logprobs:
@@ -160,5 +175,5 @@ def event_to_proto(event: OutputEvent, request: GenerationRequest) -> pb.Generat
             draft_tokens_proposed=usage.draft_tokens_proposed,
             draft_tokens_accepted=usage.draft_tokens_accepted))
     if event.is_final and request.grammar is not None and request.grammar.kind == "json_schema":
-        response.validation.CopyFrom(validation_to_proto(event.validation_errors))
+        response.validation.CopyFrom(validation_to_proto(validation))
     return response

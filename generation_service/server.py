@@ -22,6 +22,7 @@ from generation_service.engine.events import FinishReason
 from generation_service.engine.params import GRAMMAR_KINDS
 from generation_service.interceptors import BearerTokenInterceptor, ErrorMappingInterceptor
 from structgen import telemetry
+from structgen.schema_validation import validate_output
 from structgen.v1 import generation_pb2 as pb
 from structgen.v1 import generation_pb2_grpc as pb_grpc
 
@@ -53,6 +54,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         # cancelling a finished stream is a no-op, so freeing resources never waits on us.
         if not context.add_callback(stream.cancel):
             stream.cancel()
+        schema = domain.grammar.text if domain.grammar is not None and domain.grammar.kind == "json_schema" else None
+        texts: list[str] = []
         for event in metrics.get().observe(stream, domain):
             if event.error is not None:
                 raise event.error
@@ -62,7 +65,12 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 return  # the client is gone; nobody reads a status
             if event.finish_reason is FinishReason.ERROR:
                 raise EngineError(f"request {domain.request_id} failed")
-            yield proto_convert.event_to_proto(event, domain)
+            validation = None
+            if schema is not None:
+                texts.append(event.text)
+                if event.is_final:  # the whole output against the full schema (docs/guarantees.md)
+                    validation = validate_output(schema, "".join(texts))
+            yield proto_convert.event_to_proto(event, domain, validation)
 
     def Tokenize(self, request: pb.TokenizeRequest, context: grpc.ServicerContext):
         return pb.TokenizeResponse(token_ids=proto_convert.prompt_ids(request, self._engine.tokenizer))

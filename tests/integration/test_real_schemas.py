@@ -20,11 +20,6 @@ from structgen_client.errors import StructgenError
 
 # Real schemas under the test server's 64 KiB grammar limit, with unenforced keywords.
 SCHEMAS = ["github-issue-config", "readthedocs", "taskfile", "dependabot"]
-# NOTE: strict xfails mark the hook requested in issue 8's report; they fail loudly once wired.
-NOT_WIRED = pytest.mark.xfail(strict=True, reason="the server does not call validate_output yet: "
-                              "its final message says valid=True without checking")
-XGRAMMAR = pytest.param("xgrammar", marks=NOT_WIRED)
-LLGUIDANCE = pytest.param("llguidance", marks=NOT_WIRED)
 
 
 def _expected_violations(schema: dict, text: str) -> list[tuple[str, str]]:
@@ -37,7 +32,7 @@ def _expected_violations(schema: dict, text: str) -> list[tuple[str, str]]:
                   for e in cls(schema, format_checker=cls.FORMAT_CHECKER).iter_errors(document))
 
 
-@pytest.mark.parametrize("backend", [XGRAMMAR, LLGUIDANCE])
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
 @pytest.mark.parametrize("name", SCHEMAS)
 def test_output_validates_or_final_message_reports_exactly_jsonschemas_violations(client, name, backend):
     schema = get_schema(name).schema
@@ -49,6 +44,7 @@ def test_output_validates_or_final_message_reports_exactly_jsonschemas_violation
         expected = _expected_violations(schema, text)
         assert final.validation is not None, "the final message carries the validation"
         assert final.validation.valid == (not expected), (text, final.validation)
+        assert final.validation.status == ("invalid" if expected else "valid")
         if expected == [("", "not JSON")]:  # cut by max_tokens: reported as a parse error
             assert final.validation.errors[0][0] == "" and "not valid JSON" in final.validation.errors[0][1]
         else:

@@ -18,6 +18,10 @@ _PROPOSERS = {None: pb.DRAFT_PROPOSER_UNSPECIFIED, "ngram": pb.DRAFT_PROPOSER_NG
               "grammar": pb.DRAFT_PROPOSER_GRAMMAR}
 
 
+_VALIDATION_STATUS = {pb.VALIDATION_STATUS_VALID: "valid", pb.VALIDATION_STATUS_INVALID: "invalid",
+                      pb.VALIDATION_STATUS_NOT_RUN: "not_run"}
+
+
 def _json_text(value: str | dict | None) -> str | None:
     return value if value is None or isinstance(value, str) else json.dumps(value)
 
@@ -103,7 +107,8 @@ def to_chunk(response: pb.GenerateResponse) -> Chunk:
     validation = None
     if response.HasField("validation"):
         v = response.validation
-        validation = Validation(v.valid, tuple((e.path, e.message) for e in v.errors))
+        validation = Validation(v.valid, tuple((e.path, e.message) for e in v.errors),
+                                _VALIDATION_STATUS.get(v.status, ""), v.num_errors)
     return Chunk(text=response.text, token_ids=tuple(response.token_ids),
                  logprobs=tuple(TokenLogprob(lp.token_id, lp.logprob,
                                              tuple((t.token_id, t.logprob) for t in lp.top))

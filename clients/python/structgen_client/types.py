@@ -34,9 +34,14 @@ class Usage:
 
 @dataclass(frozen=True)
 class Validation:
-    """The output checked against the full JSON Schema; errors are (json pointer, message)."""
+    """The output checked against the full JSON Schema; errors are (json pointer, message).
+
+    `status`: "valid", "invalid", "not_run" (the server could not validate; `valid` is False),
+    or "" from a server that predates the field."""
     valid: bool
     errors: tuple[tuple[str, str], ...] = ()
+    status: str = ""
+    num_errors: int = 0
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ from generation_service.engine.errors import InvalidRequestError, LimitExceededE
 from generation_service.engine.events import FinishReason, GuaranteeReport, OutputEvent, Usage
 from generation_service.interceptors import status_of
 from generation_service.proto_convert import event_to_proto, to_generation_request, validation_to_proto
+from structgen.schema_validation import validate_output
 from structgen.v1 import generation_pb2 as pb
 
 
@@ -76,16 +77,32 @@ def test_final_event_carries_finish_usage_and_schema_validation():
     first = event_to_proto(OutputEvent(guarantee=GuaranteeReport("xgrammar", compile_ms=1.5)), domain)
     assert first.guarantee.backend == "xgrammar" and not first.HasField("validation")
     final = event_to_proto(OutputEvent(token_ids=(1,), text="a", finish_reason=FinishReason.GRAMMAR_COMPLETE,
-                                       usage=Usage(1, 1), validation_errors=("/a/0: 3 is not a string",)),
-                           domain)
+                                       usage=Usage(1, 1)),
+                           domain, validate_output('{"type": "object", "properties": {"a": {"type": "array", '
+                                                   '"items": {"type": "string"}}}}', '{"a": [3]}'))
     assert final.finish_reason == pb.FINISH_REASON_GRAMMAR_COMPLETE and final.usage.completion_tokens == 1
-    assert not final.validation.valid
-    assert (final.validation.errors[0].path, final.validation.errors[0].message) == ("/a/0", "3 is not a string")
+    assert not final.validation.valid and final.validation.status == pb.VALIDATION_STATUS_INVALID
+    assert final.validation.num_errors == 1
+    assert (final.validation.errors[0].path, final.validation.errors[0].message) == \
+        ("/a/0", "3 is not of type 'string' (schema /properties/a/items/type)")
+    valid = event_to_proto(OutputEvent(finish_reason=FinishReason.GRAMMAR_COMPLETE), domain,
+                           validate_output('{"type": "object"}', "{}"))
+    assert valid.validation.valid and valid.validation.status == pb.VALIDATION_STATUS_VALID
+
+
+def test_a_final_message_never_claims_valid_when_validation_did_not_run():
+    domain = convert(pb.GenerateRequest(prompt="x", json_schema="{}"))
+    final = event_to_proto(OutputEvent(finish_reason=FinishReason.STOP_TOKEN), domain)  # nothing validated
+    assert final.validation.status == pb.VALIDATION_STATUS_NOT_RUN and not final.validation.valid
+    unusable = validation_to_proto(validate_output('{"type": 12}', '"x"'))  # jsonschema cannot use it
+    assert unusable.status == pb.VALIDATION_STATUS_NOT_RUN and not unusable.valid
+    assert "cannot validate" in unusable.errors[0].message
 
 
 def test_validation_messages_without_a_pointer_keep_their_text():
-    result = validation_to_proto(("Expecting value: line 1 column 1",))
-    assert result.errors[0].path == "" and result.errors[0].message == "Expecting value: line 1 column 1"
+    result = validation_to_proto(validate_output('{"type": "object"}', '{"a": '))
+    assert result.status == pb.VALIDATION_STATUS_INVALID
+    assert result.errors[0].path == "" and result.errors[0].message.startswith("output is not valid JSON")
 
 
 def test_status_mapping():
