@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # The one script a device call runs (issue 6): GPU tests, the decode benchmark, and the
 # grammar-step benchmark on the device host's CPUs.
-# Carry: .whl (xgrammar, grpc health/reflection, protobuf, jsonschema, opentelemetry + deps as
-# wheels) and .bench (tokenizers as tgz: tekken_131k, mistral_32k).
+# Carry (all ignored paths): structgen/v1 (generated protos: `make protos`), .whl and .bench.
+# .whl: xgrammar 0.2.9 + deps, and for grammar_service over gRPC grpcio 1.85.3,
+#   grpcio-health-checking/-reflection 1.85.1, protobuf 7.36.2, jsonschema 4.26.0 (+ -specifications,
+#   referencing, rpds-py), opentelemetry-api/-sdk 1.45.2 + semantic-conventions 0.66b2 (pip download
+#   as in /work/.library/device/README.md; the device image lacks these).
+# .bench: the real tokenizers as tgz, made here from the converted copies:
+#   tar czf .bench/<name>.tgz -C ~/.cache/structgen/tokenizers <name>   (tekken_131k, mistral_32k)
 #   run: bash benchmarks/device_run.sh [tests|bench|grammar|all] [extra decode.py args...]
 # Writes under $OUT: env.txt, tests.log, junit.xml, bench.log, decode-h200.json,
 #   grammar_step.log, grammar_step-h200-host-16cpu.json.
