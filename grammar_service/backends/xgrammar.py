@@ -81,9 +81,11 @@ class XGrammarBackend(GrammarBackend):
         if spec.kind in ("json_schema", "json_object"):
             text = spec.text if spec.kind == "json_schema" else '{"type": "object"}'
             any_ws = spec.any_whitespace and spec.max_whitespace != 0
+            # strict_mode=False: objects and arrays are as open as the schema says (xgrammar's
+            # default closes every object without additionalProperties, refusing valid output).
             return self._compiler.compile_json_schema(
                 text, any_whitespace=any_ws, separators=None if any_ws else (",", ":"),
-                max_whitespace_cnt=spec.max_whitespace if any_ws else None)
+                max_whitespace_cnt=spec.max_whitespace if any_ws else None, strict_mode=False)
         if spec.kind == "regex":
             return self._compiler.compile_regex(spec.text)
         if spec.kind == "lark":

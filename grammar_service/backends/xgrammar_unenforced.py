@@ -6,8 +6,12 @@ tests/unit/grammar/test_unenforced.py, which keeps this list honest). Keywords t
 converter does enforce and that were checked the same way: type, enum, const, properties,
 required, additionalProperties, unevaluatedProperties/Items, patternProperties,
 propertyNames, min/maxProperties, items, prefixItems, min/maxItems, minimum, maximum,
-exclusive bounds, multipleOf on integers, minLength/maxLength alone, pattern, the formats
-in ENFORCED_FORMATS, anyOf, $ref, and oneOf whose branches have distinct types.
+exclusive bounds, multipleOf on integers, pattern without look-ahead, the formats in
+ENFORCED_FORMATS, anyOf, $ref, and oneOf whose branches have distinct types, each alone.
+Measured weakenings that are not a keyword being ignored outright: every assertion beside
+`$ref`, and beside `anyOf`/`oneOf`/`allOf` (but `enum`/`const`, and a parent `type` that
+every branch repeats), is dropped; look-ahead in `pattern` is dropped (look-behind does not
+compile); strings with minLength/maxLength admit raw control characters.
 """
 from __future__ import annotations
 
@@ -33,6 +37,18 @@ IGNORED = {
     "contentMediaType": "encoded string content is not checked",
     "contentSchema": "encoded string content is not checked",
 }
+# Keywords that constrain an instance (everything else is an annotation, a definition or an
+# unknown keyword, which no validator checks either).
+ASSERTIONS = (
+    "type", "enum", "const", "properties", "required", "additionalProperties", "patternProperties",
+    "propertyNames", "minProperties", "maxProperties", "items", "prefixItems", "additionalItems",
+    "minItems", "maxItems", "uniqueItems", "contains", "minContains", "maxContains", "minimum",
+    "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "minLength", "maxLength",
+    "pattern", "format", "allOf", "anyOf", "oneOf", "not", "if", "then", "else", "dependentRequired",
+    "dependentSchemas", "dependencies", "unevaluatedProperties", "unevaluatedItems",
+)
+_COMBINATORS = ("anyOf", "oneOf", "allOf")
+_LOOKAHEAD = ("(?=", "(?!")
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
 _SUBSCHEMA_ONE = ("additionalProperties", "unevaluatedProperties", "unevaluatedItems",
@@ -49,8 +65,44 @@ def _is_number_schema(schema: dict) -> bool:
     return "number" in types or not types
 
 
+def _type_set(schema: Any) -> set[str] | None:
+    types = schema.get("type") if isinstance(schema, dict) else None
+    if isinstance(types, str):
+        types = [types]
+    if not isinstance(types, list) or not types:
+        return None
+    return {"number" if t == "integer" else t for t in types} | ({"integer"} if "integer" in types else set())
+
+
+def _beside_combinator(schema: dict, pointer: str) -> Iterator[UnenforcedKeyword]:
+    """Measured: beside anyOf/oneOf/allOf xgrammar compiles only the branches; the parent's
+    other assertions (type, properties, required, minimum, maxLength, ...) are dropped.
+    `enum`/`const` stay enforced. The parent's `type` is kept in effect when every branch
+    names a type within it."""
+    combinators = [k for k in _COMBINATORS if isinstance(schema.get(k), list) and schema[k]]
+    if not combinators:
+        return
+    branches = [b for k in combinators for b in schema[k]]
+    parent_types = _type_set(schema)
+    for keyword in ASSERTIONS:
+        if keyword not in schema or keyword in _COMBINATORS or keyword in ("enum", "const") or keyword in IGNORED:
+            continue
+        if keyword == "type" and parent_types is not None and all(
+                (_type_set(b) or {"?"}) <= parent_types for b in branches):
+            continue
+        yield UnenforcedKeyword(keyword, pointer, f"ignored beside {combinators[0]}: xgrammar compiles "
+                                "only the branches")
+
+
 def _local(schema: dict, pointer: str) -> Iterator[UnenforcedKeyword]:
     """Unenforced keywords of this schema object alone (not its subschemas)."""
+    if "$ref" in schema:  # measured: xgrammar compiles the reference and drops every sibling
+        for keyword in ASSERTIONS:
+            if keyword in schema:
+                yield UnenforcedKeyword(keyword, pointer, "ignored beside $ref: xgrammar compiles "
+                                        "only the referenced schema")
+        return
+    yield from _beside_combinator(schema, pointer)
     for keyword, reason in IGNORED.items():
         if keyword in schema:
             yield UnenforcedKeyword(keyword, pointer, reason)
@@ -59,11 +111,18 @@ def _local(schema: dict, pointer: str) -> Iterator[UnenforcedKeyword]:
     fmt = schema.get("format")
     if isinstance(fmt, str) and fmt not in ENFORCED_FORMATS:
         yield UnenforcedKeyword("format", pointer, f"format {fmt!r} is not enforced")
-    if "pattern" in schema or "format" in schema:
-        for keyword in ("minLength", "maxLength"):
-            if keyword in schema:
-                yield UnenforcedKeyword(keyword, pointer, f"{keyword} is ignored when combined "
-                                        "with pattern or format")
+    pattern = schema.get("pattern")
+    if isinstance(pattern, str) and any(look in pattern for look in _LOOKAHEAD):
+        yield UnenforcedKeyword("pattern", pointer, "look-ahead assertions in the pattern are ignored")
+    for keyword in ("minLength", "maxLength"):
+        if keyword not in schema:
+            continue
+        if "pattern" in schema or "format" in schema:
+            yield UnenforcedKeyword(keyword, pointer, f"{keyword} is ignored when combined "
+                                    "with pattern or format")
+        else:
+            yield UnenforcedKeyword(keyword, pointer, "strings limited by length may contain raw "
+                                    "control characters (the output is then not JSON)")
     if len(schema.get("allOf") or ()) > 1:
         yield UnenforcedKeyword("allOf", pointer, "allOf with several subschemas is only "
                                 "partly enforced")
@@ -78,6 +137,11 @@ def _local(schema: dict, pointer: str) -> Iterator[UnenforcedKeyword]:
 
 
 def _children(schema: dict, pointer: str) -> Iterator[tuple[Any, str]]:
+    if "$ref" in schema:  # the siblings are not compiled (reported whole); definitions are
+        for key in ("$defs", "definitions"):
+            for name, sub in (schema.get(key) or {}).items():
+                yield sub, f"{pointer}/{key}/{_escape(name)}"
+        return
     for key in _SUBSCHEMA_MAPS:
         for name, sub in (schema.get(key) or {}).items():
             yield sub, f"{pointer}/{key}/{_escape(name)}"

@@ -34,26 +34,54 @@ UNENFORCED = [
                          {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}]}, {"a": 1}),
     ("oneOf", {"oneOf": [{"type": "integer"}, {"type": "number"}]}, 3),
     ("contentEncoding", {"type": "string", "contentEncoding": "base64"}, "!!!"),
+    # keywords beside $ref are dropped (the reference alone is compiled)
+    ("maxLength", {"$ref": "#/$defs/s", "maxLength": 2}, "abc"),
+    ("minimum", {"$ref": "#/$defs/i", "minimum": 5}, 1),
+    ("required", {"$ref": "#/$defs/o", "required": ["a"]}, {}),
+    # look-ahead in pattern is ignored
+    ("pattern", {"type": "string", "pattern": "^(?!abc)[a-z]+$"}, "abcd"),
+    # beside anyOf/oneOf/allOf only the branches are compiled: the parent's type and other
+    # assertions are dropped
+    ("type", {"type": "object", "anyOf": [{"required": ["a"]}, {"required": ["b"]}]}, 5),
+    ("type", {"type": "object", "oneOf": [{"required": ["a"]}, {"required": ["b"]}]}, 5),
+    ("type", {"type": "string", "anyOf": [{"type": "string", "maxLength": 3}, {"enum": [1, 2]}]}, 1),
+    ("properties", {"type": "object", "properties": {"a": {"type": "integer"}},
+                    "anyOf": [{"type": "object", "required": ["a"]}, {"type": "object", "required": ["b"]}]}, {"a": "x"}),
+    ("required", {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+                  "anyOf": [{"type": "object", "required": ["b"]}, {"type": "object", "required": ["c"]}]}, {"b": 1}),
+    ("minimum", {"type": "integer", "minimum": 5,
+                 "anyOf": [{"type": "integer", "maximum": 100}, {"type": "integer", "multipleOf": 2}]}, 1),
+    ("maxLength", {"type": "string", "maxLength": 2, "allOf": [{"type": "string"}]}, "abcd"),
 ]
+DEFS = {"s": {"type": "string"}, "i": {"type": "integer"}, "o": {"type": "object"}}
+# (keyword, schema at /properties/v, raw JSON of v that is not JSON): length-limited strings
+CONTROL_CHARACTERS = [("maxLength", {"type": "string", "maxLength": 5}, '"a\x01b"'),
+                      ("minLength", {"type": "string", "minLength": 1}, '"a\tb"')]
 # Keywords that look hard but xgrammar does enforce: never reported, violating instance refused.
 ENFORCED = [
     ({"type": "object", "patternProperties": {"^x.*$": {"type": "integer"}}}, {"xa": "s"}),
-    ({"type": "object", "propertyNames": {"maxLength": 2}}, {"bbbb": 1}),
+    # (propertyNames' maxLength is enforced too, but names under it admit raw control characters)
+    ({"type": "object", "propertyNames": {"pattern": "^[a-z]{1,2}$"}}, {"bbbb": 1}),
     ({"type": "integer", "multipleOf": 3}, 4),
     ({"type": "string", "format": "date"}, "2024-13-45x"),
-    ({"type": "string", "minLength": 5}, "ab"),
     ({"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 2}, {"a": 1}),
     ({"oneOf": [{"type": "integer"}, {"type": "string"}]}, True),
+    # enum beside anyOf, and a parent type every branch repeats, stay enforced
+    ({"enum": ["a", "b"], "anyOf": [{"type": "string"}, {"type": "integer"}]}, "zzz"),
+    ({"type": "object", "anyOf": [{"type": "object", "required": ["a"]}, {"type": "object", "required": ["b"]}]}, 5),
+    # strings without length limits never admit raw control characters (checked below)
+    ({"type": "string", "pattern": "^[a-z]+$"}, "abc1"),
 ]
 
 
 def _wrap(schema: dict) -> dict:
-    return {"type": "object", "properties": {"v": schema}, "required": ["v"]}
+    return {"type": "object", "properties": {"v": schema}, "required": ["v"], "$defs": DEFS}
 
 
-def _grammar_accepts(entry, instance) -> bool:
+def _grammar_accepts(entry, instance, raw: str | None = None) -> bool:
     matcher = xgr.GrammarMatcher(entry.compiled)
-    return matcher.accept_string(json.dumps({"v": instance}, separators=(",", ":"))) and matcher.is_completed()
+    text = '{"v":' + raw + "}" if raw is not None else json.dumps({"v": instance}, separators=(",", ":"))
+    return matcher.accept_string(text) and matcher.is_completed()
 
 
 @pytest.mark.parametrize("keyword, schema, violating", UNENFORCED, ids=[f"{k}-{i}" for i, (k, _, _) in enumerate(UNENFORCED)])
@@ -84,3 +112,31 @@ def test_pointers_are_rfc6901_and_nested(service):
     assert set(entry.unenforced) == {
         UnenforcedKeyword("not", "/properties/a~1b~0c/items", "the grammar cannot exclude what a subschema matches"),
         UnenforcedKeyword("uniqueItems", "/$defs/t", "the grammar cannot compare array items with each other")}
+
+
+@pytest.mark.parametrize("keyword, schema, raw", CONTROL_CHARACTERS)
+def test_length_limited_strings_admit_raw_control_characters_and_say_so(service, keyword, schema, raw):
+    raw = raw.encode().decode("unicode_escape")  # a real control character inside the string
+    entry = service.compile(GrammarSpec("json_schema", json.dumps(_wrap(schema)), backend="xgrammar")).result(30).entry
+    assert any(u.keyword == keyword and u.pointer == "/properties/v" and "control" in u.reason
+               for u in entry.unenforced), entry.unenforced
+    assert _grammar_accepts(entry, None, raw), "xgrammar now refuses raw control characters: drop the rule"
+    plain = service.compile(GrammarSpec("json_schema", json.dumps(_wrap({"type": "string"})),
+                                        backend="xgrammar")).result(30).entry
+    assert not _grammar_accepts(plain, None, raw)
+
+
+def test_objects_are_as_open_as_the_schema_says(service):
+    """strict_mode=False: no additionalProperties means open (xgrammar's default closed them)."""
+    schema = _wrap({"type": "object", "properties": {"a": {"type": "integer"}}})
+    entry = service.compile(GrammarSpec("json_schema", json.dumps(schema), backend="xgrammar")).result(30).entry
+    assert _grammar_accepts(entry, {"a": 1, "b": [2]}) and not _grammar_accepts(entry, {"a": "x"})
+    closed = _wrap({"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": False})
+    entry = service.compile(GrammarSpec("json_schema", json.dumps(closed), backend="xgrammar")).result(30).entry
+    assert not _grammar_accepts(entry, {"a": 1, "b": [2]})
+
+
+def test_keywords_beside_ref_are_reported_but_the_definitions_are_walked(service):
+    schema = {"$ref": "#/$defs/t", "maxLength": 2, "$defs": {"t": {"type": "array", "uniqueItems": True}}}
+    entry = service.compile(GrammarSpec("json_schema", json.dumps(schema), backend="xgrammar")).result(30).entry
+    assert {(u.keyword, u.pointer) for u in entry.unenforced} == {("maxLength", ""), ("uniqueItems", "/$defs/t")}

@@ -81,3 +81,12 @@ def test_unexplained_violations_look_beneath_oneof():
     assert unexplained_violations(schema, output, {"propertyNames"}) == []
     assert unexplained_violations(schema, output, {"uniqueItems"}) == ["/oneOf"]
     assert unexplained_violations(schema, "[1, ", {"oneOf"}) == ["(not JSON)"]
+
+
+def test_raw_control_characters_are_explained_only_by_a_reported_length_limit():
+    schema = json.dumps({"type": "object", "properties": {"a": {"type": "string", "maxLength": 5}}})
+    output = '{"a": "x\x01y"}'  # not JSON: a raw control character inside a string
+    assert not validate_output(schema, output).valid
+    assert unexplained_violations(schema, output, set()) == ["(not JSON)"]
+    assert unexplained_violations(schema, output, {"maxLength"}) == []
+    assert unexplained_violations(schema, '{"a": ', {"maxLength"}) == ["(not JSON)"]
