@@ -36,20 +36,11 @@ def compile_with(spec: GrammarSpec, requested: str, backend_for: BackendFor) -> 
 def auto_order(spec: GrammarSpec, backend_for: BackendFor) -> tuple[tuple[str, ...], dict[str, tuple]]:
     """Backends to try for `auto`, best first, and the unenforced keywords already known.
 
-    guarantees.choose_backend ranks by unenforced keywords, then compile speed. But compiles
-    are cached while mask fills run every step: along JSON documents on the 32k Mistral
-    vocabulary xgrammar fills ~24 us/row and llguidance ~140 us/row (2-core box, see
-    docs/grammar_service.md). So the default backend keeps the grammar unless another one
-    enforces strictly more of it.
+    The order is grammar_service.guarantees.choose_backend's, unchanged (issue 8's rule: the
+    backend that enforces more of the schema, then the one that compiles faster); the
+    trade-off against mask-fill speed is in docs/guarantees.md.
     """
-    from grammar_service.guarantees import choose_backend, num_gaps
+    from grammar_service.guarantees import choose_backend
 
     choice = choose_backend(spec, backend_for, DEFAULT_BACKEND)
-    order, known = [choice.backend, *choice.fallbacks], {choice.backend: choice.unenforced}
-    if order[0] != DEFAULT_BACKEND and DEFAULT_BACKEND in order:
-        default_gaps = tuple(backend_for(DEFAULT_BACKEND).unenforced_keywords(spec))
-        if num_gaps(default_gaps) <= num_gaps(choice.unenforced):
-            order.remove(DEFAULT_BACKEND)
-            order.insert(0, DEFAULT_BACKEND)
-            known[DEFAULT_BACKEND] = default_gaps
-    return tuple(order), known
+    return (choice.backend, *choice.fallbacks), {choice.backend: choice.unenforced}

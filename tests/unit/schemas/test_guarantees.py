@@ -144,3 +144,14 @@ def test_if_then_else_counts_as_one_gap():
 def test_auto_picks_per_schema_and_says_why(service, name, expected):
     choice = choose_backend(GrammarSpec("json_schema", get_schema(name).text), service._backend)
     assert choice.backend == expected and choice.reason.startswith(f"auto chose {expected}")
+
+
+@pytest.mark.parametrize("name", ["cloudbuild", "drone-ci", "circle-ci", "taskfile"])
+def test_the_compiler_applies_choose_backends_order_unchanged(service, name):
+    """One function decides `auto`: the compile pool tries exactly choose_backend's order."""
+    from grammar_service.backend_choice import auto_order
+
+    spec = GrammarSpec("json_schema", get_schema(name).text)
+    choice = choose_backend(spec, service._backend)
+    order, known = auto_order(spec, service._backend)
+    assert order == (choice.backend, *choice.fallbacks) and known == {choice.backend: choice.unenforced}
