@@ -4,13 +4,12 @@ in its own process, and the watchdog releasing a graph that waits for a dead ser
 from __future__ import annotations
 
 import json
-import pathlib
 import shutil
 
 import pytest
 import torch
 
-from conftest import TOKENIZER_DIR, VOCAB
+from gpu_helpers import TOKENIZER_DIR, VOCAB
 from generation_service.engine.events import FinishReason
 from generation_service.engine.params import GenerationRequest, GrammarSpec, SamplingParams
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import PAGE_SIZE, TOKENIZER_DIR, VOCAB, load_rows, make_kv
+from gpu_helpers import TOKENIZER_DIR, VOCAB, load_rows, make_kv
 from generation_service.engine.gpu_runner import GpuDecodeRunner
 from step_channel import FLAG_CONSTRAINED, FLAG_FRESH, Geometry, StepChannel
 
