@@ -11,7 +11,9 @@ ENFORCED_FORMATS, anyOf, $ref, and oneOf whose branches have distinct types, eac
 Measured weakenings that are not a keyword being ignored outright: every assertion beside
 `$ref`, and beside `anyOf`/`oneOf`/`allOf` (but `enum`/`const`, and a parent `type` that
 every branch repeats), is dropped; look-ahead in `pattern` is dropped (look-behind does not
-compile); strings with minLength/maxLength admit raw control characters.
+compile); `pattern` beside an enforced `format` is dropped; `patternProperties` beside
+`properties` lets matching keys take additionalProperties' values (unless that is false);
+strings with minLength/maxLength admit raw control characters.
 """
 from __future__ import annotations
 
@@ -112,8 +114,13 @@ def _local(schema: dict, pointer: str) -> Iterator[UnenforcedKeyword]:
     if isinstance(fmt, str) and fmt not in ENFORCED_FORMATS:
         yield UnenforcedKeyword("format", pointer, f"format {fmt!r} is not enforced")
     pattern = schema.get("pattern")
-    if isinstance(pattern, str) and any(look in pattern for look in _LOOKAHEAD):
+    if isinstance(pattern, str) and isinstance(fmt, str) and fmt in ENFORCED_FORMATS:
+        yield UnenforcedKeyword("pattern", pointer, f"pattern is ignored beside format {fmt!r}")
+    elif isinstance(pattern, str) and any(look in pattern for look in _LOOKAHEAD):
         yield UnenforcedKeyword("pattern", pointer, "look-ahead assertions in the pattern are ignored")
+    if schema.get("patternProperties") and schema.get("properties") and schema.get("additionalProperties") is not False:
+        yield UnenforcedKeyword("patternProperties", pointer, "beside properties, keys matching a "
+                                "pattern may take any value allowed to additional properties")
     for keyword in ("minLength", "maxLength"):
         if keyword not in schema:
             continue

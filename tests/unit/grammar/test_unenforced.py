@@ -52,6 +52,15 @@ UNENFORCED = [
     ("minimum", {"type": "integer", "minimum": 5,
                  "anyOf": [{"type": "integer", "maximum": 100}, {"type": "integer", "multipleOf": 2}]}, 1),
     ("maxLength", {"type": "string", "maxLength": 2, "allOf": [{"type": "string"}]}, "abcd"),
+    # pattern beside an enforced format is dropped (citation-file-format's license-url)
+    ("pattern", {"type": "string", "format": "uri", "pattern": "^(https|http)://.+"}, "mailto:a"),
+    ("pattern", {"type": "string", "format": "date", "pattern": "^19"}, "2024-01-02"),
+    # beside properties, pattern-matched keys take additional properties' values (pyproject-distutils)
+    ("patternProperties", {"type": "object", "properties": {"g": {"type": "object"}},
+                           "patternProperties": {".+": {"type": "object"}}}, {"a": 1}),
+    ("patternProperties", {"type": "object", "properties": {"g": {"type": "object"}},
+                           "patternProperties": {"^x": {"type": "object"}},
+                           "additionalProperties": {"type": "integer"}}, {"x": 1}),
 ]
 DEFS = {"s": {"type": "string"}, "i": {"type": "integer"}, "o": {"type": "object"}}
 # (keyword, schema at /properties/v, raw JSON of v that is not JSON): length-limited strings
@@ -60,6 +69,8 @@ CONTROL_CHARACTERS = [("maxLength", {"type": "string", "maxLength": 5}, '"a\x01b
 # Keywords that look hard but xgrammar does enforce: never reported, violating instance refused.
 ENFORCED = [
     ({"type": "object", "patternProperties": {"^x.*$": {"type": "integer"}}}, {"xa": "s"}),
+    ({"type": "object", "properties": {"g": {"type": "object"}}, "patternProperties": {"^x": {"type": "object"}},
+      "additionalProperties": False}, {"x": 1}),
     # (propertyNames' maxLength is enforced too, but names under it admit raw control characters)
     ({"type": "object", "propertyNames": {"pattern": "^[a-z]{1,2}$"}}, {"bbbb": 1}),
     ({"type": "integer", "multipleOf": 3}, 4),
