@@ -14,11 +14,17 @@ Corpus: benchmarks/corpus.py (>= 20 schemas shipped by installed packages). Per 
   output is checked with structgen.schema_validation.validate_output; a violation of a
   keyword the backend did *not* report is counted in `unreported_violations` (must be 0:
   the guarantee report is honest);
-- `fill_us`: batch_fill time per token along the walks (p50, p90), `first_fill_us`.
+- `fill_us`: batch_fill time per token along the walks (p50, p90), `first_fill_us`;
+- validity over `--generations` sampled generations **with the built-in default model**
+  (benchmarks/_generate.py): the in-process Engine and a real grammar_service subprocess,
+  temperature 1.0, seeds 0..N-1, `--gen-max-tokens` new tokens, for each schema the backend
+  compiled above; finished outputs valid / invalid, outputs cut by max tokens counted apart,
+  and violations the stream's guarantee report does not explain (same check as the walks).
+  `--no-generations` skips it.
 Per backend: compile median/p90/max, errors, timeouts, keyword counts, validity totals;
 per schema: `auto`'s choice (grammar_service.guarantees.rank with measured compile times).
 
-    .venv/bin/python benchmarks/schemas.py --machine ci-2core        # ~5 min on 2 cores
+    .venv/bin/python benchmarks/schemas.py --machine ci-2core        # ~10 min on 2 cores
 writes benchmarks/results/schemas-<machine>.json and prints a table.
 """
 from __future__ import annotations
@@ -39,6 +45,7 @@ from collections import Counter
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # tests/: the real tokenizers
 
+from benchmarks._generate import PROMPT, judge, run_generations, summarize_generations  # noqa: E402
 from benchmarks.corpus import load_corpus  # noqa: E402
 
 BACKENDS = ("xgrammar", "llguidance")
@@ -77,7 +84,6 @@ class _Walker:
     def run(self, name: str, text: str, num_walks: int, max_tokens: int, seed: int, walk_budget_s: float) -> dict:
         from generation_service.engine.params import GrammarSpec
         from grammar_service.backends.base import GrammarCompileError
-        from structgen.schema_validation import unexplained_violations, validate_output
 
         spec = GrammarSpec("json_schema", text)
         unenforced = self.backend.unenforced_keywords(spec)
@@ -89,8 +95,6 @@ class _Walker:
             result.update(compile_error=str(exc)[:300], compile_ms=(time.perf_counter() - started) * 1e3)
             return result
         result["compile_ms"] = (time.perf_counter() - started) * 1e3
-        reported = {u.keyword for u in unenforced}
-        reported |= {"then", "else"} if "if" in reported else set()  # one report covers the conditional
         rng = random.Random(f"{seed}-{name}")
         walks, fill_s, first_fill_s = [], [], []
         deadline = time.perf_counter() + walk_budget_s
@@ -101,9 +105,7 @@ class _Walker:
             walk = {"num_tokens": len(ids), "finished": finished, "problem": problem}
             if finished:
                 output = self.tokenizer.decode(ids, skip_special_tokens=False)
-                check = validate_output(text, output)
-                walk.update(valid=check.valid, violations=[i.schema_pointer for i in check.issues][:10],
-                            unreported=unexplained_violations(text, output, reported) if not check.valid else [])
+                walk.update(judge(text, output, [u.keyword for u in unenforced]))
             walks.append(walk)
         result.update(walks=walks, fill_us=[s * 1e6 for s in fill_s], first_fill_us=[s * 1e6 for s in first_fill_s])
         return result
@@ -242,12 +244,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile-timeout", type=float, default=30.0)
     parser.add_argument("--walk-timeout", type=float, default=30.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-schemas", type=int, default=None, help="only the first N corpus schemas")
+    parser.add_argument("--generations", type=int, default=3, help="default-model generations per schema and backend")
+    parser.add_argument("--gen-max-tokens", type=int, default=256, help="max_new_tokens of each generation")
+    parser.add_argument("--no-generations", action="store_true", help="skip the default-model generations")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     from real_tokenizers import VOCAB_SIZES
 
     args.vocab_size = VOCAB_SIZES[args.tokenizer]
-    corpus = [s for s in load_corpus() if args.schemas is None or s.name in args.schemas]
+    corpus = [s for s in load_corpus() if args.schemas is None or s.name in args.schemas][:args.max_schemas]
     started, load_at_start = time.time(), os.getloadavg()
     pools = {b: _Pool(b, args) for b in args.backends}
     rows: dict[str, dict[str, dict]] = {b: {} for b in args.backends}
@@ -268,11 +274,24 @@ def main(argv: list[str] | None = None) -> int:
         for name, by_backend in per_schema.items():
             by_backend["auto"] = auto_choice(by_backend)
     summary = {b: summarize(b, list(rows[b].values())) for b in args.backends}
+    if not args.no_generations and args.generations > 0:
+        compiled = {b: {n for n, r in rows[b].items() if "compile_error" not in r} for b in args.backends}
+        generated = run_generations(corpus, compiled, args.generations, args.gen_max_tokens)
+        for b, by_schema in generated.items():
+            summary[b]["generations"] = summarize_generations(by_schema)
+            for name, row in by_schema.items():
+                if not name.startswith("_"):
+                    rows[b][name]["default_model"] = row
     for b, s in summary.items():
         c, w, f = s["compile_ms"], s["walks"], s["fill_us"]
         print(f"{b:11s} compiled {s['num_compiled']}/{s['num_schemas']}  compile ms median {c['median']:.1f} "
               f"p90 {c['p90']:.1f} max {c['max']:.1f}  walks valid {w['valid']}/{w['finished']} finished "
               f"(unreported violations {w['unreported_violations']})  fill us p50 {f['p50'] or 0:.0f} p90 {f['p90'] or 0:.0f}")
+        if "generations" in s:
+            g = s["generations"]
+            print(f"{'':11s} default model: {g['num']} generations, valid {g['valid']}/{g['finished']} finished, "
+                  f"{g['cut_by_max_tokens']} cut by max tokens, {g['errors']} errors, "
+                  f"unreported violations {g['unreported_violations']}")
     from importlib.metadata import version
 
     out = pathlib.Path(args.out or ROOT / "benchmarks" / "results" / f"schemas-{args.machine}.json")
@@ -288,6 +307,12 @@ def main(argv: list[str] | None = None) -> int:
         "versions": {p: version(p) for p in ("xgrammar", "llguidance", "jsonschema")},
         "validity_method": "random walks under each backend's mask (see the module docstring)",
         "walks_per_schema": args.walks, "max_tokens": args.max_tokens,
+        "generation_method": None if args.no_generations or args.generations <= 0 else (
+            "built-in default model (random weights, 32k Mistral tokenizer), in-process Engine on CPU + "
+            "grammar_service subprocess; temperature 1.0, seeds 0..N-1, prompt "
+            f"{PROMPT!r}; cut = finish_reason max_tokens"),
+        "generations_per_schema": 0 if args.no_generations else args.generations,
+        "generation_max_new_tokens": args.gen_max_tokens,
         "compile_timeout_s": args.compile_timeout, "load_average_at_start": load_at_start,
         "load_average_at_end": os.getloadavg(), "wall_s": time.time() - started,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
