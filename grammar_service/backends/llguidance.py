@@ -48,8 +48,24 @@ def json_options(spec: GrammarSpec) -> dict:
     return options
 
 
+def unsupported(spec: GrammarSpec) -> str:
+    """Why llguidance must not serve this spec ("" when it may).
+
+    Measured on llguidance 1.9.1: with a bounded whitespace_pattern, once the run is at its
+    limit the mask admits " ]" (space + bracket) and not "]", and the matcher then refuses
+    the token the mask allowed (tests/unit/schemas/test_backend_slots.py). So a JSON grammar
+    with 0 < max_whitespace is refused here; `auto` uses xgrammar for it.
+    """
+    if spec.kind in ("json_schema", "json_object") and spec.any_whitespace and spec.max_whitespace:
+        return (f"{spec.kind}: llguidance does not support max_whitespace > 0 (its masks admit "
+                "whitespace its matcher refuses); use compact, max_whitespace 0 or xgrammar")
+    return ""
+
+
 def grammar_for(spec: GrammarSpec) -> str:
     """The llguidance grammar (serialized) for a spec; raises GrammarCompileError."""
+    if unsupported(spec):
+        raise GrammarCompileError(unsupported(spec))
     try:
         if spec.kind in ("json_schema", "json_object"):
             text = spec.text if spec.kind == "json_schema" else '{"type": "object"}'

@@ -187,3 +187,39 @@ def test_channel_draft_walk_release_and_reuse(service, driver, mistral_32k, back
     driver.finish([[], red])
     view = driver.step([Row(2, 1, FLAG_CONSTRAINED | FLAG_RELEASE)])
     assert list(allowed_tokens(view.masks[0, 0])) == [EOS]
+
+
+def test_llguidance_bounded_whitespace_is_refused_because_its_mask_and_matcher_disagree(make_backend):
+    """llguidance 1.9.1, whitespace_pattern {0,1}: after "[6 ,0,0 " (tokens "[" "6" " ," <0x30> "," <0x30> " ", the
+    default model's greedy path) the mask admits " ]" and the
+    matcher refuses it. Until that changes, llguidance refuses max_whitespace > 0 and `auto`
+    takes xgrammar; this test fails loudly once llguidance is fixed."""
+    import llguidance as llg
+
+    from grammar_service.backend_choice import compile_with
+    from grammar_service.backends.base import GrammarCompileError
+    from grammar_service.backends.llguidance import json_options
+
+    llguidance = make_backend("llguidance")
+    schema = json.dumps({"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 3})
+    spec = GrammarSpec("json_schema", schema, any_whitespace=True, max_whitespace=1)
+    with pytest.raises(GrammarCompileError, match="max_whitespace"):
+        llguidance.compile(spec)
+    assert compile_with(spec, "auto", make_backend)[0] == "xgrammar"
+
+    from grammar_service.backends.llguidance import LLGuidanceGrammar
+    from grammar_service.tokenizer import load_tokenizer
+    from structgen.tokenizer_identity import default_model_dir
+
+    if not (default_model_dir() / "tokenizer.json").exists():
+        pytest.skip("the default model is not built yet (the first `structgen serve` builds it)")
+    data = load_tokenizer(str(default_model_dir()), 32000)[0]  # the mismatch shows on its vocabulary
+    llguidance = type(llguidance)(data, num_compile_threads=1, num_fill_threads=1)
+    vocab = {str(piece): i for i, piece in enumerate(data.encoded_vocab)}
+    grammar = llg.LLMatcher.grammar_from_json_schema(schema, defaults=json_options(spec))  # what it would compile
+    matcher = llguidance.new_matcher(LLGuidanceGrammar(grammar, llg.LLMatcher(llguidance.lltokenizer, grammar), ()))
+    assert all(matcher.accept(vocab[p]) for p in ("[", "6", "\u2581,", "<0x30>", ",", "<0x30>", "\u2581"))
+    masks = np.zeros((1, data.mask_words), np.int32)
+    llguidance.batch_fill([matcher], masks, [0])
+    space_bracket = vocab["\u2581]"]
+    assert is_allowed(masks[0], space_bracket) and not matcher.accept(space_bracket), "llguidance fixed: lift the refusal"
