@@ -29,8 +29,8 @@ class ValidationIssue:
     schema_pointer: str  # RFC 6901 pointer of the failing keyword in the schema
 
     def __str__(self) -> str:
-        """"<pointer>: <message> (schema <pointer>)", the form OutputEvent.validation_errors
-        carries and generation_service/proto_convert.py splits at the first ": "."""
+        """"<pointer>: <message> (schema <pointer>)", the form the server sends and
+        generation_service/proto_convert.py splits at the first ": "."""
         where = f" (schema {self.schema_pointer})" if self.schema_pointer.startswith("/") else ""
         return f"{self.path}: {self.message}{where}"
 
@@ -43,7 +43,7 @@ class ValidationResult:
 
     @property
     def errors(self) -> tuple[str, ...]:
-        """str(issue) per issue, for OutputEvent.validation_errors."""
+        """str(issue) per issue, as the final GenerateResponse carries them."""
         return tuple(map(str, self.issues))
 
     @property

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 class FinishReason(enum.Enum):
@@ -62,7 +62,6 @@ class OutputEvent:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     error: "EngineError | None" = None
-    validation_errors: tuple[str, ...] = field(default=())  # final: output vs full schema
 
     @property
     def is_final(self) -> bool:
