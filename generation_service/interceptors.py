@@ -26,6 +26,23 @@ def status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, ""
 
 
+def rewrap_handler(handler, wrap_unary, wrap_stream):
+    """The same rpc handler with its unary-unary or unary-stream behaviour wrapped (the two
+    kinds the services here have); None and client-streaming kinds pass through unchanged.
+    The one place the error, tracing and metrics interceptors rebuild a handler."""
+    if handler is None:
+        return None
+    if handler.unary_unary is not None:
+        return grpc.unary_unary_rpc_method_handler(
+            wrap_unary(handler.unary_unary), handler.request_deserializer,
+            handler.response_serializer)
+    if handler.unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(
+            wrap_stream(handler.unary_stream), handler.request_deserializer,
+            handler.response_serializer)
+    return handler
+
+
 def _abort(context: grpc.ServicerContext, method: str, request, error: Exception):
     code, message = status_of(error)
     if code is grpc.StatusCode.INTERNAL and not isinstance(error, EngineError):
@@ -40,19 +57,10 @@ class ErrorMappingInterceptor(grpc.ServerInterceptor):
     """Maps exceptions raised by unary and server-streaming handlers to gRPC statuses."""
 
     def intercept_service(self, continuation, handler_call_details):
-        handler = continuation(handler_call_details)
-        if handler is None:
-            return None
         method = handler_call_details.method
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(
-                _wrap_unary(handler.unary_unary, method), handler.request_deserializer,
-                handler.response_serializer)
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(handler.unary_stream, method), handler.request_deserializer,
-                handler.response_serializer)
-        return handler  # client-streaming kinds: the services here have none of their own
+        return rewrap_handler(continuation(handler_call_details),
+                              lambda behavior: _wrap_unary(behavior, method),
+                              lambda behavior: _wrap_stream(behavior, method))
 
 
 def _wrap_unary(behavior, method: str):

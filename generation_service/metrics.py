@@ -22,6 +22,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from generation_service import tracing
+from generation_service.interceptors import rewrap_handler
 
 # Seconds: a small CPU model answers in ms; a 70B model behind a long queue in tens of s.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -163,19 +164,10 @@ class StatusInterceptor(grpc.ServerInterceptor):
         self._metrics = metrics
 
     def intercept_service(self, continuation, handler_call_details):
-        handler = continuation(handler_call_details)
-        if handler is None:
-            return None
         method = handler_call_details.method
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(
-                self._unary(handler.unary_unary, method), handler.request_deserializer,
-                handler.response_serializer)
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
-                self._stream(handler.unary_stream, method), handler.request_deserializer,
-                handler.response_serializer)
-        return handler
+        return rewrap_handler(continuation(handler_call_details),
+                              lambda behavior: self._unary(behavior, method),
+                              lambda behavior: self._stream(behavior, method))
 
     def _count(self, method: str, context, failed: bool) -> None:
         code = context.code() if hasattr(context, "code") else None

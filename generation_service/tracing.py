@@ -23,6 +23,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from generation_service.interceptors import rewrap_handler
 from structgen import telemetry
 
 log = logging.getLogger(__name__)
@@ -44,15 +45,8 @@ class TracingInterceptor(grpc.ServerInterceptor):
         carrier = {k: v for k, v in handler_call_details.invocation_metadata or ()
                    if k in ("traceparent", "tracestate")}
         start = self._start_span_factory(method, carrier)
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(
-                _traced_unary(handler.unary_unary, start), handler.request_deserializer,
-                handler.response_serializer)
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
-                _traced_stream(handler.unary_stream, start), handler.request_deserializer,
-                handler.response_serializer)
-        return handler
+        return rewrap_handler(handler, lambda behavior: _traced_unary(behavior, start),
+                              lambda behavior: _traced_stream(behavior, start))
 
     def _start_span_factory(self, method: str, carrier: dict[str, str]):
         service, _, name = method.lstrip("/").partition("/")
