@@ -3,8 +3,10 @@
 Kernel modules import triton; nothing here does until a triton backend is asked for.
 Rooms: decode_attention, extend_attention, kv_write (paged attention and its cache
 writes), prepare_inputs (fused decode input preparation), mask_sample + philox
-(grammar mask + sampling; sample_reference is its torch twin), rmsnorm and rotary
-(residual-add + RMSNorm, q/k-norm + RoPE in place). NOTES.md: floors and measurements.
+(grammar mask + sampling; sample_reference is its torch twin), rmsnorm (RMSNorm with an
+optional residual add), rotary (RoPE; with the K/V cache write for the decode forward),
+decode_fused (the decode forward's element-wise set: those two plus silu*mul).
+NOTES.md: floors and measurements.
 """
 from __future__ import annotations
 

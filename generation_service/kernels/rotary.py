@@ -1,12 +1,17 @@
-"""Rotary embedding of q and k in place, one launch, with Qwen3's per-head q/k RMSNorm
-optionally fused in front.
+"""Rotary embedding of q and k (Triton): one launch, one program per (token, head).
 
 Rotate-half convention of Hugging Face checkpoints: with x = [x1, x2] halves of a head,
-    x1' = x1 cos - x2 sin,   x2' = x2 cos + x1 sin,   angle = position * inv_freq[j].
-The angle is the same fp32 product transformers forms and cos/sin are taken in fp32;
-transformers then rounds cos/sin to bf16 before multiplying, this kernel does not, so
-results agree within bf16 rounding, not bit for bit. No cos/sin table is materialised.
-One program per token covers all its q heads and kv heads: (H, head_dim / 2) tiles.
+    x1' = x1 cos - x2 sin,   x2' = x2 cos + x1 sin.
+cos/sin are (T, head_dim) tables in the activation dtype, as `model.layers.RotaryEmbedding`
+builds them (fp32 angles, rounded), and every product and the sum are rounded to the
+activation dtype as the torch reference (`model.layers.apply_rope`) rounds them: the
+kernel equals the reference op by op in bf16.
+
+Two entry points over the one kernel:
+- `rope_write_kv` (the fused decode forward): q, k, v read straight out of the fused qkv
+  projection; rotated q into a new tensor, rotated k and v stored into the paged cache at
+  the step's slots (replaces ~12 launches per layer);
+- `rope_qk_`: q and k in place at their positions (tables built here from inv_freq).
 """
 from __future__ import annotations
 
@@ -16,94 +21,120 @@ import triton.language as tl
 
 
 @triton.jit
-def _rotate_heads(x_ptr, stride_h, num_heads, cos, sin, norm_w1, norm_w2, eps,
-                  HAS_NORM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                  BLOCK_HALF: tl.constexpr):
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_HALF)
-    mask = (offs_h[:, None] < num_heads) & (offs_d[None, :] < HALF)
-    ptr1 = x_ptr + offs_h[:, None] * stride_h + offs_d[None, :]
-    x1 = tl.load(ptr1, mask=mask, other=0.0)
-    x2 = tl.load(ptr1 + HALF, mask=mask, other=0.0)
-    dtype = x1.dtype
-    a = x1.to(tl.float32)
-    b = x2.to(tl.float32)
-    if HAS_NORM:  # per-head RMSNorm over the full head (both halves), as transformers
-        inv_rms = tl.rsqrt((tl.sum(a * a, 1) + tl.sum(b * b, 1)) / (2 * HALF) + eps)
-        a = (a * inv_rms[:, None]).to(dtype).to(tl.float32) * norm_w1[None, :]
-        b = (b * inv_rms[:, None]).to(dtype).to(tl.float32) * norm_w2[None, :]
-        a = a.to(dtype).to(tl.float32)
-        b = b.to(dtype).to(tl.float32)
-    out1 = a * cos[None, :] - b * sin[None, :]
-    out2 = b * cos[None, :] + a * sin[None, :]
-    tl.store(ptr1, out1.to(dtype), mask=mask)
-    tl.store(ptr1 + HALF, out2.to(dtype), mask=mask)
+def _rotate_head(src, dst, cos1, cos2, sin1, sin2, offs, mask, HALF: tl.constexpr):
+    """One head: x * cos + rotate_half(x) * sin, rounded after each op as torch is."""
+    x1 = tl.load(src + offs, mask=mask, other=0.0)
+    x2 = tl.load(src + HALF + offs, mask=mask, other=0.0)
+    dt = x1.dtype
+    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+    out1 = ((x1f * cos1).to(dt).to(tl.float32) + (-x2f * sin1).to(dt).to(tl.float32)).to(dt)
+    out2 = ((x2f * cos2).to(dt).to(tl.float32) + (x1f * sin2).to(dt).to(tl.float32)).to(dt)
+    tl.store(dst + offs, out1.to(dst.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF + offs, out2.to(dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _rope_kernel(q_ptr, k_ptr, positions_ptr, inv_freq_ptr, q_norm_ptr, k_norm_ptr,
-                 stride_qt, stride_qh, stride_kt, stride_kh, num_q_heads, num_kv_heads, eps,
-                 HAS_NORM: tl.constexpr, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr,
-                 BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_HALF)
-    d_mask = offs_d < HALF
-    pos = tl.load(positions_ptr + t).to(tl.float32)
-    angle = pos * tl.load(inv_freq_ptr + offs_d, mask=d_mask, other=0.0)
-    cos = tl.cos(angle)
-    sin = tl.sin(angle)
-    qw1 = cos  # placeholders when there is no norm
-    qw2 = cos
-    kw1 = cos
-    kw2 = cos
-    if HAS_NORM:
-        qw1 = tl.load(q_norm_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-        qw2 = tl.load(q_norm_ptr + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-        kw1 = tl.load(k_norm_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-        kw2 = tl.load(k_norm_ptr + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-    _rotate_heads(q_ptr + t * stride_qt, stride_qh, num_q_heads, cos, sin, qw1, qw2, eps,
-                  HAS_NORM, HALF, BLOCK_HQ, BLOCK_HALF)
-    _rotate_heads(k_ptr + t * stride_kt, stride_kh, num_kv_heads, cos, sin, kw1, kw2, eps,
-                  HAS_NORM, HALF, BLOCK_HK, BLOCK_HALF)
+def _rope_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, v_out_ptr,
+                 slot_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                 stride_qot, stride_qoh, stride_kot, stride_koh, stride_cs,
+                 NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                 HAS_SLOTS: tl.constexpr, HAS_V: tl.constexpr):
+    """Grid (T, Hq + Hkv): programs [0, Hq) rotate q heads, the rest k heads (and copy the
+    matching v head). k/v land in row slot_ids[t] of k_out/v_out with HAS_SLOTS, else row t."""
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs = tl.arange(0, BLOCK_HALF)
+    mask = offs < HALF
+    cs = row * stride_cs
+    cos1 = tl.load(cos_ptr + cs + offs, mask=mask, other=0.0).to(tl.float32)
+    cos2 = tl.load(cos_ptr + cs + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    sin1 = tl.load(sin_ptr + cs + offs, mask=mask, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin_ptr + cs + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    if head < NUM_HEADS:
+        _rotate_head(q_ptr + row * stride_qt + head * stride_qh,
+                     q_out_ptr + row * stride_qot + head * stride_qoh,
+                     cos1, cos2, sin1, sin2, offs, mask, HALF)
+    else:
+        kv_head = head - NUM_HEADS
+        dst_row = row
+        if HAS_SLOTS:
+            dst_row = tl.load(slot_ptr + row).to(tl.int64)
+        dst = dst_row * stride_kot + kv_head * stride_koh  # k_out and v_out share a layout
+        _rotate_head(k_ptr + row * stride_kt + kv_head * stride_kh, k_out_ptr + dst,
+                     cos1, cos2, sin1, sin2, offs, mask, HALF)
+        if HAS_V:
+            v_src = v_ptr + row * stride_vt + kv_head * stride_vh
+            v_dst = v_out_ptr + dst
+            ty = v_out_ptr.dtype.element_ty
+            tl.store(v_dst + offs, tl.load(v_src + offs, mask=mask).to(ty), mask=mask)
+            tl.store(v_dst + HALF + offs, tl.load(v_src + HALF + offs, mask=mask).to(ty),
+                     mask=mask)
 
 
-def rope_qk_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-             inv_freq: torch.Tensor, q_norm_weight: torch.Tensor | None = None,
-             k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6) -> None:
-    """In place: q (T, Hq, D), k (T, Hkv, D) views (last dim contiguous) get
-    [per-head RMSNorm if weights are given, then] RoPE at their positions (T,).
-    inv_freq: (D/2,) fp32 on q's device (scaling already applied)."""
-    num_tokens, num_q_heads, head_dim = q.shape
-    assert q.stride(-1) == 1 and k.stride(-1) == 1 and head_dim % 2 == 0
-    has_norm = q_norm_weight is not None
+def _launch(q, k, v, cos, sin, q_out, k_out, v_out, slot_ids) -> None:
+    """q (T, Hq, D), k/v (T, Hkv, D) views with a contiguous last dim; k_out/v_out (N, Hkv, D)
+    with the same strides; cos/sin (T, D) contiguous rows."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    assert head_dim % 2 == 0 and cos.stride(1) == 1 and sin.stride() == cos.stride()
+    assert q.stride(2) == k.stride(2) == q_out.stride(2) == k_out.stride(2) == 1
+    if v is not None:
+        assert v.stride(2) == 1 and v_out.stride() == k_out.stride()
     if num_tokens == 0:
         return
     half = head_dim // 2
-    _rope_kernel[(num_tokens,)](
-        q, k, positions, inv_freq,
-        q_norm_weight if has_norm else inv_freq, k_norm_weight if has_norm else inv_freq,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), num_q_heads, k.shape[1], eps,
-        HAS_NORM=has_norm, HALF=half, BLOCK_HQ=triton.next_power_of_2(num_q_heads),
-        BLOCK_HK=triton.next_power_of_2(k.shape[1]), BLOCK_HALF=triton.next_power_of_2(half),
-        num_warps=4)
+    v_in, v_dst = (v, v_out) if v is not None else (k, k_out)  # never read without HAS_V
+    _rope_kernel[(num_tokens, num_heads + num_kv_heads)](
+        q, k, v_in, cos, sin, q_out, k_out, v_dst, slot_ids if slot_ids is not None else cos,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v_in.stride(0), v_in.stride(1),
+        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos.stride(0),
+        NUM_HEADS=num_heads, HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
+        HAS_SLOTS=slot_ids is not None, HAS_V=v is not None, num_warps=1)
+
+
+def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slot_ids: torch.Tensor, num_heads: int, num_kv_heads: int,
+                  head_dim: int) -> torch.Tensor:
+    """qkv (T, (Hq + 2 Hkv) * D) -> rotated q (T, Hq, D); rotated k and v into the cache slots
+    (k_cache/v_cache (pages, page_size, Hkv, D) contiguous, slot_ids (T,) flat slot per token)."""
+    num_tokens = qkv.shape[0]
+    assert qkv.stride(1) == 1 and cos.is_contiguous() and sin.is_contiguous()
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    q_dim, kv_dim = num_heads * head_dim, num_kv_heads * head_dim
+    # (T, H, D) views of the projection: q heads, then k heads, then v heads
+    q_in = qkv[:, :q_dim].unflatten(1, (num_heads, head_dim))
+    k_in = qkv[:, q_dim:q_dim + kv_dim].unflatten(1, (num_kv_heads, head_dim))
+    v_in = qkv[:, q_dim + kv_dim:q_dim + 2 * kv_dim].unflatten(1, (num_kv_heads, head_dim))
+    q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    _launch(q_in, k_in, v_in, cos, sin, q, k_cache.view(-1, num_kv_heads, head_dim),
+            v_cache.view(-1, num_kv_heads, head_dim), slot_ids)
+    return q
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T, D) cos and sin tables in `dtype`: fp32 angles as transformers forms them, rounded."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # (T, D/2)
+    angles = torch.cat((freqs, freqs), dim=-1)  # (T, D)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rope_qk_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+             inv_freq: torch.Tensor) -> None:
+    """In place: q (T, Hq, D), k (T, Hkv, D) views (last dim contiguous) get RoPE at their
+    positions (T,). inv_freq: (D/2,) fp32 on q's device (scaling already applied)."""
+    cos, sin = rope_cos_sin(positions, inv_freq, q.dtype)
+    _launch(q, k, None, cos, sin, q, k, None, None)
 
 
 def rope_qk_torch(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-                  inv_freq: torch.Tensor, q_norm_weight: torch.Tensor | None = None,
-                  k_norm_weight: torch.Tensor | None = None,
-                  eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+                  inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference (out of place), written as transformers computes it."""
-    from .rmsnorm import rmsnorm_torch
-
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    angles = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
+    cos, sin = rope_cos_sin(positions, inv_freq, q.dtype)
 
     def rotate(x):
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos[:, None, :] + rotated * sin[:, None, :]
 
-    if q_norm_weight is not None:
-        q, k = rmsnorm_torch(q, q_norm_weight, eps), rmsnorm_torch(k, k_norm_weight, eps)
     return rotate(q), rotate(k)

@@ -314,18 +314,55 @@ def test_fused_add_rmsnorm_bf16(tokens):
     assert rel_err(out, want) < BF16_TOL
 
 
-@pytest.mark.parametrize("qk_norm", [False, True])
-def test_rope_bf16(qk_norm):
+def test_rope_bf16():
+    """In place at random positions: equal to the reference op by op (bit for bit)."""
     from generation_service.kernels.rotary import rope_qk_, rope_qk_torch
     tokens = 512
     q = torch.randn(tokens, 32, 128, device=DEV, dtype=torch.bfloat16)
     k = torch.randn(tokens, 8, 128, device=DEV, dtype=torch.bfloat16)
     positions = torch.randint(0, 131072, (tokens,), device=DEV)
     inv_freq = 1.0 / 500000.0 ** (torch.arange(0, 128, 2, device=DEV).float() / 128)
-    weights = {}
-    if qk_norm:
-        weights = dict(q_norm_weight=torch.rand(128, device=DEV, dtype=torch.bfloat16) + 0.5,
-                       k_norm_weight=torch.rand(128, device=DEV, dtype=torch.bfloat16) + 0.5)
-    want_q, want_k = rope_qk_torch(q, k, positions, inv_freq, **weights)
-    rope_qk_(q, k, positions, inv_freq, **weights)
-    assert rel_err(q, want_q) < BF16_TOL and rel_err(k, want_k) < BF16_TOL
+    want_q, want_k = rope_qk_torch(q, k, positions, inv_freq)
+    rope_qk_(q, k, positions, inv_freq)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+
+
+@pytest.mark.parametrize("head_dim,num_heads,hidden", [(128, 32, 4096), (64, 32, 2048)])
+def test_decode_fused_ops_bf16(head_dim, num_heads, hidden):
+    """The fused decode forward's ops vs the model's own torch modules on the same bf16
+    inputs: RoPE + K/V write and the residual add equal bit for bit, the norm and silu*mul
+    within bf16 rounding (fp32 summation order, exp)."""
+    import torch.nn.functional as F
+
+    from generation_service.kernels.decode_fused import add_rmsnorm, rope_write_kv, silu_mul
+    from generation_service.kernels.rmsnorm import rmsnorm_torch
+    from generation_service.model.layers import apply_rope
+    tokens, num_kv_heads = 64, 8
+    x = torch.randn(tokens, hidden, device=DEV, dtype=torch.bfloat16)
+    residual = torch.randn_like(x)
+    weight = torch.rand(hidden, device=DEV, dtype=torch.bfloat16) + 0.5
+    out = add_rmsnorm(x, residual, weight, 1e-5)
+    assert torch.equal(out[1], x + residual)
+    assert rel_err(out[0], rmsnorm_torch(x + residual, weight, 1e-5)) < BF16_TOL
+
+    q_dim, kv_dim = num_heads * head_dim, num_kv_heads * head_dim
+    qkv = torch.randn(tokens, q_dim + 2 * kv_dim, device=DEV, dtype=torch.bfloat16)
+    positions = torch.randint(0, 8192, (tokens,), device=DEV)
+    inv_freq = 1.0 / 500000.0 ** (torch.arange(0, head_dim, 2, device=DEV).float() / head_dim)
+    angles = torch.cat([positions.float()[:, None] * inv_freq] * 2, dim=-1)
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    k_cache = torch.randn(40, PAGE, num_kv_heads, head_dim, device=DEV, dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    slots = torch.randperm(40 * PAGE, device=DEV)[:tokens]
+    k_want, v_want = k_cache.clone(), v_cache.clone()
+    q = rope_write_kv(qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads, head_dim)
+    q_ref, k_ref, v_ref = qkv.split([q_dim, kv_dim, kv_dim], dim=1)
+    k_want.view(-1, num_kv_heads, head_dim)[slots] = apply_rope(
+        k_ref.reshape(tokens, num_kv_heads, head_dim), cos, sin)
+    v_want.view(-1, num_kv_heads, head_dim)[slots] = v_ref.reshape(tokens, num_kv_heads, head_dim)
+    assert torch.equal(q, apply_rope(q_ref.reshape(tokens, num_heads, head_dim), cos, sin))
+    assert torch.equal(k_cache, k_want) and torch.equal(v_cache, v_want)
+
+    gate_up = torch.randn(tokens, 2 * 14336, device=DEV, dtype=torch.bfloat16)
+    gate, up = gate_up.chunk(2, dim=1)
+    assert rel_err(silu_mul(gate_up), F.silu(gate) * up) < BF16_TOL

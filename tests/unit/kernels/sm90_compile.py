@@ -14,9 +14,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from generation_service.kernels import (decode_attention, extend_attention, kv_write,
-                                        mask_sample, philox, prepare_inputs, rmsnorm,
-                                        rotary)
+from generation_service.kernels import (decode_attention, decode_fused, extend_attention,
+                                        kv_write, mask_sample, philox, prepare_inputs,
+                                        rmsnorm, rotary)
 
 TARGET = GPUTarget("cuda", 90, 32)
 TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int32: "i32",
@@ -90,12 +90,17 @@ def main() -> int:
             ms._finalize_kernel, BF, I32, F32, I32, F32, I64, I64, F32, I32, F32, *[N] * 4,
             HAS_MASK=True, ENABLE_FILTERS=True, NUM_SPLITS=4, BLOCK_S=4, BLOCK=1024,
             BLOCK_W=1024, PROBES=8, num_warps=8),
-        "fused_add_rmsnorm": lambda: compile_sm90(
-            rmsnorm._rmsnorm_kernel, BF, BF, BF, BF, N, N, N, 4096, 1e-5, HAS_RESIDUAL=True,
-            BLOCK=4096, num_warps=16),
-        "qk_norm_rope": lambda: compile_sm90(
-            rotary._rope_kernel, BF, BF, I64, F32, BF, BF, *[N] * 4, 32, 8, 1e-6,
-            HAS_NORM=True, HALF=64, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_HALF=64),
+        "add_rmsnorm": lambda: compile_sm90(
+            rmsnorm._rmsnorm_kernel, BF, BF, BF, BF, BF, N, N, N, N, 4096, 1e-5,
+            HAS_RESIDUAL=True, BLOCK=4096, num_warps=8),
+        "rope_write_kv": lambda: compile_sm90(
+            rotary._rope_kernel, BF, BF, BF, BF, BF, BF, BF, BF, I64, *[N] * 11,
+            NUM_HEADS=32, HALF=64, BLOCK_HALF=64, HAS_SLOTS=True, HAS_V=True, num_warps=1),
+        "rope_qk_in_place": lambda: compile_sm90(
+            rotary._rope_kernel, BF, BF, BF, BF, BF, BF, BF, BF, BF, *[N] * 11,
+            NUM_HEADS=32, HALF=48, BLOCK_HALF=64, HAS_SLOTS=False, HAS_V=False, num_warps=1),
+        "silu_mul": lambda: compile_sm90(
+            decode_fused._silu_mul_kernel, BF, BF, 14336, BLOCK=1024),
     }
     failed = 0
     for name, build in builds.items():
