@@ -1,6 +1,7 @@
 """ModelRunner: a ScheduledBatch -> ForwardBatch -> logits of the positions that sample.
 
-This is the eager path (CPU, prefill and other non-graph batches on the GPU). The CUDA-graph
+This is the eager path (CPU, prefill and other non-graph batches on the GPU); its logits
+stay on the device for the Sampler (`Sampler.__call__`: CUDA logits sample like the graphs). The CUDA-graph
 runner (`graph_runner.CudaGraphRunner`, runner "cuda_graph") adds `can_graph` / `decode`:
 decode-only batches replay a captured step (sampling inside), the rest come here.
 """
@@ -51,12 +52,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
-        """(L, vocab_size) float32 logits on the CPU, L = sum of sampling rows' num_positions."""
+        """(L, vocab_size) float32 logits on the runner's device, L = sum of sampling rows'
+        num_positions. On a CUDA device they stay there: the Sampler draws one-position rows
+        with the graphs' sampler (mask_sample) and copies to the host only what its CPU rules
+        need (draft-verify rows, top-n logprobs)."""
         forward_batch = prepare(batch, self.device)
         # Clamp so a bad id can never index outside the embedding table.
         forward_batch.input_ids.clamp_(0, self.vocab_size - 1)
         logits = self.forward(forward_batch)
-        return logits.float().cpu()
+        return logits.float()
 
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
         return self.model(forward_batch, self.kv_cache)

@@ -8,16 +8,26 @@ k = 0 case of the same code.
 Randomness: the token at generated index i of a request draws from its own
 `torch.Generator` seeded with mix(seed, i). The result depends only on (seed, request,
 index): not on the batch, on preemption, or on how many draws other rows made.
+
+On a CUDA device (logits left there by the runner) one-position rows sample where the
+decode graphs sample, with `kernels.mask_sample`: Philox keyed by (seed, position of the
+row's last input token), so a seeded request draws the same noise whether a step ran as a
+graph or eagerly (a neighbour's prefill, logprobs). Draft-verify rows stay on the CPU rules
+above (see `SampleRow.can_sample_on_device`); the CPU device path is unchanged.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from generation_service.engine.events import TokenLogprob
 from generation_service.engine.params import SamplingParams
 from generation_service.engine.speculative import accept_greedy, accept_rejection
+
+if TYPE_CHECKING:
+    from generation_service.engine.scheduler import ScheduledRow
 
 _MASK64 = (1 << 64) - 1
 _BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
@@ -32,10 +42,32 @@ class SampleRow:
     first_index: int                 # generated-token index that position 0 produces
     drafts: list[int] = field(default_factory=list)
     is_constrained: bool = False
+    position: int | None = None      # of the token whose logits row 0 holds; None: CPU sampler
+
+    @classmethod
+    def of(cls, row: ScheduledRow, is_constrained: bool) -> SampleRow:
+        """The sampling work of a scheduled sampling row. Its logit rows belong to its last
+        1 + drafts input tokens, so row 0 is the token at seq_len - num_positions (a decode
+        row: num_cached, the position the decode graphs sample at)."""
+        request = row.request
+        return cls(request.sampling, request.sample_seed, request.num_generated, list(row.drafts),
+                   is_constrained, position=row.seq_len - row.num_positions)
 
     @property
     def num_positions(self) -> int:
         return 1 + len(self.drafts)
+
+    @property
+    def can_sample_on_device(self) -> bool:
+        """One position with a known token position: mask_sample draws what a graph step
+        would. Draft-verify rows stay on the CPU: their rule (`accept_rejection`, noise from
+        mix_seed generators) is not mask_sample's, and no graph runs them, so the CPU rule
+        is what every verify step of a request uses."""
+        return not self.drafts and self.position is not None
+
+    @property
+    def uses_filters(self) -> bool:
+        return not self.params.is_greedy and (self.params.top_k > 0 or self.params.top_p < 1.0)
 
 
 @dataclass
@@ -114,15 +146,56 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow],
                  bitmask: torch.Tensor | None = None) -> list[SampleResult]:
         """logits (L, V), L = sum of rows' num_positions; bitmask (L, W) int32 aligned with
-        logits (rows of unconstrained requests are ignored)."""
-        logits = torch.nan_to_num(logits.float(), nan=float("-inf"))
+        logits (rows of unconstrained requests are ignored). CPU logits: every row here;
+        CUDA logits: `can_sample_on_device` rows there, the others' logits to the CPU."""
+        if logits.device.type != "cuda":
+            return self._sample_cpu(logits, rows, bitmask)
         starts = _starts(rows)
+        results: list[SampleResult | None] = [None] * len(rows)
+        for on_device in (True, False):
+            picked = [i for i, row in enumerate(rows) if row.can_sample_on_device == on_device]
+            if not picked:
+                continue
+            index = [starts[i] + p for i in picked for p in range(rows[i].num_positions)]
+            part = logits[torch.tensor(index, device=logits.device)]
+            sample = self._sample_one_position if on_device else self._sample_cpu
+            masks = bitmask[index] if bitmask is not None else None
+            for i, result in zip(picked, sample(part if on_device else part.cpu(),
+                                                [rows[i] for i in picked], masks)):
+                results[i] = result
+        return results
+
+    def _sample_one_position(self, logits: torch.Tensor, rows: list[SampleRow],
+                             bitmask: torch.Tensor | None) -> list[SampleResult]:
+        """(R, V) device logits of one-position rows: tokens from mask_sample. It returns
+        only the token's logprob, so rows asking for top-n logprobs get them from their
+        masked logits on the CPU, computed as `_sample_cpu` does (same token, same numbers)."""
+        token_ids = sample_on_device(logits, rows, bitmask)
+        want = [k for k, row in enumerate(rows) if row.params.num_logprobs]
+        logprobs = {}
+        if want:
+            masked = self._masked(logits[torch.tensor(want, device=logits.device)].cpu(),
+                                  [rows[k] for k in want], bitmask[want] if bitmask is not None else None)
+            logprobs = {k: _logprobs(masked[j:j + 1], [token_ids[k]], rows[k]) for j, k in enumerate(want)}
+        return [SampleResult([token], logprobs.get(k, [])) for k, token in enumerate(token_ids)]
+
+    def _masked(self, logits: torch.Tensor, rows: list[SampleRow],
+                bitmask: torch.Tensor | None) -> torch.Tensor:
+        """CPU float32 logits with NaN and, on constrained rows, disallowed tokens at -inf."""
+        logits = torch.nan_to_num(logits.float(), nan=float("-inf"))
         if bitmask is not None:
+            starts = _starts(rows)
             constrained = [starts[i] + p for i, row in enumerate(rows) if row.is_constrained
                            for p in range(row.num_positions)]
             if constrained:
                 index = torch.tensor(constrained, dtype=torch.int64)
                 self.apply_mask(logits, bitmask[index], index)
+        return logits
+
+    def _sample_cpu(self, logits: torch.Tensor, rows: list[SampleRow],
+                    bitmask: torch.Tensor | None) -> list[SampleResult]:
+        logits = self._masked(logits, rows, bitmask)
+        starts = _starts(rows)
         probs = self._probs(logits, rows, starts)
         targets = logits.argmax(dim=-1).tolist()
         results = []
@@ -155,6 +228,38 @@ class Sampler:
             uniforms.append(float(torch.rand((), generator=gen)))
             noises.append(torch.empty(probs.shape[1]).exponential_(generator=gen))
         return accept_rejection(probs, row.drafts, uniforms, noises)
+
+
+def sample_on_device(logits: torch.Tensor, rows: list[SampleRow],
+                     bitmask: torch.Tensor | None) -> list[int]:
+    """One token per row with `kernels.mask_sample`, as `GpuDecodeRunner._sample` draws it:
+    seed = sample_seed & (2**63 - 1), Philox step = the row's position, mask words with
+    mask_vocab_size = the logits' width; greedy at temperature 0; top-k/top-p kept only when
+    some row uses them (the graphs' `+filters` variants; off, they change no draw).
+    logits (R, V) on the device, one row per SampleRow; bitmask (R, W) int32 (read on
+    constrained rows only)."""
+    from generation_service.kernels.mask_sample import mask_sample
+
+    device = logits.device
+    x = logits.contiguous()
+    masks = None
+    if bitmask is not None and any(row.is_constrained for row in rows):
+        constrained = torch.tensor([row.is_constrained for row in rows], device=device)
+        words = bitmask.to(device=device, dtype=torch.int32)
+        masks = torch.where(constrained.unsqueeze(1), words, -1)  # -1: every token allowed
+    params = [row.params for row in rows]
+
+    def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(device)
+
+    ids, _ = mask_sample(
+        x, masks, tensor([p.temperature for p in params], torch.float32),
+        tensor([p.top_k for p in params], torch.int32), tensor([p.top_p for p in params], torch.float32),
+        tensor([row.seed & ((1 << 63) - 1) for row in rows], torch.int64),
+        tensor([row.position for row in rows], torch.int64),
+        mask_vocab_size=x.shape[1] if masks is not None else None,
+        enable_filters=any(row.uses_filters for row in rows))
+    return ids.tolist()
 
 
 def _starts(rows: list[SampleRow]) -> list[int]:

@@ -120,3 +120,69 @@ def test_mask_backends_agree():
         results.append(out)
     assert torch.equal(results[0], results[1])
     assert torch.isinf(results[0][1, 64:]).all() and torch.equal(results[0][0], logits[0])
+
+
+def test_sample_row_of_a_scheduled_row_carries_the_position_the_graphs_sample_at():
+    from generation_service.engine.params import GenerationRequest
+    from generation_service.engine.request import Request
+    from generation_service.engine.scheduler import ScheduledRow
+
+    prompt = tuple(range(10, 20))
+    request = Request(GenerationRequest("r", prompt, SamplingParams(temperature=1.0, seed=3)), frozenset(), 3)
+    prefill = SampleRow.of(ScheduledRow(request, 6, list(prompt[6:]), is_sampling=True), False)
+    assert (prefill.position, prefill.first_index, prefill.seed) == (9, 0, 3)  # the last prompt token
+    request.token_ids += [7, 8, 9]
+    decode = SampleRow.of(ScheduledRow(request, 12, [9], is_sampling=True), True)
+    assert (decode.position, decode.first_index, decode.is_constrained) == (12, 3, True)  # = num_cached
+    verify = SampleRow.of(ScheduledRow(request, 12, [9, 4, 5], drafts=[4, 5], is_sampling=True), False)
+    assert (verify.position, verify.drafts, verify.can_sample_on_device) == (12, [4, 5], False)
+    assert decode.can_sample_on_device and not SampleRow(SamplingParams(), 0, 0).can_sample_on_device
+
+
+_DEVICE_PATH_SCRIPT = """
+import torch
+from generation_service.engine.params import SamplingParams
+from generation_service.engine.sampler import Sampler, SampleRow
+from generation_service.kernels.sample_reference import mask_sample_torch
+torch.manual_seed(0)
+V = 200
+logits = torch.randn(5, V) * 3
+bitmask = torch.full((5, (V + 31) // 32), -1, dtype=torch.int32)
+bitmask[3, :] = 0
+bitmask[3, 1] = 0b1011  # tokens 32, 33, 35
+bitmask[0, :] = 0       # an unconstrained row: its words are ignored
+rows = [SampleRow(SamplingParams(), 1, 0, position=4),
+        SampleRow(SamplingParams(temperature=1.0), 2**63 + 5, 2, position=17),
+        SampleRow(SamplingParams(temperature=0.8, top_k=5), 9, 0, position=3),
+        SampleRow(SamplingParams(temperature=1.0), 4, 1, is_constrained=True, position=8),
+        SampleRow(SamplingParams(temperature=1.2, top_p=0.5, num_logprobs=2), 6, 0, position=30)]
+out = Sampler()._sample_one_position(logits, rows, bitmask)
+masks = bitmask.clone()
+masks[0] = -1
+ids, _ = mask_sample_torch(logits, masks, torch.tensor([r.params.temperature for r in rows]),
+                           torch.tensor([r.params.top_k for r in rows], dtype=torch.int32),
+                           torch.tensor([r.params.top_p for r in rows]),
+                           torch.tensor([r.seed & (2**63 - 1) for r in rows]),
+                           torch.tensor([r.position for r in rows]), mask_vocab_size=V)
+assert [o.token_ids for o in out] == [[t] for t in ids.tolist()], (out, ids)
+assert out[3].token_ids[0] in (32, 33, 35)
+assert [len(o.logprobs) for o in out] == [0, 0, 0, 0, 1] and len(out[4].logprobs[0].top) == 2
+print("ok")
+"""
+
+
+def test_device_path_draws_what_the_mask_sample_reference_draws():
+    """The one-position path (CUDA on the device) run through Triton's interpreter on the
+    CPU in a subprocess (the interpreter is chosen at kernel import): the same tokens as
+    the torch reference of mask_sample for the same seeds, positions and masks."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[3]
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-c", _DEVICE_PATH_SCRIPT], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr[-3000:]
