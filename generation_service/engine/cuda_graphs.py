@@ -13,13 +13,22 @@ Variants (`GraphVariant`):
                        `step_channel_wait` below and docs/gpu.md;
 - ``nowait``           mask gather/apply and outputs-area writes without the wait and
                        without the sequence words (benchmarks: isolates the wait's cost;
-                       grammar_service sees nothing of these steps).
-Each has a ``+filters`` twin whose sampler keeps top-k/top-p (mask_sample's
-``enable_filters``); batches where no row uses them replay the plain, cheaper one.
+                       grammar_service sees nothing of these steps);
+- ``prepublished``     a channel step whose wait always passes (``WAIT_GEQ 0``): the whole
+                       mechanism of ``wait_*`` without waiting for grammar_service
+                       (benchmarks only: it breaks the parity invariant, see benchmarks/decode.py).
+Each channel variant reads its masks on a side stream while the forward runs (mask
+prefetch, gpu_runner.py) unless it is the ``+serial`` twin (wait and gather after the
+forward, on the one stream). Each variant has a ``+filters`` twin whose sampler keeps
+top-k/top-p (mask_sample's ``enable_filters``); batches where no row uses them replay the
+plain, cheaper one.
 
 Capture: largest bucket first, all graphs into one memory pool (the big graph's blocks are
 reused by the small ones; graphs never run concurrently and their results live in the
-persistent buffers, not in the pool).
+persistent buffers, not in the pool). A body may fork work onto other streams
+(`GpuDecodeRunner`'s mask prefetch): those streams join the capture stream before the body
+returns, so they become parallel branches of the one graph and a replay ends only when
+every branch has.
 
 Teardown order (NOTE: reversing it can fault a replay or leak pinned memory):
 `DecodeGraphs.close()` (graphs reset, pool dropped) -> synchronize ->
@@ -30,7 +39,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -52,22 +61,35 @@ def bucket_for(batch_size: int, buckets: tuple[int, ...]) -> int:
 
 @dataclass(frozen=True)
 class GraphVariant:
-    """What a captured step does besides the forward."""
+    """What a captured step does besides the forward. `name` (the graph's key) is derived."""
 
-    name: str
+    kind: str               # free | wait_even | wait_odd | nowait | prepublished
     uses_channel: bool      # applies the entry's masks, writes the entry's outputs
     waits: bool             # publishes inputs_seq/outputs_seq, waits for mask_seq: a channel step
-    parity: int | None = None  # the step parity this copy's baked wait accepts
+    parity: int | None = None  # the step parity this copy's baked wait accepts (None: any step)
     filters: bool = False   # the sampler applies top-k/top-p (else compiled out)
+    serial: bool = False    # masks waited for and gathered after the forward (no prefetch)
+
+    @property
+    def name(self) -> str:
+        return self.kind + ("+serial" if self.serial else "") + ("+filters" if self.filters else "")
+
+    @property
+    def prefetches(self) -> bool:
+        """Masks are waited for and gathered on the side stream while the forward runs."""
+        return self.uses_channel and not self.serial
 
     @staticmethod
-    def for_step(constrained: bool, step: int, wait: bool = True, filters: bool = False) -> "GraphVariant":
+    def for_step(constrained: bool, step: int, wait: bool = True, filters: bool = False,
+                 prefetch: bool = True) -> "GraphVariant":
         if not constrained:
             variant = FREE
         elif not wait:
             variant = NOWAIT
         else:
             variant = WAIT_ODD if step & 1 else WAIT_EVEN
+        if not prefetch:
+            variant = with_serial(variant)
         return with_filters(variant) if filters else variant
 
 
@@ -75,14 +97,18 @@ FREE = GraphVariant("free", uses_channel=False, waits=False)
 WAIT_EVEN = GraphVariant("wait_even", uses_channel=True, waits=True, parity=0)
 WAIT_ODD = GraphVariant("wait_odd", uses_channel=True, waits=True, parity=1)
 NOWAIT = GraphVariant("nowait", uses_channel=True, waits=False)
+PREPUBLISHED = GraphVariant("prepublished", uses_channel=True, waits=True, parity=None)
 SERVING_VARIANTS = (FREE, WAIT_EVEN, WAIT_ODD)
 
 
 def with_filters(variant: GraphVariant) -> GraphVariant:
     """The twin of `variant` whose sampler applies top-k/top-p."""
-    if variant.filters:
-        return variant
-    return GraphVariant(variant.name + "+filters", variant.uses_channel, variant.waits, variant.parity, True)
+    return replace(variant, filters=True)
+
+
+def with_serial(variant: GraphVariant) -> GraphVariant:
+    """The twin of `variant` that reads its masks after the forward (a free variant reads none)."""
+    return replace(variant, serial=True) if variant.uses_channel else variant
 
 
 @dataclass

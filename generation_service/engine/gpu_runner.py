@@ -1,22 +1,39 @@
 """Decode steps on the GPU: persistent buffers, CUDA graphs, the step channel inside the graph.
 
-One decode step of bucket b (the body captured by `DecodeGraphs`):
+One decode step of bucket b (the body captured by `DecodeGraphs`), mask prefetch on:
 
-    [channel] inputs_seq = N                  fence + copy of the device step counter
-    forward(b rows) -> logits (b, V)          `DecodeForward` (decode_forward.py)
-    [channel] wait mask_seq (parity of N)     cuStreamWaitValue32 on the mapped region
-    [channel] masks = entry(N % D) rows       gather from mapped host memory
-    sample (mask applied)                     kernels.mask_sample (greedy when temperature 0)
+    main stream                                   side stream (one per runner, all graphs)
+    [channel] inputs_seq = N  (fence + copy of the device step counter)
+      fork ----------------------------------->   [channel] wait mask_seq (parity of N)
+    forward(b rows) -> logits (b, V)              [channel] gather entry N % D rows [0, b)
+      (`DecodeForward`, decode_forward.py)          from mapped host memory -> mask buffer
+      join <-----------------------------------
+    sample (mask applied)                         kernels.mask_sample (greedy when temperature 0)
     [channel] outputs of entry N, outputs_seq = N, N += 1 on the device
     feed: input_ids = tokens; positions, seq_lens += 1 for live rows
 
+grammar_service publishes step N's masks usually long before the forward ends, so the
+wait and the PCIe read of the mask rows (~2 MB at b=128, vocab 131k) leave the critical
+path. The `+serial` variants (`mask_prefetch=False`) run the wait and the gather on the
+main stream after the forward instead: the same kernels, the same buffers, so the same tokens.
+
+Capture: the side stream forks after inputs_seq = N is published (so the wait of step N is
+never issued before it) and joins before the sampler reads the mask buffer; both are
+event edges, so in a graph the wait + gather become a branch parallel to the forward, and a
+replay ends only when both branches have. The mask buffer `(max_batch, mask_words)` is
+allocated once in `_map_channel`, never in the capture pool; steps on one stream are
+ordered, and the fork waits for everything before it (the previous step's sampler
+included), so the gather of step N+1 never overwrites masks step N still reads.
+
 Why a parity wait: a captured cuStreamWaitValue32 has its value baked in, but N changes
 every replay. While step N waits, mask_seq is N-1 or N (grammar_service publishes M only
-after the GPU wrote inputs_seq = M, which happens at the start of step M), so "bit 0 of
-mask_seq == bit 0 of N" is exact: odd N waits with WAIT_AND 1, even N with WAIT_NOR ~1.
+after the GPU wrote inputs_seq = M, which happens at the start of step M, and step N-1's
+wait, on whichever stream, ended before step N began), so "bit 0 of mask_seq == bit 0 of N"
+is exact: odd N waits with WAIT_AND 1, even N with WAIT_NOR ~1.
 Two graph copies per bucket, chosen by the host that knows N. The writes take N from a
 device counter (a kernel store after a cuStreamWriteValue32 fence), so nothing is patched per replay.
-Eager mode (debugging, the reference in tests) waits with GEQ N and writes N directly.
+Eager mode (debugging, the reference in tests) waits with GEQ N and writes N directly, on
+the same streams as the graph.
 
 The host only touches rows that change (`load_rows`, `scrub_tail`), never waits for the GPU
 to build step N+1 (it reads tokens from the outputs area after outputs_seq), and picks the
@@ -30,7 +47,7 @@ import torch
 
 from generation_service.engine.cuda_graphs import (
     DEFAULT_BUCKETS, FREE, SERVING_VARIANTS, DecodeBuffers, DecodeGraphs, GraphVariant, bucket_for,
-    with_filters,
+    with_filters, with_serial,
 )
 from generation_service.engine.decode_forward import DecodeForward
 from generation_service.engine.kv_cache import KVCache
@@ -52,7 +69,8 @@ class GpuDecodeRunner:
 
     def __init__(self, model, kv: KVCache, *, max_batch: int = 128, buckets=DEFAULT_BUCKETS,
                  mapped=None, variants: tuple[GraphVariant, ...] | None = None,
-                 sampler: str = "triton", fuse_weights: bool = True, fused_ops: bool | None = None) -> None:
+                 sampler: str = "triton", fuse_weights: bool = True, fused_ops: bool | None = None,
+                 mask_prefetch: bool = True) -> None:
         self.model = model
         self.config = model.config
         self.kv = kv
@@ -64,9 +82,10 @@ class GpuDecodeRunner:
         max_pages = -(-self.config.max_position_embeddings // kv.page_size)
         self.buffers = DecodeBuffers.allocate(self.max_batch, max_pages, self.device)
         self.forward = DecodeForward(model, kv, self.buffers, fuse_weights=fuse_weights, fused_ops=fused_ops)
+        self.mask_prefetch = mask_prefetch  # the default of `step`; `+serial` variants read masks after the forward
         if variants is None:
             variants = SERVING_VARIANTS if mapped is not None else (FREE,)
-        self.variants = variants
+        self.variants = self._own_variants(variants)
         self.graphs: DecodeGraphs | None = None
         self.next_channel_step = 1
         self._eager_step = 0
@@ -78,6 +97,8 @@ class GpuDecodeRunner:
         self._top_p = torch.ones(mb, dtype=torch.float32, device=self.device)
         self._seeds = torch.zeros(mb, dtype=torch.int64, device=self.device)
         self._ones = torch.ones(1, self.max_batch, dtype=torch.int32, device=self.device)
+        self._side: torch.cuda.Stream | None = None  # the mask-prefetch stream, made once
+        self._mask_rows: torch.Tensor | None = None  # (max_batch, W) masks of the step, on the device
         if mapped is not None:
             self._map_channel(mapped)
 
@@ -92,7 +113,16 @@ class GpuDecodeRunner:
         self._out_tokens = mapped.ring_view("out_tokens", (g.max_batch, g.max_positions))[:, :, 0]
         self._out_counts = mapped.ring_view("out_counts", (g.max_batch,))
         self.mask_vocab = min(g.vocab_size, self.config.vocab_size)
+        # NOTE: persistent, outside any capture pool: the side stream writes it, the main
+        # stream's sampler reads it after the join (a pool block could be reused in between).
+        self._mask_rows = torch.zeros(self.max_batch, g.mask_words, dtype=torch.int32, device=self.device)
+        if self._side is None:  # one stream for every graph and every channel of this runner
+            self._side = torch.cuda.Stream(device=self.device)
         self.buffers.set_step(self.next_channel_step, self.depth)
+
+    def _own_variants(self, variants: tuple[GraphVariant, ...]) -> tuple[GraphVariant, ...]:
+        """`variants` as this runner captures them: without mask prefetch, serial channel variants."""
+        return variants if self.mask_prefetch else tuple(dict.fromkeys(with_serial(v) for v in variants))
 
     def attach_channel(self, mapped, variants: tuple[GraphVariant, ...], first_step: int) -> None:
         """Serve a (new) step channel: graphs over the old region are dropped first, then the
@@ -104,7 +134,7 @@ class GpuDecodeRunner:
         if mapped is not None:
             self.next_channel_step = first_step
             self._map_channel(mapped)
-        self.variants = variants
+        self.variants = self._own_variants(variants)
         # NOTE: warm-up runs the body on whatever rows are loaded; padding everywhere keeps its
         # K/V writes in the dummy page (a finished request's pages may belong to another now).
         self.buffers.scrub_tail(0, self.max_batch)
@@ -128,13 +158,27 @@ class GpuDecodeRunner:
             self.mapped.write_value32(None, which, self._eager_step)
 
     def _wait_masks(self, variant: GraphVariant) -> None:
+        """Block the current stream until step N's masks are published."""
         from step_channel.cuda import WAIT_AND, WAIT_GEQ, WAIT_NOR
-        if not self._capturing:
+        if variant.parity is None:  # PREPUBLISHED (benchmarks): (int32)(mask_seq - 0) >= 0 always holds
+            self.mapped.wait_value32(None, "mask_seq", 0, WAIT_GEQ)
+        elif not self._capturing:
             self.mapped.wait_value32(None, "mask_seq", self._eager_step, WAIT_GEQ)
         elif variant.parity == 1:
             self.mapped.wait_value32(None, "mask_seq", 1, WAIT_AND)
         else:
             self.mapped.wait_value32(None, "mask_seq", 0xFFFFFFFE, WAIT_NOR)
+
+    def _read_masks(self, bucket: int, variant: GraphVariant) -> torch.Tensor:
+        """On the current stream: wait for step N's masks (channel steps), then gather rows
+        [0, bucket) of entry N % D (index = the device ring slot) from mapped host memory
+        into the persistent mask buffer. Returns its (bucket, W) rows."""
+        if variant.waits:
+            self._wait_masks(variant)
+        rows = self._mask_rows[:bucket]
+        # (1, bucket, W) <- (D, bucket, W)[ring_slot]: one kernel, no temporary
+        torch.index_select(self._masks[:, :bucket], 0, self.buffers.ring_slot, out=rows.unsqueeze(0))
+        return rows
 
     def _sample(self, logits: torch.Tensor, masks: torch.Tensor | None, bucket: int,
                 filters: bool = False) -> torch.Tensor:
@@ -158,12 +202,20 @@ class GpuDecodeRunner:
         buf = self.buffers
         if variant.waits:
             self._publish("inputs_seq")
+        main = torch.cuda.current_stream() if variant.prefetches else None
+        if variant.prefetches:
+            # NOTE: fork after inputs_seq = N (the parity argument needs the wait after it);
+            # the side stream also sees the host's row updates and the previous step's sampler.
+            self._side.wait_stream(main)
+            with torch.cuda.stream(self._side):
+                self._read_masks(bucket, variant)
         logits = self.decode_forward(bucket)
         masks = None
-        if variant.uses_channel:
-            if variant.waits:
-                self._wait_masks(variant)
-            masks = self._masks[:, :bucket].index_select(0, buf.ring_slot)[0]  # (b, W) from host memory
+        if variant.prefetches:
+            main.wait_stream(self._side)  # NOTE: join before the sampler reads the buffer (and before capture ends)
+            masks = self._mask_rows[:bucket]
+        elif variant.uses_channel:
+            masks = self._read_masks(bucket, variant)
         tokens = self._sample(logits, masks, bucket, variant.filters)  # (b,) int64
         buf.out_tokens[:bucket].copy_(tokens)
         if variant.uses_channel:
@@ -208,16 +260,20 @@ class GpuDecodeRunner:
         return self.graphs.capture_s
 
     def step(self, batch_size: int, constrained: bool = False, wait: bool = True,
-             use_graph: bool = True, filters: bool = False) -> GraphVariant:
+             use_graph: bool = True, filters: bool = False, prefetch: bool | None = None,
+             variant: GraphVariant | None = None) -> GraphVariant:
         """Launch one decode step of rows [0, batch_size). Returns the variant run.
 
         A constrained step is channel step `next_channel_step`: its descriptor must be
-        written before this call.
+        written before this call. `prefetch` (None: the runner's `mask_prefetch`) picks the
+        side-stream or the `+serial` mask read; `variant` replaces the choice (benchmarks).
         """
         bucket = bucket_for(batch_size, self.buckets)
         self.buffers.scrub_tail(batch_size, bucket)
         step = self.next_channel_step
-        variant = GraphVariant.for_step(constrained, step, wait, filters)
+        if variant is None:
+            prefetch = self.mask_prefetch if prefetch is None else prefetch
+            variant = GraphVariant.for_step(constrained, step, wait, filters, prefetch)
         if use_graph and self.graphs is not None:
             self.graphs.replay(bucket, variant)
         else:
