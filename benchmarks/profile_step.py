@@ -1,0 +1,338 @@
+"""Where the decode step's time goes: kernels, groups, gaps (device script, one GPU).
+
+    python3 benchmarks/profile_step.py --out $OUT/profile-h200.json
+
+Per model shape (random weights, bf16, vocab 131072 as in benchmarks/decode.py) and batch
+(1 and 32, `--context` 512 cached tokens per row), over the `free` decode graph (forward +
+mask_sample greedy, no channel work):
+- step_ms: CUDA events around each of `--steps` replays (median; mean too), as decode.py's
+  free column (which divides wall time by steps);
+- kernels, from torch.profiler (CUPTI) over `--profile-steps` replays: kernel_ms per step
+  (sum of kernel durations; one stream, so no overlap) and gap_ms = step_ms - kernel_ms
+  (launch gaps between graph nodes, the tail); per group (GEMM, attention, add_rmsnorm,
+  rope_write_kv, silu_mul, mask_sample, embedding, other elementwise): count, total and
+  mean us per step; the top kernel names;
+- projections: each GEMM's achieved weight-read GB/s (weight bytes / kernel time) for
+  qkv, o, gate_up, down and the LM head, from the profile (GEMMs in graph order, 4 per
+  layer then the LM head) and from each projection's GEMMs alone in a graph ("isolated");
+- floor: weights read per step / device copy bandwidth measured here (decode.py's floor).
+If the profiler reports no kernels inside graph replays, the eager step body
+(`GpuDecodeRunner.body`) is profiled instead: `kernel_source` says which.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import sys
+import tempfile
+import time
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+VOCAB = 131072
+PAGE_SIZE = 16
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
+# (group, lower-case substrings of kernel names), first match wins: Triton kernels by their
+# function names first (attention's reduce kernel must not fall into GEMM's split-K reduce).
+GROUPS = (
+    ("add_rmsnorm", ("_rmsnorm_kernel",)),
+    ("rope_write_kv", ("_rope_kernel",)),
+    ("silu_mul", ("_silu_mul_kernel",)),
+    ("attention", ("_decode_split_kernel", "_decode_reduce_kernel", "attention", "flash")),
+    ("mask_sample", ("_partial_kernel", "_finalize_kernel")),
+    ("embedding", ("indexselect", "embedding")),
+    ("gemm", ("gemm", "gemv", "nvjet", "xmma", "cutlass", "cublas", "splitkreduce")),
+)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def group_of(name: str) -> str:
+    lower = name.lower()
+    for group, keys in GROUPS:
+        if any(key in lower for key in keys):
+            return group
+    return "other_elementwise"
+
+
+# ---- analysis of a kernel list (pure: testable without a GPU) ---------------------------
+def summarize(kernels: list[dict], num_steps: int) -> dict:
+    """kernels: {name, dur (us)} of num_steps replays -> per-step totals, groups, top names."""
+    groups: dict[str, dict] = {}
+    names: dict[str, float] = {}
+    for k in kernels:
+        g = groups.setdefault(group_of(k["name"]), {"count": 0, "total_us": 0.0})
+        g["count"] += 1
+        g["total_us"] += k["dur"]
+        names[k["name"]] = names.get(k["name"], 0.0) + k["dur"]
+    for g in groups.values():
+        g["mean_us"] = g["total_us"] / max(g["count"], 1)
+        g["count"] /= num_steps
+        g["total_us"] /= num_steps
+    top = sorted(names.items(), key=lambda item: -item[1])[:15]
+    return {"kernels_per_step": len(kernels) / num_steps,
+            "kernel_ms": sum(k["dur"] for k in kernels) / num_steps / 1e3,
+            "groups": dict(sorted(groups.items(), key=lambda item: -item[1]["total_us"])),
+            "top_kernels": [{"name": n[:160], "us_per_step": t / num_steps} for n, t in top]}
+
+
+def projection_times(kernels: list[dict], num_layers: int) -> dict[str, list[float]] | None:
+    """GEMM durations (us) by projection, from GEMMs in launch order: qkv, o, gate_up, down
+    per layer, then the LM head; a split-K reduce joins the GEMM before it. None if the
+    count does not fit that pattern."""
+    gemms: list[float] = []
+    for k in kernels:
+        if group_of(k["name"]) != "gemm":
+            continue
+        if "reduce" in k["name"].lower() and gemms:
+            gemms[-1] += k["dur"]
+        else:
+            gemms.append(k["dur"])
+    period = 4 * num_layers + 1
+    if not gemms or len(gemms) % period:
+        return None
+    out: dict[str, list[float]] = {name: [] for name in PROJECTIONS + ("lm_head",)}
+    for j, dur in enumerate(gemms):
+        i = j % period
+        out["lm_head" if i == period - 1 else PROJECTIONS[i % 4]].append(dur)
+    return out
+
+
+def projection_bytes(model) -> dict[str, int]:
+    """Weight bytes one GEMM of each projection reads (one layer; the LM head)."""
+    cfg, item = model.config, 2  # bf16
+    q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    return {"qkv": (q_dim + 2 * kv_dim) * h * item, "o": h * q_dim * item,
+            "gate_up": 2 * inter * h * item, "down": h * inter * item,
+            "lm_head": model.output_weight.shape[0] * h * item}
+
+
+def gbs_table(times: dict[str, list[float]], nbytes: dict[str, int]) -> dict[str, dict]:
+    return {name: {"count": len(ts), "mean_us": sum(ts) / len(ts),
+                   "gbs": nbytes[name] * len(ts) / (sum(ts) * 1e-6) / 1e9}
+            for name, ts in times.items() if ts}
+
+
+# ---- the device side --------------------------------------------------------------------
+def copy_bandwidth_gbs(nbytes: int = 4 << 30, reps: int = 10) -> float:
+    """Device-to-device copy, bytes read + written per second (median), as decode.py."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(reps + 2):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    del src, dst
+    return 2 * nbytes / sorted(times[2:])[len(times[2:]) // 2] / 1e9
+
+
+def weight_bytes_read(model) -> int:
+    """Every parameter except an untied input embedding (only B rows are gathered)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not model.config.tie_word_embeddings:
+        emb = model.model.embed_tokens.weight
+        total -= emb.numel() * emb.element_size()
+    return total
+
+
+def event_times_ms(fn, reps: int) -> list[float]:
+    """CUDA-event time of each of reps calls of fn."""
+    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+             for _ in range(reps)]
+    for a, b in pairs:
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    return [a.elapsed_time(b) for a, b in pairs]
+
+
+def profile_kernels(fn, reps: int, trace_path: str | None) -> list[dict]:
+    """Device activity (kernels, memcpy, memset) of reps calls, in start order, from the
+    profiler's chrome trace (its format is stable across torch releases)."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = trace_path or os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    kernels = [{"name": e["name"], "ts": float(e["ts"]), "dur": float(e.get("dur", 0.0))}
+               for e in events if e.get("ph") == "X"
+               and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    return sorted(kernels, key=lambda k: k["ts"])
+
+
+def isolated_projections(model, runner, bucket: int, reps: int = 20) -> dict[str, list[float]]:
+    """Each projection's GEMMs over every layer (distinct weights: no L2 reuse) alone in one
+    graph; per-GEMM us = graph time / layers (includes the graph's node-to-node gaps)."""
+    import torch.nn.functional as F
+    cfg, dev, bf = model.config, "cuda", torch.bfloat16
+    x = torch.randn(bucket, cfg.hidden_size, dtype=bf, device=dev)
+    xq = torch.randn(bucket, cfg.num_heads * cfg.head_dim, dtype=bf, device=dev)
+    xi = torch.randn(bucket, cfg.intermediate_size, dtype=bf, device=dev)
+    pairs = list(zip(runner.forward.weights, model.model.layers))
+    chains = {"qkv": lambda: [F.linear(x, w.qkv) for w, _ in pairs],
+              "o": lambda: [F.linear(xq, layer.self_attn.o_proj.weight) for _, layer in pairs],
+              "gate_up": lambda: [F.linear(x, w.gate_up) for w, _ in pairs],
+              "down": lambda: [F.linear(xi, layer.mlp.down_proj.weight) for _, layer in pairs],
+              "lm_head": lambda: F.linear(x, model.output_weight)}
+    out = {}
+    for name, chain in chains.items():
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            chain()
+        stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            chain()
+        times = sorted(event_times_ms(graph.replay, reps + 3)[3:])
+        per_graph_us = times[len(times) // 2] * 1e3
+        calls = 1 if name == "lm_head" else len(pairs)
+        out[name] = [per_graph_us / calls] * calls
+        graph.reset()
+    return out
+
+
+def load_rows(runner, batch: int, context: int, pages_per_row: int) -> None:
+    """Rows [0, batch): a random token at position `context` over a random cache."""
+    ids = torch.randint(0, VOCAB, (batch,))
+    positions = torch.full((batch,), context, dtype=torch.int64)
+    seq_lens = torch.full((batch,), context + 1, dtype=torch.int32)
+    table = torch.arange(1, 1 + batch * pages_per_row, dtype=torch.int32).view(batch, pages_per_row)
+    runner.load_rows(ids, positions, seq_lens, table)
+
+
+def profile_batch(args, model, runner, batch: int, pages_per_row: int, trace_dir) -> dict:
+    from generation_service.engine.cuda_graphs import FREE
+    cfg = model.config
+    load_rows(runner, batch, args.context, pages_per_row)
+    for _ in range(args.warmup):
+        runner.step(batch)
+    load_rows(runner, batch, args.context, pages_per_row)
+    times = event_times_ms(lambda: runner.step(batch), args.steps)
+    step_ms = sorted(times)[len(times) // 2]
+    load_rows(runner, batch, args.context, pages_per_row)
+    trace = str(trace_dir / f"{cfg.num_layers}L-b{batch}.json") if trace_dir else None
+    kernels, source = [], "graph replay"
+    if not args.eager:
+        kernels = profile_kernels(lambda: runner.step(batch), args.profile_steps, trace)
+    if len(kernels) < 2 * cfg.num_layers * args.profile_steps:  # none seen inside the graphs
+        log(f"b={batch}: {len(kernels)} kernels seen in graph replays: profiling the eager body")
+        source = "eager body (GpuDecodeRunner.body, free variant)"
+        load_rows(runner, batch, args.context, pages_per_row)
+        with torch.no_grad():
+            kernels = profile_kernels(lambda: runner.body(batch, FREE), args.profile_steps, trace)
+    out = {"batch": batch, "context": args.context, "step_ms": step_ms,
+           "step_ms_mean": sum(times) / len(times), "kernel_source": source}
+    out.update(summarize(kernels, args.profile_steps))
+    out["gap_ms"] = step_ms - out["kernel_ms"]
+    nbytes = projection_bytes(model)
+    by_projection = projection_times(kernels, cfg.num_layers)
+    out["projections"] = gbs_table(by_projection, nbytes) if by_projection else None
+    out["projections_isolated"] = gbs_table(isolated_projections(model, runner, batch), nbytes)
+    return out
+
+
+def model_shape(args, preset: str, bandwidth: float) -> dict:
+    from generation_service.engine.gpu_runner import GpuDecodeRunner
+    from generation_service.engine.kv_cache import KVCache
+    from generation_service.model.presets import PRESETS
+    from generation_service.model.random_init import build_random_model
+    cfg = dataclasses.replace(PRESETS[preset], vocab_size=VOCAB, max_position_embeddings=4096)
+    started = time.perf_counter()
+    model = build_random_model(cfg, torch.device("cuda"), torch.bfloat16, seed=0)
+    max_batch = max(args.batches)
+    pages_per_row = -(-(args.context + args.warmup + args.steps + args.profile_steps + 8) // PAGE_SIZE)
+    kv = KVCache(cfg.num_layers, 1 + max_batch * pages_per_row, PAGE_SIZE, cfg.num_kv_heads,
+                 cfg.head_dim, torch.bfloat16, "cuda")
+    for t in kv.k + kv.v:
+        t.normal_(0.0, 1.0)
+    runner = GpuDecodeRunner(model, kv, max_batch=max_batch, buckets=tuple(args.batches))
+    trace_dir = pathlib.Path(args.trace_dir) / preset if args.trace_dir else None
+    if trace_dir:
+        trace_dir.mkdir(parents=True, exist_ok=True)
+    with torch.no_grad():
+        capture_s = runner.capture()
+        log(f"{preset}: built and captured in {time.perf_counter() - started:.1f} s")
+        floor_ms = weight_bytes_read(model) / (bandwidth * 1e9) * 1e3
+        rows = []
+        for batch in args.batches:
+            row = profile_batch(args, model, runner, batch, pages_per_row, trace_dir)
+            row["over_weight_floor"] = row["step_ms"] / floor_ms
+            rows.append(row)
+            print_row(preset, row)
+    runner.close()
+    out = {"preset": preset, "sampler": runner.sampler, "weight_bytes_read": weight_bytes_read(model),
+           "weight_floor_ms": floor_ms, "capture_s": capture_s, "rows": rows}
+    del runner, model, kv
+    torch.cuda.empty_cache()
+    return out
+
+
+def print_row(preset: str, row: dict) -> None:
+    log(f"{preset} b={row['batch']}: step {row['step_ms']:.3f} ms (x{row['over_weight_floor']:.2f} "
+        f"floor), kernels {row['kernel_ms']:.3f} ms in {row['kernels_per_step']:.0f}, gaps "
+        f"{row['gap_ms']:.3f} ms [{row['kernel_source']}]")
+    for name, g in row["groups"].items():
+        print(f"    {name:18s} {g['count']:6.0f} x {g['mean_us']:8.2f} us = {g['total_us']:9.1f} us")
+    for label in ("projections", "projections_isolated"):
+        for name, p in (row[label] or {}).items():
+            print(f"    {label:20s} {name:8s} {p['mean_us']:8.2f} us  {p['gbs']:7.0f} GB/s")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--presets", nargs="+", default=["llama-3.1-8b", "llama-3.2-1b"])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 32])
+    ap.add_argument("--context", type=int, default=512, help="cached tokens per row")
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=50, help="timed replays (CUDA events)")
+    ap.add_argument("--profile-steps", type=int, default=5, help="replays under the profiler")
+    ap.add_argument("--eager", action="store_true", help="profile the eager step body only")
+    ap.add_argument("--trace-dir", help="keep the chrome traces here")
+    ap.add_argument("--out", help="write the JSON here")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("profile_step.py needs a CUDA device", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    bandwidth = copy_bandwidth_gbs()
+    log(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth:.0f} GB/s")
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+              "copy_bandwidth_GBps": bandwidth, "models": []}
+    for preset in args.presets:
+        result["models"].append(model_shape(args, preset, bandwidth))
+    result["wall_s"] = time.perf_counter() - started
+    log(f"done in {result['wall_s']:.0f} s")
+    if args.out:
+        pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
