@@ -9,6 +9,10 @@ record carries the bytes the kernel must move and the floor those bytes give at 
 bandwidth measured in the same run, so "x floor" says how far from memory speed it is.
 "torch" is the reference in the kernel's room; for attention "sdpa" is torch's fused
 attention over a contiguous (unpaged) cache of the same size, a stronger baseline.
+"gemv" (`--only gemv`, ~1 minute): the decode projections at M = 1..8, cuBLAS vs every
+candidate config of kernels/gemv.py, each timed as a CUDA graph of one launch per layer over
+distinct weight copies (as in a decode step: no weight stays in L2), plus every projection of
+a whole step in one graph.
 """
 from __future__ import annotations
 
@@ -266,6 +270,131 @@ def bench_norm_rope(bw):
     return out
 
 
+GEMV_MODELS = {  # model: (hidden, intermediate, q heads x head_dim, kv heads x head_dim, layers)
+    "8B": (4096, 14336, 32 * 128, 8 * 128, 32),
+    "1B": (2048, 8192, 32 * 64, 8 * 64, 16),
+}
+
+
+def graph_ms(fns, rep_ms: int = 40) -> float:
+    """ms of one replay of a CUDA graph that launches fns in order (compiled/warmed first)."""
+    for fn in fns:
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    ms = bench(graph.replay, rep_ms)
+    del graph
+    return ms
+
+
+def gemv_weights(hidden, inter, q_dim, kv_dim, layers):
+    """name -> (N, K, one weight per layer); gate_up is [gate; up] (2I rows); the LM head is one
+    weight launched 4 times (1 GB: never in L2)."""
+    def copies(n, k, count):
+        return [torch.randn(n, k, device=DEV, dtype=torch.bfloat16) for _ in range(count)]
+    shapes = {"qkv": (q_dim + 2 * kv_dim, hidden), "o_proj": (hidden, q_dim),
+              "gate_up": (2 * inter, hidden), "down": (hidden, inter)}
+    weights = {name: (n, k, copies(n, k, layers)) for name, (n, k) in shapes.items()}
+    weights["lm_head"] = (VOCAB, hidden, copies(VOCAB, hidden, 1) * 4)
+    return weights
+
+
+def bench_gemv(bw, quick):
+    """Per projection and M: cuBLAS vs each gemv candidate (gate_up: F.linear + silu_mul vs the
+    fused gemv_gate_up_silu); then all projections of a step, cuBLAS vs gemv defaults."""
+    from generation_service.kernels.decode_fused import silu_mul
+    from generation_service.kernels.gemv import candidate_configs, gemv, gemv_gate_up_silu
+    out = []
+    for model, dims in GEMV_MODELS.items():
+        weights = gemv_weights(*dims)
+        hidden, inter = dims[0], dims[1]
+        for m in ((1, 8) if quick else (1, 2, 4, 8)):
+            xs = {k: torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+                  for k in {k for _, k, _ in weights.values()}}
+            for name, (n, k, ws) in weights.items():
+                x, fused = xs[k], name == "gate_up"
+                nbytes = n * k * 2
+                if fused:
+                    t_ref = graph_ms([lambda w=w: silu_mul(F.linear(x, w)) for w in ws]) / len(ws)
+                    extra = dict(linear_only_us=1e3 * graph_ms(
+                        [lambda w=w: F.linear(x, w) for w in ws]) / len(ws))
+                else:
+                    t_ref = graph_ms([lambda w=w: F.linear(x, w) for w in ws]) / len(ws)
+                    extra = {}
+                configs = candidate_configs(m, n // 2 if fused else n, k, fused=fused)
+                for index, cfg in enumerate(configs):
+                    if fused:
+                        fns = [lambda w=w, c=cfg: gemv_gate_up_silu(x, w, config=c) for w in ws]
+                    else:
+                        fns = [lambda w=w, c=cfg: gemv(x, w, config=c) for w in ws]
+                    try:
+                        t = graph_ms(fns) / len(ws)
+                    except Exception as exc:  # e.g. out of shared memory: keep the others
+                        out.append(dict(kernel="gemv", case=f"{model} {name} M={m} {cfg}",
+                                        error=repr(exc)))
+                        continue
+                    out.append(record(
+                        "gemv", f"{model} {name} M={m} {cfg}", t, t_ref, nbytes, bw,
+                        model=model, shape=name, m=m, n=n, k=k, config=str(cfg),
+                        default=index == 0, triton_us=1e3 * t, cublas_us=1e3 * t_ref,
+                        triton_GBps=nbytes / t / 1e6, cublas_GBps=nbytes / t_ref / 1e6, **extra))
+            out.append(bench_gemv_step(model, weights, xs, m, bw, hidden, inter, silu_mul, gemv,
+                                       gemv_gate_up_silu))
+        del weights, xs
+        torch.cuda.empty_cache()
+    print_gemv(out)
+    return out
+
+
+def bench_gemv_step(model, weights, xs, m, bw, hidden, inter, silu_mul, gemv, gate_up_silu):
+    """Every projection of one decode step (layers x qkv, o, gate_up+silu, down; LM head) in
+    one graph: the GEMM share of the step, cuBLAS vs gemv's default configs."""
+    layers = len(weights["qkv"][2])
+    q_dim = weights["o_proj"][1]
+    xh, xq, xi = xs[hidden], xs[q_dim], xs[inter]
+
+    def step_fns(linear, mlp):
+        fns = []
+        for i in range(layers):
+            fns += [lambda i=i: linear(xh, weights["qkv"][2][i]),
+                    lambda i=i: linear(xq, weights["o_proj"][2][i]),
+                    lambda i=i: mlp(xh, weights["gate_up"][2][i]),
+                    lambda i=i: linear(xi, weights["down"][2][i])]
+        return fns + [lambda: linear(xh, weights["lm_head"][2][0])]
+    t_ref = graph_ms(step_fns(F.linear, lambda x, w: silu_mul(F.linear(x, w))))
+    t = graph_ms(step_fns(gemv, gate_up_silu))
+    nbytes = sum(n * k * 2 * (1 if name == "lm_head" else len(ws))
+                 for name, (n, k, ws) in weights.items())
+    return record("gemv_step", f"{model} M={m} all projections + LM head", t, t_ref, nbytes,
+                  bw, model=model, m=m, triton_GBps=nbytes / t / 1e6,
+                  cublas_GBps=nbytes / t_ref / 1e6)
+
+
+def print_gemv(records):
+    """One line per (model, projection, M): cuBLAS, the default config, the best config."""
+    rows = {}
+    for rec in records:
+        if rec.get("kernel") == "gemv" and "error" not in rec:
+            rows.setdefault((rec["model"], rec["shape"], rec["m"]), []).append(rec)
+    print(f"{'gemv':<22} {'cublas us':>10} {'GB/s':>6} {'default us':>10} {'GB/s':>6} "
+          f"{'best us':>8} {'GB/s':>6}  best config")
+    for (model, shape, m), recs in rows.items():
+        default = next((r for r in recs if r["default"]), recs[0])
+        best = min(recs, key=lambda r: r["triton_us"])
+        label = f"{model} {shape} M={m}"
+        print(f"{label:<22} {default['cublas_us']:>10.1f} "
+              f"{default['cublas_GBps']:>6.0f} {default['triton_us']:>10.1f} "
+              f"{default['triton_GBps']:>6.0f} {best['triton_us']:>8.1f} "
+              f"{best['triton_GBps']:>6.0f}  {best['config']}")
+    for rec in records:
+        if rec.get("kernel") == "gemv_step":
+            print(f"{rec['case']}: cuBLAS {rec['torch_ms']:.3f} ms ({rec['cublas_GBps']:.0f} GB/s)"
+                  f", gemv {rec['triton_ms']:.3f} ms ({rec['triton_GBps']:.0f} GB/s)")
+
+
 def print_table(records):
     cols = ["kernel", "case", "triton_ms", "torch_ms", "speedup", "sdpa_ms", "x_floor",
             "tflops", "probes1_ms", "probes16_ms"]  # full records, probes4_ms too: --out
@@ -286,7 +415,7 @@ def main() -> int:
     parser.add_argument("--out", required=True, help="JSON file for the results")
     parser.add_argument("--quick", action="store_true", help="fewer shapes (~1 minute)")
     parser.add_argument("--only", default="", help="comma list: decode,extend,prepare,"
-                        "kv_write,mask_sample,norm_rope,tuning")
+                        "kv_write,mask_sample,norm_rope,tuning,gemv")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
@@ -304,7 +433,8 @@ def main() -> int:
               "kv_write": lambda: bench_kv_write(bw),
               "mask_sample": lambda: bench_mask_sample(batches, bw),
               "norm_rope": lambda: bench_norm_rope(bw),
-              "tuning": lambda: bench_tuning(bw)}
+              "tuning": lambda: bench_tuning(bw),
+              "gemv": lambda: bench_gemv(bw, args.quick)}
     records = []
     for name, run in suites.items():
         if (only and name not in only) or (args.quick and name == "tuning" and not only):

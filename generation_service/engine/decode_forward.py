@@ -7,10 +7,13 @@ Two versions of the same step (docs/gpu.md has their H200 timings):
 - torch: the model's own modules around the same GEMMs and attention: ~36 launches per layer.
 Both read input ids, positions, page tables and seq_lens from `DecodeBuffers`; padding rows
 (seq_len 0, page table 0) write only into the dummy page.
+The fused version's GEMMs are cuBLAS (F.linear), or for buckets <= `gemv_max_batch` the Triton
+skinny GEMMs of `kernels/gemv.py` (qkv, o_proj, gate_up with silu*mul fused in, down, LM head).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +41,19 @@ class LayerWeights:
     gate_up: torch.Tensor
 
 
+@dataclass(frozen=True)
+class Projections:
+    """The GEMMs of one fused step: cuBLAS, or the Triton skinny GEMMs at small buckets."""
+
+    linear: Callable  # (x, weight, bias) -> x @ weight^T + bias
+    gate_up_silu: Callable  # (x, [gate; up]) -> silu(x @ gate^T) * (x @ up^T)
+
+
+def _cublas_gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    from generation_service.kernels.decode_fused import silu_mul
+    return silu_mul(F.linear(x, gate_up))
+
+
 def fuse_layer_weights(model) -> list[LayerWeights]:
     fused = []
     with torch.no_grad():
@@ -54,16 +70,23 @@ def fuse_layer_weights(model) -> list[LayerWeights]:
 
 
 class DecodeForward:
-    """Callable: bucket -> logits, reading the persistent buffers of one runner."""
+    """Callable: bucket -> logits, reading the persistent buffers of one runner.
+
+    gemv_max_batch: buckets up to this many rows run their GEMMs with `kernels/gemv.py`
+    (fused path only; 0 = cuBLAS everywhere). Read per call, so set it before capture.
+    """
 
     def __init__(self, model, kv: KVCache, buffers: DecodeBuffers, *, fuse_weights: bool = True,
-                 fused_ops: bool | None = None) -> None:
+                 fused_ops: bool | None = None, gemv_max_batch: int = 0) -> None:
         from generation_service.kernels import get_attention_backend
         self.model, self.config, self.kv, self.buffers = model, model.config, kv, buffers
         self.weights = fuse_layer_weights(model) if fuse_weights else None
         if fused_ops is None:  # Triton element-wise fusions: Llama layout without q/k norms
             fused_ops = fuse_weights and not self.config.qk_norm and self.config.head_dim % 32 == 0
         self.fused_ops = fused_ops
+        if not 0 <= gemv_max_batch <= 16:  # kernels.gemv.MAX_ROWS (not imported: triton)
+            raise ValueError(f"gemv_max_batch must be in 0..16, got {gemv_max_batch}")
+        self.gemv_max_batch = gemv_max_batch
         self.attention = get_attention_backend("triton")
         self._extend_lens = torch.ones(buffers.max_batch, dtype=torch.int32, device=kv.device)
 
@@ -81,11 +104,19 @@ class DecodeForward:
         pages = page_table.gather(1, page_col.unsqueeze(1)).squeeze(1).long()
         return pages * kv.page_size + positions % kv.page_size
 
+    def _projections(self, bucket: int) -> Projections:
+        if bucket <= self.gemv_max_batch:
+            from generation_service.kernels.gemv import gemv, gemv_gate_up_silu
+            return Projections(gemv, gemv_gate_up_silu)
+        return Projections(F.linear, _cublas_gate_up_silu)
+
     def _fused(self, bucket: int) -> torch.Tensor:
         """~10 launches per layer: norm, qkv, rope+kv write, attention (2), o_proj,
-        add+norm, gate_up, silu*mul, down. bf16 logits (mask_sample reads them as they are)."""
-        from generation_service.kernels.decode_fused import add_rmsnorm, rope_write_kv, silu_mul
+        add+norm, gate_up, silu*mul, down (9 with gemv: silu*mul fused into gate_up).
+        bf16 logits (mask_sample reads them as they are)."""
+        from generation_service.kernels.decode_fused import add_rmsnorm, rope_write_kv
         cfg, buf, m, kv = self.config, self.buffers, self.model, self.kv
+        proj = self._projections(bucket)
         ids = buf.input_ids[:bucket].clamp(0, cfg.vocab_size - 1)
         meta = DecodeMeta(buf.page_table[:bucket], buf.seq_lens[:bucket], self._extend_lens[:bucket])
         slot_ids = self._slot_ids(bucket)
@@ -98,16 +129,17 @@ class DecodeForward:
             x, residual = add_rmsnorm(delta if delta is not None else residual,
                                       residual if delta is not None else None,
                                       layer.input_layernorm.weight, eps)
-            qkv = F.linear(x, w.qkv, w.qkv_bias)
+            qkv = proj.linear(x, w.qkv, w.qkv_bias)
             q = rope_write_kv(qkv, cos, sin, kv.k[index], kv.v[index], slot_ids,
                               cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
             o = self.attention.decode(q, kv.k[index], kv.v[index], meta, scale,
                                       sliding_window=cfg.sliding_window)
-            delta = layer.self_attn.o_proj(o.view(bucket, q_dim))
+            o_proj, down_proj = layer.self_attn.o_proj, layer.mlp.down_proj
+            delta = proj.linear(o.view(bucket, q_dim), o_proj.weight, o_proj.bias)
             x, residual = add_rmsnorm(delta, residual, layer.post_attention_layernorm.weight, eps)
-            delta = layer.mlp.down_proj(silu_mul(F.linear(x, w.gate_up)))
+            delta = proj.linear(proj.gate_up_silu(x, w.gate_up), down_proj.weight, down_proj.bias)
         x, _ = add_rmsnorm(delta, residual, m.model.norm.weight, eps)
-        return F.linear(x, m.output_weight)
+        return proj.linear(x, m.output_weight, None)
 
     def _torch(self, bucket: int) -> torch.Tensor:
         """The same step from the model's own modules (the v1 path; ~36 launches per layer)."""

@@ -1,0 +1,196 @@
+"""Skinny GEMMs for decode (Triton): y (M, N) = x (M, K) @ W^T (+ bias), W (N, K) row-major
+(the nn.Linear layout), M <= 16 rows, fp32 accumulation, output in x's dtype.
+
+Why: at M = 1..8 every projection of a decode step is a GEMV, bound by reading W once
+(docs/gpu.md: the 8B projections + LM head alone ran at 3.67-3.76 TB/s under cuBLAS, ~88% of
+the 4.2 TB/s copy bandwidth). Design for bandwidth:
+- each program owns BLOCK_N output columns and streams those W rows across K in
+  (BLOCK_N, BLOCK_K) tiles, 128-bit loads along K, pipelined `num_stages` deep; x's K tile is
+  loaded once per step and serves all M rows;
+- no split-K: BLOCK_N is chosen so N / BLOCK_N >= ~2 x the H200's 132 SMs (N = 4096 at
+  BLOCK_N 16: 256 programs). Every 8B projection has N >= 4096, so the grid fills the chip
+  without a second reduction launch and an fp32 partials round trip. Only the 1B o_proj
+  (N = 2048: 128 programs) is under 2 waves' worth;
+- two kernels: `_gemv_dot_kernel` (tensor cores, swap-AB: acc^T (BLOCK_N, 16) = W tile @ x^T,
+  x padded to one 16-wide MMA tile, any M <= 16) and `_gemv_row_kernel` (M = 1 on CUDA cores:
+  fp32 partial products per (n, k) lane, one reduction after the K loop);
+- `gemv_gate_up_silu`: the MLP's fused [gate; up] weight -> silu(gate) * up directly, each
+  program streaming matching gate and up rows; gate and up are rounded to the output dtype
+  before silu * up, as `decode_fused.silu_mul(F.linear(x, gate_up))` rounds them.
+
+Configs: no autotuning (autotune would sync and time inside a graph capture). `candidate_configs`
+gives 2-4 configs per shape, best guess first; `gemv` uses the first, benchmarks/kernels.py
+(`--only gemv`) times every candidate so the table can follow the numbers.
+Used by `engine/decode_forward.py` for buckets <= `gemv_max_batch`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 16  # the dot kernel pads x's rows to one 16-wide MMA tile
+NUM_SMS = 132  # H200; the table below targets >= 2 programs per SM
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """One launch configuration. use_dot=False (the CUDA-core kernel) serves M = 1 only."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 4
+    use_dot: bool = True
+
+    def __str__(self) -> str:
+        kind = "dot" if self.use_dot else "row"
+        return f"{kind} n{self.block_n} k{self.block_k} w{self.num_warps} s{self.num_stages}"
+
+
+# Keyed by output columns N (fused gate/up: I): the first row whose bound holds. Shared memory
+# per dot program = num_stages * BLOCK_K * (BLOCK_N + 16) * 2 bytes (W tile + x tile):
+# 64-96 KiB, so 2-3 programs fit an SM. (max N, candidates, best guess first)
+_TABLE: tuple[tuple[int | None, tuple[GemvConfig, ...]], ...] = (
+    (8192, (GemvConfig(16, 256), GemvConfig(32, 256), GemvConfig(16, 512, num_stages=3))),
+    (32768, (GemvConfig(32, 256), GemvConfig(64, 128), GemvConfig(16, 256))),
+    (None, (GemvConfig(64, 128), GemvConfig(128, 64), GemvConfig(32, 256))),
+)
+_ROW_CONFIG = GemvConfig(16, 512, num_stages=3, use_dot=False)  # M = 1 candidate
+
+
+def candidate_configs(m: int, n: int, k: int, *, fused: bool = False) -> list[GemvConfig]:
+    """Configs to try for an (m, n, k) GEMV, best guess first; n = output columns.
+    fused (gemv_gate_up_silu): two W tiles per step, so half the K tile keeps the bytes."""
+    assert 1 <= m <= MAX_ROWS, m
+    configs = list(next(c for bound, c in _TABLE if bound is None or n <= bound))
+    if m == 1:
+        configs.append(dataclasses.replace(_ROW_CONFIG, block_n=configs[0].block_n))
+    if fused:
+        configs = [dataclasses.replace(c, block_k=max(64, c.block_k // 2)) for c in configs]
+    return configs
+
+
+@triton.jit
+def _epilogue(acc_g, acc_u, bias_ptr, out_ptr, offs_n, offs_m, n_mask, m_mask, stride_om,
+              HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr):
+    """acc_g/acc_u (BLOCK_N, BLOCK_M) fp32 -> out[m, n] (+ bias[n]; silu(gate) * up)."""
+    dt = out_ptr.dtype.element_ty
+    out = acc_g
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    if SILU_MUL:
+        g = out.to(dt).to(tl.float32)  # gate and up rounded as the GEMM's bf16 output would be
+        act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # F.silu, rounded
+        out = act * acc_u.to(dt).to(tl.float32)
+    ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]  # (BLOCK_N, BLOCK_M)
+    tl.store(ptrs, out.to(dt), mask=m_mask[None, :] & n_mask[:, None])
+
+
+@triton.jit
+def _gemv_dot_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+                     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, EVEN: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # swap-AB: W's tile is the MMA's A operand (K-major as stored), x^T its B operand;
+    # rows of x beyond M load as zeros. EVEN: N % BLOCK_N == 0 and K % BLOCK_K == 0.
+    offs_n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    gate_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]  # (BLOCK_N, BLOCK_K)
+    up_ptrs = gate_ptrs + N * stride_wn  # SILU_MUL: the up rows follow the N gate rows
+    x_ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]  # (BLOCK_K, BLOCK_M) = x^T
+    acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN:
+            xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
+            acc_g = tl.dot(tl.load(gate_ptrs), xt, acc_g)
+            if SILU_MUL:
+                acc_u = tl.dot(tl.load(up_ptrs), xt, acc_u)
+        else:
+            k_ok = offs_k < K - k0
+            xt = tl.load(x_ptrs, mask=m_mask[None, :] & k_ok[:, None], other=0.0)
+            w_mask = n_mask[:, None] & k_ok[None, :]
+            acc_g = tl.dot(tl.load(gate_ptrs, mask=w_mask, other=0.0), xt, acc_g)
+            if SILU_MUL:
+                acc_u = tl.dot(tl.load(up_ptrs, mask=w_mask, other=0.0), xt, acc_u)
+        gate_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    _epilogue(acc_g, acc_u, bias_ptr, out_ptr, offs_n, offs_m, n_mask, m_mask, stride_om,
+              HAS_BIAS, SILU_MUL)
+
+
+@triton.jit
+def _gemv_row_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_wn,
+                     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, EVEN: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # M = 1: fp32 products accumulate per (n, k) lane; the K reduction runs once, at the end.
+    offs_n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    gate_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]  # (BLOCK_N, BLOCK_K)
+    up_ptrs = gate_ptrs + N * stride_wn
+    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN:
+            x = tl.load(x_ptr + k0 + offs_k).to(tl.float32)[None, :]
+            acc_g += tl.load(gate_ptrs).to(tl.float32) * x
+            if SILU_MUL:
+                acc_u += tl.load(up_ptrs).to(tl.float32) * x
+        else:
+            k_ok = offs_k < K - k0
+            x = tl.load(x_ptr + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            w_mask = n_mask[:, None] & k_ok[None, :]
+            acc_g += tl.load(gate_ptrs, mask=w_mask, other=0.0).to(tl.float32) * x
+            if SILU_MUL:
+                acc_u += tl.load(up_ptrs, mask=w_mask, other=0.0).to(tl.float32) * x
+        gate_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+    offs_m = tl.arange(0, 1)
+    _epilogue(tl.sum(acc_g, axis=1)[:, None], tl.sum(acc_u, axis=1)[:, None], bias_ptr, out_ptr,
+              offs_n, offs_m, n_mask, offs_m < 1, 0, HAS_BIAS, SILU_MUL)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n_out: int,
+            config: GemvConfig | None, silu_mul: bool) -> torch.Tensor:
+    m, k = x.shape
+    assert 1 <= m <= MAX_ROWS, f"gemv serves 1..{MAX_ROWS} rows, got {m}"
+    assert weight.shape[1] == k and x.dtype == weight.dtype
+    assert x.stride(1) == 1 and weight.stride(1) == 1 and (bias is None or bias.is_contiguous())
+    cfg = config or candidate_configs(m, n_out, k, fused=silu_mul)[0]
+    out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
+    flags = dict(HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
+                 EVEN=n_out % cfg.block_n == 0 and k % cfg.block_k == 0,
+                 BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    grid = (triton.cdiv(n_out, cfg.block_n),)
+    bias_arg = bias if bias is not None else weight  # never read without HAS_BIAS
+    if cfg.use_dot:
+        _gemv_dot_kernel[grid](x, weight, bias_arg, out, m, n_out, k, x.stride(0),
+                               weight.stride(0), out.stride(0), BLOCK_M=16, **flags)
+    else:
+        assert m == 1, "the row kernel serves M = 1 only"
+        _gemv_row_kernel[grid](x, weight, bias_arg, out, n_out, k, weight.stride(0), **flags)
+    return out
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         config: GemvConfig | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x (M, K), M <= 16: (M, N) in x's dtype, fp32 accumulation.
+    Graph safe: one launch, one output allocation, no host reads."""
+    return _launch(x, weight, bias, weight.shape[0], config, silu_mul=False)
+
+
+def gemv_gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor,
+                      config: GemvConfig | None = None) -> torch.Tensor:
+    """silu(x @ gate^T) * (x @ up^T) for gate_up = [gate; up] (2I, K): (M, I), rounded as
+    `silu_mul(F.linear(x, gate_up))` rounds (gate and up to x's dtype first)."""
+    assert gate_up.shape[0] % 2 == 0
+    return _launch(x, gate_up, None, gate_up.shape[0] // 2, config, silu_mul=True)

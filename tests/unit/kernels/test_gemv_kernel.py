@@ -1,0 +1,134 @@
+"""kernels/gemv.py (skinny GEMMs for decode) vs torch, in Triton's interpreter.
+
+fp32/fp16 only here (the interpreter's bf16 tl.dot is broken, conftest.py); bf16 on the real
+shapes, under CUDA graphs and inside the decode forward: tests/gpu/test_gemv.py.
+"""
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+gemv_mod = pytest.importorskip("generation_service.kernels.gemv")
+
+from generation_service.kernels.decode_fused import silu_mul  # noqa: E402
+
+# fp16 output rounding alone is ~3e-4 relative (rms); a lost or doubled K tile is >= 5e-2
+BOUND = {torch.float32: 1e-5, torch.float16: 1.5e-3}
+
+
+def small(cfg):
+    """A candidate config with tiles cut to the test shapes (keeps the interpreter quick)."""
+    return dataclasses.replace(cfg, block_n=min(cfg.block_n, 64), block_k=min(cfg.block_k, 128))
+
+
+def operands(m, n, k, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype)
+    return x, w, b
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("n,k", [(64, 128), (256, 512), (100, 200)])  # last: masked N and K tails
+def test_gemv_every_candidate_matches_reference(rel_err, dtype, m, n, k):
+    x, w, b = operands(m, n, k, dtype)
+    for bias in (None, b):
+        ref = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+        for cfg in map(small, gemv_mod.candidate_configs(m, n, k)):
+            out = gemv_mod.gemv(x, w, bias, config=cfg)
+            assert out.shape == (m, n) and out.dtype == dtype
+            assert rel_err(out, ref) < BOUND[dtype], (cfg, bias is not None)
+
+
+def test_gemv_default_config_and_strided_rows(rel_err):
+    """x rows with a stride (a view of a wider buffer) and the table's own first config."""
+    x, w, _ = operands(4, 128, 256, torch.float16, seed=1)
+    wide = torch.zeros(4, 384, dtype=torch.float16)
+    wide[:, :256] = x
+    out = gemv_mod.gemv(wide[:, :256], w)
+    assert rel_err(out, F.linear(x.float(), w.float())) < BOUND[torch.float16]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("i,k", [(64, 128), (96, 320)])
+def test_gate_up_silu_matches_silu_mul(rel_err, dtype, m, i, k):
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    gate_up = (torch.randn(2 * i, k, generator=gen) / k ** 0.5).to(dtype)
+    unfused = silu_mul(F.linear(x, gate_up))  # what the cuBLAS path computes
+    gate, up = F.linear(x.float(), gate_up.float()).chunk(2, dim=1)
+    ref = F.silu(gate) * up
+    for cfg in map(small, gemv_mod.candidate_configs(m, i, k, fused=True)):
+        out = gemv_mod.gemv_gate_up_silu(x, gate_up, config=cfg)
+        assert out.shape == (m, i) and out.dtype == dtype
+        assert rel_err(out, ref) < 2 * BOUND[dtype], cfg
+        # same rounding steps as silu_mul: only the GEMM's summation order differs
+        assert rel_err(out, unfused) < 2 * BOUND[dtype], cfg
+
+
+def test_rejects_what_it_cannot_serve():
+    x, w, _ = operands(17, 64, 128, torch.float32)
+    with pytest.raises(AssertionError):
+        gemv_mod.gemv(x, w)  # more than MAX_ROWS rows
+    row = gemv_mod.GemvConfig(16, 128, use_dot=False)
+    with pytest.raises(AssertionError):
+        gemv_mod.gemv(x[:2], w, config=row)  # the CUDA-core kernel is M = 1 only
+
+
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (14336, 4096), (4096, 14336),
+                                 (131072, 4096), (3072, 2048), (2048, 8192), (8192, 2048)])
+def test_table_fills_the_h200(n, k):
+    """Every 8B/1B decode shape gets >= 128 programs without split-K (>= 256 from N = 4096),
+    and the dot configs fit 2 programs per SM (shared memory <= 113 KiB each)."""
+    for m in (1, 8):
+        for fused in (False, True) if n <= 32768 else (False,):  # fused: I columns
+            configs = gemv_mod.candidate_configs(m, n, k, fused=fused)
+            assert configs[0].use_dot and len(configs) >= 2 + (m == 1)
+            programs = -(-n // configs[0].block_n)
+            assert programs >= (256 if n >= 4096 else 128), (n, configs[0])
+            for c in configs:
+                w_tiles = 2 if fused else 1
+                smem = c.num_stages * c.block_k * (w_tiles * c.block_n + 16) * 2
+                assert not c.use_dot or smem <= 113 * 1024, c
+
+
+COMPILE = """
+import sys
+sys.path.insert(0, "tests/unit/kernels")
+from sm90_compile import BF, N, compile_sm90, resource_usage
+from generation_service.kernels import gemv as g
+flags = dict(HAS_BIAS=True, SILU_MUL=False, EVEN=True)
+for bn, bk, silu in ((16, 256, False), (64, 128, False), (32, 128, True)):
+    k = compile_sm90(g._gemv_dot_kernel, BF, BF, BF, BF, 7, N, N, N, N, N, HAS_BIAS=not silu,
+                     SILU_MUL=silu, EVEN=True, BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_stages=4)
+    print("dot", bn, bk, silu, resource_usage(k), "cp.async" in k.asm["ptx"])
+for silu in (False, True):
+    k = compile_sm90(g._gemv_row_kernel, BF, BF, BF, BF, N, N, N, HAS_BIAS=not silu,
+                     SILU_MUL=silu, EVEN=True, BLOCK_N=16, BLOCK_K=256 if silu else 512,
+                     num_stages=3)
+    print("row", silu, resource_usage(k))
+"""
+
+
+def test_gemv_compile_sm90():
+    """Both kernels compile for the H200 (sm_90) with W tiles pipelined by cp.async."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    root = Path(__file__).resolve().parents[3]
+    proc = subprocess.run([sys.executable, "-c", COMPILE], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    if "ptxas" in proc.stderr and "not found" in proc.stderr:
+        pytest.skip("triton without its bundled ptxas")
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 5 and all("STACK:0" in line for line in lines), proc.stdout
+    assert all(line.endswith("True") for line in lines if line.startswith("dot")), proc.stdout
