@@ -14,7 +14,8 @@ mask_sample greedy, no channel work):
   mean us per step; the top kernel names;
 - projections: each GEMM's achieved weight-read GB/s (weight bytes / kernel time) for
   qkv, o, gate_up, down and the LM head, from the profile (GEMMs in graph order, 4 per
-  layer then the LM head) and from each projection's GEMMs alone in a graph ("isolated");
+  layer then the LM head; Triton gemv kernels count as GEMMs) and from each projection's
+  cuBLAS GEMMs alone in a graph ("isolated");
 - floor: weights read per step / device copy bandwidth measured here (decode.py's floor).
 If the profiler reports no kernels inside graph replays, the eager step body
 (`GpuDecodeRunner.body`) is profiled instead: `kernel_source` says which.
@@ -267,6 +268,10 @@ def model_shape(args, preset: str, bandwidth: float) -> dict:
     for t in kv.k + kv.v:
         t.normal_(0.0, 1.0)
     runner = GpuDecodeRunner(model, kv, max_batch=max_batch, buckets=tuple(args.batches))
+    if args.gemv_max_batch:  # read per call by DecodeForward: set before capture
+        if not hasattr(runner.forward, "gemv_max_batch"):
+            raise SystemExit("--gemv-max-batch: this DecodeForward has no gemv_max_batch")
+        runner.forward.gemv_max_batch = args.gemv_max_batch
     trace_dir = pathlib.Path(args.trace_dir) / preset if args.trace_dir else None
     if trace_dir:
         trace_dir.mkdir(parents=True, exist_ok=True)
@@ -281,7 +286,8 @@ def model_shape(args, preset: str, bandwidth: float) -> dict:
             rows.append(row)
             print_row(preset, row)
     runner.close()
-    out = {"preset": preset, "sampler": runner.sampler, "weight_bytes_read": weight_bytes_read(model),
+    out = {"preset": preset, "sampler": runner.sampler, "gemv_max_batch": args.gemv_max_batch,
+           "weight_bytes_read": weight_bytes_read(model),
            "weight_floor_ms": floor_ms, "capture_s": capture_s, "rows": rows}
     del runner, model, kv
     torch.cuda.empty_cache()
@@ -307,6 +313,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--steps", type=int, default=50, help="timed replays (CUDA events)")
     ap.add_argument("--profile-steps", type=int, default=5, help="replays under the profiler")
+    ap.add_argument("--gemv-max-batch", type=int, default=0,
+                    help="buckets up to this run kernels/gemv.py GEMMs (0: cuBLAS)")
     ap.add_argument("--eager", action="store_true", help="profile the eager step body only")
     ap.add_argument("--trace-dir", help="keep the chrome traces here")
     ap.add_argument("--out", help="write the JSON here")
