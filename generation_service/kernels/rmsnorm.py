@@ -5,10 +5,10 @@ the activation dtype: h = x + residual rounded (what an unfused bf16 add stores)
 h in fp32, round, multiply by the weight, round again. So results differ from the torch
 reference only by the fp32 summation order inside the norm; the new residual is equal.
 
-Three entry points over the one kernel:
-- `add_rmsnorm` (the fused decode forward): out of place, returns (out, residual + x);
-- `fused_add_rmsnorm`: residual <- x + residual in place, returns the norm;
-- `rmsnorm`: no residual.
+Two entry points over the one kernel:
+- `add_rmsnorm` (the fused decode forward): out of place, returns (out, residual + x), or
+  (out, x) without a residual;
+- `fused_add_rmsnorm`: residual <- x + residual in place, returns the norm.
 One launch per norm replaces the residual add and the ~7 launches of the torch RMSNorm
 (docs/gpu.md, v1 -> v2).
 """
@@ -57,12 +57,6 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, new_residual: torch.
             dim, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
             num_warps=8 if block >= 4096 else 4)
     return out2.view(x.shape)
-
-
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-            out: torch.Tensor | None = None) -> torch.Tensor:
-    """x (..., dim) -> weight * normalised x, in x's dtype."""
-    return _launch(x, None, None, weight, eps, out)
 
 
 def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
