@@ -23,6 +23,8 @@ class EngineConfig:
     seed: int = 0                      # random-weight models
     runner: str = "auto"               # "eager" | "cuda_graph" | "auto" (cuda_graph on a CUDA device)
     mask_backend: str = "torch"        # grammar-mask application (sampler.MASK_BACKENDS)
+    overlap: bool | None = None        # launch decode step N+1 before reading step N (None: on
+                                       # under the cuda_graph runner; other runners never overlap)
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_waiting", "page_size", "max_prompt_tokens",

@@ -10,8 +10,18 @@ One background thread runs `step` in a loop:
     postprocess -> stream events, finish requests, publish accepted tokens to the channel
 
 Under runner "cuda_graph" a decode-only batch replaces run/wait/sample/publish by one graph
-replay (`runner.decode`): the GPU publishes inputs/outputs on the channel itself, the link
-only wrote the descriptor and keeps the watchdog while the GPU waits for masks.
+replay (`runner.launch`, then `runner.collect`): the GPU publishes inputs/outputs on the
+channel itself, the link only wrote the descriptor and keeps the watchdog while the GPU
+waits for masks.
+
+Overlap (`EngineConfig.overlap`, on under "cuda_graph"): a launched decode step N stays in
+flight across `step` calls. The next call launches N+1 for the same rows *before* it reads
+N's tokens (the graph feeds its tokens back on the device), then postprocesses N while the
+GPU runs N+1, so the host's bookkeeping hides behind the forward. N+1 is launched only when
+nothing else can change the batch (no new, waiting, cancelled or releasing requests, no
+row at its token limit or deadline, pages reserved); a row that N finishes (a stop token)
+has computed one token too many in N+1, which is dropped (the request is finished). Any
+other change ends the chain: N+1 is collected and the next step is scheduled as usual.
 
 Threads: `submit`, `cancel` and `stats` take `_lock` briefly; the loop holds it for its
 bookkeeping, never across the forward or the mask wait.
@@ -22,6 +32,7 @@ import logging
 import secrets
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -30,14 +41,14 @@ from generation_service.engine.errors import (
     EngineError, GrammarUnavailableError, InvalidRequestError, QueueFullError, ShuttingDownError,
 )
 from generation_service.engine.events import FinishReason
-from generation_service.engine.grammar_link import GrammarControl, GrammarLink, StepMasks
+from generation_service.engine.grammar_link import GrammarControl, GrammarLink, LinkRow, StepMasks
 from generation_service.engine.kv_cache import KVCache, PageAllocator, num_pages_for
 from generation_service.engine.lifecycle import RequestTable
 from generation_service.engine.params import GenerationRequest
-from generation_service.engine.request import Request
+from generation_service.engine.request import Request, RequestStatus
 from generation_service.engine.runner import make_runner, resolve_runner
 from generation_service.engine.sampler import SampleResult, Sampler, SampleRow
-from generation_service.engine.scheduler import ScheduledBatch, Scheduler, SlotPool
+from generation_service.engine.scheduler import ScheduledBatch, ScheduledRow, Scheduler, SlotPool
 from generation_service.engine.speculative import PROPOSERS, make_proposer
 from generation_service.engine.stream import RequestStream
 from generation_service.engine.validation import validate_request
@@ -46,7 +57,18 @@ from step_channel import Geometry
 log = logging.getLogger(__name__)
 CPU_KV_BUDGET_BYTES = 256 << 20
 
+FED_BACK_TOKEN = -1  # a chained step's input: the previous step's token, fed back on the GPU
+
 __all__ = ["Engine", "EngineConfig", "EngineStats", "RequestStream"]
+
+
+@dataclass
+class InFlight:
+    """A launched decode step whose tokens have not been read (overlap)."""
+
+    batch: ScheduledBatch
+    step: int | None      # its grammar step, or None
+    launch: object        # the runner's handle for `collect`
 
 
 class Engine:
@@ -86,6 +108,10 @@ class Engine:
         self._is_accepting = True
         self._is_stopped = False
         self.num_steps = 0
+        self._overlap = config.overlap is not False and hasattr(self.runner, "launch")
+        if config.overlap and not self._overlap:
+            log.warning("overlap needs the cuda_graph runner; runner %s steps one at a time", self.runner_name)
+        self._in_flight: InFlight | None = None   # a launched decode step not yet read
 
     def _num_pages_from_budget(self, mc, dtype: torch.dtype, model) -> int:
         per_page = KVCache.bytes_per_page(mc.num_layers, self.config.page_size, mc.num_kv_heads,
@@ -224,6 +250,7 @@ class Engine:
                 did_work = self.step()
             except Exception as error:  # noqa: BLE001 -- a bug must not hang every stream
                 log.exception("engine step failed")
+                self._in_flight = None
                 with self._lock:
                     if self.link is not None:
                         self.link.abandon_open_step()  # never leave a step half-published
@@ -232,9 +259,14 @@ class Engine:
             if not did_work:
                 self._wake.wait(0.02)
                 self._wake.clear()
+        if self._in_flight is not None:  # stopped with a step on the GPU: read it (watchdog)
+            in_flight, self._in_flight = self._in_flight, None
+            self._finish(in_flight.batch, in_flight.step, *self.runner.collect(in_flight.launch, self.link), True)
 
     def step(self) -> bool:
         """One engine step; False when there was nothing to do."""
+        if self._in_flight is not None:
+            return self._step_chained()
         with self._lock:
             self._apply_inbox()
             self.table.poll(self.link)  # compiles, deadlines, grammar reconnect
@@ -244,18 +276,70 @@ class Engine:
                 return False
             graphed = getattr(self.runner, "can_graph", None) is not None and self.runner.can_graph(batch)
             step = self.link.begin(rows, gpu=graphed) if rows else None
-        if graphed:  # the GPU wrote the outputs and outputs_seq of a grammar step
-            samples, masks = self.runner.decode(batch, step, self.link)
+        if graphed:  # the GPU writes the outputs and outputs_seq of a grammar step
+            launch = self.runner.launch(batch, step, self.link)
+            if self._overlap:
+                self._in_flight = InFlight(batch, step, launch)
+                return True
+            samples, masks = self.runner.collect(launch, self.link)
         else:
             logits = self.runner.run(batch) if batch.rows else None
             masks = self.link.wait(step) if step is not None else None
             samples = self._sample(batch, logits, masks)
+        self._finish(batch, step, samples, masks, graphed, rows)
+        return True
+
+    def _finish(self, batch: ScheduledBatch, step: int | None, samples: list[SampleResult],
+                masks: StepMasks | None, graphed: bool, rows: list[LinkRow] = ()) -> None:
+        """Postprocess a step; a host-side grammar step then publishes its accepted tokens."""
         with self._lock:
             kept = self.table.postprocess(batch, samples, step, masks, self.link)
             if step is not None and not graphed:
                 self.link.publish(step, [kept.get(id(row.request), []) for row in rows])
             self.num_steps += 1
+
+    def _step_chained(self) -> bool:
+        """Overlap: launch N+1 for the rows of the in-flight step N if nothing changes the
+        batch, then read and postprocess N (while the GPU runs N+1)."""
+        previous, self._in_flight = self._in_flight, None
+        with self._lock:
+            batch = self._chained_batch(previous)
+            step = None
+            if batch is not None and previous.step is not None:
+                step = self.link.begin([LinkRow.sampling(row.request, []) for row in batch.rows], gpu=True)
+        if batch is not None:
+            self._in_flight = InFlight(batch, step, self.runner.launch(batch, step, self.link, chained=True))
+        samples, masks = self.runner.collect(previous.launch, self.link)
+        self._finish(previous.batch, previous.step, samples, masks, True)
         return True
+
+    def _chained_batch(self, previous: InFlight) -> ScheduledBatch | None:
+        """The step after `previous` for the same rows, one token further, or None when
+        anything may change the batch (then `previous` is read and the scheduler runs)."""
+        if self._inbox or self._cancels or self.scheduler.waiting or self.table.pending_release:
+            return None
+        if self.link is not None and not self.link.is_connected:
+            return None  # let `poll` reconnect and fail what needs the grammar
+        if previous.step is not None and not (self.link.is_connected and self.runner.channel is self.link.channel):
+            return None
+        requests = [row.request for row in previous.batch.rows]
+        if len(self.scheduler.running) != len(requests):
+            return None  # a running request outside the batch (compiling) may join
+        now = time.monotonic()
+        for row in previous.batch.rows:
+            request = row.request
+            if (request.status is not RequestStatus.RUNNING
+                    or request.num_generated + 2 > request.max_new_tokens  # N's token may be its last
+                    or (request.spec.deadline is not None and now > request.spec.deadline)
+                    or (self.config.max_draft_tokens and request.spec.speculative.num_draft_tokens)):
+                return None
+        rows = []
+        for row in previous.batch.rows:
+            if not self.scheduler.reserve(row.request, row.seq_len + 1):
+                return None  # (pages reserved so far are kept for the next scheduled step)
+            rows.append(ScheduledRow(row.request, row.seq_len, [FED_BACK_TOKEN], is_sampling=True))
+        batch = ScheduledBatch(rows)
+        return batch if self.runner.can_graph(batch) else None
 
     def _sample(self, batch: ScheduledBatch, logits, masks: StepMasks | None) -> list[SampleResult]:
         rows = batch.sampling_rows

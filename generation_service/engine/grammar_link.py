@@ -10,11 +10,13 @@ GPU steps (runner "cuda_graph", docs/gpu.md): `begin(rows, gpu=True)` writes the
 only; the captured graph publishes `inputs_seq`, waits for `mask_seq` on the device, and
 writes the outputs and `outputs_seq`. `wait_gpu` keeps the watchdog on `mask_seq` while the
 GPU waits and returns the step's tokens from the outputs area once `outputs_seq = N`.
+Under overlap step N+1 is begun (and replayed) before `wait_gpu(N)`: two GPU steps may be
+open at once, and the descriptor rows of N-1, N and N+1 are kept.
 
 Watchdog: while waiting, a grammar_service whose process is gone, or which is past the
 deadline with a stale heartbeat or not serving, is declared lost: the engine writes
 `mask_status = MASK_RELEASED_BY_WATCHDOG` and `mask_seq = N` itself, the link disconnects
-(its matchers are gone) and `reconnect` later opens a fresh region with the next step
+(its matchers are gone; GPU steps begun after N are released the same way first) and `reconnect` later opens a fresh region with the next step
 number as `first_step` once grammar_service is serving again.
 """
 from __future__ import annotations
@@ -116,7 +118,8 @@ class GrammarLink:
         self._prober: threading.Thread | None = None
         self._ready: tuple[StepChannel, int] | None = None  # opened by the prober, not yet installed
         self._is_closed = False
-        self._open_step: int | None = None  # begun, outputs not yet published
+        self._open_step: int | None = None  # a host step begun, outputs not yet published
+        self._released_tokens: dict[int, list[int]] = {}  # GPU steps the watchdog released early
         self.num_steps = 0
         self.wait_s_total = 0.0
         self.num_disconnects = 0
@@ -227,11 +230,12 @@ class GrammarLink:
             entry.drafts[r, :len(row.drafts)] = row.drafts
         entry.desc_header[:] = (step, len(rows))
         self._rows[step] = rows
-        self._rows.pop(step - 2, None)
+        # N's results are read against N-1's rows; under overlap N+1 is begun before N is read.
+        self._rows.pop(step - 3, None)
         # NOTE: inputs_seq = N also promises step N-1's outputs are written (publish did).
         if not gpu:
             self.channel.publish_seq("inputs_seq", step)
-        self._open_step = step
+            self._open_step = step
         self.num_steps += 1
         return step
 
@@ -264,26 +268,41 @@ class GrammarLink:
         are first set to all ones so the free rows of the step sample unconstrained; the
         link then disconnects (the masks' results are None) after the GPU finished.
         """
+        if step in self._released_tokens:  # released with an earlier step (overlap)
+            return None, self._released_tokens.pop(step)[:num_rows]
         start = time.monotonic()
         released = not self._wait_masks(step, start)
         entry = self.channel.entry(step)
         if released:
-            log.error("grammar_service lost at step %d; releasing the GPU", step)
-            entry.masks[:] = -1
-            entry.mask_status[0] = MASK_RELEASED_BY_WATCHDOG
-            self.channel.publish_seq("mask_seq", step)
+            self._release_gpu_step(step)
         self.wait_s_total += time.monotonic() - start
         if not self.channel.wait_seq("outputs_seq", step, timeout_s=gpu_timeout_s):
             raise RuntimeError(f"the GPU did not finish grammar step {step} in {gpu_timeout_s} s")
         tokens = entry.out_tokens[:num_rows, 0].tolist()
-        self._open_step = None
         if released or int(entry.mask_status[0]) != MASK_OK:
+            # NOTE: steps launched after this one (overlap) wait on this region too: release
+            # each in turn (the parity wait needs mask_seq = M exactly while M waits) before
+            # the region is unregistered, keeping their tokens for their wait_gpu.
+            for later in range(step + 1, self.next_step):
+                self._release_gpu_step(later)
+                if not self.channel.wait_seq("outputs_seq", later, timeout_s=gpu_timeout_s):
+                    raise RuntimeError(f"the GPU did not finish grammar step {later} in {gpu_timeout_s} s")
+                self._released_tokens[later] = self.channel.entry(later).out_tokens[:, 0].tolist()
             self.disconnect()
             return None, tokens
         rows = self._rows[step]
         valid = {id(row.request): int(entry.valid_positions[r])
                  for r, row in enumerate(rows) if row.request is not None}
         return StepMasks(None, self._results(step, entry), valid), tokens
+
+    def _release_gpu_step(self, step: int) -> None:
+        """The watchdog's release of a GPU step: all-ones masks (its free rows sample
+        unconstrained), MASK_RELEASED_BY_WATCHDOG, mask_seq = step."""
+        log.error("grammar_service lost at step %d; releasing the GPU", step)
+        entry = self.channel.entry(step)
+        entry.masks[:] = -1
+        entry.mask_status[0] = MASK_RELEASED_BY_WATCHDOG
+        self.channel.publish_seq("mask_seq", step)
 
     def _results(self, step: int, entry) -> list[RowResult]:
         if step == self._first_step or step - 1 not in self._rows:

@@ -7,10 +7,13 @@ the mask apply and the outputs + outputs_seq. Every other batch (prefill chunks,
 verify rows, logprobs) takes the eager path of `ModelRunner` with the CPU sampler and the
 host side of the step channel, so the engine mixes both step kinds on one channel.
 
-Per graph step the host: writes rows [0, B) of the persistent buffers (the scheduler's
-view is the truth; the graph's own feed-back is overwritten), replays, then learns the
-tokens without a device-wide sync: from the outputs area after outputs_seq (grammar steps)
-or from a pinned copy behind a CUDA event (free steps).
+Per graph step the host (`launch`): writes rows [0, B) of the persistent buffers (the
+scheduler's view is the truth; the graph's own feed-back is overwritten) and replays; then
+(`collect`) learns the tokens without a device-wide sync: from the outputs area after
+outputs_seq (grammar steps) or from a pinned copy behind a CUDA event (free steps).
+Overlap (the engine, `EngineConfig.overlap`): a *chained* launch replays the next step of
+the same rows before the previous one is collected; it writes only new page-table entries
+and lets the graph's feed-back (token, position + 1, seq_len + 1) be the next inputs.
 
 Channel lifetime: the graphs hold device pointers into one registered region. A region is
 registered (and the serving variants captured over it) at its first graph step; before the
@@ -20,6 +23,7 @@ the free variants and unregisters it (docs/gpu.md teardown order).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -32,6 +36,16 @@ from generation_service.engine.scheduler import ScheduledBatch, ScheduledRow
 from step_channel.layout import seq_reached
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Launch:
+    """A replayed step whose tokens have not been read yet."""
+
+    step: int | None              # its grammar step, None for a free step
+    num_rows: int
+    host_tokens: torch.Tensor | None = None  # free step: pinned copy of its tokens...
+    ready: torch.cuda.Event | None = None    # ...complete once this event is
 
 
 def uses_filters(row: ScheduledRow) -> bool:
@@ -58,9 +72,14 @@ class CudaGraphRunner(ModelRunner):
         self.gpu.capture()
         self.channel = None     # the StepChannel the graphs are captured over
         self._mapped = None
-        self._host_tokens = torch.zeros(self.gpu.max_batch, dtype=torch.int64, pin_memory=True)
-        self._tokens_ready = torch.cuda.Event()
+        # Free steps' tokens: two pinned buffers + events, so that a step launched while the
+        # previous one is uncollected (overlap) never overwrites the tokens not yet read.
+        self._host_tokens = [torch.zeros(self.gpu.max_batch, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self._copy_ready = [torch.cuda.Event() for _ in range(2)]
+        self._next_copy = 0
+        self._num_loaded_pages: list[int] = []  # per row: page-table entries written
         self.num_graph_steps = 0
+        self.num_chained_steps = 0  # launched before the previous step was read (overlap)
         self.num_eager_steps = 0
 
     def _variants(self, base) -> tuple:
@@ -83,24 +102,48 @@ class CudaGraphRunner(ModelRunner):
     # ---- one graph step ----------------------------------------------------------------------
     @torch.no_grad()
     def decode(self, batch: ScheduledBatch, step: int | None, link=None):
-        """Replay one decode step. `step`: the grammar step whose descriptor `link.begin(...,
-        gpu=True)` wrote, or None (free step). Returns (samples, StepMasks | None)."""
+        """Replay one decode step and wait for its tokens: `launch` then `collect`."""
+        return self.collect(self.launch(batch, step, link), link)
+
+    @torch.no_grad()
+    def launch(self, batch: ScheduledBatch, step: int | None, link=None, chained: bool = False) -> Launch:
+        """Replay one decode step without waiting for it. `step`: the grammar step whose
+        descriptor `link.begin(..., gpu=True)` wrote, or None (free step).
+
+        chained=True (overlap): the same rows as the step launched just before, one token
+        further. Their input ids, positions and seq_lens are the ones the previous replay fed
+        back on the device (its tokens are not known here yet); only page-table entries of
+        pages reserved since are written."""
         rows = batch.rows
         num_rows = len(rows)
-        if step is not None:  # NOTE: before _load: a (re)capture scrubs every row of the buffers
+        if step is not None:  # NOTE: before loading: a (re)capture scrubs every row of the buffers
             self._ensure_channel(link, step)
-        self._load(rows)
+        if chained:
+            self._load_new_pages(rows)
+            self.num_chained_steps += 1
+        else:
+            self._load(rows)
         self.gpu.step(num_rows, constrained=step is not None,
                       filters=self.filters and any(uses_filters(row) for row in rows))
         self.num_graph_steps += 1
-        if step is not None:
-            masks, tokens = link.wait_gpu(step, num_rows)
+        launched = Launch(step, num_rows)
+        if step is None:  # free step: tokens through a pinned copy behind an event
+            launched.host_tokens, launched.ready = self._host_tokens[self._next_copy], self._copy_ready[self._next_copy]
+            self._next_copy ^= 1
+            launched.host_tokens[:num_rows].copy_(self.gpu.buffers.out_tokens[:num_rows], non_blocking=True)
+            launched.ready.record()
+        return launched
+
+    def collect(self, launched: Launch, link=None):
+        """(samples, StepMasks | None) of a launched step, without a device-wide sync: the
+        outputs area after outputs_seq (grammar steps) or this step's copy event (free)."""
+        num_rows = launched.num_rows
+        if launched.step is not None:
+            masks, tokens = link.wait_gpu(launched.step, num_rows)
         else:
             masks = None
-            self._host_tokens[:num_rows].copy_(self.gpu.buffers.out_tokens[:num_rows], non_blocking=True)
-            self._tokens_ready.record()
-            self._tokens_ready.synchronize()  # this step's copy only, not the whole device
-            tokens = self._host_tokens[:num_rows].tolist()
+            launched.ready.synchronize()  # this step's copy only, not the whole device
+            tokens = launched.host_tokens[:num_rows].tolist()
         return [SampleResult([int(t)]) for t in tokens], masks
 
     def _load(self, rows: list[ScheduledRow]) -> None:
@@ -108,6 +151,7 @@ class CudaGraphRunner(ModelRunner):
         table = torch.zeros((len(rows), width), dtype=torch.int32)
         for r, row in enumerate(rows):
             table[r, :len(row.request.pages)] = torch.tensor(row.request.pages, dtype=torch.int32)
+        self._num_loaded_pages = [len(row.request.pages) for row in rows]
         ids = torch.tensor([row.input_ids[0] for row in rows], dtype=torch.int64).clamp_(0, self.vocab_size - 1)
         self.gpu.load_rows(ids, torch.tensor([row.num_cached for row in rows], dtype=torch.int64),
                            torch.tensor([row.seq_len for row in rows], dtype=torch.int32), table)
@@ -117,6 +161,21 @@ class CudaGraphRunner(ModelRunner):
             torch.tensor([row.request.sample_seed & ((1 << 63) - 1) for row in rows], dtype=torch.int64),
             torch.tensor([p.top_k for p in params], dtype=torch.int32),
             torch.tensor([p.top_p for p in params], dtype=torch.float32))
+
+    def _load_new_pages(self, rows: list[ScheduledRow]) -> None:
+        """Page-table entries of pages the rows got since they were loaded (a chained step)."""
+        index_rows, index_cols, pages = [], [], []
+        for r, row in enumerate(rows):
+            have = row.request.pages
+            for col in range(self._num_loaded_pages[r], len(have)):
+                index_rows.append(r)
+                index_cols.append(col)
+                pages.append(have[col])
+            self._num_loaded_pages[r] = len(have)
+        if pages:
+            table = self.gpu.buffers.page_table
+            table[torch.tensor(index_rows, device=table.device), torch.tensor(index_cols, device=table.device)] = (
+                torch.tensor(pages, dtype=table.dtype, device=table.device))
 
     # ---- the step channel ----------------------------------------------------------------------
     def _ensure_channel(self, link, step: int) -> None:

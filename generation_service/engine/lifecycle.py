@@ -151,7 +151,10 @@ class RequestTable:
         request.num_drafts_accepted += result.num_accepted_drafts
         self.draft_proposed += len(row.drafts)
         self.draft_accepted += result.num_accepted_drafts
-        self.scheduler.trim_pages(request)
+        if row.drafts:
+            # NOTE: only rejected drafts leave pages past the cache; without drafts a page
+            # may be reserved already for the next step launched before this one was read.
+            self.scheduler.trim_pages(request)
         delta = self._outputs[request.request_id].process(result.token_ids, result.logprobs)
         if delta.finish_reason is not None:
             self.finish(request, delta.finish_reason, None, delta.token_ids, delta.text, delta.logprobs)

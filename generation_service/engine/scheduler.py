@@ -139,7 +139,7 @@ class Scheduler:
         if request.is_decoding and request.can_sample:
             drafts = self._drafts(request, max_drafts)
             while True:
-                if self._reserve(request, request.num_tokens + len(drafts)):
+                if self.reserve(request, request.num_tokens + len(drafts)):
                     return self._row(request, len(request.token_ids) - request.num_cached, drafts)
                 if drafts:
                     drafts = []  # no room for speculation: decode plainly first
@@ -149,7 +149,7 @@ class Scheduler:
         chunk = self._chunk_len(request, budget)
         if chunk <= 0:
             return None
-        while not self._reserve(request, request.num_cached + chunk):
+        while not self.reserve(request, request.num_cached + chunk):
             if self._preempt_newest() is request:
                 return None
         return self._row(request, chunk, [])
@@ -160,7 +160,7 @@ class Scheduler:
             return None
         if request.slot is None and not self.slots.can_allocate():
             return None
-        if not self._reserve(request, request.num_cached + chunk):
+        if not self.reserve(request, request.num_cached + chunk):
             return None
         self.waiting.remove(request)
         if request.slot is None:
@@ -191,7 +191,7 @@ class Scheduler:
         return ScheduledRow(request, start, new_ids + drafts, drafts, is_sampling)
 
     # ---- pages -----------------------------------------------------------------------------
-    def _reserve(self, request: Request, num_tokens: int) -> bool:
+    def reserve(self, request: Request, num_tokens: int) -> bool:
         """Make the request's pages hold `num_tokens` tokens; False if there are not enough."""
         need = num_pages_for(num_tokens, self.page_size) - len(request.pages)
         if need <= 0:
