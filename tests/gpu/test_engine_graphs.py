@@ -78,6 +78,20 @@ def teacher_forced_logits(engine, token_ids: list[int]) -> torch.Tensor:
         return engine.runner.model(fb, kv).float()
 
 
+def same_or_near_tie(logits: torch.Tensor, num_prompt: int, a: list[int], b: list[int], what: str) -> bool:
+    """True if the greedy outputs a and b are equal; else they must part at a bf16 near tie
+    (`logits`: the teacher-forced logits along b, equal to a's up to the divergence)."""
+    diverged = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    if diverged is None:
+        assert len(a) == len(b), what
+        return True
+    row = logits[num_prompt + diverged - 1]  # same prefix for both up to here
+    tie = abs((row[a[diverged]] - row[b[diverged]]).item())
+    print(f"{what[:20]!r}: diverged at token {diverged}, a bf16 near tie ({tie:.4f})")
+    assert tie <= 0.1 * row.std().item() + 1e-3, (what, diverged, tie)
+    return False
+
+
 def test_graph_engine_greedy_equals_eager_and_filters_run_in_graphs(model_spec):
     requests = [greedy(i, p) for i, p in enumerate(PROMPTS)]
     # top-k 1 and a tiny top-p keep only the argmax: sampled rows that must equal greedy,
@@ -102,14 +116,7 @@ def test_graph_engine_greedy_equals_eager_and_filters_run_in_graphs(model_spec):
             row = logits[len(prompt_ids) + j - 1]
             gap = (row.max() - row[token]).item()
             assert gap <= 0.1 * row.std().item() + 1e-3, (prompt, j, gap, row.std().item())
-        diverged = next((j for j, (a, b) in enumerate(zip(e.token_ids, g.token_ids)) if a != b), None)
-        if diverged is None:
-            num_identical += 1
-            continue
-        row = logits[len(prompt_ids) + diverged - 1]  # same prefix for both up to here
-        tie = abs((row[e.token_ids[diverged]] - row[g.token_ids[diverged]]).item())
-        print(f"{prompt[:20]!r}: diverged at token {diverged}, a bf16 near tie ({tie:.4f})")
-        assert tie <= 0.1 * row.std().item() + 1e-3, (prompt, diverged, tie)
+        num_identical += same_or_near_tie(logits, len(prompt_ids), e.token_ids, g.token_ids, prompt)
     print(f"graph == eager on {num_identical}/{len(prompts)} requests; graph steps {runner.num_graph_steps},"
           f" eager steps {runner.num_eager_steps}")
     # rows 5 and 6 (temperature 1) passed the near-argmax check above only because top-k/top-p
@@ -200,9 +207,17 @@ def test_overlap_gives_the_serial_tokens_and_overlaps(model_spec, grammar_servic
 
     _, serial, _ = run(False)
     engine, overlapped, stats = run(True)
-    for a, b in zip(serial, overlapped):
-        assert b.error is None, b.error
-        assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason)
+    # NOTE: a row ending mid-chain leaves the next step at the larger bucket, where other
+    # rows' GEMMs may round differently: greedy rows may part at a bf16 near tie.
+    num_identical = 0
+    for prompt, a, b in zip(PROMPTS, serial, overlapped):
+        assert b.error is None and b.finish_reason is FinishReason.MAX_TOKENS and len(b.token_ids) == len(a.token_ids)
+        prompt_ids = list(engine.tokenizer.encode(prompt))
+        logits = teacher_forced_logits(engine, prompt_ids + b.token_ids)
+        num_identical += same_or_near_tie(logits, len(prompt_ids), a.token_ids, b.token_ids, prompt)
+    print(f"overlap == serial on {num_identical}/{len(PROMPTS)} greedy rows")
+    for r in overlapped[len(PROMPTS):]:
+        assert r.error is None, r.error
     for r in overlapped[-3:]:
         assert r.finish_reason is FinishReason.GRAMMAR_COMPLETE, r.text
         jsonschema.validate(json.loads(r.text), SCHEMA)
