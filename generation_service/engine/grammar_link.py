@@ -41,6 +41,11 @@ from step_channel import (
 )
 
 log = logging.getLogger(__name__)
+# The host's poll of a GPU step's sequence words: under overlap the next step is already
+# queued, and the host must be back with the one after it before that ends (a 1B-shape step
+# is ~1 ms), so it sleeps in short steps rather than backing off to 1 ms.
+GPU_POLL_SPIN_S = 100e-6
+GPU_POLL_SLEEP_S = 50e-6
 
 
 class GrammarControl(Protocol):
@@ -271,12 +276,13 @@ class GrammarLink:
         if step in self._released_tokens:  # released with an earlier step (overlap)
             return None, self._released_tokens.pop(step)[:num_rows]
         start = time.monotonic()
-        released = not self._wait_masks(step, start)
+        released = not self._wait_masks(step, start, max_sleep_s=GPU_POLL_SLEEP_S)
         entry = self.channel.entry(step)
         if released:
             self._release_gpu_step(step)
         self.wait_s_total += time.monotonic() - start
-        if not self.channel.wait_seq("outputs_seq", step, timeout_s=gpu_timeout_s):
+        if not self.channel.wait_seq("outputs_seq", step, timeout_s=gpu_timeout_s,
+                                     spin_s=GPU_POLL_SPIN_S, max_sleep_s=GPU_POLL_SLEEP_S):
             raise RuntimeError(f"the GPU did not finish grammar step {step} in {gpu_timeout_s} s")
         tokens = entry.out_tokens[:num_rows, 0].tolist()
         if released or int(entry.mask_status[0]) != MASK_OK:
@@ -337,9 +343,10 @@ class GrammarLink:
         self._open_step = None
 
     # ---- watchdog ----------------------------------------------------------------------------
-    def _wait_masks(self, step: int, start: float) -> bool:
+    def _wait_masks(self, step: int, start: float, max_sleep_s: float = 1e-3) -> bool:
         hard_deadline = start + 4 * self.wait_timeout_s
-        while not self.channel.wait_seq("mask_seq", step, timeout_s=0.02):
+        while not self.channel.wait_seq("mask_seq", step, timeout_s=0.02, spin_s=GPU_POLL_SPIN_S,
+                                        max_sleep_s=max_sleep_s):
             if not self._peer_alive():
                 return False
             now = time.monotonic()
