@@ -3,17 +3,27 @@ floor and against transformers generate() + xgrammar's logits processor (issue 6
 
     python benchmarks/decode.py --out benchmarks/results/decode-h200.json
 
-What is measured (per model shape, per batch size):
+What is measured (per model shape, per batch size), all graphs of one runner:
 - free:        the `free` decode graph (no channel work), tokens/s and ms/step;
-- constrained: the `wait_*` graphs with grammar_service (the real StepLoop, xgrammar,
-               Tekken-131k tokenizer) in its own process filling every row's mask through
-               the step channel while the forward runs; rows that finish their JSON document
-               are re-bound (FRESH) so every row stays constrained;
-- nowait:      the same mask gather/apply and outputs writes without the wait: the step
-               time a constrained step would have if masks were always ready; so
-               wait fraction = (constrained - nowait) / constrained;
+- constrained: the `wait_*` graphs (mask prefetch: wait + gather on a side stream while the
+               forward runs, the serving default) with grammar_service (the real StepLoop,
+               xgrammar, Tekken-131k tokenizer) in its own process filling every row's mask
+               through the step channel; rows that finish their JSON document are re-bound
+               (FRESH) so every row stays constrained;
+- constrained_serial: the same with the `+serial` graphs (wait and gather after the forward,
+               one stream: the step before mask prefetch);
+- nowait:      the mask gather/apply and outputs writes (prefetched) without the wait and
+               without the sequence words;
+- prepublished: the whole channel mechanism of `constrained` (inputs_seq, wait node, gather,
+               outputs, outputs_seq; grammar_service sees every step) with a wait that always
+               passes and free rows in the descriptors: the step if masks were always ready.
+               wait_fraction = 1 - prepublished / constrained = the GPU's time waiting for
+               grammar_service; wait_plus_mechanism_fraction = 1 - nowait / constrained (the
+               run-4 "wait %": it also holds the wait node and the seq writes);
 - engine:      the whole Engine with runner "cuda_graph" (scheduler, streams, host loop),
-               free greedy decode; its ms/step against `free` is the host's share;
+               overlap off and on (`EngineConfig.overlap`), free greedy decode of random
+               prompts and, with grammar_service over gRPC, the same batch constrained by
+               SCHEMA; its ms/step against `free` is the host's share;
 - floor:       weights read per step (every parameter but an untied input embedding, of
                which only B rows are read) / device copy bandwidth measured in this run;
                also weights + KV read.
@@ -28,6 +38,7 @@ import json
 import os
 import pathlib
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -37,7 +48,9 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from generation_service.engine.cuda_graphs import FREE, NOWAIT, WAIT_EVEN, WAIT_ODD  # noqa: E402
+from generation_service.engine.cuda_graphs import (  # noqa: E402
+    FREE, NOWAIT, PREPUBLISHED, WAIT_EVEN, WAIT_ODD, with_serial,
+)
 from generation_service.engine.gpu_runner import GpuDecodeRunner  # noqa: E402
 from generation_service.engine.kv_cache import KVCache  # noqa: E402
 from generation_service.model.presets import PRESETS  # noqa: E402
@@ -104,33 +117,51 @@ class Bench:
         table = torch.arange(1, 1 + batch * pages_per_row, dtype=torch.int32).view(batch, pages_per_row)
         runner.load_rows(ids, positions, seq_lens, table)
 
+    MODES = ("free", "nowait", "prepublished", "constrained", "constrained_serial")
+
     def run(self, runner, batch: int, mode: str, num_steps: int) -> dict:
-        """Time num_steps steps after warmup; mode: free | nowait | constrained."""
+        """Time num_steps steps after warmup; mode: one of MODES."""
         self.load(runner, batch)
         fresh = set(range(batch))
-        waits = mode == "constrained"
-        step_times = []
+        channel_step = mode in ("prepublished", "constrained", "constrained_serial")
         for i in range(self.args.warmup + num_steps):
             if i == self.args.warmup:
                 torch.cuda.synchronize()
                 start = time.perf_counter()
-            if waits:
-                self._describe(runner.next_channel_step, batch, fresh)
-            runner.step(batch, constrained=mode != "free", wait=waits)
+            if channel_step:
+                # prepublished: free rows (grammar_service fills all-ones masks, advances nothing)
+                self._describe(runner.next_channel_step, batch, fresh, constrained=mode != "prepublished")
+            if mode == "prepublished":
+                runner.step(batch, variant=PREPUBLISHED)
+            else:
+                runner.step(batch, constrained=mode != "free", wait=channel_step,
+                            prefetch=mode != "constrained_serial")
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
+        if mode == "prepublished":
+            # NOTE: the parity wait of the next waiting step N needs mask_seq in {N-1, N}; the
+            # prepublished steps did not wait, so grammar_service may still be behind: let it
+            # catch up to the last step before any parity wait is replayed.
+            last = runner.next_channel_step - 1
+            if not self.chan.wait_seq("mask_seq", last, timeout_s=60):
+                raise TimeoutError(f"grammar_service stuck before step {last}")
         step_ms = elapsed / num_steps * 1e3
         return {"batch": batch, "mode": mode, "steps": num_steps, "ms_per_step": step_ms,
                 "tokens_per_s": batch * num_steps / elapsed}
 
-    def _describe(self, n: int, batch: int, fresh: set[int]) -> None:
-        """Descriptor of channel step n; throttled so entry n % D is free to rewrite."""
+    def _describe(self, n: int, batch: int, fresh: set[int], constrained: bool = True) -> None:
+        """Descriptor of channel step n; throttled so entry n % D is free to rewrite (also when
+        the GPU does not wait: prepublished steps run at most D-1 steps ahead of mask_seq).
+        constrained=False: free rows (no matcher advanced, bound or re-bound; the rows of a
+        later constrained run start FRESH anyway)."""
         chan = self.chan
         oldest = n - self.depth + 1  # grammar_service must be done with it (it reads desc n-D)
         if oldest >= self.first_step:
             if not chan.wait_seq("mask_seq", oldest, timeout_s=60):
                 raise TimeoutError(f"grammar_service stuck before step {oldest}")
-            # rows whose document ended at step oldest-1 get a fresh matcher
+        if oldest >= self.first_step and constrained:
+            # rows whose document ended at step oldest-1 get a fresh matcher (results of free
+            # rows are (-1, 0): grammar_service resets them)
             results = chan.entry(oldest).results
             prev_batch = chan.entry(oldest - 1).batch_size if oldest - 1 >= self.first_step else 0
             for r in range(min(prev_batch, batch)):
@@ -143,11 +174,12 @@ class Bench:
         rows = e.desc_rows
         rows[:batch, 0] = range(batch)
         rows[:batch, 1] = 1
-        rows[:batch, 2] = FLAG_CONSTRAINED
+        rows[:batch, 2] = FLAG_CONSTRAINED if constrained else 0
         rows[:batch, 3] = self.grammar_id
-        for r in fresh:
-            rows[r, 2] = FLAG_CONSTRAINED | FLAG_FRESH
-        fresh.clear()
+        if constrained:
+            for r in fresh:
+                rows[r, 2] = FLAG_CONSTRAINED | FLAG_FRESH
+            fresh.clear()
 
     def diagnostics(self, model, kv, runner) -> dict:
         """Where the step time goes beyond the floor, at the smallest and largest bucket:
@@ -192,8 +224,10 @@ class Bench:
                      cfg.head_dim, torch.bfloat16, "cuda")
         for t in kv.k + kv.v:
             t.normal_(0.0, 1.0)
+        # prefetch (default) and +serial waiting pairs, nowait, prepublished: 7 graphs per bucket
         runner = GpuDecodeRunner(model, kv, max_batch=max_batch, buckets=tuple(args.batches),
-                                 mapped=self.mapped, variants=(FREE, WAIT_EVEN, WAIT_ODD, NOWAIT))
+                                 mapped=self.mapped, variants=(FREE, WAIT_EVEN, WAIT_ODD, NOWAIT, PREPUBLISHED,
+                                                               with_serial(WAIT_EVEN), with_serial(WAIT_ODD)))
         runner.set_channel_step(self.next_step)
         with torch.no_grad():
             capture_s = runner.capture()
@@ -203,7 +237,7 @@ class Bench:
                                                     torch.bfloat16)
             rows = []
             for batch in args.batches:
-                for mode in ("free", "nowait", "constrained"):
+                for mode in self.MODES:
                     try:
                         res = self.run(runner, batch, mode, args.steps)
                     except BaseException:
@@ -217,13 +251,16 @@ class Bench:
                                over_weight_floor=res["ms_per_step"] / floor_ms,
                                over_weight_kv_floor=res["ms_per_step"] / (floor_ms + kv_ms))
                     rows.append(res)
-                    log(f"{preset} b={batch:3d} {mode:11s} {res['ms_per_step']:7.3f} ms/step "
+                    log(f"{preset} b={batch:3d} {mode:18s} {res['ms_per_step']:7.3f} ms/step "
                         f"{res['tokens_per_s']:9.1f} tok/s  x{res['over_weight_floor']:.2f} weight floor")
                 by = {r["mode"]: r for r in rows if r["batch"] == batch}
-                by["constrained"]["wait_fraction"] = max(
-                    0.0, 1 - by["nowait"]["ms_per_step"] / by["constrained"]["ms_per_step"])
-                by["constrained"]["constrained_over_free"] = (
-                    by["constrained"]["tokens_per_s"] / by["free"]["tokens_per_s"])
+                c, c_ms = by["constrained"], by["constrained"]["ms_per_step"]
+                c["wait_fraction"] = max(0.0, 1 - by["prepublished"]["ms_per_step"] / c_ms)
+                c["wait_plus_mechanism_fraction"] = max(0.0, 1 - by["nowait"]["ms_per_step"] / c_ms)
+                c["constrained_over_free"] = c["tokens_per_s"] / by["free"]["tokens_per_s"]
+                c["constrained_serial_over_free"] = (
+                    by["constrained_serial"]["tokens_per_s"] / by["free"]["tokens_per_s"])
+                c["prefetch_gain"] = by["constrained_serial"]["ms_per_step"] / c_ms - 1
             try:  # diagnostics must not lose the main numbers
                 diagnostics = self.diagnostics(model, kv, runner)
             except Exception as exc:  # noqa: BLE001
@@ -262,45 +299,136 @@ def graph_ms(fn, reps: int = 30) -> float:
 
 
 
-def engine_decode(preset: str, batches: list[int], context: int, new_tokens: int) -> list[dict]:
-    """The whole Engine (scheduler, streams, runner "cuda_graph"), free greedy decode of
-    random prompts: graph step + the host loop around it (no overlap yet, docs/gpu.md)."""
+def engine_model_spec(preset: str, tokenizer_dir: str, folder: pathlib.Path) -> str:
+    """random:<preset> with the decode table's vocab and the Tekken tokenizer beside it (a
+    constrained request needs the tokenizer grammar_service compiles for); random:<preset>
+    (vocab 128256, no tokenizer: free only) without the tokenizer."""
+    tok = pathlib.Path(tokenizer_dir)
+    if not (tok / "tokenizer.json").is_file():
+        return f"random:{preset}"
+    c = PRESETS[preset]
+    config = {"architectures": [c.architecture], "model_type": "llama", "vocab_size": VOCAB,
+              "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+              "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads,
+              "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim, "hidden_act": "silu",
+              "max_position_embeddings": 4096, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
+              "tie_word_embeddings": c.tie_word_embeddings, "bos_token_id": 1, "eos_token_id": 2,
+              "dtype": "bfloat16"}
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (tok / name).is_file():
+            shutil.copy(tok / name, folder / name)
+    return f"random:{folder / 'config.json'}"
+
+
+def engine_decode(preset: str, batches: list[int], context: int, new_tokens: int, overlap: bool,
+                  model_spec: str, grammar_address: str | None) -> list[dict]:
+    """The whole Engine (scheduler, streams, runner "cuda_graph", `overlap` off or on): greedy
+    decode of random prompts, free and (with grammar_service at `grammar_address`) every row
+    constrained by SCHEMA: graph step + the host loop around it."""
     from generation_service.engine.engine import Engine, EngineConfig
-    from generation_service.engine.params import GenerationRequest, SamplingParams
+    from generation_service.engine.params import GrammarSpec
     max_batch = max(batches)
     pages_per_row = -(-(context + new_tokens + 8) // PAGE_SIZE)
-    engine = Engine(EngineConfig(model=f"random:{preset}", device="cuda", dtype="bfloat16", runner="cuda_graph",
+    client = None
+    if grammar_address is not None:
+        from grammar_service.client import GrammarControlClient
+        client = GrammarControlClient(grammar_address)
+    engine = Engine(EngineConfig(model=model_spec, device="cuda", dtype="bfloat16", runner="cuda_graph",
                                  max_batch=max_batch, num_pages=1 + max_batch * pages_per_row,
                                  page_size=PAGE_SIZE, max_prompt_tokens=context, max_new_tokens_limit=new_tokens,
-                                 prefill_chunk_tokens=max(512, context * max_batch)))
+                                 prefill_chunk_tokens=max(512, context * max_batch), overlap=overlap), client)
     engine.start()
     rows = []
+    grammar = GrammarSpec("json_schema", json.dumps(SCHEMA), any_whitespace=False)
     try:
         gen = torch.Generator().manual_seed(0)
+        vocab = engine.model_config.vocab_size
         for batch in batches:
-            streams = [engine.submit(GenerationRequest(
-                f"{preset}-{batch}-{i}", tuple(torch.randint(0, engine.model_config.vocab_size, (context,),
-                                                             generator=gen).tolist()),
-                SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))) for i in range(batch)]
-            pending = [[] for _ in streams]
-            for i, stream in enumerate(streams):  # until every row has its first token
-                while not pending[i]:
-                    pending[i] += stream.get(timeout=300).token_ids
-            t0, steps0, graph0 = time.perf_counter(), engine.num_steps, engine.runner.num_graph_steps
-            for stream in streams:
-                while not stream.get(timeout=300).is_final:
-                    pass
-            elapsed = time.perf_counter() - t0
-            steps = engine.num_steps - steps0
-            row = {"preset": preset, "batch": batch, "runner": "cuda_graph", "steps": steps,
-                   "graph_steps": engine.runner.num_graph_steps - graph0, "ms_per_step": elapsed / steps * 1e3,
-                   "tokens_per_s": batch * steps / elapsed, "vocab_size": engine.model_config.vocab_size}
-            rows.append(row)
-            log(f"engine {preset} b={batch:3d} {row['ms_per_step']:8.3f} ms/step {row['tokens_per_s']:9.1f} tok/s "
-                f"({row['graph_steps']}/{steps} graph steps)")
+            for mode in ("free", "constrained") if client is not None else ("free",):
+                try:
+                    rows.append(_engine_run(engine, preset, batch, mode, context, new_tokens, overlap, gen, vocab,
+                                            grammar if mode == "constrained" else None))
+                except Exception as exc:  # noqa: BLE001 -- one mode's failure must not lose the others
+                    log(f"engine {preset} b={batch} overlap={overlap} {mode} failed: {exc!r}")
+                    rows.append({"preset": preset, "batch": batch, "mode": mode, "overlap": overlap,
+                                 "error": repr(exc)})
+                    if mode == "free":
+                        raise
     finally:
         engine.stop()
+        if client is not None:
+            client.close()
     return rows
+
+
+def _engine_run(engine, preset: str, batch: int, mode: str, context: int, new_tokens: int, overlap: bool,
+                gen: torch.Generator, vocab: int, grammar) -> dict:
+    """One batch through the engine; timed from every row's first token to the last row's end.
+    Constrained rows stop at the end of their document (GRAMMAR_COMPLETE) or at new_tokens, so
+    tokens/s counts the tokens received, ms/step the engine steps taken."""
+    from generation_service.engine.params import GenerationRequest, SamplingParams
+    streams = [engine.submit(GenerationRequest(
+        f"{preset}-{mode}-{overlap}-{batch}-{i}",
+        tuple(torch.randint(0, vocab, (context,), generator=gen).tolist()),
+        SamplingParams(max_new_tokens=new_tokens, ignore_eos=grammar is None), grammar=grammar))
+        for i in range(batch)]
+    num_tokens = [0] * batch
+    finals = [None] * batch
+    for i, stream in enumerate(streams):  # until every row has its first token
+        while num_tokens[i] == 0 and finals[i] is None:
+            event = stream.get(timeout=300)
+            num_tokens[i] += len(event.token_ids)
+            finals[i] = event if event.is_final else None
+    first = sum(num_tokens)
+    runner = engine.runner
+    t0, steps0 = time.perf_counter(), engine.num_steps
+    graph0, chained0 = runner.num_graph_steps, getattr(runner, "num_chained_steps", 0)
+    for i, stream in enumerate(streams):
+        while finals[i] is None:
+            event = stream.get(timeout=300)
+            num_tokens[i] += len(event.token_ids)
+            finals[i] = event if event.is_final else None
+    elapsed = time.perf_counter() - t0
+    steps = engine.num_steps - steps0
+    errors = [repr(f.error) for f in finals if f.error is not None]
+    reasons = {}
+    for f in finals:
+        reasons[f.finish_reason.name] = reasons.get(f.finish_reason.name, 0) + 1
+    decoded = sum(num_tokens) - first
+    row = {"preset": preset, "batch": batch, "mode": mode, "overlap": overlap, "runner": "cuda_graph",
+           "steps": steps, "graph_steps": runner.num_graph_steps - graph0,
+           "chained_steps": getattr(runner, "num_chained_steps", 0) - chained0,
+           "ms_per_step": elapsed / max(1, steps) * 1e3, "tokens_per_s": decoded / elapsed,
+           "tokens_decoded": decoded, "finish_reasons": reasons, "errors": errors[:3],
+           "vocab_size": vocab}
+    log(f"engine {preset} b={batch:3d} overlap={overlap!s:5s} {mode:11s} {row['ms_per_step']:8.3f} ms/step "
+        f"{row['tokens_per_s']:9.1f} tok/s ({row['graph_steps']}/{steps} graph steps, "
+        f"{row['chained_steps']} chained, {reasons})")
+    return row
+
+
+def start_grammar_service_grpc(folder: pathlib.Path):
+    """`python -m grammar_service --listen unix://...` (the engine's GrammarControl peer), waited
+    until serving; returns (process, address). As tests/integration/test_engine_support.py."""
+    from grammar_service.client import GrammarControlClient
+    address = f"unix://{folder / 'bench_grammar.sock'}"
+    log_path = folder / "bench_grammar.log"
+    proc = subprocess.Popen([sys.executable, "-m", "grammar_service", "--listen", address], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=open(log_path, "a"),
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    probe = GrammarControlClient(address)
+    try:
+        deadline = time.monotonic() + 120
+        while not probe.is_serving(timeout_s=1.0):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"grammar_service did not start:\n{log_path.read_text()[-2000:]}")
+            time.sleep(0.1)
+    finally:
+        probe.close()
+    return proc, address
 
 
 def start_grammar_service(chan: StepChannel, tokenizer_dir: str, max_slots: int, tmp: pathlib.Path):
@@ -325,6 +453,8 @@ def main() -> int:
     ap.add_argument("--engine-batches", nargs="*", type=int, default=[1, 32],
                     help="Engine(runner='cuda_graph') end to end, free; none: skip")
     ap.add_argument("--engine-new-tokens", type=int, default=64)
+    ap.add_argument("--skip-engine-constrained", action="store_true",
+                    help="engine rows free only (no grammar_service over gRPC)")
     ap.add_argument("--tokenizer-dir", default=os.environ.get(
         "STRUCTGEN_TEKKEN_DIR", str(pathlib.Path.home() / ".cache/structgen/tokenizers/tekken_131k")))
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/decode-h200.json"))
@@ -370,13 +500,32 @@ def main() -> int:
                 result.setdefault("hf_errors", []).append(f"{preset}: {exc!r}")
     if args.engine_batches:
         result["engine"] = []
-        for preset in args.presets:
-            torch.cuda.empty_cache()
-            try:
-                result["engine"] += engine_decode(preset, args.engine_batches, args.context, args.engine_new_tokens)
-            except Exception as exc:  # noqa: BLE001 -- must not lose the main numbers
-                log(f"engine {preset} failed: {exc!r}")
-                result.setdefault("engine_errors", []).append(f"{preset}: {exc!r}")
+        grammar_proc = grammar_address = None
+        if not args.skip_engine_constrained:
+            try:  # constrained engine rows need grammar_service over gRPC; free rows do not
+                grammar_proc, grammar_address = start_grammar_service_grpc(tmp)
+            except Exception as exc:  # noqa: BLE001
+                log(f"grammar_service (gRPC) failed to start, engine rows free only: {exc!r}")
+                result.setdefault("engine_errors", []).append(f"grammar_service: {exc!r}")
+        try:
+            for preset in args.presets:
+                spec = engine_model_spec(preset, args.tokenizer_dir, tmp / f"bench_model_{preset}")
+                for overlap in (False, True):
+                    torch.cuda.empty_cache()
+                    try:
+                        result["engine"] += engine_decode(preset, args.engine_batches, args.context,
+                                                          args.engine_new_tokens, overlap, spec,
+                                                          grammar_address if spec != f"random:{preset}" else None)
+                    except Exception as exc:  # noqa: BLE001 -- must not lose the main numbers
+                        log(f"engine {preset} overlap={overlap} failed: {exc!r}")
+                        result.setdefault("engine_errors", []).append(f"{preset} overlap={overlap}: {exc!r}")
+        finally:
+            if grammar_proc is not None:
+                grammar_proc.terminate()
+                try:
+                    grammar_proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    grammar_proc.kill()
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
     summary(result)
@@ -384,20 +533,37 @@ def main() -> int:
 
 
 def summary(result: dict) -> None:
+    """c/f: constrained (prefetch) over free; serial: the same without prefetch; wait%: GPU time
+    waiting for grammar_service (vs prepublished); +mech%: the run-4 figure (vs nowait)."""
     print(f"\ncopy bandwidth {result['copy_bandwidth_gbs']:.0f} GB/s; masks: {result['mask_source']}")
-    print(f"{'model':14s} {'batch':>5s} {'free tok/s':>11s} {'constr tok/s':>12s} {'c/f':>5s} "
-          f"{'wait%':>6s} {'ms/step':>8s} {'x floor':>7s}")
+    print(f"{'model':14s} {'batch':>5s} {'free ms':>8s} {'nowait':>7s} {'prepub':>7s} {'constr':>7s} "
+          f"{'serial':>7s} {'free tok/s':>10s} {'constr tok/s':>12s} {'c/f':>5s} {'serial':>6s} "
+          f"{'wait%':>5s} {'+mech%':>6s} {'x floor':>7s}")
     for m in result["models"]:
         for batch in sorted({r["batch"] for r in m["rows"]}):
             by = {r["mode"]: r for r in m["rows"] if r["batch"] == batch}
             f, c = by["free"], by["constrained"]
-            print(f"{m['preset']:14s} {batch:5d} {f['tokens_per_s']:11.1f} {c['tokens_per_s']:12.1f} "
-                  f"{c['constrained_over_free']:5.2f} {100 * c['wait_fraction']:6.1f} "
-                  f"{f['ms_per_step']:8.3f} {f['over_weight_floor']:7.2f}")
+            ms = [by[mode]["ms_per_step"] for mode in ("free", "nowait", "prepublished", "constrained",
+                                                        "constrained_serial")]
+            print(f"{m['preset']:14s} {batch:5d} {ms[0]:8.3f} {ms[1]:7.3f} {ms[2]:7.3f} {ms[3]:7.3f} {ms[4]:7.3f} "
+                  f"{f['tokens_per_s']:10.1f} {c['tokens_per_s']:12.1f} {c['constrained_over_free']:5.3f} "
+                  f"{c['constrained_serial_over_free']:6.3f} {100 * c['wait_fraction']:5.1f} "
+                  f"{100 * c['wait_plus_mechanism_fraction']:6.1f} {f['over_weight_floor']:7.2f}")
     for e in result.get("engine", []):
-        print(f"Engine {e['preset']:14s} b={e['batch']:3d} {e['ms_per_step']:8.3f} ms/step {e['tokens_per_s']:9.1f} tok/s")
+        head = f"Engine {e['preset']:14s} b={e['batch']:3d} overlap={e['overlap']!s:5s} {e['mode']:11s}"
+        if "error" in e:
+            print(f"{head} error {e['error']}")
+        else:
+            print(f"{head} {e['ms_per_step']:8.3f} ms/step {e['tokens_per_s']:9.1f} tok/s "
+                  f"({e['graph_steps']}/{e['steps']} graph, {e['chained_steps']} chained)")
     for h in result.get("hf_baseline", []):
-        print(f"HF {h['preset']:14s} b={h['batch']:3d} {h['mode']:11s} {h['tokens_per_s']:8.1f} tok/s")
+        head = f"HF {h['preset']:14s} b={h['batch']:3d} {h['mode']:19s}"
+        if "error" in h:
+            print(f"{head} error {h['error'][:100]}")
+        elif "min_processor_ms" in h:
+            print(f"{head} transformers' min-length processors alone {h['min_processor_ms']:.2f} ms/step")
+        else:
+            print(f"{head} {h['tokens_per_s']:8.1f} tok/s {h['ms_per_step']:8.2f} ms/step")
 
 
 if __name__ == "__main__":
