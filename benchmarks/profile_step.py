@@ -36,6 +36,9 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+# the decode table's floor, computed the same way (benchmarks/, the script's folder)
+from decode import copy_bandwidth_gbs, weight_bytes_read  # noqa: E402
+
 VOCAB = 131072
 PAGE_SIZE = 16
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
@@ -124,31 +127,6 @@ def gbs_table(times: dict[str, list[float]], nbytes: dict[str, int]) -> dict[str
 
 
 # ---- the device side --------------------------------------------------------------------
-def copy_bandwidth_gbs(nbytes: int = 4 << 30, reps: int = 10) -> float:
-    """Device-to-device copy, bytes read + written per second (median), as decode.py."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(reps + 2):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    del src, dst
-    return 2 * nbytes / sorted(times[2:])[len(times[2:]) // 2] / 1e9
-
-
-def weight_bytes_read(model) -> int:
-    """Every parameter except an untied input embedding (only B rows are gathered)."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    if not model.config.tie_word_embeddings:
-        emb = model.model.embed_tokens.weight
-        total -= emb.numel() * emb.element_size()
-    return total
-
-
 def event_times_ms(fn, reps: int) -> list[float]:
     """CUDA-event time of each of reps calls of fn."""
     pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
