@@ -12,7 +12,8 @@ attention over a contiguous (unpaged) cache of the same size, a stronger baselin
 "gemv" (`--only gemv`, ~1 minute): the decode projections at M = 1..8, cuBLAS vs every
 candidate config of kernels/gemv.py, each timed as a CUDA graph of one launch per layer over
 distinct weight copies (as in a decode step: no weight stays in L2), plus every projection of
-a whole step in one graph.
+a whole step in one graph. "gemv_decode" (~30 s): the whole free decode step (GpuDecodeRunner
+graphs, random 8B/1B weights, context 512) with `gemv_max_batch` 0 vs 8.
 """
 from __future__ import annotations
 
@@ -373,6 +374,62 @@ def bench_gemv_step(model, weights, xs, m, bw, hidden, inter, silu_mul, gemv, ga
                   cublas_GBps=nbytes / t_ref / 1e6)
 
 
+def decode_step_ms(runner, batch, context, pages_per_row, warmup=10, steps=100) -> float:
+    """ms per free decode step (graph replays, host loop included, as benchmarks/decode.py)."""
+    ids = torch.randint(0, VOCAB, (batch,))
+    positions = torch.full((batch,), context, dtype=torch.int64)
+    seq_lens = torch.full((batch,), context + 1, dtype=torch.int32)
+    table = torch.arange(1, 1 + batch * pages_per_row, dtype=torch.int32).view(batch, -1)
+    runner.load_rows(ids, positions, seq_lens, table)
+    for i in range(warmup + steps):
+        if i == warmup:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+        runner.step(batch)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3 / steps
+
+
+def bench_gemv_decode(bw, quick):
+    """The free decode step with cuBLAS (gemv_max_batch=0) vs the Triton GEMVs (8)."""
+    import dataclasses
+    from generation_service.engine.gpu_runner import GpuDecodeRunner
+    from generation_service.engine.kv_cache import KVCache
+    from generation_service.model.presets import PRESETS
+    from generation_service.model.random_init import build_random_model
+    context, batches, out = 512, (1, 8) if quick else (1, 2, 4, 8), []
+    pages_per_row = -(-(context + 200) // PAGE)
+    for preset in ("llama-3.1-8b", "llama-3.2-1b"):
+        cfg = dataclasses.replace(PRESETS[preset], vocab_size=VOCAB, max_position_embeddings=4096)
+        model = build_random_model(cfg, torch.device(DEV), torch.bfloat16, seed=0)
+        kv = KVCache(cfg.num_layers, 1 + max(batches) * pages_per_row, PAGE, cfg.num_kv_heads,
+                     cfg.head_dim, torch.bfloat16, DEV)
+        for t in kv.k + kv.v:
+            t.normal_(0.0, 1.0)
+        wbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        if not cfg.tie_word_embeddings:  # only B rows of the input embedding are read
+            wbytes -= model.model.embed_tokens.weight.numel() * 2
+        runner = GpuDecodeRunner(model, kv, max_batch=max(batches), buckets=batches)
+        ms = {}
+        with torch.no_grad():
+            for gemv_max_batch in (0, max(batches)):
+                runner.forward.gemv_max_batch = gemv_max_batch  # read per call: before capture
+                runner.capture()
+                for batch in batches:
+                    ms[gemv_max_batch, batch] = decode_step_ms(runner, batch, context,
+                                                               pages_per_row)
+                runner.close()
+        for batch in batches:
+            t, t_ref = ms[max(batches), batch], ms[0, batch]
+            out.append(record("gemv_decode", f"{preset} B={batch} free step", t, t_ref, wbytes,
+                              bw, cublas_x_floor=t_ref / (wbytes / bw / 1e6)))
+            print(f"{preset} B={batch} free step: cuBLAS {t_ref:.3f} ms, gemv {t:.3f} ms "
+                  f"(x{out[-1]['x_floor']:.2f} weight floor; cuBLAS x{out[-1]['cublas_x_floor']:.2f})")
+        del runner, model, kv
+        torch.cuda.empty_cache()
+    return out
+
+
 def print_gemv(records):
     """One line per (model, projection, M): cuBLAS, the default config, the best config."""
     rows = {}
@@ -415,7 +472,7 @@ def main() -> int:
     parser.add_argument("--out", required=True, help="JSON file for the results")
     parser.add_argument("--quick", action="store_true", help="fewer shapes (~1 minute)")
     parser.add_argument("--only", default="", help="comma list: decode,extend,prepare,"
-                        "kv_write,mask_sample,norm_rope,tuning,gemv")
+                        "kv_write,mask_sample,norm_rope,tuning,gemv,gemv_decode")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
@@ -434,7 +491,8 @@ def main() -> int:
               "mask_sample": lambda: bench_mask_sample(batches, bw),
               "norm_rope": lambda: bench_norm_rope(bw),
               "tuning": lambda: bench_tuning(bw),
-              "gemv": lambda: bench_gemv(bw, args.quick)}
+              "gemv": lambda: bench_gemv(bw, args.quick),
+              "gemv_decode": lambda: bench_gemv_decode(bw, args.quick)}
     records = []
     for name, run in suites.items():
         if (only and name not in only) or (args.quick and name == "tuning" and not only):

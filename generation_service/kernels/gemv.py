@@ -59,16 +59,18 @@ _TABLE: tuple[tuple[int | None, tuple[GemvConfig, ...]], ...] = (
     (32768, (GemvConfig(32, 256), GemvConfig(64, 128), GemvConfig(16, 256))),
     (None, (GemvConfig(64, 128), GemvConfig(128, 64), GemvConfig(32, 256))),
 )
-_ROW_CONFIG = GemvConfig(16, 512, num_stages=3, use_dot=False)  # M = 1 candidate
+ROW_TILE = 8192  # row kernel: BLOCK_N * BLOCK_K fp32 partials = 64 registers a thread at 4 warps
 
 
 def candidate_configs(m: int, n: int, k: int, *, fused: bool = False) -> list[GemvConfig]:
     """Configs to try for an (m, n, k) GEMV, best guess first; n = output columns.
-    fused (gemv_gate_up_silu): two W tiles per step, so half the K tile keeps the bytes."""
+    fused (gemv_gate_up_silu): two W tiles per step, so half the K tile keeps the bytes
+    (and the row kernel's two accumulators their registers)."""
     assert 1 <= m <= MAX_ROWS, m
     configs = list(next(c for bound, c in _TABLE if bound is None or n <= bound))
     if m == 1:
-        configs.append(dataclasses.replace(_ROW_CONFIG, block_n=configs[0].block_n))
+        block_n = configs[0].block_n
+        configs.append(GemvConfig(block_n, ROW_TILE // block_n, num_stages=3, use_dot=False))
     if fused:
         configs = [dataclasses.replace(c, block_k=max(64, c.block_k // 2)) for c in configs]
     return configs

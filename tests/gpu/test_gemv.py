@@ -51,7 +51,7 @@ def test_gate_up_silu_bf16_matches_silu_mul(i, k):
             out = gemv_gate_up_silu(x, gate_up, config=cfg).float()
             # same rounding steps: most elements bit-equal, the rest one bf16 step of gate/up
             assert rel_err(out, unfused) < 8e-3, (m, str(cfg))
-            assert (out == unfused).float().mean().item() > 0.5, (m, str(cfg))
+            assert (out == unfused).float().mean().item() > 0.8, (m, str(cfg))
 
 
 def test_gemv_graph_replay_equals_eager():
