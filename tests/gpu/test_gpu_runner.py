@@ -1,16 +1,21 @@
 """GpuDecodeRunner: eager decode == the model's reference forward, graph replay == eager
-(with padding rows), and constrained JSON under graphs with grammar_service in its own process."""
+(with padding rows), the mask prefetch (side stream) == the serial mask read under host
+masks published early and late, and constrained JSON under graphs with grammar_service in
+its own process (both mask reads)."""
 from __future__ import annotations
 
 import json
 import pathlib
 import subprocess
 import sys
+import threading
 
+import numpy as np
 import pytest
 import torch
 
 from gpu_helpers import TOKENIZER_DIR, VOCAB, load_rows, make_kv
+from generation_service.engine.cuda_graphs import SERVING_VARIANTS, with_serial
 from generation_service.engine.gpu_runner import GpuDecodeRunner
 from step_channel import FLAG_CONSTRAINED, FLAG_FRESH, Geometry, StepChannel
 
@@ -67,6 +72,90 @@ def test_graph_replay_equals_eager(model, batch):
     assert len(set(torch.stack(graph).flatten().tolist())) > 1  # not a constant output
 
 
+def pack_bits(allowed: torch.Tensor) -> np.ndarray:
+    """(R, V) bool -> (R, V // 32) int32 words, token t at bit t % 32 of word t // 32."""
+    rows, vocab = allowed.shape
+    words = (allowed.view(rows, vocab // 32, 32).long() << torch.arange(32)).sum(-1)
+    return words.to(torch.int64).numpy().astype(np.uint32).view(np.int32)
+
+
+POISON = 7  # the only token the stale masks allow, and one the real masks never do
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["masks-early", "masks-late"])
+def test_prefetch_and_serial_mask_reads_give_the_same_tokens(model, late):
+    """Host-written masks (a quarter of the vocab per row, a new draw per step), eager and
+    graph, prefetch and serial: the same tokens, each allowed by its step's mask. masks-late:
+    the entry holds stale masks (POISON only) when the step launches, the real ones and
+    mask_seq arrive 20 ms later (long after the forward), so a gather that ran before its
+    wait, on either stream, would sample POISON."""
+    from step_channel.cuda import MappedChannel
+    batch, bucket, num_steps = 3, 4, 6
+    geometry = Geometry(max_batch=bucket, max_positions=1, vocab_size=VOCAB, depth=4)
+    chan = StepChannel.create(geometry)
+    mapped = MappedChannel.register(chan)
+    kv = make_kv(model.config, 1 + bucket * PAGES_PER_ROW)
+    start = [t.clone() for t in kv.k + kv.v]
+    runner = GpuDecodeRunner(model, kv, max_batch=bucket, buckets=(1, 2, 4), mapped=mapped,
+                             variants=SERVING_VARIANTS + tuple(with_serial(v) for v in SERVING_VARIANTS))
+    gen = torch.Generator().manual_seed(3)
+    allowed = []
+    for _ in range(num_steps):
+        a = torch.rand(batch, VOCAB, generator=gen) < 0.25
+        a[:, POISON] = False
+        allowed.append(a)
+    real = [np.concatenate([pack_bits(a), np.full((bucket - batch, VOCAB // 32), -1, np.int32)]) for a in allowed]
+    stale = np.zeros((bucket, VOCAB // 32), np.int32)
+    stale[:, POISON // 32] = 1 << (POISON % 32)
+    runs = {}
+    try:
+        with torch.no_grad():
+            for use_graph in (False, True):
+                if use_graph:
+                    runner.capture()
+                for prefetch in (True, False):
+                    for t, s in zip(kv.k + kv.v, start):
+                        t.copy_(s)
+                    load_rows(runner, batch, CONTEXT, PAGES_PER_ROW)
+                    tokens = []
+                    for i in range(num_steps):
+                        n = runner.next_channel_step
+                        e = chan.entry(n)
+                        e.desc_header[:] = (n, batch)
+
+                        def publish(e=e, n=n, i=i):
+                            e.masks[:bucket] = real[i]
+                            chan.publish_seq("mask_seq", n)
+                        timer = None
+                        if late:  # a thread: a host sync inside an eager step could not deadlock
+                            e.masks[:bucket] = stale
+                            timer = threading.Timer(0.02, publish)
+                            timer.start()
+                        else:
+                            publish()
+                        runner.step(batch, constrained=True, use_graph=use_graph, prefetch=prefetch)
+                        assert chan.wait_seq("outputs_seq", n, timeout_s=30), f"step {n} never finished"
+                        if timer is not None:
+                            timer.join()
+                        assert chan.load_seq("inputs_seq") == n
+                        tokens.append(e.out_tokens[:batch, 0].astype(np.int64))
+                    runs[(use_graph, prefetch)] = np.stack(tokens)  # (num_steps, batch)
+                    print(f"graph={use_graph} prefetch={prefetch} late={late}: {runs[(use_graph, prefetch)].T.tolist()}")
+    finally:
+        chan.publish_seq("mask_seq", runner.next_channel_step - 1)  # never leave the GPU waiting
+        torch.cuda.synchronize()
+        runner.close()
+        mapped.close()
+        chan.close()
+    reference = runs[(False, False)]  # eager, serial: the body before mask prefetch
+    for key, got in runs.items():
+        assert np.array_equal(got, reference), f"{key}: {got.tolist()} != {reference.tolist()}"
+    for i in range(num_steps):
+        for r in range(batch):
+            assert allowed[i][r, int(reference[i, r])], f"step {i} row {r}: token {reference[i, r]} not allowed"
+    assert len(set(reference.flatten().tolist())) > 1
+
+
 SCHEMA = {"type": "object", "properties": {
     "kind": {"enum": ["a", "bb", "ccc"]}, "ok": {"type": "boolean"},
     "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 3}},
@@ -75,7 +164,8 @@ SCHEMA = {"type": "object", "properties": {
 
 @pytest.mark.skipif(not (TOKENIZER_DIR / "tokenizer.json").is_file(), reason="no Tekken tokenizer")
 @pytest.mark.parametrize("use_graph", [True, False])
-def test_constrained_json_valid_with_grammar_service_process(model, tmp_path, use_graph):
+@pytest.mark.parametrize("mask_prefetch", [True, False], ids=["prefetch", "serial"])
+def test_constrained_json_valid_with_grammar_service_process(model, tmp_path, use_graph, mask_prefetch):
     from tokenizers import Tokenizer
     from step_channel.cuda import MappedChannel
     batch, max_steps = 4, 80
@@ -92,7 +182,8 @@ def test_constrained_json_valid_with_grammar_service_process(model, tmp_path, us
     try:
         grammar_id = json.loads(proc.stdout.readline())["grammar_id"]
         kv = make_kv(model.config, 1 + batch * PAGES_PER_ROW)
-        runner = GpuDecodeRunner(model, kv, max_batch=4, buckets=(1, 2, 4), mapped=mapped)
+        runner = GpuDecodeRunner(model, kv, max_batch=4, buckets=(1, 2, 4), mapped=mapped,
+                                 mask_prefetch=mask_prefetch)
         if use_graph:
             runner.capture()
         load_rows(runner, batch, CONTEXT, PAGES_PER_ROW)
