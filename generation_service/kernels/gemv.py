@@ -34,6 +34,7 @@ import triton.language as tl
 
 MAX_ROWS = 16  # the dot kernel pads x's rows to one 16-wide MMA tile
 NUM_SMS = 132  # H200; the table below targets >= 2 programs per SM
+EVICT: tl.constexpr = tl.constexpr("evict_first")  # W is read once a step: keep L2 for the rest
 
 
 @dataclass(frozen=True)
@@ -111,16 +112,16 @@ def _gemv_dot_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride
     for k0 in range(0, K, BLOCK_K):
         if EVEN:
             xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
-            acc_g = tl.dot(tl.load(gate_ptrs), xt, acc_g)
+            acc_g = tl.dot(tl.load(gate_ptrs, eviction_policy=EVICT), xt, acc_g)
             if SILU_MUL:
-                acc_u = tl.dot(tl.load(up_ptrs), xt, acc_u)
+                acc_u = tl.dot(tl.load(up_ptrs, eviction_policy=EVICT), xt, acc_u)
         else:
             k_ok = offs_k < K - k0
             xt = tl.load(x_ptrs, mask=m_mask[None, :] & k_ok[:, None], other=0.0)
             w_mask = n_mask[:, None] & k_ok[None, :]
-            acc_g = tl.dot(tl.load(gate_ptrs, mask=w_mask, other=0.0), xt, acc_g)
+            acc_g = tl.dot(tl.load(gate_ptrs, mask=w_mask, other=0.0, eviction_policy=EVICT), xt, acc_g)
             if SILU_MUL:
-                acc_u = tl.dot(tl.load(up_ptrs, mask=w_mask, other=0.0), xt, acc_u)
+                acc_u = tl.dot(tl.load(up_ptrs, mask=w_mask, other=0.0, eviction_policy=EVICT), xt, acc_u)
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
@@ -143,16 +144,16 @@ def _gemv_row_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_wn,
     for k0 in range(0, K, BLOCK_K):
         if EVEN:
             x = tl.load(x_ptr + k0 + offs_k).to(tl.float32)[None, :]
-            acc_g += tl.load(gate_ptrs).to(tl.float32) * x
+            acc_g += tl.load(gate_ptrs, eviction_policy=EVICT).to(tl.float32) * x
             if SILU_MUL:
-                acc_u += tl.load(up_ptrs).to(tl.float32) * x
+                acc_u += tl.load(up_ptrs, eviction_policy=EVICT).to(tl.float32) * x
         else:
             k_ok = offs_k < K - k0
             x = tl.load(x_ptr + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
             w_mask = n_mask[:, None] & k_ok[None, :]
-            acc_g += tl.load(gate_ptrs, mask=w_mask, other=0.0).to(tl.float32) * x
+            acc_g += tl.load(gate_ptrs, mask=w_mask, other=0.0, eviction_policy=EVICT).to(tl.float32) * x
             if SILU_MUL:
-                acc_u += tl.load(up_ptrs, mask=w_mask, other=0.0).to(tl.float32) * x
+                acc_u += tl.load(up_ptrs, mask=w_mask, other=0.0, eviction_policy=EVICT).to(tl.float32) * x
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
     offs_m = tl.arange(0, 1)
