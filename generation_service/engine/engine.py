@@ -345,9 +345,7 @@ class Engine:
         rows = batch.sampling_rows
         if not rows:
             return []
-        sample_rows = [SampleRow(row.request.sampling, row.request.sample_seed, row.request.num_generated,
-                                 row.drafts, row.request.is_constrained and masks is not None)
-                       for row in rows]
+        sample_rows = [SampleRow.of(row, row.request.is_constrained and masks is not None) for row in rows]
         return self.sampler(logits, sample_rows, masks.bitmask if masks is not None else None)
 
     def _apply_inbox(self) -> None:
