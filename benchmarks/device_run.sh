@@ -8,11 +8,13 @@
 #   as in /work/.library/device/README.md; the device image lacks these).
 # .bench: the real tokenizers as tgz, made here from the converted copies:
 #   tar czf .bench/<name>.tgz -C ~/.cache/structgen/tokenizers <name>   (tekken_131k, mistral_32k)
-#   run: bash benchmarks/device_run.sh [tests|bench|grammar|all] [extra decode.py args...]
+#   run: bash benchmarks/device_run.sh [tests|bench|profile|gemv|grammar|all|a,b,...] [extra decode.py args...]
 # Writes under $OUT: env.txt, tests.log, junit.xml, bench.log, decode-h200.json,
-#   grammar_step.log, grammar_step-h200-host-16cpu.json.
+#   grammar_step.log, grammar_step-h200-host-16cpu.json, profile.log, profile-h200.json,
+#   kernels-gemv.log, kernels-gemv-h200.json.
 set -uo pipefail
-what=${1:-all}; shift || true
+what=${1:-all}; shift || true   # one part, a comma-separated list, or all
+want() { [[ $what == all || ,$what, == *,$1,* ]]; }
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
@@ -39,15 +41,24 @@ PY
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 rc=0
-if [[ $what == tests || $what == all ]]; then
+if want tests; then
   timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -p no:cacheprovider -m gpu ${TESTS:-tests/gpu} -v -s --timeout=120 \
     --junitxml="$OUT/junit.xml" 2>&1 | tee "$OUT/tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|round trip|graph ==|diverged|passed|failed|Error|error" | tail -40
   rc=$?
 fi
-if [[ $what == bench || $what == all ]]; then
+if want bench; then
   timeout ${BENCH_TIMEOUT:-180} python3 benchmarks/decode.py --out "$OUT/decode-h200.json" "$@" 2>&1 | tee "$OUT/bench.log" | tail -45
 fi
-if [[ $what == grammar || $what == all ]]; then
+if want profile; then
+  # where the free decode step's time goes (cuBLAS GEMMs, then with the Triton GEMVs)
+  timeout ${PROFILE_TIMEOUT:-150} python3 benchmarks/profile_step.py --out "$OUT/profile-h200.json" 2>&1 \
+    | tee "$OUT/profile.log" | tail -60
+fi
+if want gemv; then
+  timeout ${GEMV_TIMEOUT:-150} python3 benchmarks/kernels.py --only gemv,gemv_decode --out "$OUT/kernels-gemv-h200.json" 2>&1 \
+    | tee "$OUT/kernels-gemv.log" | tail -70
+fi
+if want grammar; then
   # xgrammar only: no llguidance wheel for this platform in the registry
   timeout ${GRAMMAR_TIMEOUT:-150} python3 benchmarks/grammar_step.py --machine h200-host-16cpu --backends xgrammar \
     --out "$OUT/grammar_step-h200-host-16cpu.json" 2>&1 | tee "$OUT/grammar_step.log" | tail -30
