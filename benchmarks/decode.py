@@ -270,7 +270,8 @@ class Bench:
         # NOTE: teardown order -- graphs before the channel is unregistered (main does that).
         runner.close()
         out = {"preset": preset, "sampler": runner.sampler, "weight_bytes_read": wbytes, "num_parameters": cfg.num_parameters,
-               "capture_s": capture_s, "rows": rows, "diagnostics": diagnostics}
+               "capture_s": capture_s, "variants": [v.name for v in runner.variants], "rows": rows,
+               "diagnostics": diagnostics}
         del runner, model, kv
         torch.cuda.empty_cache()
         return out
