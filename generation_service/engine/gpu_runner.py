@@ -21,7 +21,7 @@ Capture: the side stream forks after inputs_seq = N is published (so the wait of
 never issued before it) and joins before the sampler reads the mask buffer; both are
 event edges, so in a graph the wait + gather become a branch parallel to the forward, and a
 replay ends only when both branches have. The mask buffer `(max_batch, mask_words)` is
-allocated once in `_map_channel`, never in the capture pool; steps on one stream are
+allocated per mapped channel in `_map_channel`, never in the capture pool; steps on one stream are
 ordered, and the fork waits for everything before it (the previous step's sampler
 included), so the gather of step N+1 never overwrites masks step N still reads.
 
@@ -29,8 +29,9 @@ Why a parity wait: a captured cuStreamWaitValue32 has its value baked in, but N 
 every replay. While step N waits, mask_seq is N-1 or N (grammar_service publishes M only
 after the GPU wrote inputs_seq = M, which happens at the start of step M, and step N-1's
 wait, on whichever stream, ended before step N began), so "bit 0 of mask_seq == bit 0 of N"
-is exact: odd N waits with WAIT_AND 1, even N with WAIT_NOR ~1.
-Two graph copies per bucket, chosen by the host that knows N. The writes take N from a
+is exact: odd N waits with WAIT_AND 1, even N with WAIT_NOR ~1. (`prepublished`, a benchmark
+variant whose wait always passes, breaks this; benchmarks/decode.py restores it after a run.)
+Two graph copies per bucket and mask read, chosen by the host that knows N. The writes take N from a
 device counter (a kernel store after a cuStreamWriteValue32 fence), so nothing is patched per replay.
 Eager mode (debugging, the reference in tests) waits with GEQ N and writes N directly, on
 the same streams as the graph.
