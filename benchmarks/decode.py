@@ -385,7 +385,7 @@ def _engine_run(engine, preset: str, batch: int, mode: str, context: int, new_to
     first = sum(num_tokens)
     runner = engine.runner
     t0, steps0 = time.perf_counter(), engine.num_steps
-    graph0, chained0 = runner.num_graph_steps, getattr(runner, "num_chained_steps", 0)
+    graph0, chained0 = getattr(runner, "num_graph_steps", 0), getattr(runner, "num_chained_steps", 0)
     for i, stream in enumerate(streams):
         while finals[i] is None:
             event = stream.get(timeout=300)
@@ -399,7 +399,7 @@ def _engine_run(engine, preset: str, batch: int, mode: str, context: int, new_to
         reasons[f.finish_reason.name] = reasons.get(f.finish_reason.name, 0) + 1
     decoded = sum(num_tokens) - first
     row = {"preset": preset, "batch": batch, "mode": mode, "overlap": overlap, "runner": "cuda_graph",
-           "steps": steps, "graph_steps": runner.num_graph_steps - graph0,
+           "steps": steps, "graph_steps": getattr(runner, "num_graph_steps", 0) - graph0,
            "chained_steps": getattr(runner, "num_chained_steps", 0) - chained0,
            "ms_per_step": elapsed / max(1, steps) * 1e3, "tokens_per_s": decoded / elapsed,
            "tokens_decoded": decoded, "finish_reasons": reasons, "errors": errors[:3],
