@@ -225,12 +225,12 @@ class GpuDecodeRunner:
         if variant.waits:
             self._publish("outputs_seq")
             buf.step.add_(1)
-            buf.ring_slot.copy_(buf.step.remainder(self.depth))
+            torch.remainder(buf.step, self.depth, out=buf.ring_slot)  # int32 -> int64 in one kernel
         # Feed the sampled tokens back; the host overwrites rows it changes before the next step.
         live = buf.seq_lens[:bucket] > 0
         buf.input_ids[:bucket].copy_(tokens)
         buf.positions[:bucket].add_(live)
-        buf.seq_lens[:bucket].add_(live.int())
+        buf.seq_lens[:bucket].add_(live)  # bool promotes to the int32 of seq_lens: no cast kernel
 
     # ---- driving ------------------------------------------------------------------------
     def warmup(self, bucket: int) -> None:
