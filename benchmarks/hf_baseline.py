@@ -7,7 +7,7 @@ Per-step time = (t(new_tokens + 1) - t(1)) / new_tokens, so the prompt's prefill
 Modes (each row records its `settings`; a failing mode is an `error` row, the others stay):
 - free:            no logits processor; rows may stop at EOS (greedy random weights rarely do);
 - free_min:        `min_new_tokens = n` (every row runs the full length) through transformers'
-                   own processors: slow, see MIN_NEW_TOKENS_COST;
+                   own processors;
 - free_min_index:  the same guarantee through `SuppressEosUntil` (one slice fill per EOS id
                    while too short): what min_new_tokens costs when done cheaply;
 - constrained:     xgrammar's HF LogitsProcessor (JSON schema);
@@ -15,18 +15,12 @@ Modes (each row records its `settings`; a failing mode is an `error` row, the ot
                    (fails if a document ends before n tokens: EOS is then the only legal
                    token, forbidden, and xgrammar's accept asserts; recorded as an error).
 
-MIN_NEW_TOKENS_COST (transformers 5.x, generation/utils.py; read in 5.24): `min_new_tokens`
-also sets `min_length = min_new_tokens + prompt_len` (`_prepare_generated_length`), so
-`_get_logits_processor` appends two processors, MinLengthLogitsProcessor and
-MinNewTokensLengthLogitsProcessor. Each call, every step, builds `torch.arange(vocab)` and
-`torch.isin(vocab_tensor, eos_token_tensor)` (eos ids already a device tensor), clones the
-(B, V) float32 scores and `torch.where`s them. With 131072 elements against one test
-element torch.isin takes its sorting path (brute force only below 10 * n_test^0.145
-elements): two `at::_unique` calls (sort + unique + a device-to-host read of the unique
-count, i.e. a stream sync each) and a stable sort of 131k int64, twice per step. The cost
-is vocab-sized and batch-independent, like the ~40 ms/step measured at both B=1 and B=32.
-`min_processor_ms` (a diagnostic row per batch) times the two processors alone on the
-device; passing eos ids as a device tensor would change nothing (they already are one).
+Warm-up: each mode first generates the full length once. In runs 1-5 the warm-up was 2
+tokens and the first mode of each batch measured 2.5-4x slower (8B B=1: 65 vs 23 ms/step;
+run 5 had "free" first, runs 1-4 "free_min"): a cold pass over new KV lengths, not the
+min-length processors, which the diagnostic row (`min_processor_ms`) times at 0.15 ms per
+step on the H200. The issue's quoted baseline (17 tok/s free at 8B B=1) matches that
+cold figure.
 """
 from __future__ import annotations
 
@@ -131,7 +125,7 @@ def hf_baseline(cfg, preset: str, tokenizer_dir: str, schema: dict, batches: lis
                 return time.perf_counter() - t0, seqs.shape[1] - prompt_len
             row = {"preset": preset, "batch": batch, "mode": mode, "settings": SETTINGS[mode]}
             try:  # one mode's failure (e.g. xgrammar rejecting a forced token) must not lose the others
-                gen(2)  # warm up
+                gen(new_tokens + 1)  # warm up over every KV length timed below
                 t1, _ = gen(1)
                 tn, steps = gen(new_tokens + 1)
             except Exception as exc:  # noqa: BLE001
