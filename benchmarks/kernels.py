@@ -12,8 +12,10 @@ attention over a contiguous (unpaged) cache of the same size, a stronger baselin
 "gemv" (`--only gemv`, ~1 minute): the decode projections at M = 1..8, cuBLAS vs every
 candidate config of kernels/gemv.py, each timed as a CUDA graph of one launch per layer over
 distinct weight copies (as in a decode step: no weight stays in L2), plus every projection of
-a whole step in one graph. "gemv_decode" (~30 s): the whole free decode step (GpuDecodeRunner
-graphs, random 8B/1B weights, context 512) with `gemv_max_batch` 0 vs 8.
+a whole step in one graph (cuBLAS, every projection on gemv, the gemv.MEASURED hybrid).
+"gemv_decode" (~30 s): the whole free decode step (GpuDecodeRunner graphs, random 8B/1B
+weights, context 512) with `gemv_max_batch` 0 (cuBLAS) vs 8 (gemv where gemv.MEASURED says it
+won, cuBLAS elsewhere; each record lists that plan).
 """
 from __future__ import annotations
 
@@ -352,7 +354,9 @@ def bench_gemv(bw, quick):
 
 def bench_gemv_step(model, weights, xs, m, bw, hidden, inter, silu_mul, gemv, gate_up_silu):
     """Every projection of one decode step (layers x qkv, o, gate_up+silu, down; LM head) in
-    one graph: the GEMM share of the step, cuBLAS vs gemv's default configs."""
+    one graph: the GEMM share of the step, cuBLAS vs gemv's default configs (triton_ms) vs the
+    MEASURED hybrid (hybrid_ms)."""
+    from generation_service.kernels.gemv import gate_up_silu as hybrid_mlp, linear as hybrid
     layers = len(weights["qkv"][2])
     q_dim = weights["o_proj"][1]
     xh, xq, xi = xs[hidden], xs[q_dim], xs[inter]
@@ -367,11 +371,13 @@ def bench_gemv_step(model, weights, xs, m, bw, hidden, inter, silu_mul, gemv, ga
         return fns + [lambda: linear(xh, weights["lm_head"][2][0])]
     t_ref = graph_ms(step_fns(F.linear, lambda x, w: silu_mul(F.linear(x, w))))
     t = graph_ms(step_fns(gemv, gate_up_silu))
+    t_hybrid = graph_ms(step_fns(hybrid, hybrid_mlp))
     nbytes = sum(n * k * 2 * (1 if name == "lm_head" else len(ws))
                  for name, (n, k, ws) in weights.items())
     return record("gemv_step", f"{model} M={m} all projections + LM head", t, t_ref, nbytes,
                   bw, model=model, m=m, triton_GBps=nbytes / t / 1e6,
-                  cublas_GBps=nbytes / t_ref / 1e6)
+                  cublas_GBps=nbytes / t_ref / 1e6, hybrid_ms=t_hybrid,
+                  hybrid_GBps=nbytes / t_hybrid / 1e6)
 
 
 def decode_step_ms(runner, batch, context, pages_per_row, warmup=10, steps=100) -> float:
@@ -391,7 +397,8 @@ def decode_step_ms(runner, batch, context, pages_per_row, warmup=10, steps=100) 
 
 
 def bench_gemv_decode(bw, quick):
-    """The free decode step with cuBLAS (gemv_max_batch=0) vs the Triton GEMVs (8)."""
+    """The free decode step with cuBLAS (gemv_max_batch=0) vs the gemv.MEASURED hybrid (8):
+    Triton GEMVs only for the projections that beat cuBLAS on the H200, per bucket."""
     import dataclasses
     from generation_service.engine.gpu_runner import GpuDecodeRunner
     from generation_service.engine.kv_cache import KVCache
@@ -410,10 +417,12 @@ def bench_gemv_decode(bw, quick):
         if not cfg.tie_word_embeddings:  # only B rows of the input embedding are read
             wbytes -= model.model.embed_tokens.weight.numel() * 2
         runner = GpuDecodeRunner(model, kv, max_batch=max(batches), buckets=batches)
-        ms = {}
+        ms, plans = {}, {}
         with torch.no_grad():
             for gemv_max_batch in (0, max(batches)):
                 runner.forward.gemv_max_batch = gemv_max_batch  # read per call: before capture
+                if gemv_max_batch:
+                    plans = {b: runner.forward.gemv_plan(b) for b in batches}
                 runner.capture()
                 for batch in batches:
                     ms[gemv_max_batch, batch] = decode_step_ms(runner, batch, context,
@@ -421,10 +430,13 @@ def bench_gemv_decode(bw, quick):
                 runner.close()
         for batch in batches:
             t, t_ref = ms[max(batches), batch], ms[0, batch]
+            triton = {k: v for k, v in plans[batch].items() if v != "cublas"}
             out.append(record("gemv_decode", f"{preset} B={batch} free step", t, t_ref, wbytes,
-                              bw, cublas_x_floor=t_ref / (wbytes / bw / 1e6)))
-            print(f"{preset} B={batch} free step: cuBLAS {t_ref:.3f} ms, gemv {t:.3f} ms "
-                  f"(x{out[-1]['x_floor']:.2f} weight floor; cuBLAS x{out[-1]['cublas_x_floor']:.2f})")
+                              bw, cublas_x_floor=t_ref / (wbytes / bw / 1e6),
+                              gemv_plan=plans[batch]))
+            print(f"{preset} B={batch} free step: cuBLAS {t_ref:.3f} ms, hybrid {t:.3f} ms "
+                  f"(x{out[-1]['x_floor']:.2f} weight floor; cuBLAS x{out[-1]['cublas_x_floor']:.2f})"
+                  f"; Triton for {triton or 'nothing'}")
         del runner, model, kv
         torch.cuda.empty_cache()
     return out
@@ -449,7 +461,8 @@ def print_gemv(records):
     for rec in records:
         if rec.get("kernel") == "gemv_step":
             print(f"{rec['case']}: cuBLAS {rec['torch_ms']:.3f} ms ({rec['cublas_GBps']:.0f} GB/s)"
-                  f", gemv {rec['triton_ms']:.3f} ms ({rec['triton_GBps']:.0f} GB/s)")
+                  f", gemv {rec['triton_ms']:.3f} ms ({rec['triton_GBps']:.0f} GB/s), hybrid "
+                  f"{rec['hybrid_ms']:.3f} ms ({rec['hybrid_GBps']:.0f} GB/s)")
 
 
 def print_table(records):

@@ -7,8 +7,9 @@ Two versions of the same step (docs/gpu.md has their H200 timings):
 - torch: the model's own modules around the same GEMMs and attention: ~36 launches per layer.
 Both read input ids, positions, page tables and seq_lens from `DecodeBuffers`; padding rows
 (seq_len 0, page table 0) write only into the dummy page.
-The fused version's GEMMs are cuBLAS (F.linear), or for buckets <= `gemv_max_batch` the Triton
-skinny GEMMs of `kernels/gemv.py` (qkv, o_proj, gate_up with silu*mul fused in, down, LM head).
+The fused version's GEMMs are cuBLAS (F.linear); for buckets <= `gemv_max_batch` each projection
+instead asks `kernels/gemv.py`'s MEASURED table (H200, bf16) and runs the Triton skinny GEMM
+where it beat cuBLAS at that shape and bucket (gate_up with silu*mul fused in), cuBLAS elsewhere.
 """
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ class LayerWeights:
 
 @dataclass(frozen=True)
 class Projections:
-    """The GEMMs of one fused step: cuBLAS, or the Triton skinny GEMMs at small buckets."""
+    """The GEMMs of one fused step: cuBLAS, or per projection whichever of cuBLAS and the Triton
+    skinny GEMM won on the H200 (`kernels.gemv.linear` / `gate_up_silu`) at small buckets."""
 
     linear: Callable  # (x, weight, bias) -> x @ weight^T + bias
     gate_up_silu: Callable  # (x, [gate; up]) -> silu(x @ gate^T) * (x @ up^T)
@@ -72,8 +74,9 @@ def fuse_layer_weights(model) -> list[LayerWeights]:
 class DecodeForward:
     """Callable: bucket -> logits, reading the persistent buffers of one runner.
 
-    gemv_max_batch: buckets up to this many rows run their GEMMs with `kernels/gemv.py`
-    (fused path only; 0 = cuBLAS everywhere). Read per call, so set it before capture.
+    gemv_max_batch: buckets up to this many rows run each GEMM with `kernels/gemv.py` where its
+    MEASURED table says Triton wins there, cuBLAS otherwise (fused path only; 0 = cuBLAS
+    everywhere; `gemv_plan` says which). Read per call, so set it before capture.
     """
 
     def __init__(self, model, kv: KVCache, buffers: DecodeBuffers, *, fuse_weights: bool = True,
@@ -106,13 +109,28 @@ class DecodeForward:
 
     def _projections(self, bucket: int) -> Projections:
         if bucket <= self.gemv_max_batch:
-            from generation_service.kernels.gemv import gemv, gemv_gate_up_silu
-            return Projections(gemv, gemv_gate_up_silu)
+            from generation_service.kernels import gemv
+            return Projections(gemv.linear, gemv.gate_up_silu)  # per shape, from gemv.MEASURED
         return Projections(F.linear, _cublas_gate_up_silu)
+
+    def gemv_plan(self, bucket: int) -> dict[str, str]:
+        """Projection -> "cublas" or the Triton config the step runs at this bucket (what
+        `_projections` dispatches to; layer 0 stands for all, they share shapes)."""
+        names = ("qkv", "o_proj", "gate_up_silu", "down", "lm_head")
+        if not self.fused_ops or bucket > self.gemv_max_batch:
+            return dict.fromkeys(names, "cublas")
+        from generation_service.kernels.gemv import measured_config
+        layer, w = self.model.model.layers[0], self.weights[0]
+        configs = (measured_config(bucket, w.qkv),
+                   measured_config(bucket, layer.self_attn.o_proj.weight),
+                   measured_config(bucket, w.gate_up, fused=True),
+                   measured_config(bucket, layer.mlp.down_proj.weight),
+                   measured_config(bucket, self.model.output_weight))
+        return {name: "cublas" if c is None else str(c) for name, c in zip(names, configs)}
 
     def _fused(self, bucket: int) -> torch.Tensor:
         """~10 launches per layer: norm, qkv, rope+kv write, attention (2), o_proj,
-        add+norm, gate_up, silu*mul, down (9 with gemv: silu*mul fused into gate_up).
+        add+norm, gate_up, silu*mul, down (9 where gemv fuses silu*mul into gate_up).
         bf16 logits (mask_sample reads them as they are)."""
         from generation_service.kernels.decode_fused import add_rmsnorm, rope_write_kv
         cfg, buf, m, kv = self.config, self.buffers, self.model, self.kv

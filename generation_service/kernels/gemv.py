@@ -19,8 +19,13 @@ the 4.2 TB/s copy bandwidth). Design for bandwidth:
   before silu * up, as `decode_fused.silu_mul(F.linear(x, gate_up))` rounds them.
 
 Configs: no autotuning (autotune would sync and time inside a graph capture). `candidate_configs`
-gives 2-4 configs per shape, best guess first; `gemv` uses the first, benchmarks/kernels.py
-(`--only gemv`) times every candidate so the table can follow the numbers.
+gives 2-4 configs per shape (a first guess, then alternatives); benchmarks/kernels.py
+(`--only gemv`) times every candidate against cuBLAS. The H200 run showed the first guesses
+mostly losing and cuBLAS winning some shapes outright (qkv, down), so the choice is measured:
+`MEASURED` maps (weight shape, rows) to the winning config or to cuBLAS, and `linear` /
+`gate_up_silu` dispatch on it. Unmeasured shapes (other models, other dtypes, M > 8) run cuBLAS.
+NOTE: the winners run fewer, larger programs than the "2 programs per SM" rule above suggests
+(8B o_proj: BLOCK_N 32 = 128 programs), so that rule is a starting point, not a law.
 Used by `engine/decode_forward.py` for buckets <= `gemv_max_batch`.
 """
 from __future__ import annotations
@@ -29,8 +34,11 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from .decode_fused import silu_mul
 
 MAX_ROWS = 16  # the dot kernel pads x's rows to one 16-wide MMA tile
 NUM_SMS = 132  # H200; the table below targets >= 2 programs per SM
@@ -54,7 +62,8 @@ class GemvConfig:
 
 # Keyed by output columns N (fused gate/up: I): the first row whose bound holds. Shared memory
 # per dot program = num_stages * BLOCK_K * (BLOCK_N + 16) * 2 bytes (W tile + x tile):
-# 64-96 KiB, so 2-3 programs fit an SM. (max N, candidates, best guess first)
+# 64-96 KiB, so 2-3 programs fit an SM. (max N, candidates; the first is `gemv`'s fallback
+# where MEASURED has no Triton config)
 _TABLE: tuple[tuple[int | None, tuple[GemvConfig, ...]], ...] = (
     (8192, (GemvConfig(16, 256), GemvConfig(32, 256), GemvConfig(16, 512, num_stages=3))),
     (32768, (GemvConfig(32, 256), GemvConfig(64, 128), GemvConfig(16, 256))),
@@ -62,9 +71,63 @@ _TABLE: tuple[tuple[int | None, tuple[GemvConfig, ...]], ...] = (
 )
 ROW_TILE = 8192  # row kernel: BLOCK_N * BLOCK_K fp32 partials = 64 registers a thread at 4 warps
 
+CUBLAS = None  # a MEASURED choice: F.linear (cuBLAS) beat every Triton candidate
+MIN_GAIN = 0.01  # Triton's best must beat cuBLAS by >= 1%: ties (<= 0.4% in the run) go to cuBLAS
+
+# From benchmarks/results/kernels-gemv-h200.json (commit 39e64ce: `kernels.py --only
+# gemv,gemv_decode` on one H200, bf16, each projection a CUDA graph of one launch per layer over
+# distinct weights; gate_up is the fused gemv_gate_up_silu vs F.linear + silu_mul).
+# (weight rows, K, fused) -> ((max rows, choice), ...) by ascending max rows; rows measured:
+# 1, 2, 4, 8. choice: the fastest Triton config where it beat cuBLAS by MIN_GAIN at every measured
+# row count of the range, else CUBLAS. Comments: us per call, cuBLAS -> that config (or the best
+# Triton config where cuBLAS won). tests/unit/kernels/test_gemv_kernel.py re-derives this from
+# the JSON: a new run means a new table.
+MEASURED: dict[tuple[int, int, bool], tuple[tuple[int, GemvConfig | None], ...]] = {
+    # Llama-3.1-8B: hidden 4096, intermediate 14336, 32 q / 8 kv heads x 128, vocab 131072
+    (6144, 4096, False): ((8, CUBLAS),),  # qkv 15.2-15.8 -> 15.7-16.3
+    (4096, 4096, False): ((8, GemvConfig(32, 256)),),  # o_proj 13.4 -> 12.3-12.5
+    # gate_up+silu 58.7 (M=1), 64.0-65.0 (M=2..8) -> 57.6-58.0
+    (28672, 4096, True): ((8, GemvConfig(64, 64)),),
+    (4096, 14336, False): ((8, CUBLAS),),  # down 32.5-33.1 -> 33.1-34.1
+    (131072, 4096, False): ((8, GemvConfig(64, 128)),),  # lm_head 266.5-268.6 -> 245.3-249.2
+    # Llama-3.2-1B: hidden 2048, intermediate 8192, 32 q / 8 kv heads x 64, vocab 131072
+    (3072, 2048, False): ((8, CUBLAS),),  # qkv 7.0-7.1 -> 7.06 (M=1), 7.8-7.9
+    # o_proj 6.67 -> 6.37 (M=1, the CUDA-core kernel); 6.6-6.7 -> 7.0 (M=2..8)
+    (2048, 2048, False): ((1, GemvConfig(16, 512, num_stages=3, use_dot=False)), (8, CUBLAS)),
+    (16384, 2048, True): ((8, GemvConfig(32, 128)),),  # gate_up+silu 20.3-20.8 -> 19.0-19.4
+    (2048, 8192, False): ((8, CUBLAS),),  # down 14.0-14.6 -> 14.55 (M=1), 18.2
+    (131072, 2048, False): ((8, GemvConfig(64, 128)),),  # lm_head 134.3-136.1 -> 124.6-127.3
+}
+
+
+def measured_config(m: int, weight: torch.Tensor, *, fused: bool = False) -> GemvConfig | None:
+    """The Triton config that beat cuBLAS on the H200 for x (m, K) @ weight^T (fused: weight is
+    [gate; up] for gemv_gate_up_silu), or None (CUBLAS): cuBLAS won, or nobody measured it."""
+    if weight.dtype != torch.bfloat16:  # the table's numbers are bf16 only
+        return CUBLAS
+    ranges = MEASURED.get((weight.shape[0], weight.shape[1], fused), ())
+    return next((choice for max_m, choice in ranges if m <= max_m), CUBLAS)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) by whichever of cuBLAS and `gemv` MEASURED says is faster here."""
+    config = measured_config(x.shape[0], weight)
+    if config is CUBLAS:
+        return F.linear(x, weight, bias)
+    return gemv(x, weight, bias, config=config)
+
+
+def gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    """silu_mul(F.linear(x, gate_up)), or the fused `gemv_gate_up_silu` where MEASURED says it is
+    faster (its timing already includes the silu_mul launch it saves)."""
+    config = measured_config(x.shape[0], gate_up, fused=True)
+    if config is CUBLAS:
+        return silu_mul(F.linear(x, gate_up))
+    return gemv_gate_up_silu(x, gate_up, config=config)
+
 
 def candidate_configs(m: int, n: int, k: int, *, fused: bool = False) -> list[GemvConfig]:
-    """Configs to try for an (m, n, k) GEMV, best guess first; n = output columns.
+    """Configs to try for an (m, n, k) GEMV, first guess first; n = output columns.
     fused (gemv_gate_up_silu): two W tiles per step, so half the K tile keeps the bytes
     (and the row kernel's two accumulators their registers)."""
     assert 1 <= m <= MAX_ROWS, m
@@ -167,7 +230,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n_
     assert 1 <= m <= MAX_ROWS, f"gemv serves 1..{MAX_ROWS} rows, got {m}"
     assert weight.shape[1] == k and x.dtype == weight.dtype
     assert x.stride(1) == 1 and weight.stride(1) == 1 and (bias is None or bias.is_contiguous())
-    cfg = config or candidate_configs(m, n_out, k, fused=silu_mul)[0]
+    cfg = (config or measured_config(m, weight, fused=silu_mul)
+           or candidate_configs(m, n_out, k, fused=silu_mul)[0])
     out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     flags = dict(HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
                  EVEN=n_out % cfg.block_n == 0 and k % cfg.block_k == 0,
@@ -187,7 +251,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n_
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          config: GemvConfig | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for x (M, K), M <= 16: (M, N) in x's dtype, fp32 accumulation.
-    Graph safe: one launch, one output allocation, no host reads."""
+    config: default the MEASURED winner, else the first candidate. Graph safe: one launch, one
+    output allocation, no host reads."""
     return _launch(x, weight, bias, weight.shape[0], config, silu_mul=False)
 
 

@@ -1,5 +1,6 @@
 """kernels/gemv.py on the GPU: bf16 on the 8B/1B decode shapes vs an fp32 reference, graph
-replay == eager, and the decode forward with gemv_max_batch > 0 vs the cuBLAS forward."""
+replay == eager, and the decode forward with gemv_max_batch > 0 (the measured hybrid, and every
+projection on Triton) vs the cuBLAS forward."""
 from __future__ import annotations
 
 import pytest
@@ -77,16 +78,34 @@ def _runner(model, gemv_max_batch: int) -> GpuDecodeRunner:
     return runner
 
 
+def _every_projection_triton(m, weight, *, fused=False):
+    """A stand-in for gemv.measured_config that sends every projection to Triton."""
+    from generation_service.kernels.gemv import candidate_configs
+    n = weight.shape[0] // (2 if fused else 1)
+    return candidate_configs(m, n, weight.shape[1], fused=fused)[0]
+
+
+@pytest.mark.parametrize("plan", ["measured", "every_projection"])
 @pytest.mark.parametrize("batch", [1, 5])
-def test_decode_with_gemv_matches_cublas(model, batch):
-    """Per step: eager logits of the gemv forward within bf16 tolerance of the cuBLAS one;
+def test_decode_with_gemv_matches_cublas(model, batch, plan, monkeypatch):
+    """plan "measured": the table's hybrid (the fixture has the 1B shapes: at bucket 1 o_proj,
+    gate_up+silu and the LM head run Triton, at bucket 8 the last two); "every_projection":
+    Triton for all five, so qkv and down run inside the forward too.
+    Per step: eager logits of the gemv forward within bf16 tolerance of the cuBLAS one;
     the gemv graph's token is an argmax of its eager logits (graph == eager); where the two
     runners' tokens differ, the cuBLAS logits have a near tie there (gap <= 2 x the largest
     logit difference of that row). The cuBLAS runner is teacher-forced with the gemv tokens,
     so both caches hold the same sequence."""
     from generation_service.engine.cuda_graphs import bucket_for
+    from generation_service.kernels import gemv
+    if plan == "every_projection":
+        monkeypatch.setattr(gemv, "measured_config", _every_projection_triton)
     gemv_runner, cublas_runner = _runner(model, 8), _runner(model, 0)
     bucket = bucket_for(batch, gemv_runner.buckets)
+    triton = {k for k, v in gemv_runner.forward.gemv_plan(bucket).items() if v != "cublas"}
+    expected = {"gate_up_silu", "lm_head"} | ({"o_proj"} if bucket == 1 else set())
+    assert triton == (set(gemv_runner.forward.gemv_plan(bucket)) if plan == "every_projection"
+                      else expected), triton
     same, steps, worst = 0, 6, 0.0
     with torch.no_grad():
         for runner in (gemv_runner, cublas_runner):
@@ -117,7 +136,7 @@ def test_decode_with_gemv_matches_cublas(model, batch):
     torch.cuda.synchronize()
     for runner in (gemv_runner, cublas_runner):
         runner.close()
-    print(f"batch {batch}: {same}/{steps * batch} greedy tokens identical to cuBLAS, "
+    print(f"batch {batch} {plan}: {same}/{steps * batch} greedy tokens identical to cuBLAS, "
           f"logits rel err <= {worst:.2e}")
     if batch > 1:  # one row of a random model may repeat a token; several rows do not
         assert len(set(torch.stack(seen).flatten().tolist())) > 1  # not a constant output

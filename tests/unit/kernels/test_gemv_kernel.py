@@ -139,3 +139,76 @@ def test_gemv_compile_sm90():
     lines = proc.stdout.splitlines()
     assert len(lines) == 5 and all("STACK:0" in line for line in lines), proc.stdout
     assert all(line.endswith("True") for line in lines if line.startswith("dot")), proc.stdout
+
+
+H200_RUN = Path(__file__).resolve().parents[3] / "benchmarks/results/kernels-gemv-h200.json"
+
+
+def weight(n, k, dtype=torch.bfloat16):
+    return torch.empty(n, k, dtype=dtype, device="meta")  # shape and dtype only
+
+
+@pytest.mark.parametrize("n,k,fused,dtype,m", [
+    (5120, 5120, False, torch.bfloat16, 1),  # a shape nobody measured
+    (28672, 4096, False, torch.bfloat16, 1),  # 8B gate_up measured fused only
+    (4096, 4096, False, torch.float16, 1),  # 8B o_proj measured in bf16 only
+    (4096, 4096, False, torch.bfloat16, 16),  # rows measured up to 8
+    (6144, 4096, False, torch.bfloat16, 1),  # 8B qkv: cuBLAS won
+    (4096, 14336, False, torch.bfloat16, 8),  # 8B down: cuBLAS won
+    (2048, 2048, False, torch.bfloat16, 2),  # 1B o_proj: Triton won at M = 1 only
+    (2048, 8192, False, torch.bfloat16, 1),  # 1B down M = 1: a 0.3% tie
+])
+def test_table_picks_cublas_unless_triton_was_measured_faster(n, k, fused, dtype, m):
+    assert gemv_mod.measured_config(m, weight(n, k, dtype), fused=fused) is gemv_mod.CUBLAS
+
+
+@pytest.mark.parametrize("n,k,fused,rows,expected", [
+    (4096, 4096, False, (1, 2, 3, 8), "dot n32 k256 w4 s4"),  # 8B o_proj
+    (28672, 4096, True, (1, 2, 5, 8), "dot n64 k64 w4 s4"),  # 8B gate_up + silu
+    (131072, 4096, False, (1, 4, 8), "dot n64 k128 w4 s4"),  # 8B LM head
+    (2048, 2048, False, (1,), "row n16 k512 w4 s3"),  # 1B o_proj
+    (16384, 2048, True, (1, 8), "dot n32 k128 w4 s4"),  # 1B gate_up + silu
+    (131072, 2048, False, (1, 8), "dot n64 k128 w4 s4"),  # 1B LM head
+])
+def test_table_picks_the_measured_triton_winners(n, k, fused, rows, expected):
+    for m in rows:
+        assert str(gemv_mod.measured_config(m, weight(n, k), fused=fused)) == expected, m
+
+
+def test_table_follows_the_h200_run():
+    """MEASURED is the rule (Triton's best config where it beat cuBLAS by MIN_GAIN, else cuBLAS)
+    applied to the JSON its comment cites: a new run must come with a new table."""
+    import json
+    if not H200_RUN.exists():
+        pytest.skip(f"{H200_RUN} not in this checkout")
+    runs = {}
+    for rec in json.loads(H200_RUN.read_text())["results"]:
+        if rec.get("kernel") == "gemv" and "error" not in rec:
+            key = (rec["n"], rec["k"], rec["shape"] == "gate_up", rec["m"])
+            runs.setdefault(key, []).append(rec)
+    assert len(runs) == 40  # 2 models x 5 projections x M = 1, 2, 4, 8
+    for (n, k, fused, m), recs in runs.items():
+        best = min(recs, key=lambda r: r["triton_us"])
+        wins = best["triton_us"] <= (1 - gemv_mod.MIN_GAIN) * best["cublas_us"]
+        got = gemv_mod.measured_config(m, weight(n, k), fused=fused)
+        assert (str(got) == best["config"]) if wins else got is gemv_mod.CUBLAS, (best["case"], got)
+
+
+def test_linear_and_gate_up_silu_dispatch_on_the_table(monkeypatch):
+    """Measured winners go to the Triton kernels with the table's config; anything else is
+    exactly the cuBLAS path (F.linear, silu_mul(F.linear))."""
+    calls = []
+    monkeypatch.setattr(gemv_mod, "gemv", lambda x, w, b=None, config=None: calls.append(
+        ("gemv", str(config))) or x.new_empty(x.shape[0], w.shape[0]))
+    monkeypatch.setattr(gemv_mod, "gemv_gate_up_silu", lambda x, w, config=None: calls.append(
+        ("gate_up_silu", str(config))) or x.new_empty(x.shape[0], w.shape[0] // 2))
+    x = torch.empty(2, 4096, dtype=torch.bfloat16, device="meta")
+    assert gemv_mod.linear(x, weight(131072, 4096)).shape == (2, 131072)
+    assert gemv_mod.gate_up_silu(x, weight(28672, 4096)).shape == (2, 14336)
+    assert calls == [("gemv", "dot n64 k128 w4 s4"), ("gate_up_silu", "dot n64 k64 w4 s4")]
+    assert gemv_mod.linear(x, weight(6144, 4096)).shape == (2, 6144)  # 8B qkv: cuBLAS
+    assert len(calls) == 2
+    x, w, b = operands(3, 96, 64, torch.float32)  # unmeasured: bit-equal to the cuBLAS path
+    assert torch.equal(gemv_mod.linear(x, w, b), F.linear(x, w, b))
+    assert torch.equal(gemv_mod.gate_up_silu(x, w), silu_mul(F.linear(x, w)))
+    assert len(calls) == 2
