@@ -76,11 +76,12 @@ class DecodeForward:
 
     gemv_max_batch: buckets up to this many rows run each GEMM with `kernels/gemv.py` where its
     MEASURED table says Triton wins there, cuBLAS otherwise (fused path only; 0 = cuBLAS
-    everywhere; `gemv_plan` says which). Read per call, so set it before capture.
+    everywhere; `gemv_plan` says which). Read per call, so set it before capture. Default 8:
+    the rows the table was measured at (shapes it does not know stay on cuBLAS).
     """
 
     def __init__(self, model, kv: KVCache, buffers: DecodeBuffers, *, fuse_weights: bool = True,
-                 fused_ops: bool | None = None, gemv_max_batch: int = 0) -> None:
+                 fused_ops: bool | None = None, gemv_max_batch: int = 8) -> None:
         from generation_service.kernels import get_attention_backend
         self.model, self.config, self.kv, self.buffers = model, model.config, kv, buffers
         self.weights = fuse_layer_weights(model) if fuse_weights else None
