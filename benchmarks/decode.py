@@ -432,11 +432,12 @@ def start_grammar_service_grpc(folder: pathlib.Path):
     return proc, address
 
 
-def start_grammar_service(chan: StepChannel, tokenizer_dir: str, max_slots: int, tmp: pathlib.Path):
+def start_grammar_service(chan: StepChannel, tokenizer_dir: str, max_slots: int, tmp: pathlib.Path,
+                          fill_threads: int = 0):
     schema = tmp / "bench_schema.json"
     schema.write_text(json.dumps(SCHEMA))
     proc = subprocess.Popen([sys.executable, str(ROOT / "tests/gpu/grammar_proc.py"), chan.name, tokenizer_dir,
-                             str(VOCAB), str(max_slots), "1", str(schema)],
+                             str(VOCAB), str(max_slots), "1", str(schema), str(fill_threads)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     return proc, json.loads(proc.stdout.readline())["grammar_id"]
 
@@ -458,6 +459,8 @@ def main() -> int:
                     help="engine rows free only (no grammar_service over gRPC)")
     ap.add_argument("--tokenizer-dir", default=os.environ.get(
         "STRUCTGEN_TEKKEN_DIR", str(pathlib.Path.home() / ".cache/structgen/tokenizers/tekken_131k")))
+    ap.add_argument("--grammar-fill-threads", type=int, default=0,
+                    help="grammar_service's mask-fill threads for the graph rows (0: its default)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/decode-h200.json"))
     args = ap.parse_args()
     args.batches = sorted(args.batches)
@@ -474,7 +477,9 @@ def main() -> int:
     chan = StepChannel.create(geometry)
     mapped = MappedChannel.register(chan)
     tmp = pathlib.Path(os.environ.get("TMPDIR", "/tmp"))
-    proc, grammar_id = start_grammar_service(chan, args.tokenizer_dir, max(args.batches), tmp)
+    proc, grammar_id = start_grammar_service(chan, args.tokenizer_dir, max(args.batches), tmp,
+                                             args.grammar_fill_threads)
+    result["grammar_fill_threads"] = args.grammar_fill_threads or "default (cores / 2)"
     bench = Bench(args, mapped, grammar_id)
     bench.bw, bench.first_step, bench.next_step, bench.num_rebinds, bench.num_errors = bw, 1, 1, 0, 0
     result["models"] = []

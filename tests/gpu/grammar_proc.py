@@ -1,6 +1,6 @@
 """grammar_service in its own process, for GPU tests and benchmarks: the real StepLoop.
 
-    python tests/gpu/grammar_proc.py CHANNEL TOKENIZER_DIR VOCAB_SIZE MAX_SLOTS FIRST_STEP SCHEMA_FILE
+    python tests/gpu/grammar_proc.py CHANNEL TOKENIZER_DIR VOCAB_SIZE MAX_SLOTS FIRST_STEP SCHEMA_FILE [FILL_THREADS]
 
 Compiles the JSON schema in SCHEMA_FILE (compact: no free whitespace), opens the channel
 (the geometry is read from the region), prints one JSON line {"grammar_id": ...} when the
@@ -22,9 +22,11 @@ from structgen.tokenizer_identity import fingerprint_tokenizer_json  # noqa: E40
 
 
 def main(argv: list[str]) -> int:
-    name, tokenizer_dir, vocab, max_slots, first_step, schema_path = argv
+    name, tokenizer_dir, vocab, max_slots, first_step, schema_path, *rest = argv
     vocab_size = int(vocab)
-    service = GrammarService(GrammarServiceConfig(tokenizer_dir=tokenizer_dir, vocab_size=vocab_size))
+    fill_threads = int(rest[0]) if rest else 0  # 0: grammar_service's default
+    service = GrammarService(GrammarServiceConfig(tokenizer_dir=tokenizer_dir, vocab_size=vocab_size,
+                                                  num_fill_threads=fill_threads))
     spec = GrammarSpec(kind="json_schema", text=pathlib.Path(schema_path).read_text(), any_whitespace=False)
     outcome = service.compile(spec).result(timeout=120)
     probe = StepChannel.attach(name)
