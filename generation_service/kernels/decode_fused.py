@@ -11,8 +11,8 @@ model size. Three kernels cut a layer to ~10 launches:
 - `silu_mul` (here): silu(gate) * up out of the fused gate_up projection.
 
 Rounding follows the torch reference op by op (bf16 after every torch op), so results differ
-from the unfused path only by fp32 summation order inside the norm and, on the GPU, by one
-bf16 ulp in a few RoPE elements where the compiler contracts ops.
+from the unfused path only by fp32 summation order inside the norm and, compiled for the
+GPU, in the last bf16 bit of about a fifth of the RoPE outputs (products kept in fp32).
 """
 from __future__ import annotations
 
