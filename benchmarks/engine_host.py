@@ -1,0 +1,156 @@
+"""Host work per step of a steady decode on CPU: `RequestTable.postprocess` per row.
+
+On the GPU the engine overlaps step N+1 with the host work of step N (engine.py
+`_step_chained`); for a small model at a large batch that host work is the bound. This
+times it alone: N running requests (default 128) with the default model's tokenizer, each
+step one ScheduledBatch of N decode rows with one sampled token each. The tokens replay the
+tokenization of real text (prose, JSON documents, accents, CJK, emoji, byte-fallback runs),
+each request from its own offset, so the detokenizer sees real pieces. Four cases:
+with/without stop strings (they never match, but their prefixes are held back), and with/
+without consumers draining the streams (one thread per request iterating its stream, as the
+gRPC servicer does). Reported: microseconds of postprocess per row, median over steps, the
+best of `--repeats` runs (the machine may be shared: the least disturbed run is the cost).
+
+    .venv/bin/python benchmarks/engine_host.py --out benchmarks/results/engine_host-ci-2core.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import platform
+import statistics
+import sys
+import threading
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks._documents import DOCUMENTS  # noqa: E402
+from generation_service.engine.events import FinishReason  # noqa: E402
+from generation_service.engine.kv_cache import PageAllocator  # noqa: E402
+from generation_service.engine.lifecycle import RequestTable  # noqa: E402
+from generation_service.engine.params import GenerationRequest, SamplingParams  # noqa: E402
+from generation_service.engine.request import Request, RequestStatus  # noqa: E402
+from generation_service.engine.sampler import SampleResult  # noqa: E402
+from generation_service.engine.scheduler import ScheduledBatch, ScheduledRow, Scheduler, SlotPool  # noqa: E402
+from generation_service.engine.stream import RequestStream  # noqa: E402
+
+PROSE = (
+    "The engine overlaps the forward of one step with the bookkeeping of the previous one, "
+    "so for a small model the host decides how fast tokens come out. Grüße aus Köln — ça va? "
+    "Naïve café owners in Zürich charge 4,50 € for an espresso.\n\n"
+    "日本語のテキストと中文の混合、そして한국어도 조금. "
+    "emoji: 😀👍🏽🎉 family 👨‍👩‍👧, rare script: 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 ᚠᛇᚻ ꦲꦏ.\n"
+    "def step(self):\n    batch = self.scheduler.schedule()\n    return self.runner.run(batch)\n"
+)
+# Stop strings absent from the text whose prefixes ("\n", "<", "Obs") occur: held back, never matched.
+STOP_STRINGS = ("\nUser:", "</answer>", "Observation:")
+PROMPT = "Answer the question in prose, then as JSON:"
+
+
+def corpus_text() -> str:
+    documents = "\n".join(json.dumps(document, ensure_ascii=False, indent=1) for _, document in DOCUMENTS)
+    return (PROSE + documents) * 2
+
+
+def make_requests(table: RequestTable, prompt_ids: list[int], num: int, max_new: int,
+                  stop_strings: tuple[str, ...]) -> list[Request]:
+    """`num` decoding requests (admitted, prefill done), each with a stream attached."""
+    requests = []
+    for i in range(num):
+        spec = GenerationRequest(f"r{i}", tuple(prompt_ids),
+                                 SamplingParams(max_new_tokens=max_new, stop_strings=stop_strings))
+        request = Request(spec, frozenset(), sample_seed=i)
+        request.status, request.slot = RequestStatus.RUNNING, table.slots.allocate()
+        request.num_cached = request.num_tokens - 1
+        table.scheduler.running.append(request)
+        table.attach_stream(request, RequestStream(request.request_id, table.cancel))
+        requests.append(request)
+    return requests
+
+
+def decode_steps(requests: list[Request], corpus_ids: list[int], num_steps: int):
+    """Per step: the batch the scheduler would build and one sampled token per row."""
+    stride = len(corpus_ids) // len(requests) + 1
+    steps = []
+    for step in range(num_steps):
+        rows, samples = [], []
+        for i, request in enumerate(requests):
+            seq_len = request.num_prompt_tokens + step
+            rows.append(ScheduledRow(request, seq_len - 1, [0], is_sampling=True))
+            samples.append(SampleResult([corpus_ids[(i * stride + step) % len(corpus_ids)]]))
+        steps.append((ScheduledBatch(rows), samples))
+    return steps
+
+
+def drain(stream: RequestStream) -> None:
+    for _ in stream:
+        pass
+
+
+def run_case(tokenizer, corpus_ids: list[int], prompt_ids: list[int], *, num_requests: int,
+             num_steps: int, stop_strings: tuple[str, ...], consumers: bool) -> dict:
+    slots = SlotPool(2 * num_requests)
+    scheduler = Scheduler(PageAllocator(1 << 16), 16, slots, max_batch=num_requests,
+                          max_waiting=num_requests, prefill_chunk_tokens=4096)
+    table = RequestTable(scheduler, slots, tokenizer, tokenizer.eos_token_ids)
+    requests = make_requests(table, prompt_ids, num_requests, num_steps + 1, stop_strings)
+    threads = [threading.Thread(target=drain, args=(table._streams[r.request_id],), daemon=True)
+               for r in requests] if consumers else []
+    for thread in threads:
+        thread.start()
+    per_step_s = []
+    for batch, samples in decode_steps(requests, corpus_ids, num_steps):
+        start = time.perf_counter()
+        table.postprocess(batch, samples, None, None, None)
+        per_step_s.append(time.perf_counter() - start)
+    num_finished = table.num_finished
+    for request in requests:  # the final event ends each consumer
+        table.finish(request, FinishReason.CANCELLED, None)
+    for thread in threads:
+        thread.join()
+    assert num_finished == 0, f"{num_finished} requests finished early: a stop string matched the corpus?"
+    us_per_row = [1e6 * s / num_requests for s in per_step_s[num_steps // 10:]]  # skip warm-up steps
+    return {"stop_strings": bool(stop_strings), "consumers": consumers, "num_requests": num_requests,
+            "num_steps": num_steps, "us_per_row_median": round(statistics.median(us_per_row), 2),
+            "us_per_row_mean": round(statistics.fmean(us_per_row), 2),
+            "ms_per_step_median": round(statistics.median(us_per_row) * num_requests / 1000, 3)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--machine", default=platform.node())
+    parser.add_argument("--requests", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=pathlib.Path, default=None)
+    args = parser.parse_args()
+
+    from generation_service.model.default_model import ensure_default_model
+    from generation_service.model.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(ensure_default_model())
+    corpus_ids = tokenizer.encode(corpus_text(), add_special_tokens=False)
+    assert any(i in tokenizer.byte_fallback_ids for i in corpus_ids)
+    prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}])
+    rows = []
+    for stop_strings in ((), STOP_STRINGS):
+        for consumers in (False, True):
+            runs = [run_case(tokenizer, corpus_ids, prompt_ids, num_requests=args.requests, num_steps=args.steps,
+                             stop_strings=stop_strings, consumers=consumers) for _ in range(args.repeats)]
+            row = min(runs, key=lambda run: run["us_per_row_median"])
+            rows.append(row | {"repeats": args.repeats})
+            print(f"stop_strings={row['stop_strings']!s:5} consumers={row['consumers']!s:5} "
+                  f"{row['us_per_row_median']:7.2f} us/row (mean {row['us_per_row_mean']:.2f}), "
+                  f"{row['ms_per_step_median']:.3f} ms/step at {args.requests} rows", flush=True)
+    if args.out is not None:
+        result = {"benchmark": "engine_host", "machine": args.machine, "python": platform.python_version(),
+                  "tokenizer": "default (Mistral 32k SentencePiece)", "rows": rows}
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
