@@ -28,6 +28,16 @@ class Option:
     help: str
 
 
+def on_off(text: str) -> bool:
+    """A boolean flag or variable: true/false, on/off, yes/no, 1/0."""
+    lowered = text.strip().lower()
+    if lowered in ("true", "on", "yes", "1"):
+        return True
+    if lowered in ("false", "off", "no", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
 OPTIONS = (
     Option("--model", "MODEL", str, "engine", "model", "built-in model name, checkpoint folder or random:<preset> (default: the built-in default model)"),
     Option("--device", "DEVICE", str, "engine", "device", "torch device: cpu, cuda, cuda:1 (default cpu)"),
@@ -38,6 +48,8 @@ OPTIONS = (
     Option("--max-prompt-tokens", "MAX_PROMPT_TOKENS", int, "engine", "max_prompt_tokens", "largest prompt (OUT_OF_RANGE beyond)"),
     Option("--max-new-tokens-limit", "MAX_NEW_TOKENS", int, "engine", "max_new_tokens_limit", "largest max_tokens (OUT_OF_RANGE beyond)"),
     Option("--max-draft-tokens", "MAX_DRAFT_TOKENS", int, "engine", "max_draft_tokens", "most speculative draft tokens per step"),
+    Option("--runner", "RUNNER", str, "engine", "runner", "auto (CUDA graphs on a GPU, eager on CPU), cuda_graph, or eager (debugging)"),
+    Option("--overlap", "OVERLAP", on_off, "engine", "overlap", "under CUDA graphs, launch decode step N+1 before reading N: true (default) or false (debugging)"),
     Option("--host", "HOST", str, "serve", "host", "address to listen on (default 127.0.0.1; 0.0.0.0 for all)"),
     Option("--port", "PORT", int, "serve", "port", "port to listen on (default 50051; 0 = any free port)"),
     Option("--grammar-address", "GRAMMAR_ADDRESS", str, "serve", "grammar_address", "a running grammar_service, e.g. unix:///run/structgen/grammar.sock (default: spawn one)"),

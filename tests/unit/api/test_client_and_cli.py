@@ -44,6 +44,15 @@ def test_serve_flag_beats_environment_beats_default():
     assert ServeConfig(**serve).bind_address == "127.0.0.1:7000"
 
 
+def test_runner_and_overlap_reach_the_engine_config():
+    from generation_service.engine.config import EngineConfig
+    engine = resolve(_args(runner="eager"), {"STRUCTGEN_OVERLAP": "off"}, "engine")
+    assert engine == {"runner": "eager", "overlap": False}
+    assert EngineConfig(**engine).overlap is False
+    with pytest.raises(argparse.ArgumentTypeError, match="true or false"):
+        resolve(_args(), {"STRUCTGEN_OVERLAP": "sometimes"}, "engine")
+
+
 def test_serve_config_validates():
     with pytest.raises(ValueError, match="tls_cert and tls_key"):
         ServeConfig(tls_cert="c.pem")
