@@ -230,9 +230,12 @@ class GrammarLink:
         step = self.next_step
         self.next_step += 1
         entry = self.channel.entry(step)
+        if rows:  # one array write, not a numpy item assignment per row (~1.4 us each)
+            entry.desc_rows[:len(rows)] = [(row.slot, row.num_positions, row.flags, row.grammar_id)
+                                           for row in rows]
         for r, row in enumerate(rows):
-            entry.desc_rows[r] = (row.slot, row.num_positions, row.flags, row.grammar_id)
-            entry.drafts[r, :len(row.drafts)] = row.drafts
+            if row.drafts:
+                entry.drafts[r, :len(row.drafts)] = row.drafts
         entry.desc_header[:] = (step, len(rows))
         self._rows[step] = rows
         # N's results are read against N-1's rows; under overlap N+1 is begun before N is read.
