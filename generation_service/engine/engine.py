@@ -334,12 +334,15 @@ class Engine:
                     or (self.config.max_draft_tokens and request.spec.speculative.num_draft_tokens)):
                 return None
         rows = []
+        max_pages = self.runner.max_pages_per_row
         for row in previous.batch.rows:
-            if not self.scheduler.reserve(row.request, row.seq_len + 1):
-                return None  # (pages reserved so far are kept for the next scheduled step)
+            # (pages reserved before a refusal are kept for the next scheduled step)
+            if not self.scheduler.reserve(row.request, row.seq_len + 1) or len(row.request.pages) > max_pages:
+                return None
             rows.append(ScheduledRow(row.request, row.seq_len, [FED_BACK_TOKEN], is_sampling=True))
-        batch = ScheduledBatch(rows)
-        return batch if self.runner.can_graph(batch) else None
+        # NOTE: the rest of can_graph (one sampling token per row, no drafts or logprobs,
+        # the batch fits a bucket) held for `previous` and nothing of it changed.
+        return ScheduledBatch(rows)
 
     def _sample(self, batch: ScheduledBatch, logits, masks: StepMasks | None) -> list[SampleResult]:
         rows = batch.sampling_rows

@@ -86,10 +86,15 @@ class CudaGraphRunner(ModelRunner):
         return tuple(base) + (tuple(with_filters(v) for v in base) if self.filters else ())
 
     # ---- which path ------------------------------------------------------------------------
+    @property
+    def max_pages_per_row(self) -> int:
+        """Page-table width of the persistent buffers."""
+        return self.gpu.buffers.page_table.shape[1]
+
     def can_graph(self, batch: ScheduledBatch) -> bool:
         """Decode-only rows that the captured step can run as they are."""
         rows = batch.rows
-        max_pages = self.gpu.buffers.page_table.shape[1]
+        max_pages = self.max_pages_per_row
         return 0 < len(rows) <= self.gpu.max_batch and all(
             row.is_sampling and len(row.input_ids) == 1 and not row.drafts
             and row.request.sampling.num_logprobs == 0 and len(row.request.pages) <= max_pages
