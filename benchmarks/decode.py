@@ -439,7 +439,8 @@ def start_grammar_service(chan: StepChannel, tokenizer_dir: str, max_slots: int,
     proc = subprocess.Popen([sys.executable, str(ROOT / "tests/gpu/grammar_proc.py"), chan.name, tokenizer_dir,
                              str(VOCAB), str(max_slots), "1", str(schema), str(fill_threads)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    return proc, json.loads(proc.stdout.readline())["grammar_id"]
+    ready = json.loads(proc.stdout.readline())
+    return proc, ready["grammar_id"], ready.get("backend", "?")
 
 
 def main() -> int:
@@ -477,8 +478,9 @@ def main() -> int:
     chan = StepChannel.create(geometry)
     mapped = MappedChannel.register(chan)
     tmp = pathlib.Path(os.environ.get("TMPDIR", "/tmp"))
-    proc, grammar_id = start_grammar_service(chan, args.tokenizer_dir, max(args.batches), tmp,
-                                             args.grammar_fill_threads)
+    proc, grammar_id, backend = start_grammar_service(chan, args.tokenizer_dir, max(args.batches), tmp,
+                                                      args.grammar_fill_threads)
+    result["mask_source"] = result["mask_source"].replace("(xgrammar)", f"({backend})")
     result["grammar_fill_threads"] = args.grammar_fill_threads or "default (cores / 2)"
     bench = Bench(args, mapped, grammar_id)
     bench.bw, bench.first_step, bench.next_step, bench.num_rebinds, bench.num_errors = bw, 1, 1, 0, 0

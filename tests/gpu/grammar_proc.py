@@ -35,7 +35,7 @@ def main(argv: list[str]) -> int:
     service.open_channel(name, geometry, max_slots=int(max_slots), first_step=int(first_step),
                          tokenizer_dir=tokenizer_dir,
                          tokenizer_fingerprint=fingerprint_tokenizer_json(tokenizer_dir, vocab_size))
-    print(json.dumps({"grammar_id": outcome.entry.grammar_id}), flush=True)
+    print(json.dumps({"grammar_id": outcome.entry.grammar_id, "backend": outcome.entry.backend}), flush=True)
     sys.stdin.read()  # until the parent closes our stdin
     stats = service.stats()
     service.close()
