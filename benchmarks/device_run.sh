@@ -5,7 +5,8 @@
 # .whl: xgrammar 0.2.9 + deps, and for grammar_service over gRPC grpcio 1.85.3,
 #   grpcio-health-checking/-reflection 1.85.1, protobuf 7.36.2, jsonschema 4.26.0 (+ -specifications,
 #   referencing, rpds-py), opentelemetry-api/-sdk 1.45.2 + semantic-conventions 0.66b2 (pip download
-#   as in /work/.library/device/README.md; the device image lacks these).
+#   as in /work/.library/device/README.md; the device image lacks these), and llguidance 1.9.1
+#   (abi3, manylinux_2_31): grammar_service's auto backend then picks it, as in the GPU image.
 # .bench: the real tokenizers as tgz, made here from the converted copies:
 #   tar czf .bench/<name>.tgz -C ~/.cache/structgen/tokenizers <name>   (tekken_131k, mistral_32k)
 #   run: bash benchmarks/device_run.sh [tests|bench|profile|gemv|grammar|all|a,b,...] [extra decode.py args...]
