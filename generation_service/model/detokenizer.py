@@ -4,6 +4,8 @@ Decoding single tokens is wrong for SentencePiece (a leading "▁" is a space or
 depending on context) and for byte tokens (one UTF-8 character may span several tokens).
 So each push decodes a short window of recent ids twice, with and without the unread
 tokens, and emits the difference; the window only moves past text that ended cleanly.
+(In a steady decode the window without the unread tokens is the one token read last, whose
+text is memoized per tokenizer: one decode call per token, not two.)
 If the decoded text ends in U+FFFD the tail is an incomplete character (a partial
 byte-level sequence), and the tokens stay unread until more arrive or ``flush`` is called.
 Byte-fallback runs (<0xE2><0x82><0xAC>) are held until a non-byte token ends them: the
@@ -18,11 +20,16 @@ a prompt. With a prompt, the first generated token keeps its leading space ("▁
 
 from __future__ import annotations
 
+import weakref
+
 from generation_service.model.tokenizer import Tokenizer
 
 _REPLACEMENT = "\ufffd"
 # Prompt tokens kept as left context: enough for any decoder's context rules.
 _PROMPT_CONTEXT = 6
+# decode([id]) per tokenizer and skip_special_tokens: a pure function, and at most one entry
+# per vocabulary token. Shared by every detokenizer of the tokenizer (engine thread).
+_single_token_texts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class IncrementalDetokenizer:
@@ -30,6 +37,12 @@ class IncrementalDetokenizer:
                  skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
+        self._byte_ids: frozenset[int] = tokenizer.byte_fallback_ids
+        # Skipped specials vanish from the text, so byte runs join across them.
+        self._skipped_ids: frozenset[int] = (tokenizer.special_token_ids if self._byte_ids and skip_special_tokens
+                                             else frozenset())
+        texts = _single_token_texts.setdefault(tokenizer, {})
+        self._token_texts: dict[int, str] = texts.setdefault(skip_special_tokens, {})
         self._ids: list[int] = list(prompt_ids or [])[-_PROMPT_CONTEXT:]
         self._prefix_offset = 0  # window start: decoded text before read_offset is already emitted
         self._read_offset = len(self._ids)  # first id whose text is not emitted yet
@@ -37,9 +50,19 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
 
+    def _prefix_text(self) -> str:
+        """Text of the window before the unread ids."""
+        if self._read_offset - self._prefix_offset != 1:
+            return self._decode(self._ids[self._prefix_offset : self._read_offset])
+        token_id = self._ids[self._prefix_offset]
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self._decode([token_id])
+        return text
+
     def _unread_text(self) -> str:
         """Text of the unread ids, decoded in the context of the window before them."""
-        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        prefix_text = self._prefix_text()
         full_text = self._decode(self._ids[self._prefix_offset :])
         return full_text[len(prefix_text) :] if full_text.startswith(prefix_text) else full_text
 
@@ -52,13 +75,11 @@ class IncrementalDetokenizer:
             self._prefix_offset = 0
 
     def _ends_in_byte_run(self) -> bool:
-        byte_ids = self._tokenizer.byte_fallback_ids
-        if not byte_ids:
+        if not self._byte_ids:
             return False
-        skipped = self._tokenizer.special_token_ids if self._skip_special_tokens else frozenset()
         for token_id in reversed(self._ids[self._read_offset :]):
-            if token_id not in skipped:  # skipped specials vanish, so runs join across them
-                return token_id in byte_ids
+            if token_id not in self._skipped_ids:
+                return token_id in self._byte_ids
         return False
 
     def push(self, token_ids: list[int]) -> str:

@@ -159,3 +159,30 @@ def test_byte_level_bpe_stream_never_splits_a_character(tmp_path):
         ids = [rng.randrange(tokenizer.num_tokens) for _ in range(25)]
         deltas, rest = stream(tokenizer, ids)
         assert "".join(deltas) + rest == tokenizer.decode(ids)
+
+
+class CountingTokenizer:
+    """The tokenizer, counting decode calls."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self.num_decodes = 0
+        self.byte_fallback_ids = tokenizer.byte_fallback_ids
+        self.special_token_ids = tokenizer.special_token_ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        self.num_decodes += 1
+        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_steady_decode_needs_one_decode_call_per_token(mistral_tokenizer):
+    counting = CountingTokenizer(mistral_tokenizer)
+    ids = mistral_tokenizer.encode("The cat sat on the mat." * 8, add_special_tokens=False)
+    detokenizer = IncrementalDetokenizer(counting)
+    half = len(ids) // 2
+    text = "".join(detokenizer.push([i]) for i in ids[:half])
+    counting.num_decodes = 0
+    text += "".join(detokenizer.push([i]) for i in ids[half:]) + detokenizer.flush()
+    assert text == mistral_tokenizer.decode(ids) and counting.num_decodes == len(ids) - half + 1  # + flush
+    # The memo of single-token texts is per tokenizer: another one does not see its entries.
+    assert IncrementalDetokenizer(CountingTokenizer(mistral_tokenizer))._token_texts == {}
