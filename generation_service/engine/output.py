@@ -25,7 +25,11 @@ class OutputProcessor:
     def __init__(self, request: Request, tokenizer=None, eos_token_ids: tuple[int, ...] = ()) -> None:
         self.request = request
         self.stop_strings = request.sampling.stop_strings
+        # Last characters a held-back suffix can end in: those of proper stop-string prefixes.
+        self._held_back_chars = frozenset(c for stop in self.stop_strings for c in stop[:-1])
         self.eos_token_ids = frozenset(eos_token_ids)
+        self._is_eos_a_stop = request.is_constrained or not request.sampling.ignore_eos
+        self._max_num_tokens = request.num_prompt_tokens + request.max_new_tokens  # len(token_ids) at the limit
         self._detok = None
         if tokenizer is not None:
             from generation_service.model.detokenizer import IncrementalDetokenizer
@@ -49,11 +53,11 @@ class OutputProcessor:
         return Delta(kept, "".join(texts), logprobs[:len(kept)], reason)
 
     def _token_stop(self, token: int) -> FinishReason | None:
-        if token in self.eos_token_ids and (self.request.is_constrained or not self.request.sampling.ignore_eos):
+        if token in self.eos_token_ids and self._is_eos_a_stop:
             return FinishReason.GRAMMAR_COMPLETE if self.request.is_constrained else FinishReason.STOP_TOKEN
         if token in self.request.stop_token_ids:
             return FinishReason.STOP_TOKEN
-        if self.request.num_generated >= self.request.max_new_tokens:
+        if len(self.request.token_ids) >= self._max_num_tokens:  # num_generated >= max_new_tokens
             return FinishReason.MAX_TOKENS
         return None
 
@@ -61,9 +65,12 @@ class OutputProcessor:
         """(text to stream now, whether a stop string matched)."""
         if self._detok is None:
             return "", False
-        self._pending += self._detok.push(token_ids)
+        text = self._detok.push(token_ids)
         if final:
-            self._pending += self._detok.flush()
+            text += self._detok.flush()
+        if not self.stop_strings:
+            return text, False
+        self._pending += text
         cut = self._find_stop()
         if cut is not None:
             text, self._pending = self._pending[:cut], ""
@@ -84,6 +91,8 @@ class OutputProcessor:
 
     def _held_back_len(self) -> int:
         """Length of the longest suffix of pending text that is a proper prefix of a stop string."""
+        if not self._pending or self._pending[-1] not in self._held_back_chars:
+            return 0  # (most tokens)
         best = 0
         for stop in self.stop_strings:
             for n in range(min(len(stop) - 1, len(self._pending)), best, -1):

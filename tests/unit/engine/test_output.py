@@ -49,3 +49,11 @@ def test_max_tokens_and_stop_tokens(char_tokenizer):
     r = make_request(prompt=[65], ignore_eos=True, max_new_tokens=3)
     delta = OutputProcessor(r, char_tokenizer, eos_token_ids=(2,)).process([2, 2, 2], [])
     assert delta.finish_reason is FinishReason.MAX_TOKENS
+
+
+def test_only_text_that_can_start_a_stop_string_is_held_back(char_tokenizer):
+    r = make_request(prompt=[65], stop_strings=("END", "xy"), max_new_tokens=50)
+    pieces, reason = stream(OutputProcessor(r, char_tokenizer), "aDbyEcENdx!")
+    assert reason is None
+    # "D" and "y" end stop strings but start none: streamed at once; "E", "EN", "x" wait.
+    assert pieces == ["a", "D", "b", "y", "", "Ec", "", "", "ENd", "", "x!"]
