@@ -143,18 +143,12 @@ class RequestTable:
         return kept
 
     def _accept(self, row, request: Request, result: SampleResult) -> list[int]:
-        # K/V is valid for the known tokens and the accepted drafts; the rest is rolled back.
-        request.num_cached = row.seq_len - len(row.drafts) + result.num_accepted_drafts
+        if row.drafts:
+            self._accept_drafts(row, request, result)
+        else:  # K/V is valid for the known tokens
+            request.num_cached = row.seq_len
         if request.first_token_s is None and result.token_ids:
             request.first_token_s = time.monotonic()
-        request.num_drafts_proposed += len(row.drafts)
-        request.num_drafts_accepted += result.num_accepted_drafts
-        self.draft_proposed += len(row.drafts)
-        self.draft_accepted += result.num_accepted_drafts
-        if row.drafts:
-            # NOTE: only rejected drafts leave pages past the cache; without drafts a page
-            # may be reserved already for the next step launched before this one was read.
-            self.scheduler.trim_pages(request)
         delta = self._outputs[request.request_id].process(result.token_ids, result.logprobs)
         if delta.finish_reason is not None:
             self.finish(request, delta.finish_reason, None, delta.token_ids, delta.text, delta.logprobs)
@@ -162,6 +156,17 @@ class RequestTable:
             self._streams[request.request_id].put(OutputEvent(
                 tuple(delta.token_ids), delta.text, tuple(delta.logprobs)))
         return delta.token_ids
+
+    def _accept_drafts(self, row, request: Request, result: SampleResult) -> None:
+        # K/V is valid for the known tokens and the accepted drafts; the rest is rolled back.
+        request.num_cached = row.seq_len - len(row.drafts) + result.num_accepted_drafts
+        request.num_drafts_proposed += len(row.drafts)
+        request.num_drafts_accepted += result.num_accepted_drafts
+        self.draft_proposed += len(row.drafts)
+        self.draft_accepted += result.num_accepted_drafts
+        # NOTE: only rejected drafts leave pages past the cache; without drafts a page
+        # may be reserved already for the next step launched before this one was read.
+        self.scheduler.trim_pages(request)
 
     def _apply_results(self, results: list[RowResult]) -> None:
         for result in results:
