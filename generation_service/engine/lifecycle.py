@@ -153,7 +153,7 @@ class RequestTable:
         if delta.finish_reason is not None:
             self.finish(request, delta.finish_reason, None, delta.token_ids, delta.text, delta.logprobs)
         elif delta.token_ids:
-            self._streams[request.request_id].put(OutputEvent(
+            self._streams[request.request_id].put(OutputEvent.of_tokens(
                 tuple(delta.token_ids), delta.text, tuple(delta.logprobs)))
         return delta.token_ids
 
