@@ -27,6 +27,7 @@ class OutputProcessor:
         self.stop_strings = request.sampling.stop_strings
         # Last characters a held-back suffix can end in: those of proper stop-string prefixes.
         self._held_back_chars = frozenset(c for stop in self.stop_strings for c in stop[:-1])
+        self._stop_last_chars = frozenset(stop[-1] for stop in self.stop_strings)
         self.eos_token_ids = frozenset(eos_token_ids)
         self._is_eos_a_stop = request.is_constrained or not request.sampling.ignore_eos
         self._max_num_tokens = request.num_prompt_tokens + request.max_new_tokens  # len(token_ids) at the limit
@@ -68,35 +69,37 @@ class OutputProcessor:
         text = self._detok.push(token_ids)
         if final:
             text += self._detok.flush()
-        if not self.stop_strings:
-            return text, False
-        self._pending += text
-        cut = self._find_stop()
+        return self._hold_back(text, final) if self.stop_strings else (text, False)
+
+    def _hold_back(self, text: str, final: bool) -> tuple[str, bool]:
+        """Cut the pending text at a stop string, or stream it but what may still become one."""
+        pending = self._pending + text
+        # The pending text held no stop string, so a match ends in `text` (most tokens: none).
+        cut = None if self._stop_last_chars.isdisjoint(text) else self._find_stop(pending)
         if cut is not None:
-            text, self._pending = self._pending[:cut], ""
-            return text, True
-        keep = 0 if final else self._held_back_len()
-        text = self._pending[:len(self._pending) - keep]
-        self._pending = self._pending[len(text):]
-        return text, False
+            self._pending = ""
+            return pending[:cut], True
+        split = len(pending) if final else len(pending) - self._held_back_len(pending)
+        self._pending = pending[split:]
+        return pending[:split], False
 
     def flush(self) -> str:
         """Text still held back when the request ends for another reason (cancel, error)."""
         text, self._pending = self._pending, ""
         return text
 
-    def _find_stop(self) -> int | None:
-        hits = [i for i in (self._pending.find(s) for s in self.stop_strings) if i >= 0]
+    def _find_stop(self, pending: str) -> int | None:
+        hits = [i for stop in self.stop_strings if (i := pending.find(stop)) >= 0]
         return min(hits) if hits else None
 
-    def _held_back_len(self) -> int:
-        """Length of the longest suffix of pending text that is a proper prefix of a stop string."""
-        if not self._pending or self._pending[-1] not in self._held_back_chars:
+    def _held_back_len(self, pending: str) -> int:
+        """Length of the longest suffix of `pending` that is a proper prefix of a stop string."""
+        if not pending or pending[-1] not in self._held_back_chars:
             return 0  # (most tokens)
         best = 0
         for stop in self.stop_strings:
-            for n in range(min(len(stop) - 1, len(self._pending)), best, -1):
-                if self._pending.endswith(stop[:n]):
+            for n in range(min(len(stop) - 1, len(pending)), best, -1):
+                if pending.endswith(stop[:n]):
                     best = n
                     break
         return best

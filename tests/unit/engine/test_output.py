@@ -57,3 +57,28 @@ def test_only_text_that_can_start_a_stop_string_is_held_back(char_tokenizer):
     assert reason is None
     # "D" and "y" end stop strings but start none: streamed at once; "E", "EN", "x" wait.
     assert pieces == ["a", "D", "b", "y", "", "Ec", "", "", "ENd", "", "x!"]
+
+
+def test_streamed_text_matches_the_hold_back_rule_on_random_text(char_tokenizer):
+    """Reference: after each token, everything but the longest suffix that starts a stop
+    string is streamed; at the first match the text before it is, and the request stops."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(300):
+        stops = tuple({"".join(rng.choices("ab\n", k=rng.randint(1, 3))) for _ in range(rng.randint(1, 3))})
+        text = "".join(rng.choices("ab\nc", k=30))
+        r = make_request(prompt=[65], stop_strings=stops, max_new_tokens=100)
+        pieces, reason = stream(OutputProcessor(r, char_tokenizer), text)
+        streamed = ""
+        for k, piece in enumerate(pieces, start=1):
+            streamed += piece
+            seen = text[:k]
+            match = min((i for s in stops if (i := seen.find(s)) >= 0), default=None)
+            if match is not None:
+                assert (streamed, reason, k) == (seen[:match], FinishReason.STOP_STRING, len(pieces))
+                break
+            held = max((n for s in stops for n in range(1, len(s)) if seen.endswith(s[:n])), default=0)
+            assert streamed == seen[:k - held]
+        else:
+            assert reason is None
