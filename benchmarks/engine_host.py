@@ -8,8 +8,11 @@ tokenization of real text (prose, JSON documents, accents, CJK, emoji, byte-fall
 each request from its own offset, so the detokenizer sees real pieces. Four cases:
 with/without stop strings (they never match, but their prefixes are held back), and with/
 without consumers draining the streams (one thread per request iterating its stream, as the
-gRPC servicer does). Reported: microseconds of postprocess per row, median over steps, the
-best of `--repeats` runs (the machine may be shared: the least disturbed run is the cost).
+gRPC servicer does; without, the benchmark reads the streams between steps, untimed).
+Reported: microseconds of postprocess per row, median over steps, the best of `--repeats`
+runs (the machine may be shared: the least disturbed run is the cost); wall time, and the
+engine thread's CPU time (`thread_time`: what other processes take is not counted, nor the
+GIL waits for consumers).
 
     .venv/bin/python benchmarks/engine_host.py --out benchmarks/results/engine_host-ci-2core.json
 """
@@ -71,23 +74,26 @@ def make_requests(table: RequestTable, prompt_ids: list[int], num: int, max_new:
     return requests
 
 
-def decode_steps(requests: list[Request], corpus_ids: list[int], num_steps: int):
-    """Per step: the batch the scheduler would build and one sampled token per row."""
+def decode_step(requests: list[Request], corpus_ids: list[int], step: int):
+    """The batch the scheduler would build for `step` and one sampled token per row."""
     stride = len(corpus_ids) // len(requests) + 1
-    steps = []
-    for step in range(num_steps):
-        rows, samples = [], []
-        for i, request in enumerate(requests):
-            seq_len = request.num_prompt_tokens + step
-            rows.append(ScheduledRow(request, seq_len - 1, [0], is_sampling=True))
-            samples.append(SampleResult([corpus_ids[(i * stride + step) % len(corpus_ids)]]))
-        steps.append((ScheduledBatch(rows), samples))
-    return steps
+    rows, samples = [], []
+    for i, request in enumerate(requests):
+        rows.append(ScheduledRow(request, request.num_tokens - 1, [request.token_ids[-1]], is_sampling=True))
+        samples.append(SampleResult([corpus_ids[(i * stride + step) % len(corpus_ids)]]))
+    return ScheduledBatch(rows), samples
 
 
 def drain(stream: RequestStream) -> None:
     for _ in stream:
         pass
+
+
+def drain_now(streams: list[RequestStream]) -> None:
+    """What consumers would have read by now (so events do not pile up in memory)."""
+    for stream in streams:
+        while not stream._events.empty():
+            stream.get()
 
 
 def run_case(tokenizer, corpus_ids: list[int], prompt_ids: list[int], *, num_requests: int,
@@ -97,15 +103,19 @@ def run_case(tokenizer, corpus_ids: list[int], prompt_ids: list[int], *, num_req
                           max_waiting=num_requests, prefill_chunk_tokens=4096)
     table = RequestTable(scheduler, slots, tokenizer, tokenizer.eos_token_ids)
     requests = make_requests(table, prompt_ids, num_requests, num_steps + 1, stop_strings)
-    threads = [threading.Thread(target=drain, args=(table._streams[r.request_id],), daemon=True)
-               for r in requests] if consumers else []
+    streams = [table._streams[r.request_id] for r in requests]
+    threads = [threading.Thread(target=drain, args=(stream,), daemon=True) for stream in streams] if consumers else []
     for thread in threads:
         thread.start()
-    per_step_s = []
-    for batch, samples in decode_steps(requests, corpus_ids, num_steps):
-        start = time.perf_counter()
+    per_step_s, per_step_cpu_s = [], []
+    for step in range(num_steps):
+        batch, samples = decode_step(requests, corpus_ids, step)
+        start, start_cpu = time.perf_counter(), time.thread_time()
         table.postprocess(batch, samples, None, None, None)
         per_step_s.append(time.perf_counter() - start)
+        per_step_cpu_s.append(time.thread_time() - start_cpu)
+        if not consumers:
+            drain_now(streams)
     num_finished = table.num_finished
     for request in requests:  # the final event ends each consumer
         table.finish(request, FinishReason.CANCELLED, None)
@@ -113,9 +123,11 @@ def run_case(tokenizer, corpus_ids: list[int], prompt_ids: list[int], *, num_req
         thread.join()
     assert num_finished == 0, f"{num_finished} requests finished early: a stop string matched the corpus?"
     us_per_row = [1e6 * s / num_requests for s in per_step_s[num_steps // 10:]]  # skip warm-up steps
+    cpu_us_per_row = [1e6 * s / num_requests for s in per_step_cpu_s[num_steps // 10:]]
     return {"stop_strings": bool(stop_strings), "consumers": consumers, "num_requests": num_requests,
             "num_steps": num_steps, "us_per_row_median": round(statistics.median(us_per_row), 2),
             "us_per_row_mean": round(statistics.fmean(us_per_row), 2),
+            "cpu_us_per_row_median": round(statistics.median(cpu_us_per_row), 2),
             "ms_per_step_median": round(statistics.median(us_per_row) * num_requests / 1000, 3)}
 
 
@@ -143,7 +155,8 @@ def main() -> int:
             row = min(runs, key=lambda run: run["us_per_row_median"])
             rows.append(row | {"repeats": args.repeats})
             print(f"stop_strings={row['stop_strings']!s:5} consumers={row['consumers']!s:5} "
-                  f"{row['us_per_row_median']:7.2f} us/row (mean {row['us_per_row_mean']:.2f}), "
+                  f"{row['us_per_row_median']:7.2f} us/row (mean {row['us_per_row_mean']:.2f}, "
+                  f"engine thread CPU {row['cpu_us_per_row_median']:.2f}), "
                   f"{row['ms_per_step_median']:.3f} ms/step at {args.requests} rows", flush=True)
     if args.out is not None:
         result = {"benchmark": "engine_host", "machine": args.machine, "python": platform.python_version(),
