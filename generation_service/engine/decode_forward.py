@@ -6,7 +6,10 @@ Two versions of the same step (docs/gpu.md has their H200 timings):
   backend: ~10 launches per layer;
 - torch: the model's own modules around the same GEMMs and attention: ~36 launches per layer.
 Both read input ids, positions, page tables and seq_lens from `DecodeBuffers`; padding rows
-(seq_len 0, page table 0) write only into the dummy page.
+(seq_len 0, page table 0) write only into the dummy page. The layer loops themselves
+(`fused_tokens`, `torch_tokens`) take any T token slots, their positions and cache slots and
+an attention callable: decode passes one token per row and the paged decode attention, the
+speculative verify graphs (`verify_graphs.py`) b rows x w tokens and the extend attention.
 The fused version's GEMMs are cuBLAS (F.linear); for buckets <= `gemv_max_batch` each projection
 instead asks `kernels/gemv.py`'s MEASURED table (H200, bf16) and runs the Triton skinny GEMM
 where it beat cuBLAS at that shape and bucket (gate_up with silu*mul fused in), cuBLAS elsewhere.
@@ -54,6 +57,9 @@ class Projections:
 def _cublas_gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     from generation_service.kernels.decode_fused import silu_mul
     return silu_mul(F.linear(x, gate_up))
+
+
+CUBLAS = Projections(F.linear, _cublas_gate_up_silu)  # every GEMM on cuBLAS (any number of rows)
 
 
 def fuse_layer_weights(model) -> list[LayerWeights]:
@@ -112,7 +118,7 @@ class DecodeForward:
         if bucket <= self.gemv_max_batch:
             from generation_service.kernels import gemv
             return Projections(gemv.linear, gemv.gate_up_silu)  # per shape, from gemv.MEASURED
-        return Projections(F.linear, _cublas_gate_up_silu)
+        return CUBLAS
 
     def gemv_plan(self, bucket: int) -> dict[str, str]:
         """Projection -> "cublas" or the Triton config the step runs at this bucket (what
@@ -129,19 +135,45 @@ class DecodeForward:
                    measured_config(bucket, self.model.output_weight))
         return {name: "cublas" if c is None else str(c) for name, c in zip(names, configs)}
 
+    def _decode_attend(self, bucket: int) -> Callable:
+        """(q, layer index) -> attention of one query token per row over the paged cache."""
+        cfg, buf, kv = self.config, self.buffers, self.kv
+        meta = DecodeMeta(buf.page_table[:bucket], buf.seq_lens[:bucket], self._extend_lens[:bucket])
+        scale = cfg.head_dim ** -0.5
+
+        def attend(q: torch.Tensor, index: int) -> torch.Tensor:
+            return self.attention.decode(q, kv.k[index], kv.v[index], meta, scale,
+                                         sliding_window=cfg.sliding_window)
+        return attend
+
     def _fused(self, bucket: int) -> torch.Tensor:
         """~10 launches per layer: norm, qkv, rope+kv write, attention (2), o_proj,
         add+norm, gate_up, silu*mul, down (9 where gemv fuses silu*mul into gate_up).
         bf16 logits (mask_sample reads them as they are)."""
-        from generation_service.kernels.decode_fused import add_rmsnorm, rope_write_kv
-        cfg, buf, m, kv = self.config, self.buffers, self.model, self.kv
         proj = self._projections(bucket)
-        ids = buf.input_ids[:bucket].clamp(0, cfg.vocab_size - 1)
-        meta = DecodeMeta(buf.page_table[:bucket], buf.seq_lens[:bucket], self._extend_lens[:bucket])
-        slot_ids = self._slot_ids(bucket)
-        residual = m.model.embed_tokens(ids)  # (b, hidden)
-        cos, sin = m.rotary(buf.positions[:bucket], residual.dtype)  # (b, D) each
-        q_dim, eps, scale = cfg.num_heads * cfg.head_dim, cfg.rms_norm_eps, cfg.head_dim ** -0.5
+        ids = self.buffers.input_ids[:bucket].clamp(0, self.config.vocab_size - 1)
+        return self.fused_tokens(ids, self.buffers.positions[:bucket], self._slot_ids(bucket),
+                                 self._decode_attend(bucket), proj)
+
+    def tokens(self, ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
+               attend: Callable, proj: Projections | None = None) -> torch.Tensor:
+        """(T, vocab) logits of T token slots (the verify graphs, verify_graphs.py): ids (T,)
+        already clamped, positions and flat cache slots (T,), `attend(q (T, Hq, D), layer)`
+        the attention over the cache once the slots' K/V are written; cuBLAS GEMMs unless
+        `proj` says otherwise. Graph safe."""
+        if self.fused_ops:
+            return self.fused_tokens(ids, positions, slot_ids, attend, proj or CUBLAS)
+        return self.torch_tokens(ids, positions, slot_ids, attend)
+
+    def fused_tokens(self, ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
+                     attend: Callable, proj: Projections) -> torch.Tensor:
+        """The fused layer loop over T token slots (one per row for decode)."""
+        from generation_service.kernels.decode_fused import add_rmsnorm, rope_write_kv
+        cfg, m, kv = self.config, self.model, self.kv
+        num_tokens = ids.shape[0]
+        residual = m.model.embed_tokens(ids)  # (T, hidden)
+        cos, sin = m.rotary(positions, residual.dtype)  # (T, D) each
+        q_dim, eps = cfg.num_heads * cfg.head_dim, cfg.rms_norm_eps
         delta = None
         for index, layer in enumerate(m.model.layers):
             w = self.weights[index]
@@ -151,10 +183,9 @@ class DecodeForward:
             qkv = proj.linear(x, w.qkv, w.qkv_bias)
             q = rope_write_kv(qkv, cos, sin, kv.k[index], kv.v[index], slot_ids,
                               cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-            o = self.attention.decode(q, kv.k[index], kv.v[index], meta, scale,
-                                      sliding_window=cfg.sliding_window)
+            o = attend(q, index)
             o_proj, down_proj = layer.self_attn.o_proj, layer.mlp.down_proj
-            delta = proj.linear(o.view(bucket, q_dim), o_proj.weight, o_proj.bias)
+            delta = proj.linear(o.view(num_tokens, q_dim), o_proj.weight, o_proj.bias)
             x, residual = add_rmsnorm(delta, residual, layer.post_attention_layernorm.weight, eps)
             delta = proj.linear(proj.gate_up_silu(x, w.gate_up), down_proj.weight, down_proj.bias)
         x, _ = add_rmsnorm(delta, residual, m.model.norm.weight, eps)
@@ -162,15 +193,18 @@ class DecodeForward:
 
     def _torch(self, bucket: int) -> torch.Tensor:
         """The same step from the model's own modules (the v1 path; ~36 launches per layer)."""
-        cfg, buf, m, kv = self.config, self.buffers, self.model, self.kv
-        ids = buf.input_ids[:bucket].clamp(0, cfg.vocab_size - 1)
-        positions = buf.positions[:bucket]
-        meta = DecodeMeta(buf.page_table[:bucket], buf.seq_lens[:bucket], self._extend_lens[:bucket])
-        slot_ids = self._slot_ids(bucket)
-        hidden = m.model.embed_tokens(ids)  # (b, hidden)
+        ids = self.buffers.input_ids[:bucket].clamp(0, self.config.vocab_size - 1)
+        return self.torch_tokens(ids, self.buffers.positions[:bucket], self._slot_ids(bucket),
+                                 self._decode_attend(bucket))
+
+    def torch_tokens(self, ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
+                     attend: Callable) -> torch.Tensor:
+        """The unfused layer loop over T token slots; float32 logits."""
+        cfg, m, kv = self.config, self.model, self.kv
+        num_tokens = ids.shape[0]
+        hidden = m.model.embed_tokens(ids)  # (T, hidden)
         cos, sin = m.rotary(positions, hidden.dtype)
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        scale = cfg.head_dim ** -0.5
         for index, layer in enumerate(m.model.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(hidden)
@@ -179,16 +213,15 @@ class DecodeForward:
                 q, k, v = F.linear(x, w.qkv, w.qkv_bias).split([q_dim, kv_dim, kv_dim], dim=-1)
             else:
                 q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
-            q = q.reshape(bucket, cfg.num_heads, cfg.head_dim)  # (b, Hq, D)
-            k = k.reshape(bucket, cfg.num_kv_heads, cfg.head_dim)  # (b, Hkv, D)
-            v = v.reshape(bucket, cfg.num_kv_heads, cfg.head_dim).contiguous()
+            q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)  # (T, Hq, D)
+            k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)  # (T, Hkv, D)
+            v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim).contiguous()
             if cfg.qk_norm:
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             self.attention.write_kv(k.contiguous(), v, kv.k[index], kv.v[index], slot_ids)
-            o = self.attention.decode(q.contiguous(), kv.k[index], kv.v[index], meta, scale,
-                                      sliding_window=cfg.sliding_window)
-            hidden = hidden + attn.o_proj(o.reshape(bucket, q_dim))
+            o = attend(q.contiguous(), index)
+            hidden = hidden + attn.o_proj(o.reshape(num_tokens, q_dim))
             x = layer.post_attention_layernorm(hidden)
             if self.weights is not None:
                 gate, up = F.linear(x, self.weights[index].gate_up).chunk(2, dim=-1)

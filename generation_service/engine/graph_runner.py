@@ -3,8 +3,11 @@
 Decode-only batches (every row samples one new token, no drafts, no logprobs, bucket fits)
 run as one replay of a captured decode graph (`GpuDecodeRunner`): sampling happens inside
 the graph, and for a grammar step so do the channel's inputs_seq, the wait for mask_seq,
-the mask apply and the outputs + outputs_seq. Every other batch (prefill chunks, speculative
-verify rows, logprobs) takes the eager path of `ModelRunner` with the CPU sampler and the
+the mask apply and the outputs + outputs_seq. With `verify_width` (EngineConfig.verify_graphs)
+batches whose rows carry speculative drafts replay a captured verify step instead
+(`VerifyGraphs`, verify_graphs.py: rows x 1 + max drafts tokens, verify on the device, the
+channel inside the graph alike). Every other batch (prefill chunks, logprobs, filtered or
+too wide verify rows) takes the eager path of `ModelRunner` with the CPU sampler and the
 host side of the step channel, so the engine mixes both step kinds on one channel.
 
 Per graph step the host (`launch`): writes rows [0, B) of the persistent buffers (the
@@ -33,6 +36,7 @@ from generation_service.engine.kv_cache import KVCache
 from generation_service.engine.runner import ModelRunner
 from generation_service.engine.sampler import SampleResult
 from generation_service.engine.scheduler import ScheduledBatch, ScheduledRow
+from generation_service.engine.verify_graphs import VerifyGraphs
 from step_channel.layout import seq_reached
 
 log = logging.getLogger(__name__)
@@ -46,6 +50,7 @@ class Launch:
     num_rows: int
     host_tokens: torch.Tensor | None = None  # free step: pinned copy of its tokens...
     ready: torch.cuda.Event | None = None    # ...complete once this event is
+    verify: bool = False          # a verify step: rows of accepted drafts + one token
 
 
 def uses_filters(row: ScheduledRow) -> bool:
@@ -63,8 +68,11 @@ class CudaGraphRunner(ModelRunner):
     step number whenever a grammar step is replayed; rows [0, B) of the persistent buffers
     are rewritten from the scheduler before every replay."""
 
+    verify: VerifyGraphs | None = None  # verify steps as graphs (verify_width >= 2), else eager
+    num_verify_steps = 0
+
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, vocab_size: int, *,
-                 max_batch: int, filters: bool = True) -> None:
+                 max_batch: int, filters: bool = True, verify_width: int = 0) -> None:
         super().__init__(model, kv_cache, vocab_size)
         self.filters = filters
         self.gpu = GpuDecodeRunner(model, kv_cache, max_batch=max_batch, buckets=graph_buckets(max_batch),
@@ -81,6 +89,15 @@ class CudaGraphRunner(ModelRunner):
         self.num_graph_steps = 0
         self.num_chained_steps = 0  # launched before the previous step was read (overlap)
         self.num_eager_steps = 0
+        if verify_width >= 2:
+            self.enable_verify(verify_width)
+
+    def enable_verify(self, width: int) -> None:
+        """Capture verify graphs of rows x `width` (= 1 + max draft tokens) token slots. Before
+        the first grammar step (later regions get them captured with the decode graphs)."""
+        self.verify = VerifyGraphs(self.gpu, width, self.vocab_size)
+        self.verify.attach_channel(self._mapped)
+        self.num_verify_steps = 0  # verify graph steps (also counted in num_graph_steps)
 
     def _variants(self, base) -> tuple:
         return tuple(base) + (tuple(with_filters(v) for v in base) if self.filters else ())
@@ -92,13 +109,16 @@ class CudaGraphRunner(ModelRunner):
         return self.gpu.buffers.page_table.shape[1]
 
     def can_graph(self, batch: ScheduledBatch) -> bool:
-        """Decode-only rows that the captured step can run as they are."""
+        """Decode-only rows that the captured step can run as they are, or (verify graphs on)
+        rows with drafts that the captured verify step can run."""
         rows = batch.rows
         max_pages = self.max_pages_per_row
-        return 0 < len(rows) <= self.gpu.max_batch and all(
-            row.is_sampling and len(row.input_ids) == 1 and not row.drafts
-            and row.request.sampling.num_logprobs == 0 and len(row.request.pages) <= max_pages
-            and (self.filters or not uses_filters(row)) for row in rows)
+        if 0 < len(rows) <= self.gpu.max_batch and all(
+                row.is_sampling and len(row.input_ids) == 1 and not row.drafts
+                and row.request.sampling.num_logprobs == 0 and len(row.request.pages) <= max_pages
+                and (self.filters or not uses_filters(row)) for row in rows):
+            return True
+        return self.verify is not None and self.verify.can_run(rows)
 
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         self.num_eager_steps += 1
@@ -123,6 +143,12 @@ class CudaGraphRunner(ModelRunner):
         num_rows = len(rows)
         if step is not None:  # NOTE: before loading: a (re)capture scrubs every row of the buffers
             self._ensure_channel(link, step)
+        if not chained and any(row.drafts for row in rows):  # can_graph: a verify batch
+            self.verify.load(rows)
+            self.verify.step(num_rows, constrained=step is not None)
+            self.num_graph_steps += 1
+            self.num_verify_steps += 1
+            return Launch(step, num_rows, verify=True)
         if chained:
             self._load_new_pages(rows)
             self.num_chained_steps += 1
@@ -143,6 +169,8 @@ class CudaGraphRunner(ModelRunner):
         """(samples, StepMasks | None) of a launched step, without a device-wide sync: the
         outputs area after outputs_seq (grammar steps) or this step's copy event (free)."""
         num_rows = launched.num_rows
+        if launched.verify:
+            return self._collect_verify(launched, link)
         if launched.step is not None:
             masks, tokens = link.wait_gpu(launched.step, num_rows)
         else:
@@ -150,6 +178,22 @@ class CudaGraphRunner(ModelRunner):
             launched.ready.synchronize()  # this step's copy only, not the whole device
             tokens = launched.host_tokens[:num_rows].tolist()
         return [SampleResult([int(t)]) for t in tokens], masks
+
+    def _collect_verify(self, launched: Launch, link):
+        """A verify step's rows: the accepted drafts and the token after them."""
+        num_rows = launched.num_rows
+        if launched.step is None:
+            return [SampleResult(tokens) for tokens in self.verify.free_results(num_rows)], None
+        masks, first = link.wait_gpu(launched.step, num_rows)
+        if masks is None:
+            # NOTE: the watchdog released the step and the link unmapped the region: only the
+            # first position's token is known (sampled under all-ones masks; free rows keep
+            # it, constrained ones fail), the drafts count as rejected.
+            return [SampleResult([int(t)]) for t in first], None
+        entry = link.channel.entry(launched.step)  # outputs_seq = step seen: complete
+        counts = entry.out_counts[:num_rows].tolist()
+        tokens = entry.out_tokens[:num_rows].tolist()
+        return [SampleResult(row[:count]) for row, count in zip(tokens, counts)], masks
 
     def _load(self, rows: list[ScheduledRow]) -> None:
         width = max(len(row.request.pages) for row in rows)
@@ -197,6 +241,8 @@ class CudaGraphRunner(ModelRunner):
             self.channel = channel
             link.before_close = self.release_channel
             self.gpu.attach_channel(self._mapped, self._variants(SERVING_VARIANTS), step)
+            if self.verify is not None:
+                self.verify.attach_channel(self._mapped)
             log.info("decode graphs captured over step channel %s in %.2f s", channel.name,
                      self.gpu.graphs.capture_s)
         elif self.gpu.next_channel_step != step:  # host-side grammar steps ran in between
@@ -210,8 +256,12 @@ class CudaGraphRunner(ModelRunner):
             return
         if recapture:
             self.gpu.attach_channel(None, self._variants((FREE,)), self.gpu.next_channel_step)
+            if self.verify is not None:
+                self.verify.attach_channel(None)
         else:
             self.gpu.close()  # synchronizes before it resets the graphs
+            if self.verify is not None:
+                self.verify.close()
         self._mapped.close()
         self._mapped, self.channel = None, None
 
@@ -220,3 +270,5 @@ class CudaGraphRunner(ModelRunner):
         if self.channel is not None:
             self.release_channel(self.channel, recapture=False)
         self.gpu.close()
+        if self.verify is not None:
+            self.verify.close()

@@ -106,7 +106,7 @@ def graph_engine(monkeypatch, grammar_address, **config):
     from generation_service.engine import graph_runner, runner
     from generation_service.engine.graph_runner import CudaGraphRunner
 
-    def fake_init(self, model, kv_cache, vocab_size, *, max_batch, filters=True):
+    def fake_init(self, model, kv_cache, vocab_size, *, max_batch, filters=True, verify_width=0):  # no verify graphs
         runner.ModelRunner.__init__(self, model, kv_cache, vocab_size)
         self.filters, self.gpu, self.channel, self._mapped = filters, FakeGpu(model, kv_cache, max_batch), None, None
         self._host_tokens = [torch.zeros(max_batch, dtype=torch.int64) for _ in range(2)]

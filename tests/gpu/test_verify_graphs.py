@@ -1,0 +1,128 @@
+"""Speculative verify steps as CUDA graphs (EngineConfig.verify_graphs, engine/verify_graphs.py):
+greedy tokens equal the eager verify path (up to bf16 near ties) with drafts accepted, sampled
+verify rows run, constrained JSON with drafts valid through grammar_service in its own process
+(masks, valid_positions and the outputs area inside the graph), nothing left behind."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gpu_helpers import TOKENIZER_DIR
+from generation_service.engine.events import FinishReason
+from generation_service.engine.params import GenerationRequest, GrammarSpec, SamplingParams, SpeculativeParams
+from test_engine_graphs import (  # noqa: F401  (model_spec, grammar_service: fixtures)
+    PROMPTS, SCHEMA, engine_config, grammar_service, greedy, model_spec, same_or_near_tie, teacher_forced_logits,
+)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not (TOKENIZER_DIR / "tokenizer.json").is_file(),
+                                                  reason="no Tekken tokenizer")]
+# Prompts whose n-grams recur: the n-gram proposer drafts from the first decode step on.
+REPEATING = ["1 2 3 4 1 2 3 4 1 2 3", "a b c d e f g a b c d e f g a b",
+             "The quick brown fox. The quick brown fox. The quick", "x = 1\nx = 1\nx = 1\nx ="]
+JSON_PROMPT = "{\"name\": \"ab\", \"ok\": true, \"name\": \"ab\", \"ok\": true"
+NEW_TOKENS = 40
+DRAFTS = SpeculativeParams(num_draft_tokens=4)
+
+
+def drafting(i, prompt, **sampling):
+    sampling.setdefault("max_new_tokens", NEW_TOKENS)
+    sampling.setdefault("ignore_eos", True)
+    return lambda engine: GenerationRequest(f"s{i}", tuple(engine.tokenizer.encode(prompt)),
+                                            SamplingParams(**sampling), speculative=DRAFTS)
+
+
+@pytest.fixture(scope="module")
+def tied_model_spec(model_spec) -> str:
+    """The same 2-layer random Llama with tied embeddings: greedy repeats its input token, so
+    the n-gram drafts of the repetition are accepted."""
+    import pathlib
+    path = pathlib.Path(model_spec.removeprefix("random:"))
+    tied = path.with_name("config-tied.json")
+    tied.write_text(json.dumps({**json.loads(path.read_text()), "tie_word_embeddings": True}))
+    return f"random:{tied}"
+
+
+def run_engine(config, requests, grammar=None):
+    """(engine, results, settled stats); the engine is stopped on return."""
+    from generation_service.engine.engine import Engine
+    from tests.integration.test_engine_support import run_all, wait_settled
+    engine = Engine(config, grammar)
+    if config.verify_graphs and engine.runner.verify is None:  # an engine.py that does not pass verify_width
+        engine.runner.enable_verify(1 + config.max_draft_tokens)
+    engine.start()
+    try:
+        results = run_all(engine, [make(engine) for make in requests])
+        return engine, results, wait_settled(engine)
+    finally:
+        engine.stop()
+
+
+def check_greedy_rows(engine, prompts, eager, graph) -> int:
+    """Every graph token is the argmax of an eager prefill up to bf16 noise, and the graph rows
+    equal the eager verify rows up to a bf16 near tie. Returns the number identical."""
+    num_identical = 0
+    for prompt, e, g in zip(prompts, eager, graph):
+        prompt_ids = list(engine.tokenizer.encode(prompt))
+        logits = teacher_forced_logits(engine, prompt_ids + g.token_ids)
+        for j, token in enumerate(g.token_ids):
+            row = logits[len(prompt_ids) + j - 1]
+            gap = (row.max() - row[token]).item()
+            assert gap <= 0.1 * row.std().item() + 1e-3, (prompt, j, gap, row.std().item())
+        num_identical += same_or_near_tie(logits, len(prompt_ids), e.token_ids, g.token_ids, prompt)
+    return num_identical
+
+
+def check_settled(stats) -> None:
+    assert (stats.num_kv_pages_used, stats.num_slots_used, stats.num_grammar_matchers) == (0, 0, 0), stats
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_verify_graphs_give_the_eager_verify_tokens(model_spec, tied_model_spec, tied):
+    spec = tied_model_spec if tied else model_spec
+    requests = [drafting(i, p) for i, p in enumerate(REPEATING)]
+    requests += [greedy(10, PROMPTS[2])]  # a row without speculation in the same steps
+    requests += [drafting(11, REPEATING[0], temperature=0.8, seed=3)]  # sampled verify rows
+    eager_engine, eager, eager_stats = run_engine(engine_config(spec, "cuda_graph"), requests)
+    engine, graph, stats = run_engine(engine_config(spec, "cuda_graph", verify_graphs=True), requests)
+    runner = engine.runner
+    assert eager_engine.runner.num_verify_steps == 0 and eager_engine.runner.num_eager_steps > 0
+    for r in eager + graph:
+        assert r.error is None and r.finish_reason is FinishReason.MAX_TOKENS and len(r.token_ids) == NEW_TOKENS
+    num_identical = check_greedy_rows(engine, REPEATING + [PROMPTS[2]], eager[:-1], graph[:-1])
+    print(f"{'tied' if tied else 'untied'}: verify graphs == eager verify on {num_identical}/{len(REPEATING) + 1}"
+          f" rows; verify graph steps {runner.num_verify_steps} of {runner.num_graph_steps} graph steps,"
+          f" eager steps {runner.num_eager_steps} (eager verify engine: {eager_engine.runner.num_eager_steps});"
+          f" drafts accepted {stats.draft_accepted}/{stats.draft_proposed}"
+          f" (eager verify: {eager_stats.draft_accepted}/{eager_stats.draft_proposed})")
+    assert runner.num_verify_steps > 0 and runner.verify.num_steps == runner.num_verify_steps
+    assert stats.draft_proposed > 0
+    if tied:  # the repetition is drafted and accepted
+        assert stats.draft_accepted > 0 and eager_stats.draft_accepted > 0
+    check_settled(stats)
+    check_settled(eager_stats)
+
+
+def test_constrained_json_with_drafts_in_verify_graphs(model_spec, grammar_service):
+    import jsonschema
+    from grammar_service.client import GrammarControlClient
+    grammar = GrammarSpec("json_schema", json.dumps(SCHEMA), any_whitespace=False)
+    requests = [lambda engine, i=i: GenerationRequest(
+        f"json{i}", tuple(engine.tokenizer.encode(JSON_PROMPT + " " * i)), SamplingParams(max_new_tokens=120),
+        grammar=grammar, speculative=DRAFTS) for i in range(3)]
+    # a free drafting row long enough to share grammar steps with the constrained rows
+    requests += [drafting(20, REPEATING[0], max_new_tokens=200)]
+    engine, results, stats = run_engine(engine_config(model_spec, "cuda_graph", verify_graphs=True), requests,
+                                        GrammarControlClient(grammar_service.address))
+    for r in results[:3]:
+        assert r.error is None, r.error
+        assert r.finish_reason is FinishReason.GRAMMAR_COMPLETE, r.text
+        jsonschema.validate(json.loads(r.text), SCHEMA)
+        print("json:", r.text, f"drafts {r.usage.draft_tokens_accepted}/{r.usage.draft_tokens_proposed}")
+    assert results[3].error is None and results[3].finish_reason is FinishReason.MAX_TOKENS
+    verify = engine.runner.verify
+    print(f"verify graph steps {verify.num_steps} ({verify.num_channel_steps} grammar steps), grammar steps"
+          f" {stats.grammar_steps}, drafts accepted {stats.draft_accepted}/{stats.draft_proposed}")
+    assert verify.num_channel_steps > 0  # masks, valid_positions and outputs inside the verify graph
+    assert sum(r.usage.draft_tokens_proposed for r in results[:3]) > 0
+    check_settled(stats)
