@@ -81,7 +81,7 @@ def check_settled(stats) -> None:
 def test_verify_graphs_give_the_eager_verify_tokens(model_spec, tied_model_spec, tied):
     spec = tied_model_spec if tied else model_spec
     requests = [drafting(i, p) for i, p in enumerate(REPEATING)]
-    requests += [greedy(10, PROMPTS[2])]  # a row without speculation in the same steps
+    requests += [greedy(10, PROMPTS[2], max_new_tokens=NEW_TOKENS)]  # a row without speculation, same steps
     requests += [drafting(11, REPEATING[0], temperature=0.8, seed=3)]  # sampled verify rows
     eager_engine, eager, eager_stats = run_engine(engine_config(spec, "cuda_graph"), requests)
     engine, graph, stats = run_engine(engine_config(spec, "cuda_graph", verify_graphs=True), requests)
@@ -108,7 +108,7 @@ def test_constrained_json_with_drafts_in_verify_graphs(model_spec, grammar_servi
     from grammar_service.client import GrammarControlClient
     grammar = GrammarSpec("json_schema", json.dumps(SCHEMA), any_whitespace=False)
     requests = [lambda engine, i=i: GenerationRequest(
-        f"json{i}", tuple(engine.tokenizer.encode(JSON_PROMPT + " " * i)), SamplingParams(max_new_tokens=120),
+        f"json{i}", tuple(engine.tokenizer.encode(JSON_PROMPT + " " * i)), SamplingParams(max_new_tokens=200),
         grammar=grammar, speculative=DRAFTS) for i in range(3)]
     # a free drafting row long enough to share grammar steps with the constrained rows
     requests += [drafting(20, REPEATING[0], max_new_tokens=200)]
