@@ -94,7 +94,8 @@ class Engine:
             max_waiting=config.max_waiting, prefill_chunk_tokens=config.prefill_chunk_tokens,
             propose_drafts=lambda r, k: self.proposers[r.spec.speculative.proposer].propose(r, k))
         self.runner = make_runner(self.runner_name, loaded.model, kv_cache, mc.vocab_size,
-                                  max_batch=config.max_batch)
+                                  max_batch=config.max_batch,
+                                  verify_width=1 + config.max_draft_tokens if config.verify_graphs else 0)
         self.sampler = Sampler(config.mask_backend)
         eos = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids if self.tokenizer else ())
         self.eos_token_ids = tuple(sorted(eos))
