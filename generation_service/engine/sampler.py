@@ -61,8 +61,10 @@ class SampleRow:
     def can_sample_on_device(self) -> bool:
         """One position with a known token position: mask_sample draws what a graph step
         would. Draft-verify rows stay on the CPU: their rule (`accept_rejection`, noise from
-        mix_seed generators) is not mask_sample's, and no graph runs them, so the CPU rule
-        is what every verify step of a request uses."""
+        mix_seed generators) is not mask_sample's. Without `EngineConfig.verify_graphs` no
+        graph runs them, so the CPU rule is what every verify step of a request uses; with
+        it, graphed verify steps draw per position with mask_sample and accept a draft iff
+        the draw equals it (docs/gpu.md)."""
         return not self.drafts and self.position is not None
 
     @property
