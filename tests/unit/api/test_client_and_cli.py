@@ -46,8 +46,8 @@ def test_serve_flag_beats_environment_beats_default():
 
 def test_runner_and_overlap_reach_the_engine_config():
     from generation_service.engine.config import EngineConfig
-    engine = resolve(_args(runner="eager"), {"STRUCTGEN_OVERLAP": "off"}, "engine")
-    assert engine == {"runner": "eager", "overlap": False}
+    engine = resolve(_args(runner="eager"), {"STRUCTGEN_OVERLAP": "off", "STRUCTGEN_VERIFY_GRAPHS": "yes"}, "engine")
+    assert engine == {"runner": "eager", "overlap": False, "verify_graphs": True}
     assert EngineConfig(**engine).overlap is False
     with pytest.raises(argparse.ArgumentTypeError, match="true or false"):
         resolve(_args(), {"STRUCTGEN_OVERLAP": "sometimes"}, "engine")
