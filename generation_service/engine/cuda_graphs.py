@@ -216,3 +216,15 @@ class DecodeGraphs:
             graph.reset()
         self.graphs.clear()
         self.pool = None
+
+
+def capture_graphs(owner, buckets: tuple[int, ...], variants: tuple[GraphVariant, ...]) -> DecodeGraphs:
+    """`owner.body` captured over buckets x variants after `owner.warmup`, with
+    `owner._capturing` set meanwhile (the body issues channel memops only when capturing)."""
+    graphs = DecodeGraphs(owner.body, buckets, variants, owner.device)
+    owner._capturing = True
+    try:
+        graphs.capture(owner.warmup)
+    finally:
+        owner._capturing = False
+    return graphs

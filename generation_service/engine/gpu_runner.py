@@ -47,7 +47,7 @@ import logging
 import torch
 
 from generation_service.engine.cuda_graphs import (
-    DEFAULT_BUCKETS, FREE, SERVING_VARIANTS, DecodeBuffers, DecodeGraphs, GraphVariant, bucket_for,
+    DEFAULT_BUCKETS, FREE, SERVING_VARIANTS, DecodeBuffers, DecodeGraphs, GraphVariant, bucket_for, capture_graphs,
     with_filters, with_serial,
 )
 from generation_service.engine.decode_forward import DecodeForward
@@ -252,12 +252,7 @@ class GpuDecodeRunner:
     @torch.no_grad()
     def capture(self) -> float:
         """Capture every bucket x variant; returns seconds spent."""
-        self.graphs = DecodeGraphs(self.body, self.buckets, self.variants, self.device)
-        self._capturing = True
-        try:
-            self.graphs.capture(self.warmup)
-        finally:
-            self._capturing = False
+        self.graphs = capture_graphs(self, self.buckets, self.variants)
         return self.graphs.capture_s
 
     def step(self, batch_size: int, constrained: bool = False, wait: bool = True,

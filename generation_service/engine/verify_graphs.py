@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from generation_service.engine.cuda_graphs import (
-    FREE, WAIT_EVEN, WAIT_ODD, DecodeGraphs, GraphVariant, bucket_for,
+    FREE, WAIT_EVEN, WAIT_ODD, DecodeGraphs, GraphVariant, bucket_for, capture_graphs,
 )
 from generation_service.engine.decode_forward import DecodeMeta
 from generation_service.engine.kv_cache import DUMMY_PAGE
@@ -274,12 +274,7 @@ class VerifyGraphs:
 
     @torch.no_grad()
     def capture(self) -> None:
-        self.graphs = DecodeGraphs(self.body, self.buckets, self.variants, self.device)
-        self._capturing = True
-        try:
-            self.graphs.capture(self.warmup)
-        finally:
-            self._capturing = False
+        self.graphs = capture_graphs(self, self.buckets, self.variants)
         log.info("verify graphs (width %d) captured in %.2f s", self.width, self.graphs.capture_s)
 
     def load(self, rows) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gpu_helpers import write_random_checkpoint
 from generation_service.engine.params import SamplingParams
 from generation_service.engine.sampler import Sampler, SampleRow
 
@@ -101,15 +102,7 @@ def test_rows_without_a_position_take_the_cpu_path():
 @pytest.fixture(scope="module")
 def model_spec(tmp_path_factory) -> str:
     """A 2-layer random Llama (bf16, untied), no tokenizer: prompts are token ids."""
-    import json
-    folder = tmp_path_factory.mktemp("model")
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": VOCAB,
-              "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "hidden_act": "silu",
-              "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-              "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "dtype": "bfloat16"}
-    (folder / "config.json").write_text(json.dumps(config))
-    return f"random:{folder / 'config.json'}"
+    return write_random_checkpoint(tmp_path_factory.mktemp("model"), with_tokenizer=False)
 
 
 def run_seeded(model_spec: str, num_logprobs: int) -> tuple[list[list[int]], object]:

@@ -8,12 +8,12 @@ import json
 
 import pytest
 
-from gpu_helpers import TOKENIZER_DIR
+from gpu_helpers import (
+    PROMPTS, SCHEMA, TOKENIZER_DIR, check_greedy_rows, check_settled, engine_config, greedy, run_engine,
+    write_random_checkpoint,
+)
 from generation_service.engine.events import FinishReason
 from generation_service.engine.params import GenerationRequest, GrammarSpec, SamplingParams, SpeculativeParams
-from test_engine_graphs import (  # noqa: F401  (model_spec, grammar_service: fixtures)
-    PROMPTS, SCHEMA, engine_config, grammar_service, greedy, model_spec, same_or_near_tie, teacher_forced_logits,
-)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not (TOKENIZER_DIR / "tokenizer.json").is_file(),
                                                   reason="no Tekken tokenizer")]
@@ -33,48 +33,10 @@ def drafting(i, prompt, **sampling):
 
 
 @pytest.fixture(scope="module")
-def tied_model_spec(model_spec) -> str:
+def tied_model_spec(tmp_path_factory) -> str:
     """The same 2-layer random Llama with tied embeddings: greedy repeats its input token, so
     the n-gram drafts of the repetition are accepted."""
-    import pathlib
-    path = pathlib.Path(model_spec.removeprefix("random:"))
-    tied = path.with_name("config-tied.json")
-    tied.write_text(json.dumps({**json.loads(path.read_text()), "tie_word_embeddings": True}))
-    return f"random:{tied}"
-
-
-def run_engine(config, requests, grammar=None):
-    """(engine, results, settled stats); the engine is stopped on return."""
-    from generation_service.engine.engine import Engine
-    from tests.integration.test_engine_support import run_all, wait_settled
-    engine = Engine(config, grammar)
-    if config.verify_graphs and engine.runner.verify is None:  # an engine.py that does not pass verify_width
-        engine.runner.enable_verify(1 + config.max_draft_tokens)
-    engine.start()
-    try:
-        results = run_all(engine, [make(engine) for make in requests])
-        return engine, results, wait_settled(engine)
-    finally:
-        engine.stop()
-
-
-def check_greedy_rows(engine, prompts, eager, graph) -> int:
-    """Every graph token is the argmax of an eager prefill up to bf16 noise, and the graph rows
-    equal the eager verify rows up to a bf16 near tie. Returns the number identical."""
-    num_identical = 0
-    for prompt, e, g in zip(prompts, eager, graph):
-        prompt_ids = list(engine.tokenizer.encode(prompt))
-        logits = teacher_forced_logits(engine, prompt_ids + g.token_ids)
-        for j, token in enumerate(g.token_ids):
-            row = logits[len(prompt_ids) + j - 1]
-            gap = (row.max() - row[token]).item()
-            assert gap <= 0.1 * row.std().item() + 1e-3, (prompt, j, gap, row.std().item())
-        num_identical += same_or_near_tie(logits, len(prompt_ids), e.token_ids, g.token_ids, prompt)
-    return num_identical
-
-
-def check_settled(stats) -> None:
-    assert (stats.num_kv_pages_used, stats.num_slots_used, stats.num_grammar_matchers) == (0, 0, 0), stats
+    return write_random_checkpoint(tmp_path_factory.mktemp("tied"), tied=True)
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
