@@ -53,11 +53,6 @@ class Launch:
     verify: bool = False          # a verify step: rows of accepted drafts + one token
 
 
-def uses_filters(row: ScheduledRow) -> bool:
-    sampling = row.request.sampling
-    return sampling.temperature > 0 and (sampling.top_k > 0 or sampling.top_p < 1.0)
-
-
 def graph_buckets(max_batch: int) -> tuple[int, ...]:
     return tuple(b for b in DEFAULT_BUCKETS if b < max_batch) + (max_batch,)
 
@@ -116,7 +111,7 @@ class CudaGraphRunner(ModelRunner):
         if 0 < len(rows) <= self.gpu.max_batch and all(
                 row.is_sampling and len(row.input_ids) == 1 and not row.drafts
                 and row.request.sampling.num_logprobs == 0 and len(row.request.pages) <= max_pages
-                and (self.filters or not uses_filters(row)) for row in rows):
+                and (self.filters or not row.request.sampling.uses_filters) for row in rows):
             return True
         return self.verify is not None and self.verify.can_run(rows)
 
@@ -155,7 +150,7 @@ class CudaGraphRunner(ModelRunner):
         else:
             self._load(rows)
         self.gpu.step(num_rows, constrained=step is not None,
-                      filters=self.filters and any(uses_filters(row) for row in rows))
+                      filters=self.filters and any(row.request.sampling.uses_filters for row in rows))
         self.num_graph_steps += 1
         launched = Launch(step, num_rows)
         if step is None:  # free step: tokens through a pinned copy behind an event

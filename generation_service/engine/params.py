@@ -42,6 +42,11 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def uses_filters(self) -> bool:
+        """top-k or top-p act (they never do when greedy)."""
+        return not self.is_greedy and (self.top_k > 0 or self.top_p < 1.0)
+
 
 @dataclass(frozen=True)
 class GrammarSpec:

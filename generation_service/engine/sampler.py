@@ -69,7 +69,7 @@ class SampleRow:
 
     @property
     def uses_filters(self) -> bool:
-        return not self.params.is_greedy and (self.params.top_k > 0 or self.params.top_p < 1.0)
+        return self.params.uses_filters
 
 
 @dataclass

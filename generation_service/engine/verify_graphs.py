@@ -173,9 +173,7 @@ class VerifyGraphs:
         return 0 < len(rows) <= self.max_rows and all(
             row.is_sampling and len(row.input_ids) == 1 + len(row.drafts) <= self.width
             and row.request.sampling.num_logprobs == 0 and len(row.request.pages) <= max_pages
-            and (row.request.sampling.temperature == 0
-                 or (row.request.sampling.top_k == 0 and row.request.sampling.top_p >= 1.0))
-            for row in rows)
+            and not row.request.sampling.uses_filters for row in rows)
 
     # ---- the channel ---------------------------------------------------------------------
     def attach_channel(self, mapped) -> None:
