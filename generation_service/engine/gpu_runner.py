@@ -56,6 +56,32 @@ from generation_service.engine.kv_cache import KVCache
 log = logging.getLogger(__name__)
 
 
+def publish_step_seq(mapped, fence: torch.Tensor, step_counter: torch.Tensor, which: str) -> None:
+    """Captured: inputs_seq / outputs_seq = the device step counter N.
+
+    NOTE: the memop write fences (like __threadfence_system) so the outputs written above
+    are visible before the sequence number the next kernel stores. A kernel, not copy_,
+    which may become a D2D memcpy node aimed at host memory."""
+    from step_channel.cuda import driver
+    driver().write_value32(torch.cuda.current_stream().cuda_stream, fence.data_ptr(), 0)
+    torch.add(step_counter, 0, out=mapped.seq_view(which))
+
+
+def wait_mask_parity(mapped, parity: int) -> None:
+    """Captured: block the current stream until mask_seq has the parity of N (module docstring)."""
+    from step_channel.cuda import WAIT_AND, WAIT_NOR
+    if parity == 1:
+        mapped.wait_value32(None, "mask_seq", 1, WAIT_AND)
+    else:
+        mapped.wait_value32(None, "mask_seq", 0xFFFFFFFE, WAIT_NOR)
+
+
+def advance_channel_step(buffers, depth: int) -> None:
+    """On the device, after outputs_seq = N: N += 1 and the ring slot of N + 1."""
+    buffers.step.add_(1)
+    torch.remainder(buffers.step, depth, out=buffers.ring_slot)  # int32 -> int64 in one kernel
+
+
 def apply_bitmask_torch(logits: torch.Tensor, masks: torch.Tensor) -> None:
     """logits (R, V) in place: -inf where the token's bit (word t//32, bit t%32) is clear."""
     num_rows, vocab = logits.shape
@@ -148,27 +174,20 @@ class GpuDecodeRunner:
 
     # ---- the step body -----------------------------------------------------------------
     def _publish(self, which: str) -> None:
-        from step_channel.cuda import driver
         if self._capturing:
-            # NOTE: the memop write fences (like __threadfence_system) so the outputs written
-            # above are visible before the sequence number the next kernel stores. A kernel,
-            # not copy_, which may become a D2D memcpy node aimed at host memory.
-            driver().write_value32(torch.cuda.current_stream().cuda_stream, self._fence.data_ptr(), 0)
-            torch.add(self.buffers.step, 0, out=self.mapped.seq_view(which))
+            publish_step_seq(self.mapped, self._fence, self.buffers.step, which)
         else:
             self.mapped.write_value32(None, which, self._eager_step)
 
     def _wait_masks(self, variant: GraphVariant) -> None:
         """Block the current stream until step N's masks are published."""
-        from step_channel.cuda import WAIT_AND, WAIT_GEQ, WAIT_NOR
+        from step_channel.cuda import WAIT_GEQ
         if variant.parity is None:  # PREPUBLISHED (benchmarks): (int32)(mask_seq - 0) >= 0 always holds
             self.mapped.wait_value32(None, "mask_seq", 0, WAIT_GEQ)
         elif not self._capturing:
             self.mapped.wait_value32(None, "mask_seq", self._eager_step, WAIT_GEQ)
-        elif variant.parity == 1:
-            self.mapped.wait_value32(None, "mask_seq", 1, WAIT_AND)
         else:
-            self.mapped.wait_value32(None, "mask_seq", 0xFFFFFFFE, WAIT_NOR)
+            wait_mask_parity(self.mapped, variant.parity)
 
     def _read_masks(self, bucket: int, variant: GraphVariant) -> torch.Tensor:
         """On the current stream: wait for step N's masks (channel steps), then gather rows
@@ -224,8 +243,7 @@ class GpuDecodeRunner:
             self._out_counts[:, :bucket].index_put_((buf.ring_slot,), self._ones[:, :bucket])
         if variant.waits:
             self._publish("outputs_seq")
-            buf.step.add_(1)
-            torch.remainder(buf.step, self.depth, out=buf.ring_slot)  # int32 -> int64 in one kernel
+            advance_channel_step(buf, self.depth)
         # Feed the sampled tokens back; the host overwrites rows it changes before the next step.
         live = buf.seq_lens[:bucket] > 0
         buf.input_ids[:bucket].copy_(tokens)

@@ -45,6 +45,7 @@ from generation_service.engine.cuda_graphs import (
     FREE, WAIT_EVEN, WAIT_ODD, DecodeGraphs, GraphVariant, bucket_for, capture_graphs,
 )
 from generation_service.engine.decode_forward import DecodeMeta
+from generation_service.engine.gpu_runner import advance_channel_step, publish_step_seq, wait_mask_parity
 from generation_service.engine.kv_cache import DUMMY_PAGE
 
 log = logging.getLogger(__name__)
@@ -197,20 +198,9 @@ class VerifyGraphs:
 
     # ---- the step body -------------------------------------------------------------------
     def _publish(self, which: str) -> None:
-        from step_channel.cuda import driver
+        """inputs_seq / outputs_seq = N from the device counter shared with the decode graphs."""
         assert self._capturing, "channel variants run only as graphs"
-        # NOTE: as GpuDecodeRunner._publish: the memop write fences the outputs before the
-        # kernel store of the sequence number (N from the shared device counter).
-        driver().write_value32(torch.cuda.current_stream().cuda_stream, self._fence.data_ptr(), 0)
-        torch.add(self.gpu.buffers.step, 0, out=self.mapped.seq_view(which))
-
-    def _wait_masks(self, variant: GraphVariant) -> None:
-        from step_channel.cuda import WAIT_AND, WAIT_NOR
-        assert self._capturing and variant.parity is not None
-        if variant.parity == 1:  # parity wait: see gpu_runner.py
-            self.mapped.wait_value32(None, "mask_seq", 1, WAIT_AND)
-        else:
-            self.mapped.wait_value32(None, "mask_seq", 0xFFFFFFFE, WAIT_NOR)
+        publish_step_seq(self.mapped, self._fence, self.gpu.buffers.step, which)
 
     def _attend(self, bucket: int):
         cfg, kv, prep = self.gpu.config, self.gpu.kv, self.prepared
@@ -239,7 +229,8 @@ class VerifyGraphs:
         masks = valid = None
         if variant.uses_channel:
             if variant.waits:
-                self._wait_masks(variant)
+                assert self._capturing and variant.parity is not None, "channel variants run only as graphs"
+                wait_mask_parity(self.mapped, variant.parity)
             # (T, W) mask rows of entry N % D: one gather from mapped host memory
             masks = self._masks[step.ring_slot, buf.mask_rows[:num_tokens]]
             valid = self._valid[:, :bucket].index_select(0, step.ring_slot).view(bucket)
@@ -261,8 +252,7 @@ class VerifyGraphs:
             self._out_counts[:, :bucket].index_put_((step.ring_slot,), counts.int().view(1, bucket))
         if variant.waits:
             self._publish("outputs_seq")
-            step.step.add_(1)
-            torch.remainder(step.step, self.depth, out=step.ring_slot)
+            advance_channel_step(step, self.depth)
 
     # ---- driving -------------------------------------------------------------------------
     def warmup(self, bucket: int) -> None:
