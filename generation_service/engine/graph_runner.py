@@ -63,9 +63,6 @@ class CudaGraphRunner(ModelRunner):
     step number whenever a grammar step is replayed; rows [0, B) of the persistent buffers
     are rewritten from the scheduler before every replay."""
 
-    verify: VerifyGraphs | None = None  # verify steps as graphs (verify_width >= 2), else eager
-    num_verify_steps = 0
-
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, vocab_size: int, *,
                  max_batch: int, filters: bool = True, verify_width: int = 0) -> None:
         super().__init__(model, kv_cache, vocab_size)
@@ -84,14 +81,12 @@ class CudaGraphRunner(ModelRunner):
         self.num_graph_steps = 0
         self.num_chained_steps = 0  # launched before the previous step was read (overlap)
         self.num_eager_steps = 0
+        # Verify steps as graphs of rows x verify_width (= 1 + max drafts) token slots, free
+        # variant now; a channel's variants are captured with its decode graphs. Else eager.
+        self.verify: VerifyGraphs | None = None
         if verify_width >= 2:
-            self.enable_verify(verify_width)
-
-    def enable_verify(self, width: int) -> None:
-        """Capture verify graphs of rows x `width` (= 1 + max draft tokens) token slots. Before
-        the first grammar step (later regions get them captured with the decode graphs)."""
-        self.verify = VerifyGraphs(self.gpu, width, self.vocab_size)
-        self.verify.attach_channel(self._mapped)
+            self.verify = VerifyGraphs(self.gpu, verify_width, self.vocab_size)
+            self.verify.attach_channel(None)
         self.num_verify_steps = 0  # verify graph steps (also counted in num_graph_steps)
 
     def _variants(self, base) -> tuple:

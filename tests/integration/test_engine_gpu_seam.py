@@ -112,7 +112,8 @@ def graph_engine(monkeypatch, grammar_address, **config):
         self._host_tokens = [torch.zeros(max_batch, dtype=torch.int64) for _ in range(2)]
         self._copy_ready = [types.SimpleNamespace(record=lambda: None, synchronize=lambda: None)] * 2
         self._next_copy, self._num_loaded_pages = 0, []
-        self.num_graph_steps = self.num_chained_steps = self.num_eager_steps = 0
+        self.num_graph_steps = self.num_chained_steps = self.num_eager_steps = self.num_verify_steps = 0
+        self.verify = None
 
     class FakeMapped:
         def __init__(self, channel):
