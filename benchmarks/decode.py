@@ -298,8 +298,6 @@ def graph_ms(fn, reps: int = 30) -> float:
     return sorted(times[3:])[reps // 2]
 
 
-
-
 def engine_model_spec(preset: str, tokenizer_dir: str, folder: pathlib.Path) -> str:
     """random:<preset> with the decode table's vocab and the Tekken tokenizer beside it (a
     constrained request needs the tokenizer grammar_service compiles for); random:<preset>

@@ -37,7 +37,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 # the decode table's floor, computed the same way (benchmarks/, the script's folder)
-from decode import copy_bandwidth_gbs, weight_bytes_read  # noqa: E402
+from decode import copy_bandwidth_gbs, graph_ms, weight_bytes_read  # noqa: E402
 
 VOCAB = 131072
 PAGE_SIZE = 16
@@ -176,18 +176,9 @@ def isolated_projections(model, runner, bucket: int, reps: int = 20) -> dict[str
               "lm_head": lambda: F.linear(x, model.output_weight)}
     out = {}
     for name, chain in chains.items():
-        stream = torch.cuda.Stream()
-        with torch.cuda.stream(stream):
-            chain()
-        stream.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            chain()
-        times = sorted(event_times_ms(graph.replay, reps + 3)[3:])
-        per_graph_us = times[len(times) // 2] * 1e3
+        per_graph_us = graph_ms(chain, reps) * 1e3
         calls = 1 if name == "lm_head" else len(pairs)
         out[name] = [per_graph_us / calls] * calls
-        graph.reset()
     return out
 
 
