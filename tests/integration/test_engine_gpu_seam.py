@@ -133,6 +133,16 @@ def graph_engine(monkeypatch, grammar_address, **config):
     return make_engine(grammar_address, model=shared_model(), runner="cuda_graph", max_draft_tokens=0, **config)
 
 
+def run_graph_engine(monkeypatch, grammar_address, requests, **config):
+    """(engine, results, stats once settled) of one batch through graph_engine; stopped after."""
+    engine = graph_engine(monkeypatch, grammar_address, **config)
+    try:
+        results = run_all(engine, requests(engine))
+        return engine, results, wait_settled(engine)
+    finally:
+        engine.stop()
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
 def test_graph_steps_match_eager_and_grammar_steps_run_on_the_gpu_side(monkeypatch, overlap):
     import json
@@ -151,12 +161,7 @@ def test_graph_steps_match_eager_and_grammar_steps_run_on_the_gpu_side(monkeypat
         expected = run_all(eager, requests(eager))
     finally:
         eager.stop()
-    engine = graph_engine(monkeypatch, address, overlap=overlap)
-    try:
-        results = run_all(engine, requests(engine))
-        stats = wait_settled(engine)
-    finally:
-        engine.stop()
+    engine, results, stats = run_graph_engine(monkeypatch, address, requests, overlap=overlap)
     assert [r.token_ids for r in results] == [r.token_ids for r in expected]
     assert (engine.runner.num_chained_steps > 10) is overlap
     assert results[1].finish_reason is FinishReason.GRAMMAR_COMPLETE
@@ -183,8 +188,9 @@ def test_watchdog_releases_a_gpu_step_waiting_for_a_dead_grammar_service(monkeyp
 
 def test_overlap_ends_rows_exactly_where_serial_steps_do(monkeypatch):
     """Rows that end inside a chain of overlapped steps (token limit, stop token, grammar
-    complete, stop string, cancel) end exactly as without overlap: same tokens, text and
-    reasons; the token computed past a row's end is dropped; pages, slots, matchers return."""
+    complete, stop string; a cancel: the next test) end exactly as without overlap: same
+    tokens, text and reasons; the token computed past a row's end is dropped; pages, slots,
+    matchers return."""
     import json
 
     import jsonschema
@@ -213,12 +219,7 @@ def test_overlap_ends_rows_exactly_where_serial_steps_do(monkeypatch):
         serial = run_all(engine, requests(engine))
     finally:
         engine.stop()
-    engine = graph_engine(monkeypatch, address, overlap=True)
-    try:
-        overlapped = run_all(engine, requests(engine))
-        stats = wait_settled(engine)
-    finally:
-        engine.stop()
+    engine, overlapped, stats = run_graph_engine(monkeypatch, address, requests, overlap=True)
     assert engine.runner.num_chained_steps > 10
     for a, b in zip(serial, overlapped):
         assert (b.token_ids, b.text, b.finish_reason, b.usage) == (a.token_ids, a.text, a.finish_reason, a.usage)
