@@ -34,7 +34,7 @@ from generation_service.engine.cuda_graphs import DEFAULT_BUCKETS, FREE, SERVING
 from generation_service.engine.gpu_runner import GpuDecodeRunner
 from generation_service.engine.kv_cache import KVCache
 from generation_service.engine.runner import ModelRunner
-from generation_service.engine.sampler import SampleResult
+from generation_service.engine.sampler import SampleResult, device_seed
 from generation_service.engine.scheduler import ScheduledBatch, ScheduledRow
 from generation_service.engine.verify_graphs import VerifyGraphs
 from step_channel.layout import seq_reached
@@ -197,7 +197,7 @@ class CudaGraphRunner(ModelRunner):
         params = [row.request.sampling for row in rows]
         self.gpu.load_sampling(
             0, torch.tensor([p.temperature for p in params], dtype=torch.float32),
-            torch.tensor([row.request.sample_seed & ((1 << 63) - 1) for row in rows], dtype=torch.int64),
+            torch.tensor([device_seed(row.request.sample_seed) for row in rows], dtype=torch.int64),
             torch.tensor([p.top_k for p in params], dtype=torch.int32),
             torch.tensor([p.top_p for p in params], dtype=torch.float32))
 

@@ -67,10 +67,6 @@ class SampleRow:
         the draw equals it (docs/gpu.md)."""
         return not self.drafts and self.position is not None
 
-    @property
-    def uses_filters(self) -> bool:
-        return self.params.uses_filters
-
 
 @dataclass
 class SampleResult:
@@ -232,10 +228,16 @@ class Sampler:
         return accept_rejection(probs, row.drafts, uniforms, noises)
 
 
+def device_seed(sample_seed: int) -> int:
+    """The int64 seed of mask_sample's Philox (keyed by seed and token position): the low
+    63 bits of the request's seed, wherever a row is sampled on the GPU."""
+    return sample_seed & ((1 << 63) - 1)
+
+
 def sample_on_device(logits: torch.Tensor, rows: list[SampleRow],
                      bitmask: torch.Tensor | None) -> list[int]:
     """One token per row with `kernels.mask_sample`, as `GpuDecodeRunner._sample` draws it:
-    seed = sample_seed & (2**63 - 1), Philox step = the row's position, mask words with
+    seed = device_seed(sample_seed), Philox step = the row's position, mask words with
     mask_vocab_size = the logits' width; greedy at temperature 0; top-k/top-p kept only when
     some row uses them (the graphs' `+filters` variants; off, they change no draw).
     logits (R, V) on the device, one row per SampleRow; bitmask (R, W) int32 (read on
@@ -257,10 +259,10 @@ def sample_on_device(logits: torch.Tensor, rows: list[SampleRow],
     ids, _ = mask_sample(
         x, masks, tensor([p.temperature for p in params], torch.float32),
         tensor([p.top_k for p in params], torch.int32), tensor([p.top_p for p in params], torch.float32),
-        tensor([row.seed & ((1 << 63) - 1) for row in rows], torch.int64),
+        tensor([device_seed(row.seed) for row in rows], torch.int64),
         tensor([row.position for row in rows], torch.int64),
         mask_vocab_size=x.shape[1] if masks is not None else None,
-        enable_filters=any(row.uses_filters for row in rows))
+        enable_filters=any(row.params.uses_filters for row in rows))
     return ids.tolist()
 
 

@@ -47,6 +47,7 @@ from generation_service.engine.cuda_graphs import (
 from generation_service.engine.decode_forward import DecodeMeta
 from generation_service.engine.gpu_runner import advance_channel_step, publish_step_seq, wait_mask_parity
 from generation_service.engine.kv_cache import DUMMY_PAGE
+from generation_service.engine.sampler import device_seed
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +130,7 @@ def pack_rows(rows, width: int, max_rows: int, max_positions: int, vocab_size: i
         host.token_index[r] = start + torch.arange(width).clamp_(max=n - 1)
         host.drafts[r, 1:n] = torch.tensor(ids[1:], dtype=torch.int64)
         host.temperature[start:end] = row.request.sampling.temperature
-        host.seeds[start:end] = row.request.sample_seed & ((1 << 63) - 1)
+        host.seeds[start:end] = device_seed(row.request.sample_seed)
         host.page_table[r, :len(row.request.pages)] = torch.tensor(row.request.pages, dtype=torch.int32)
         start = end
     return host
