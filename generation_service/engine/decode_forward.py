@@ -101,10 +101,15 @@ class DecodeForward:
         self._extend_lens = torch.ones(buffers.max_batch, dtype=torch.int32, device=kv.device)
 
     def __call__(self, bucket: int) -> torch.Tensor:
-        """(bucket, vocab) logits of one token per row; graph safe (no host reads)."""
-        if self.fused_ops:
-            return self._fused(bucket)
-        return self._torch(bucket)
+        """(bucket, vocab) logits of one token per row; graph safe (no host reads). Fused:
+        ~10 launches per layer (norm, qkv, rope+kv write, attention (2), o_proj, add+norm,
+        gate_up, silu*mul, down; 9 where gemv fuses silu*mul into gate_up), bf16 logits
+        (mask_sample reads them as they are); else the model's own modules (the v1 path,
+        ~36 launches per layer), float32 logits."""
+        buf = self.buffers
+        ids = buf.input_ids[:bucket].clamp(0, self.config.vocab_size - 1)
+        return self.tokens(ids, buf.positions[:bucket], self._slot_ids(bucket), self._decode_attend(bucket),
+                           self._projections(bucket))
 
     def _slot_ids(self, bucket: int) -> torch.Tensor:
         """(b,) int64 flattened cache slot of each row's new token (padding rows: dummy page)."""
@@ -146,15 +151,6 @@ class DecodeForward:
                                          sliding_window=cfg.sliding_window)
         return attend
 
-    def _fused(self, bucket: int) -> torch.Tensor:
-        """~10 launches per layer: norm, qkv, rope+kv write, attention (2), o_proj,
-        add+norm, gate_up, silu*mul, down (9 where gemv fuses silu*mul into gate_up).
-        bf16 logits (mask_sample reads them as they are)."""
-        proj = self._projections(bucket)
-        ids = self.buffers.input_ids[:bucket].clamp(0, self.config.vocab_size - 1)
-        return self.fused_tokens(ids, self.buffers.positions[:bucket], self._slot_ids(bucket),
-                                 self._decode_attend(bucket), proj)
-
     def tokens(self, ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
                attend: Callable, proj: Projections | None = None) -> torch.Tensor:
         """(T, vocab) logits of T token slots (the verify graphs, verify_graphs.py): ids (T,)
@@ -190,12 +186,6 @@ class DecodeForward:
             delta = proj.linear(proj.gate_up_silu(x, w.gate_up), down_proj.weight, down_proj.bias)
         x, _ = add_rmsnorm(delta, residual, m.model.norm.weight, eps)
         return proj.linear(x, m.output_weight, None)
-
-    def _torch(self, bucket: int) -> torch.Tensor:
-        """The same step from the model's own modules (the v1 path; ~36 launches per layer)."""
-        ids = self.buffers.input_ids[:bucket].clamp(0, self.config.vocab_size - 1)
-        return self.torch_tokens(ids, self.buffers.positions[:bucket], self._slot_ids(bucket),
-                                 self._decode_attend(bucket))
 
     def torch_tokens(self, ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
                      attend: Callable) -> torch.Tensor:
