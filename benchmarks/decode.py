@@ -57,6 +57,10 @@ from generation_service.model.presets import PRESETS  # noqa: E402
 from generation_service.model.random_init import build_random_model  # noqa: E402
 from step_channel import FLAG_CONSTRAINED, FLAG_FRESH, Geometry, StepChannel  # noqa: E402
 from step_channel.cuda import MappedChannel  # noqa: E402
+# grammar_service over gRPC for the engine rows, as the engine tests start it
+from tests.integration.test_engine_support import (  # noqa: E402
+    start_grammar_service as start_grammar_service_grpc,
+)
 
 from hf_baseline import hf_baseline  # noqa: E402  (benchmarks/, the script's folder)
 
@@ -408,28 +412,6 @@ def _engine_run(engine, preset: str, batch: int, mode: str, context: int, new_to
     return row
 
 
-def start_grammar_service_grpc(folder: pathlib.Path):
-    """`python -m grammar_service --listen unix://...` (the engine's GrammarControl peer), waited
-    until serving; returns (process, address). As tests/integration/test_engine_support.py."""
-    from grammar_service.client import GrammarControlClient
-    address = f"unix://{folder / 'bench_grammar.sock'}"
-    log_path = folder / "bench_grammar.log"
-    proc = subprocess.Popen([sys.executable, "-m", "grammar_service", "--listen", address], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=open(log_path, "a"),
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    probe = GrammarControlClient(address)
-    try:
-        deadline = time.monotonic() + 120
-        while not probe.is_serving(timeout_s=1.0):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError(f"grammar_service did not start:\n{log_path.read_text()[-2000:]}")
-            time.sleep(0.1)
-    finally:
-        probe.close()
-    return proc, address
-
-
 def start_grammar_service(chan: StepChannel, tokenizer_dir: str, max_slots: int, tmp: pathlib.Path,
                           fill_threads: int = 0):
     schema = tmp / "bench_schema.json"
@@ -506,10 +488,10 @@ def main() -> int:
                 result.setdefault("hf_errors", []).append(f"{preset}: {exc!r}")
     if args.engine_batches:
         result["engine"] = []
-        grammar_proc = grammar_address = None
+        grammar = None
         if not args.skip_engine_constrained:
             try:  # constrained engine rows need grammar_service over gRPC; free rows do not
-                grammar_proc, grammar_address = start_grammar_service_grpc(tmp)
+                grammar = start_grammar_service_grpc(tmp, "bench_grammar")
             except Exception as exc:  # noqa: BLE001
                 log(f"grammar_service (gRPC) failed to start, engine rows free only: {exc!r}")
                 result.setdefault("engine_errors", []).append(f"grammar_service: {exc!r}")
@@ -521,17 +503,14 @@ def main() -> int:
                     try:
                         result["engine"] += engine_decode(preset, args.engine_batches, args.context,
                                                           args.engine_new_tokens, overlap, spec,
-                                                          grammar_address if spec != f"random:{preset}" else None)
+                                                          grammar.address if grammar and spec != f"random:{preset}"
+                                                          else None)
                     except Exception as exc:  # noqa: BLE001 -- must not lose the main numbers
                         log(f"engine {preset} overlap={overlap} failed: {exc!r}")
                         result.setdefault("engine_errors", []).append(f"{preset} overlap={overlap}: {exc!r}")
         finally:
-            if grammar_proc is not None:
-                grammar_proc.terminate()
-                try:
-                    grammar_proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    grammar_proc.kill()
+            if grammar is not None:
+                grammar.stop()
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
     summary(result)

@@ -52,7 +52,9 @@ def start_grammar_service(folder: pathlib.Path, name: str = "grammar") -> Gramma
         deadline = time.monotonic() + 120
         while not probe.is_serving(timeout_s=1.0):
             if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"grammar_service did not start:\n{log_path.read_text()}")
+                process.kill()  # (a no-op when it has exited)
+                process.wait(10)
+                raise RuntimeError(f"grammar_service did not start:\n{log_path.read_text()[-2000:]}")
             time.sleep(0.1)
     finally:
         probe.close()
