@@ -63,9 +63,13 @@ def main() -> int:
     da, ea, ms = decode_attention, extend_attention, mask_sample
     builds = {
         "decode_split": lambda: compile_sm90(
-            da._decode_split_kernel, BF, BF, BF, I32, I32, F32, F32, BF, 0.1, 0, *[N] * 17,
+            da._decode_split_kernel, BF, BF, BF, I32, I32, F32, F32, BF, I32, 0.1, 0, *[N] * 17,
             GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16, BLOCK_N=64, PAGE_SIZE=16,
-            NUM_SPLITS=8),
+            NUM_SPLITS=8, MERGE_LAST=False),
+        "decode_split_merge_last": lambda: compile_sm90(
+            da._decode_split_kernel, BF, BF, BF, I32, I32, F32, F32, BF, I32, 0.1, 0, *[N] * 17,
+            GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16, BLOCK_N=64, PAGE_SIZE=16,
+            NUM_SPLITS=8, MERGE_LAST=True),
         "decode_reduce": lambda: compile_sm90(
             da._decode_reduce_kernel, F32, F32, BF, *[N] * 7, NUM_SPLITS=8, BLOCK_S=8,
             HEAD_DIM=128, BLOCK_D=128),
