@@ -19,6 +19,9 @@ mask_sample greedy, no channel work):
 - floor: weights read per step / device copy bandwidth measured here (decode.py's floor).
 If the profiler reports no kernels inside graph replays, the eager step body
 (`GpuDecodeRunner.body`) is profiled instead: `kernel_source` says which.
+`--variants` profiles several DecodeForward settings over the same model and cache, side by
+side (VARIANTS: the GEMV table on or off, norms as GEMV prologues or their own launches,
+decode attention's split merge in-kernel or a reduce launch).
 """
 from __future__ import annotations
 
@@ -42,6 +45,13 @@ from decode import copy_bandwidth_gbs, graph_ms, weight_bytes_read  # noqa: E402
 VOCAB = 131072
 PAGE_SIZE = 16
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
+# DecodeForward settings (read per call: set before capture); "default" = the engine's
+VARIANTS = {
+    "cublas": dict(gemv_max_batch=0, fuse_norm=False, attention_merge="launch"),
+    "gemv": dict(gemv_max_batch=8, fuse_norm=False, attention_merge="launch"),
+    "gemv+merge": dict(gemv_max_batch=8, fuse_norm=False, attention_merge="last"),
+    "default": dict(gemv_max_batch=8, fuse_norm=True, attention_merge="last"),
+}
 # (group, lower-case substrings of kernel names), first match wins: Triton kernels by their
 # function names first (attention's reduce kernel must not fall into GEMM's split-K reduce).
 GROUPS = (
@@ -191,7 +201,8 @@ def load_rows(runner, batch: int, context: int, pages_per_row: int) -> None:
     runner.load_rows(ids, positions, seq_lens, table)
 
 
-def profile_batch(args, model, runner, batch: int, pages_per_row: int, trace_dir) -> dict:
+def profile_batch(args, model, runner, batch: int, pages_per_row: int, trace_dir,
+                  isolated: bool = True) -> dict:
     from generation_service.engine.cuda_graphs import FREE
     cfg = model.config
     load_rows(runner, batch, args.context, pages_per_row)
@@ -201,6 +212,8 @@ def profile_batch(args, model, runner, batch: int, pages_per_row: int, trace_dir
     times = event_times_ms(lambda: runner.step(batch), args.steps)
     step_ms = sorted(times)[len(times) // 2]
     load_rows(runner, batch, args.context, pages_per_row)
+    if trace_dir:
+        trace_dir.mkdir(parents=True, exist_ok=True)
     trace = str(trace_dir / f"{cfg.num_layers}L-b{batch}.json") if trace_dir else None
     kernels, source = [], "graph replay"
     if not args.eager:
@@ -218,7 +231,8 @@ def profile_batch(args, model, runner, batch: int, pages_per_row: int, trace_dir
     nbytes = projection_bytes(model)
     by_projection = projection_times(kernels, cfg.num_layers)
     out["projections"] = gbs_table(by_projection, nbytes) if by_projection else None
-    out["projections_isolated"] = gbs_table(isolated_projections(model, runner, batch), nbytes)
+    if isolated:  # cuBLAS alone: the same for every variant
+        out["projections_isolated"] = gbs_table(isolated_projections(model, runner, batch), nbytes)
     return out
 
 
@@ -236,29 +250,33 @@ def model_shape(args, preset: str, bandwidth: float) -> dict:
                  cfg.head_dim, torch.bfloat16, "cuda")
     for t in kv.k + kv.v:
         t.normal_(0.0, 1.0)
-    runner = GpuDecodeRunner(model, kv, max_batch=max_batch, buckets=tuple(args.batches))
-    if args.gemv_max_batch:  # read per call by DecodeForward: set before capture
-        if not hasattr(runner.forward, "gemv_max_batch"):
-            raise SystemExit("--gemv-max-batch: this DecodeForward has no gemv_max_batch")
-        runner.forward.gemv_max_batch = args.gemv_max_batch
     trace_dir = pathlib.Path(args.trace_dir) / preset if args.trace_dir else None
     if trace_dir:
         trace_dir.mkdir(parents=True, exist_ok=True)
-    with torch.no_grad():
-        capture_s = runner.capture()
-        log(f"{preset}: built and captured in {time.perf_counter() - started:.1f} s")
-        floor_ms = weight_bytes_read(model) / (bandwidth * 1e9) * 1e3
-        rows = []
-        for batch in args.batches:
-            row = profile_batch(args, model, runner, batch, pages_per_row, trace_dir)
-            row["over_weight_floor"] = row["step_ms"] / floor_ms
-            rows.append(row)
-            print_row(preset, row)
-    runner.close()
-    out = {"preset": preset, "sampler": runner.sampler, "gemv_max_batch": args.gemv_max_batch,
-           "weight_bytes_read": weight_bytes_read(model),
-           "weight_floor_ms": floor_ms, "capture_s": capture_s, "rows": rows}
-    del runner, model, kv
+    floor_ms = weight_bytes_read(model) / (bandwidth * 1e9) * 1e3
+    out = {"preset": preset, "weight_bytes_read": weight_bytes_read(model),
+           "weight_floor_ms": floor_ms, "variants": []}
+    for index, name in enumerate(args.variants):
+        runner = GpuDecodeRunner(model, kv, max_batch=max_batch, buckets=tuple(args.batches))
+        for key, value in VARIANTS[name].items():  # read per call by DecodeForward: before capture
+            setattr(runner.forward, key, value)
+        with torch.no_grad():
+            capture_s = runner.capture()
+            log(f"{preset} [{name}]: built and captured in {time.perf_counter() - started:.1f} s")
+            rows = []
+            for batch in args.batches:
+                row = profile_batch(args, model, runner, batch, pages_per_row,
+                                    trace_dir and trace_dir / name, isolated=index == 0)
+                row["over_weight_floor"] = row["step_ms"] / floor_ms
+                row["gemv_plan"] = runner.forward.gemv_plan(batch)
+                rows.append(row)
+                print_row(f"{preset} [{name}]", row)
+        out["sampler"] = runner.sampler
+        out["variants"].append({"variant": name, **VARIANTS[name], "capture_s": capture_s, "rows": rows})
+        runner.close()
+        del runner
+        started = time.perf_counter()
+    del model, kv
     torch.cuda.empty_cache()
     return out
 
@@ -270,7 +288,7 @@ def print_row(preset: str, row: dict) -> None:
     for name, g in row["groups"].items():
         print(f"    {name:18s} {g['count']:6.0f} x {g['mean_us']:8.2f} us = {g['total_us']:9.1f} us")
     for label in ("projections", "projections_isolated"):
-        for name, p in (row[label] or {}).items():
+        for name, p in (row.get(label) or {}).items():
             print(f"    {label:20s} {name:8s} {p['mean_us']:8.2f} us  {p['gbs']:7.0f} GB/s")
 
 
@@ -282,8 +300,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--steps", type=int, default=50, help="timed replays (CUDA events)")
     ap.add_argument("--profile-steps", type=int, default=5, help="replays under the profiler")
-    ap.add_argument("--gemv-max-batch", type=int, default=0,
-                    help="buckets up to this run kernels/gemv.py GEMMs (0: cuBLAS)")
+    ap.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=list(VARIANTS),
+                    help="DecodeForward settings to profile side by side (VARIANTS)")
     ap.add_argument("--eager", action="store_true", help="profile the eager step body only")
     ap.add_argument("--trace-dir", help="keep the chrome traces here")
     ap.add_argument("--out", help="write the JSON here")
