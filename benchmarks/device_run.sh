@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The one script a device call runs (issue 6): GPU tests, the decode benchmark, and the
-# grammar-step benchmark on the device host's CPUs.
+# The one script a device call runs (issue 6): GPU tests, the decode benchmark, the verify-graphs
+# benchmark, and the grammar-step benchmark on the device host's CPUs.
 # Carry (all ignored paths): structgen/v1 (generated protos: `make protos`), .whl and .bench.
 # .whl: xgrammar 0.2.9 + deps, and for grammar_service over gRPC grpcio 1.85.3,
 #   grpcio-health-checking/-reflection 1.85.1, protobuf 7.36.2, jsonschema 4.26.0 (+ -specifications,
@@ -9,10 +9,10 @@
 #   (abi3, manylinux_2_31): grammar_service's auto backend then picks it, as in the GPU image.
 # .bench: the real tokenizers as tgz, made here from the converted copies:
 #   tar czf .bench/<name>.tgz -C ~/.cache/structgen/tokenizers <name>   (tekken_131k, mistral_32k)
-#   run: bash benchmarks/device_run.sh [tests|bench|profile|gemv|grammar|all|a,b,...] [extra decode.py args...]
+#   run: bash benchmarks/device_run.sh [tests|bench|verify|profile|gemv|grammar|all|a,b,...] [extra decode.py args...]
 # Writes under $OUT: env.txt, tests.log, junit.xml, bench.log, decode-h200.json,
 #   grammar_step.log, grammar_step-h200-host-16cpu.json, profile.log, profile-h200.json,
-#   kernels-gemv.log, kernels-gemv-h200.json.
+#   kernels-gemv.log, kernels-gemv-h200.json, verify.log, verify-h200.json.
 set -uo pipefail
 what=${1:-all}; shift || true   # one part, a comma-separated list, or all
 want() { [[ $what == all || ,$what, == *,$1,* ]]; }
@@ -49,6 +49,10 @@ if want tests; then
 fi
 if want bench; then
   timeout ${BENCH_TIMEOUT:-180} python3 benchmarks/decode.py --out "$OUT/decode-h200.json" "$@" 2>&1 | tee "$OUT/bench.log" | tail -45
+fi
+if want verify; then
+  # speculative verify steps: captured verify graphs vs eager verify vs no speculation (Engine)
+  timeout ${VERIFY_TIMEOUT:-180} python3 benchmarks/verify.py --out "$OUT/verify-h200.json" 2>&1 | tee "$OUT/verify.log" | tail -40
 fi
 if want profile; then
   # where the free decode step's time goes (cuBLAS GEMMs, then with the Triton GEMVs)
