@@ -20,8 +20,7 @@ mask_sample greedy, no channel work):
 If the profiler reports no kernels inside graph replays, the eager step body
 (`GpuDecodeRunner.body`) is profiled instead: `kernel_source` says which.
 `--variants` profiles several DecodeForward settings over the same model and cache, side by
-side (VARIANTS: the GEMV table on or off, norms as GEMV prologues or their own launches,
-decode attention's split merge in-kernel or a reduce launch).
+side (VARIANTS: the GEMV table on or off, programmatic dependent launch on or off).
 """
 from __future__ import annotations
 
@@ -45,12 +44,12 @@ from decode import copy_bandwidth_gbs, graph_ms, weight_bytes_read  # noqa: E402
 VOCAB = 131072
 PAGE_SIZE = 16
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
-# DecodeForward settings (read per call: set before capture); "default" = the engine's
+# DecodeForward settings (read per call: set before capture) and pdl (kernels/pdl.py's
+# switch, read per launch: on for every kernel launched while capturing the variant's graphs)
 VARIANTS = {
-    "cublas": dict(gemv_max_batch=0, fuse_norm=False, attention_merge="launch"),
-    "gemv": dict(gemv_max_batch=8, fuse_norm=False, attention_merge="launch"),
-    "gemv+merge": dict(gemv_max_batch=8, fuse_norm=False, attention_merge="last"),
-    "default": dict(gemv_max_batch=8, fuse_norm=True, attention_merge="last"),
+    "cublas": dict(gemv_max_batch=0, pdl=False),
+    "gemv": dict(gemv_max_batch=8, pdl=False),
+    "gemv+pdl": dict(gemv_max_batch=8, pdl=True),
 }
 # (group, lower-case substrings of kernel names), first match wins: Triton kernels by their
 # function names first (attention's reduce kernel must not fall into GEMM's split-K reduce).
@@ -239,6 +238,7 @@ def profile_batch(args, model, runner, batch: int, pages_per_row: int, trace_dir
 def model_shape(args, preset: str, bandwidth: float) -> dict:
     from generation_service.engine.gpu_runner import GpuDecodeRunner
     from generation_service.engine.kv_cache import KVCache
+    from generation_service.kernels import pdl
     from generation_service.model.presets import PRESETS
     from generation_service.model.random_init import build_random_model
     cfg = dataclasses.replace(PRESETS[preset], vocab_size=VOCAB, max_position_embeddings=4096)
@@ -258,7 +258,9 @@ def model_shape(args, preset: str, bandwidth: float) -> dict:
            "weight_floor_ms": floor_ms, "variants": []}
     for index, name in enumerate(args.variants):
         runner = GpuDecodeRunner(model, kv, max_batch=max_batch, buckets=tuple(args.batches))
-        for key, value in VARIANTS[name].items():  # read per call by DecodeForward: before capture
+        settings = dict(VARIANTS[name])
+        pdl.ENABLED = settings.pop("pdl")
+        for key, value in settings.items():  # read per call by DecodeForward: before capture
             setattr(runner.forward, key, value)
         with torch.no_grad():
             capture_s = runner.capture()
@@ -300,7 +302,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--steps", type=int, default=50, help="timed replays (CUDA events)")
     ap.add_argument("--profile-steps", type=int, default=5, help="replays under the profiler")
-    ap.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=list(VARIANTS),
+    ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
                     help="DecodeForward settings to profile side by side (VARIANTS)")
     ap.add_argument("--eager", action="store_true", help="profile the eager step body only")
     ap.add_argument("--trace-dir", help="keep the chrome traces here")

@@ -2,8 +2,8 @@
 
 Two versions of the same step (docs/gpu.md has their H200 timings):
 - fused (default for Llama layouts): the model's weights with q/k/v and gate/up concatenated,
-  Triton add+RMSNorm, RoPE+KV write and silu*mul (`kernels/decode_fused.py`), the Triton decode
-  attention (one launch): 6-9 launches per layer;
+  Triton add+RMSNorm, RoPE+KV write and silu*mul (`kernels/decode_fused.py`), the Triton attention
+  backend: ~10 launches per layer;
 - torch: the model's own modules around the same GEMMs and attention: ~36 launches per layer.
 Both read input ids, positions, page tables and seq_lens from `DecodeBuffers`; padding rows
 (seq_len 0, page table 0) write only into the dummy page. The layer loops themselves
@@ -12,8 +12,7 @@ an attention callable: decode passes one token per row and the paged decode atte
 speculative verify graphs (`verify_graphs.py`) b rows x w tokens and the extend attention.
 The fused version's GEMMs are cuBLAS (F.linear); for buckets <= `gemv_max_batch` each projection
 instead asks `kernels/gemv.py`'s MEASURED table (H200, bf16) and runs the Triton skinny GEMM
-where it beat cuBLAS at that shape and bucket (gate_up with silu*mul fused in), cuBLAS elsewhere,
-and (`fuse_norm`) the GEMMs behind a norm run it as their prologue.
+where it beat cuBLAS at that shape and bucket (gate_up with silu*mul fused in), cuBLAS elsewhere.
 """
 from __future__ import annotations
 
@@ -49,22 +48,10 @@ class LayerWeights:
 @dataclass(frozen=True)
 class Projections:
     """The GEMMs of one fused step: cuBLAS, or per projection whichever of cuBLAS and the Triton
-    skinny GEMM won on the H200 (`kernels.gemv`) at small buckets. The norm_* forms take the
-    add_rmsnorm in front of the GEMM: (delta, residual or None, norm weight, eps, ...) ->
-    (output, delta + residual), one launch where the GEMM is Triton's (`gemv.norm_linear`)."""
+    skinny GEMM won on the H200 (`kernels.gemv.linear` / `gate_up_silu`) at small buckets."""
 
     linear: Callable  # (x, weight, bias) -> x @ weight^T + bias
-    norm_linear: Callable  # (delta, residual, norm_w, eps, weight, bias) -> (y, new residual)
-    norm_gate_up_silu: Callable  # (delta, residual, norm_w, eps, [gate; up]) -> (act, new residual)
-
-
-def _norm_then(gemm: Callable) -> Callable:
-    """add_rmsnorm (its own launch), then gemm(normed, *args)."""
-    def norm_gemm(delta, residual, norm_weight, eps, *args):
-        from generation_service.kernels.decode_fused import add_rmsnorm
-        normed, new_residual = add_rmsnorm(delta, residual, norm_weight, eps)
-        return gemm(normed, *args), new_residual
-    return norm_gemm
+    gate_up_silu: Callable  # (x, [gate; up]) -> silu(x @ gate^T) * (x @ up^T)
 
 
 def _cublas_gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
@@ -72,8 +59,7 @@ def _cublas_gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor
     return silu_mul(F.linear(x, gate_up))
 
 
-# every GEMM on cuBLAS (any number of rows), each norm its own launch
-CUBLAS = Projections(F.linear, _norm_then(F.linear), _norm_then(_cublas_gate_up_silu))
+CUBLAS = Projections(F.linear, _cublas_gate_up_silu)  # every GEMM on cuBLAS (any number of rows)
 
 
 def fuse_layer_weights(model) -> list[LayerWeights]:
@@ -98,15 +84,10 @@ class DecodeForward:
     MEASURED table says Triton wins there, cuBLAS otherwise (fused path only; 0 = cuBLAS
     everywhere; `gemv_plan` says which). Read per call, so set it before capture. Default 8:
     the rows the table was measured at (shapes it does not know stay on cuBLAS).
-    fuse_norm: at those buckets, the GEMM behind each add_rmsnorm (qkv, gate_up, LM head) runs
-    the norm as its prologue where gemv has a dot config for it (`gemv.norm_linear`): 2 + 1
-    launches fewer per layer. attention_merge: decode attention merges its KV splits in the
-    same launch ("last") or in a reduce launch ("launch"); see kernels/decode_attention.py.
     """
 
     def __init__(self, model, kv: KVCache, buffers: DecodeBuffers, *, fuse_weights: bool = True,
-                 fused_ops: bool | None = None, gemv_max_batch: int = 8, fuse_norm: bool = True,
-                 attention_merge: str = "last") -> None:
+                 fused_ops: bool | None = None, gemv_max_batch: int = 8) -> None:
         from generation_service.kernels import get_attention_backend
         self.model, self.config, self.kv, self.buffers = model, model.config, kv, buffers
         self.weights = fuse_layer_weights(model) if fuse_weights else None
@@ -116,19 +97,15 @@ class DecodeForward:
         if not 0 <= gemv_max_batch <= 16:  # kernels.gemv.MAX_ROWS (not imported: triton)
             raise ValueError(f"gemv_max_batch must be in 0..16, got {gemv_max_batch}")
         self.gemv_max_batch = gemv_max_batch
-        self.fuse_norm = fuse_norm
-        if attention_merge not in ("last", "launch"):
-            raise ValueError(f"attention_merge must be 'last' or 'launch', got {attention_merge!r}")
-        self.attention_merge = attention_merge
         self.attention = get_attention_backend("triton")
+        self._extend_lens = torch.ones(buffers.max_batch, dtype=torch.int32, device=kv.device)
 
     def __call__(self, bucket: int) -> torch.Tensor:
         """(bucket, vocab) logits of one token per row; graph safe (no host reads). Fused:
-        9 launches per layer on cuBLAS (norm, qkv, rope+kv write, attention, o_proj, add+norm,
-        gate_up, silu*mul, down), 6 at gemv buckets with fuse_norm (norm+qkv, rope+kv write,
-        attention, o_proj, norm+gate_up+silu*mul, down), bf16 logits (mask_sample reads them
-        as they are); else the model's own modules (the v1 path, ~36 launches per layer),
-        float32 logits."""
+        ~10 launches per layer (norm, qkv, rope+kv write, attention (2), o_proj, add+norm,
+        gate_up, silu*mul, down; 9 where gemv fuses silu*mul into gate_up), bf16 logits
+        (mask_sample reads them as they are); else the model's own modules (the v1 path,
+        ~36 launches per layer), float32 logits."""
         buf = self.buffers
         ids = buf.input_ids[:bucket].clamp(0, self.config.vocab_size - 1)
         return self.tokens(ids, buf.positions[:bucket], self._slot_ids(bucket), self._decode_attend(bucket),
@@ -143,12 +120,10 @@ class DecodeForward:
         return pages * kv.page_size + positions % kv.page_size
 
     def _projections(self, bucket: int) -> Projections:
-        if bucket > self.gemv_max_batch:
-            return CUBLAS
-        from generation_service.kernels import gemv  # per shape, from gemv.MEASURED
-        if self.fuse_norm:
-            return Projections(gemv.linear, gemv.norm_linear, gemv.norm_gate_up_silu)
-        return Projections(gemv.linear, _norm_then(gemv.linear), _norm_then(gemv.gate_up_silu))
+        if bucket <= self.gemv_max_batch:
+            from generation_service.kernels import gemv
+            return Projections(gemv.linear, gemv.gate_up_silu)  # per shape, from gemv.MEASURED
+        return CUBLAS
 
     def gemv_plan(self, bucket: int) -> dict[str, str]:
         """Projection -> "cublas" or the Triton config the step runs at this bucket (what
@@ -156,31 +131,24 @@ class DecodeForward:
         names = ("qkv", "o_proj", "gate_up_silu", "down", "lm_head")
         if not self.fused_ops or bucket > self.gemv_max_batch:
             return dict.fromkeys(names, "cublas")
-        from generation_service.kernels.gemv import measured_config, norm_config
-        after_norm = norm_config if self.fuse_norm else measured_config
+        from generation_service.kernels.gemv import measured_config
         layer, w = self.model.model.layers[0], self.weights[0]
-        configs = (after_norm(bucket, w.qkv),
+        configs = (measured_config(bucket, w.qkv),
                    measured_config(bucket, layer.self_attn.o_proj.weight),
-                   after_norm(bucket, w.gate_up, fused=True),
+                   measured_config(bucket, w.gate_up, fused=True),
                    measured_config(bucket, layer.mlp.down_proj.weight),
-                   after_norm(bucket, self.model.output_weight))
-        plan = {name: "cublas" if c is None else str(c) for name, c in zip(names, configs)}
-        if self.fuse_norm:  # the GEMMs behind a norm that run it as their prologue
-            for name, c in zip(names, configs):
-                if c is not None and name in ("qkv", "gate_up_silu", "lm_head"):
-                    plan[name] += " +norm"
-        return plan
+                   measured_config(bucket, self.model.output_weight))
+        return {name: "cublas" if c is None else str(c) for name, c in zip(names, configs)}
 
     def _decode_attend(self, bucket: int) -> Callable:
         """(q, layer index) -> attention of one query token per row over the paged cache."""
         cfg, buf, kv = self.config, self.buffers, self.kv
-        page_table, seq_lens, scale = buf.page_table[:bucket], buf.seq_lens[:bucket], cfg.head_dim ** -0.5
-
-        from generation_service.kernels.decode_attention import decode_attention
+        meta = DecodeMeta(buf.page_table[:bucket], buf.seq_lens[:bucket], self._extend_lens[:bucket])
+        scale = cfg.head_dim ** -0.5
 
         def attend(q: torch.Tensor, index: int) -> torch.Tensor:
-            return decode_attention(q, kv.k[index], kv.v[index], page_table, seq_lens, scale,
-                                    sliding_window=cfg.sliding_window, merge=self.attention_merge)
+            return self.attention.decode(q, kv.k[index], kv.v[index], meta, scale,
+                                         sliding_window=cfg.sliding_window)
         return attend
 
     def tokens(self, ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
@@ -196,27 +164,28 @@ class DecodeForward:
     def fused_tokens(self, ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
                      attend: Callable, proj: Projections) -> torch.Tensor:
         """The fused layer loop over T token slots (one per row for decode)."""
-        from generation_service.kernels.decode_fused import rope_write_kv
+        from generation_service.kernels.decode_fused import add_rmsnorm, rope_write_kv
         cfg, m, kv = self.config, self.model, self.kv
         num_tokens = ids.shape[0]
-        delta = m.model.embed_tokens(ids)  # (T, hidden)
-        residual = None  # the first norm reads the embedding alone
-        cos, sin = m.rotary(positions, delta.dtype)  # (T, D) each
+        residual = m.model.embed_tokens(ids)  # (T, hidden)
+        cos, sin = m.rotary(positions, residual.dtype)  # (T, D) each
         q_dim, eps = cfg.num_heads * cfg.head_dim, cfg.rms_norm_eps
+        delta = None
         for index, layer in enumerate(m.model.layers):
             w = self.weights[index]
-            qkv, residual = proj.norm_linear(delta, residual, layer.input_layernorm.weight, eps,
-                                             w.qkv, w.qkv_bias)
+            x, residual = add_rmsnorm(delta if delta is not None else residual,
+                                      residual if delta is not None else None,
+                                      layer.input_layernorm.weight, eps)
+            qkv = proj.linear(x, w.qkv, w.qkv_bias)
             q = rope_write_kv(qkv, cos, sin, kv.k[index], kv.v[index], slot_ids,
                               cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
             o = attend(q, index)
             o_proj, down_proj = layer.self_attn.o_proj, layer.mlp.down_proj
             delta = proj.linear(o.view(num_tokens, q_dim), o_proj.weight, o_proj.bias)
-            act, residual = proj.norm_gate_up_silu(delta, residual, layer.post_attention_layernorm.weight,
-                                                   eps, w.gate_up)
-            delta = proj.linear(act, down_proj.weight, down_proj.bias)
-        logits, _ = proj.norm_linear(delta, residual, m.model.norm.weight, eps, m.output_weight, None)
-        return logits
+            x, residual = add_rmsnorm(delta, residual, layer.post_attention_layernorm.weight, eps)
+            delta = proj.linear(proj.gate_up_silu(x, w.gate_up), down_proj.weight, down_proj.bias)
+        x, _ = add_rmsnorm(delta, residual, m.model.norm.weight, eps)
+        return proj.linear(x, m.output_weight, None)
 
     def torch_tokens(self, ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
                      attend: Callable) -> torch.Tensor:

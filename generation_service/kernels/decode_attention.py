@@ -1,20 +1,13 @@
 """Paged decode attention: one query token per row, GQA-aware, split over the KV length.
 
-Flash-decoding, one launch by default:
+Flash-decoding in two launches:
 1. ``_decode_split_kernel``, grid (B, num_kv_heads, num_splits): one program loads the
    GROUP query heads that share a kv head (so K/V are read once per group, not once per
    query head), walks its slice of the row's KV through the page table with an online
-   softmax, and writes a partial output and its log-sum-exp. With one split (large
-   batches fill the GPU without splitting) it writes the output itself.
-2. The merge of the splits by their LSE, either
-   - in the same launch (``merge="last"``, the default): each program bumps its
-     (row, kv head) counter after its partials are stored (barrier, then a release atomic:
-     CUTLASS's semaphore pattern); the program that sees ``num_splits - 1`` merges the
-     GROUP heads' partials and sets the counter back to 0 for the next launch (a persistent
-     zeroed buffer, so graph replays find it at 0); or
-   - in a second launch, ``_decode_reduce_kernel``, grid (B, num_q_heads) (``merge="launch"``).
-   The one-launch form saves a launch per layer: at batch 1 the 8B profile spent 64 attention
-   launches of ~3 us each per step (benchmarks/results/profile-h200.json).
+   softmax, and writes a partial output and its log-sum-exp.
+2. ``_decode_reduce_kernel``, grid (B, num_q_heads): merges the splits by their LSE
+   (skipped when there is one split: large batches fill the GPU without splitting, and
+   the split kernel then writes the output itself).
 
 The split count is fixed at launch (it never depends on ``seq_lens`` values), so the
 launch is CUDA-graph safe; a split whose slice is empty writes LSE = -inf and is ignored.
@@ -31,13 +24,15 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_launch, pdl_launch_dependents, pdl_wait
+
 _NUM_SMS_FALLBACK = 132  # H200; used when no CUDA device is visible (interpreter)
 
 
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr, out_ptr,
-    counter_ptr, sm_scale, window,
+    sm_scale, window,
     stride_qb, stride_qh,
     stride_kp, stride_ks, stride_kh,
     stride_vp, stride_vs, stride_vh,
@@ -46,8 +41,9 @@ def _decode_split_kernel(
     stride_lb, stride_lh, stride_outb, stride_outh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, MERGE_LAST: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)  # before any global access (pdl.py)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -92,6 +88,7 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
+    pdl_launch_dependents(PDL)  # the KV walk is done: the next kernel may launch
     # Empty slice: l_i == 0, m_i == -inf -> o = 0, lse = -inf (ignored by the reduce).
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
@@ -105,40 +102,6 @@ def _decode_split_kernel(
                   + offs_d[None, :])
         tl.store(o_ptrs, o, mask=h_mask[:, None] & d_mask[None, :])
         tl.store(part_lse_ptr + b * stride_lb + head * stride_lh + split, lse, mask=h_mask)
-        if MERGE_LAST:
-            tl.debug_barrier()  # every thread's partials stored before the release below
-            counter = counter_ptr + b * tl.num_programs(1) + kvh
-            if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:  # the last split
-                tl.debug_barrier()
-                _merge_splits(part_o_ptr + b * stride_ob + head[:, None] * stride_oh + offs_d[None, :],
-                              part_lse_ptr + b * stride_lb + head * stride_lh,
-                              out_ptr + b * stride_outb + head[:, None] * stride_outh + offs_d[None, :],
-                              h_mask, d_mask, stride_os, NUM_SPLITS, BLOCK_H, BLOCK_D)
-                tl.store(counter, 0)  # ready for the next launch
-
-
-@triton.jit
-def _merge_splits(o_ptrs, lse_ptrs, out_ptrs, h_mask, d_mask, stride_os,
-                  NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """out = sum_s exp(lse_s) o_s / sum_s exp(lse_s) over the splits of BLOCK_H heads, an
-    online max keeping it finite; empty splits (lse -inf) weigh 0. Partials are read at L2
-    (.cg): other SMs wrote them."""
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    w_sum = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for s in range(NUM_SPLITS):
-        lse = tl.load(lse_ptrs + s, mask=h_mask, other=float("-inf"), cache_modifier=".cg")
-        o = tl.load(o_ptrs + s * stride_os, mask=h_mask[:, None] & d_mask[None, :], other=0.0,
-                    cache_modifier=".cg")
-        m_new = tl.maximum(m, lse)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)  # 0 while m is -inf
-        w = tl.exp(lse - m_safe)
-        acc = acc * alpha[:, None] + o * w[:, None]
-        w_sum = w_sum * alpha + w
-        m = m_new
-    out = acc / tl.where(w_sum > 0, w_sum, 1.0)[:, None]
-    tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
 
 
 @triton.jit
@@ -148,8 +111,10 @@ def _decode_reduce_kernel(
     stride_lb, stride_lh,
     stride_outb, stride_outh,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_launch_dependents(PDL)
+    pdl_wait(PDL)  # before any global access (pdl.py)
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -186,32 +151,16 @@ def default_num_splits(batch_size: int, num_kv_heads: int, max_context_len: int,
     return max(1, min(want, cap, 64))
 
 
-_COUNTER_MIN = 1 << 16  # (row, kv head) pairs: 256 rows x 256 kv heads before a bigger buffer
-_counters: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def split_counters(device: torch.device, size: int) -> torch.Tensor:
-    """The merge counters of the one-launch form: int32, zero between launches (each launch
-    leaves them at 0). One buffer per device, grown when a launch needs more; buffers are never
-    freed, since captured graphs keep their addresses."""
-    held = _counters.setdefault(torch.device(device), [])
-    if not held or held[-1].numel() < size:
-        held.append(torch.zeros(max(size, _COUNTER_MIN), dtype=torch.int32, device=device))
-    return held[-1]
-
-
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      page_table: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
                      num_splits: int | None = None, out: torch.Tensor | None = None,
                      block_n: int = 64, sliding_window: int | None = None,
-                     num_warps: int = 4, num_stages: int = 2, merge: str = "last") -> torch.Tensor:
+                     num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """q (B, Hq, D) -> out (B, Hq, D) attending to the first seq_lens[b] cached tokens
-    (only the last ``sliding_window`` of them when set). merge: "last" (the splits are merged
-    by the last program of each row and kv head, one launch) or "launch" (a reduce launch)."""
+    (only the last ``sliding_window`` of them when set)."""
     batch, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     assert num_q_heads % num_kv_heads == 0 and k_cache.stride(-1) == 1 and q.stride(-1) == 1
-    assert merge in ("last", "launch"), merge
     group = num_q_heads // num_kv_heads
     if num_splits is None:
         num_splits = default_num_splits(batch, num_kv_heads, page_table.shape[1] * page_size,
@@ -225,10 +174,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     block_d = triton.next_power_of_2(head_dim)
     # tl.dot needs M >= 16 on the GPU; the padded head rows are masked out.
     block_h = max(16, triton.next_power_of_2(group))
-    merge_last = num_splits > 1 and merge == "last"
-    counters = split_counters(q.device, batch * num_kv_heads) if merge_last else seq_lens
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, page_table, seq_lens, part_o, part_lse, out, counters, sm_scale,
+        q, k_cache, v_cache, page_table, seq_lens, part_o, part_lse, out, sm_scale,
         sliding_window or 0, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -236,10 +183,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         part_o.stride(0), part_o.stride(1), part_o.stride(2),
         part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h,
-        BLOCK_N=block_n, PAGE_SIZE=page_size, NUM_SPLITS=num_splits, MERGE_LAST=merge_last,
-        num_warps=num_warps, num_stages=num_stages,
+        BLOCK_N=block_n, PAGE_SIZE=page_size, NUM_SPLITS=num_splits,
+        num_warps=num_warps, num_stages=num_stages, **pdl_launch(q),
     )
-    if num_splits == 1 or merge_last:
+    if num_splits == 1:
         return out
     _decode_reduce_kernel[(batch, num_q_heads)](
         part_o, part_lse, out,
@@ -247,7 +194,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1),
         NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=4,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=4, **pdl_launch(q),
     )
     return out
 

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from .rmsnorm import add_rmsnorm
 from .rotary import rope_write_kv
 
@@ -27,7 +28,9 @@ __all__ = ["add_rmsnorm", "rope_write_kv", "silu_mul"]
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_launch_dependents(PDL)
+    pdl_wait(PDL)  # before any global access (pdl.py)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -45,5 +48,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     n_cols = width // 2
     out = torch.empty(rows, n_cols, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
-    _silu_mul_kernel[(rows, triton.cdiv(n_cols, block))](gate_up, out, n_cols, BLOCK=block, num_warps=4)
+    _silu_mul_kernel[(rows, triton.cdiv(n_cols, block))](gate_up, out, n_cols, BLOCK=block, num_warps=4,
+                                                         **pdl_launch(gate_up))
     return out

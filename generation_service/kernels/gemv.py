@@ -38,7 +38,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .decode_fused import add_rmsnorm, silu_mul
+from .decode_fused import silu_mul
+from .pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 
 MAX_ROWS = 16  # the dot kernel pads x's rows to one 16-wide MMA tile
 NUM_SMS = 132  # H200; the table below targets >= 2 programs per SM
@@ -157,69 +158,40 @@ def _epilogue(acc_g, acc_u, bias_ptr, out_ptr, offs_n, offs_m, n_mask, m_mask, s
 
 
 @triton.jit
-def _norm_tile(xt, res_ptrs, new_res_ptrs, norm_w_ptrs, k_ok, tile_mask, sum_sq, is_first,
-               HAS_RESIDUAL: tl.constexpr):
-    """NORM prologue on one x^T tile (BLOCK_K, BLOCK_M): h = x + residual rounded as
-    add_rmsnorm rounds it (program 0 stores h as the new residual), sum_sq += h^2 per row;
-    returns (h * norm weight rounded to x's dtype, the new sum_sq)."""
-    dt = xt.dtype
-    h = xt
-    if HAS_RESIDUAL:
-        r = tl.load(res_ptrs, mask=tile_mask, other=0.0)
-        h = (xt.to(tl.float32) + r.to(tl.float32)).to(dt)
-        if is_first:
-            tl.store(new_res_ptrs, h, mask=tile_mask)
-    h32 = h.to(tl.float32)
-    nw = tl.load(norm_w_ptrs, mask=k_ok, other=0.0).to(tl.float32)
-    return (h32 * nw[:, None]).to(dt), sum_sq + tl.sum(h32 * h32, axis=0)
-
-
-@triton.jit
 def _gemv_dot_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                     res_ptr, new_res_ptr, norm_w_ptr, eps,
                      HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, EVEN: tl.constexpr,
-                     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PDL: tl.constexpr):
     # swap-AB: W's tile is the MMA's A operand (K-major as stored), x^T its B operand;
     # rows of x beyond M load as zeros. EVEN: N % BLOCK_N == 0 and K % BLOCK_K == 0.
-    # NORM: x is RMSNorm(x + residual) * norm_w, normalised on the fly: the dot runs over
-    # (x + residual) * norm_w and the rows' 1/rms scales the accumulators at the end (x,
-    # residual and new_res share x's row stride; program 0 writes x + residual to new_res).
-    pid = tl.program_id(0)
-    offs_n = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pdl_wait(PDL)  # before any global access (pdl.py)
+    offs_n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     m_mask = offs_m < M
     gate_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]  # (BLOCK_N, BLOCK_K)
     up_ptrs = gate_ptrs + N * stride_wn  # SILU_MUL: the up rows follow the N gate rows
-    x_offs = offs_m[None, :] * stride_xm + offs_k[:, None]  # (BLOCK_K, BLOCK_M) = x^T
+    x_ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]  # (BLOCK_K, BLOCK_M) = x^T
     acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    sum_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k_ok = offs_k < K - k0
-        tile_mask = m_mask[None, :] & k_ok[:, None]
-        xt = tl.load(x_ptr + k0 + x_offs, mask=tile_mask, other=0.0)
-        if NORM:
-            xt, sum_sq = _norm_tile(xt, res_ptr + k0 + x_offs, new_res_ptr + k0 + x_offs,
-                                    norm_w_ptr + k0 + offs_k, k_ok, tile_mask, sum_sq, pid == 0,
-                                    HAS_RESIDUAL)
         if EVEN:
+            xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
             acc_g = tl.dot(tl.load(gate_ptrs, eviction_policy=EVICT), xt, acc_g)
             if SILU_MUL:
                 acc_u = tl.dot(tl.load(up_ptrs, eviction_policy=EVICT), xt, acc_u)
         else:
+            k_ok = offs_k < K - k0
+            xt = tl.load(x_ptrs, mask=m_mask[None, :] & k_ok[:, None], other=0.0)
             w_mask = n_mask[:, None] & k_ok[None, :]
             acc_g = tl.dot(tl.load(gate_ptrs, mask=w_mask, other=0.0, eviction_policy=EVICT), xt, acc_g)
             if SILU_MUL:
                 acc_u = tl.dot(tl.load(up_ptrs, mask=w_mask, other=0.0, eviction_policy=EVICT), xt, acc_u)
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
-    if NORM:
-        inv_rms = tl.rsqrt(sum_sq / K + eps)[None, :]  # (1, BLOCK_M)
-        acc_g *= inv_rms
-        acc_u *= inv_rms
+        x_ptrs += BLOCK_K
+    pdl_launch_dependents(PDL)  # W is read: the next kernel may launch
     _epilogue(acc_g, acc_u, bias_ptr, out_ptr, offs_n, offs_m, n_mask, m_mask, stride_om,
               HAS_BIAS, SILU_MUL)
 
@@ -227,8 +199,9 @@ def _gemv_dot_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride
 @triton.jit
 def _gemv_row_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_wn,
                      HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, EVEN: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     # M = 1: fp32 products accumulate per (n, k) lane; the K reduction runs once, at the end.
+    pdl_wait(PDL)  # before any global access (pdl.py)
     offs_n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
@@ -251,24 +224,14 @@ def _gemv_row_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_wn,
                 acc_u += tl.load(up_ptrs, mask=w_mask, other=0.0, eviction_policy=EVICT).to(tl.float32) * x
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
+    pdl_launch_dependents(PDL)  # W is read: the next kernel may launch
     offs_m = tl.arange(0, 1)
     _epilogue(tl.sum(acc_g, axis=1)[:, None], tl.sum(acc_u, axis=1)[:, None], bias_ptr, out_ptr,
               offs_n, offs_m, n_mask, offs_m < 1, 0, HAS_BIAS, SILU_MUL)
 
 
-@dataclass(frozen=True)
-class Norm:
-    """add_rmsnorm in front of a GEMM: its input is RMSNorm(x + residual) * weight (x alone
-    without a residual), and x + residual goes to new_residual."""
-
-    residual: torch.Tensor | None
-    new_residual: torch.Tensor | None
-    weight: torch.Tensor
-    eps: float
-
-
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n_out: int,
-            config: GemvConfig | None, silu_mul: bool, norm: Norm | None = None) -> torch.Tensor:
+            config: GemvConfig | None, silu_mul: bool) -> torch.Tensor:
     m, k = x.shape
     assert 1 <= m <= MAX_ROWS, f"gemv serves 1..{MAX_ROWS} rows, got {m}"
     assert weight.shape[1] == k and x.dtype == weight.dtype
@@ -279,21 +242,14 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n_
     flags = dict(HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
                  EVEN=n_out % cfg.block_n == 0 and k % cfg.block_k == 0,
                  BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x))
     grid = (triton.cdiv(n_out, cfg.block_n),)
     bias_arg = bias if bias is not None else weight  # never read without HAS_BIAS
     if cfg.use_dot:
-        has_residual = norm is not None and norm.residual is not None
-        if has_residual:  # the kernel indexes all three with x's strides
-            assert x.stride() == norm.residual.stride() == norm.new_residual.stride()
         _gemv_dot_kernel[grid](x, weight, bias_arg, out, m, n_out, k, x.stride(0),
-                               weight.stride(0), out.stride(0),
-                               norm.residual if has_residual else x,  # x: never read without NORM
-                               norm.new_residual if has_residual else x,
-                               norm.weight if norm else x, norm.eps if norm else 0.0,
-                               NORM=norm is not None, HAS_RESIDUAL=has_residual, BLOCK_M=16, **flags)
+                               weight.stride(0), out.stride(0), BLOCK_M=16, **flags)
     else:
-        assert m == 1 and norm is None, "the row kernel serves M = 1 without a norm only"
+        assert m == 1, "the row kernel serves M = 1 only"
         _gemv_row_kernel[grid](x, weight, bias_arg, out, n_out, k, weight.stride(0), **flags)
     return out
 
@@ -312,58 +268,3 @@ def gemv_gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor,
     `silu_mul(F.linear(x, gate_up))` rounds (gate and up to x's dtype first)."""
     assert gate_up.shape[0] % 2 == 0
     return _launch(x, gate_up, None, gate_up.shape[0] // 2, config, silu_mul=True)
-
-
-# The norm prologue runs on the dot kernel only. Where MEASURED keeps cuBLAS (or the row
-# kernel), the fastest dot config of the same run (kernels-gemv-h200.json, M = 1..8):
-# 8B qkv dot n32 k256 15.8-16.3 us (cuBLAS 15.2-15.8), 1B qkv 7.7-7.9 (cuBLAS 7.0-7.1).
-DOT_FOR_NORM: dict[tuple[int, int, bool], GemvConfig] = {
-    (6144, 4096, False): GemvConfig(32, 256),
-    (3072, 2048, False): GemvConfig(32, 256),
-}
-
-
-def norm_config(m: int, weight: torch.Tensor, *, fused: bool = False) -> GemvConfig | None:
-    """The dot config for a norm-prologue GEMV of this shape, or None (no measured one)."""
-    config = measured_config(m, weight, fused=fused)
-    if config is not None and config.use_dot:
-        return config
-    if weight.dtype != torch.bfloat16 or m > 8:
-        return None
-    return DOT_FOR_NORM.get((weight.shape[0], weight.shape[1], fused))
-
-
-def _norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-          eps: float) -> Norm:
-    if residual is None:
-        return Norm(None, None, norm_weight, eps)
-    assert residual.shape == x.shape and residual.is_contiguous() and x.is_contiguous()
-    return Norm(residual, torch.empty_like(x), norm_weight, eps)
-
-
-def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`add_rmsnorm(x, residual, norm_weight, eps)` then `linear`, in one launch where
-    `norm_config` has a config: (y, x + residual (x without a residual)). The normalised input
-    is not rounded to bf16 before the GEMM (1/rms scales the fp32 accumulators), so y differs
-    from the two-launch form by bf16 rounding noise. Neither input is written."""
-    config = norm_config(x.shape[0], weight)
-    if config is None:
-        normed, new_residual = add_rmsnorm(x, residual, norm_weight, eps)
-        return linear(normed, weight, bias), new_residual
-    norm = _norm(x, residual, norm_weight, eps)
-    y = _launch(x, weight, bias, weight.shape[0], config, silu_mul=False, norm=norm)
-    return y, norm.new_residual if residual is not None else x
-
-
-def norm_gate_up_silu(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                      eps: float, gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`add_rmsnorm` then `gate_up_silu`, in one launch where `norm_config` has a config."""
-    config = norm_config(x.shape[0], gate_up, fused=True)
-    if config is None:
-        normed, new_residual = add_rmsnorm(x, residual, norm_weight, eps)
-        return gate_up_silu(normed, gate_up), new_residual
-    norm = _norm(x, residual, norm_weight, eps)
-    act = _launch(x, gate_up, None, gate_up.shape[0] // 2, config, silu_mul=True, norm=norm)
-    return act, norm.new_residual if residual is not None else x

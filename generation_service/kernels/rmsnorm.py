@@ -18,11 +18,15 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_launch, pdl_launch_dependents, pdl_wait
+
 
 @triton.jit
 def _rmsnorm_kernel(x_ptr, residual_ptr, new_residual_ptr, weight_ptr, out_ptr,
                     stride_x, stride_r, stride_nr, stride_o, dim, eps,
-                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_launch_dependents(PDL)
+    pdl_wait(PDL)  # before any global access (pdl.py)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < dim
@@ -55,7 +59,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, new_residual: torch.
         _rmsnorm_kernel[(num_rows,)](
             x2, r2, nr2, weight, out2, x2.stride(0), r2.stride(0), nr2.stride(0), out2.stride(0),
             dim, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
-            num_warps=8 if block >= 4096 else 4)
+            num_warps=8 if block >= 4096 else 4, **pdl_launch(x2))
     return out2.view(x.shape)
 
 

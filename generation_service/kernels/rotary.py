@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_launch, pdl_launch_dependents, pdl_wait
+
 
 @triton.jit
 def _rotate_head(src, dst, cos1, cos2, sin1, sin2, offs, mask, HALF: tl.constexpr):
@@ -39,9 +41,11 @@ def _rope_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, v_
                  slot_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                  stride_qot, stride_qoh, stride_kot, stride_koh, stride_cs,
                  NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                 HAS_SLOTS: tl.constexpr, HAS_V: tl.constexpr):
+                 HAS_SLOTS: tl.constexpr, HAS_V: tl.constexpr, PDL: tl.constexpr):
     """Grid (T, Hq + Hkv): programs [0, Hq) rotate q heads, the rest k heads (and copy the
     matching v head). k/v land in row slot_ids[t] of k_out/v_out with HAS_SLOTS, else row t."""
+    pdl_launch_dependents(PDL)
+    pdl_wait(PDL)  # before any global access (pdl.py)
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs = tl.arange(0, BLOCK_HALF)
@@ -90,7 +94,7 @@ def _launch(q, k, v, cos, sin, q_out, k_out, v_out, slot_ids) -> None:
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v_in.stride(0), v_in.stride(1),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos.stride(0),
         NUM_HEADS=num_heads, HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
-        HAS_SLOTS=slot_ids is not None, HAS_V=v is not None, num_warps=1)
+        HAS_SLOTS=slot_ids is not None, HAS_V=v is not None, num_warps=1, **pdl_launch(q))
 
 
 def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,

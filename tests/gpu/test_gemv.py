@@ -55,38 +55,6 @@ def test_gate_up_silu_bf16_matches_silu_mul(i, k):
             assert (out == unfused).float().mean().item() > 0.8, (m, str(cfg))
 
 
-@pytest.mark.parametrize("n,k,fused", [(6144, 4096, False), (28672, 4096, True), (131072, 4096, False),
-                                       (3072, 2048, False), (16384, 2048, True)])
-def test_norm_prologue_bf16(n, k, fused):
-    """norm_linear / norm_gate_up_silu at the 8B/1B shapes behind a norm (qkv, gate_up, LM head)
-    vs add_rmsnorm then the GEMM: the new residual bit for bit, the output within bf16 noise of
-    an fp32 reference as close as the two-launch form is."""
-    from generation_service.kernels import gemv
-    from generation_service.kernels.decode_fused import add_rmsnorm
-    assert gemv.norm_config(1, torch.empty(n, k, dtype=torch.bfloat16, device="meta"), fused=fused)
-    gen = torch.Generator(device="cuda").manual_seed(4)
-    w = torch.randn(n, k, device="cuda", generator=gen).div_(k ** 0.5).bfloat16()
-    norm_w = (1 + 0.1 * torch.randn(k, device="cuda", generator=gen)).bfloat16()
-    for m in (1, 4, 8):
-        delta = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
-        residual = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
-        for res in (residual, None):
-            normed, new_residual = add_rmsnorm(delta, res, norm_w, 1e-5)
-            h = (delta.float() + (0 if res is None else res.float()))
-            x32 = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_w.float()
-            if fused:
-                out, out_res = gemv.norm_gate_up_silu(delta, res, norm_w, 1e-5, w)
-                two = gemv.gate_up_silu(normed, w)
-                g, u = F.linear(x32, w.float()).chunk(2, dim=-1)
-                ref = F.silu(g) * u
-            else:
-                out, out_res = gemv.norm_linear(delta, res, norm_w, 1e-5, w)
-                two, ref = gemv.linear(normed, w), F.linear(x32, w.float())
-            assert torch.equal(out_res, new_residual), (m, res is None)
-            err, err_two = rel_err(out, ref), rel_err(two, ref)
-            assert err < 8e-3 and err < 1.5 * err_two + 1e-4, (m, res is None, err, err_two)
-
-
 def test_gemv_graph_replay_equals_eager():
     from generation_service.kernels.gemv import gemv, gemv_gate_up_silu
     x = torch.randn(4, 2048, device="cuda", dtype=torch.bfloat16)
@@ -103,11 +71,10 @@ def test_gemv_graph_replay_equals_eager():
         assert torch.equal(y, gemv(x, w)) and torch.equal(h, gemv_gate_up_silu(x, gate_up))
 
 
-def _runner(model, gemv_max_batch: int, fuse_norm: bool = True) -> GpuDecodeRunner:
+def _runner(model, gemv_max_batch: int) -> GpuDecodeRunner:
     kv = make_kv(model.config, 1 + 8 * PAGES_PER_ROW)  # same seed: same cache in both runners
     runner = GpuDecodeRunner(model, kv, max_batch=8, buckets=(1, 2, 4, 8))
     runner.forward.gemv_max_batch = gemv_max_batch  # read per call: before capture
-    runner.forward.fuse_norm = fuse_norm
     return runner
 
 
@@ -118,14 +85,12 @@ def _every_projection_triton(m, weight, *, fused=False):
     return candidate_configs(m, n, weight.shape[1], fused=fused)[0]
 
 
-@pytest.mark.parametrize("plan", ["measured", "measured_no_norm", "every_projection"])
+@pytest.mark.parametrize("plan", ["measured", "every_projection"])
 @pytest.mark.parametrize("batch", [1, 5])
 def test_decode_with_gemv_matches_cublas(model, batch, plan, monkeypatch):
-    """plan "measured": the table's hybrid with the norms fused into the GEMMs behind them (the
-    fixture has the 1B shapes: at bucket 1 o_proj, gate_up+silu and the LM head run Triton, at
-    bucket 8 the last two; qkv runs Triton for its norm prologue at both); "measured_no_norm":
-    the same without the norm prologues (qkv stays cuBLAS); "every_projection": Triton for all
-    five, so down runs inside the forward too.
+    """plan "measured": the table's hybrid (the fixture has the 1B shapes: at bucket 1 o_proj,
+    gate_up+silu and the LM head run Triton, at bucket 8 the last two); "every_projection":
+    Triton for all five, so qkv and down run inside the forward too.
     Per step: eager logits of the gemv forward within bf16 tolerance of the cuBLAS one;
     the gemv graph's token is an argmax of its eager logits (graph == eager); where the two
     runners' tokens differ, the cuBLAS logits have a near tie there (gap <= 2 x the largest
@@ -135,11 +100,10 @@ def test_decode_with_gemv_matches_cublas(model, batch, plan, monkeypatch):
     from generation_service.kernels import gemv
     if plan == "every_projection":
         monkeypatch.setattr(gemv, "measured_config", _every_projection_triton)
-    gemv_runner, cublas_runner = _runner(model, 8, plan != "measured_no_norm"), _runner(model, 0)
+    gemv_runner, cublas_runner = _runner(model, 8), _runner(model, 0)
     bucket = bucket_for(batch, gemv_runner.buckets)
     triton = {k for k, v in gemv_runner.forward.gemv_plan(bucket).items() if v != "cublas"}
-    expected = ({"gate_up_silu", "lm_head"} | ({"o_proj"} if bucket == 1 else set())
-                | ({"qkv"} if plan == "measured" else set()))
+    expected = {"gate_up_silu", "lm_head"} | ({"o_proj"} if bucket == 1 else set())
     assert triton == (set(gemv_runner.forward.gemv_plan(bucket)) if plan == "every_projection"
                       else expected), triton
     same, steps, worst = 0, 6, 0.0

@@ -48,21 +48,18 @@ def ragged_lens(batch, max_len, gen_seed):
 
 @pytest.mark.parametrize("head_dim", [128, 64])
 @pytest.mark.parametrize("batch,max_len", [(1, 8192), (8, 3000), (64, 1024), (128, 300)])
-@pytest.mark.parametrize("num_splits,merge", [(None, "last"), (1, "last"), (7, "last"), (7, "launch")])
-def test_decode_attention_bf16(head_dim, batch, max_len, num_splits, merge):
+@pytest.mark.parametrize("num_splits", [None, 1, 7])
+def test_decode_attention_bf16(head_dim, batch, max_len, num_splits):
     from generation_service.kernels.decode_attention import (decode_attention,
-                                                             decode_attention_torch, split_counters)
+                                                             decode_attention_torch)
     lens = ragged_lens(batch, max_len, batch + head_dim)
     k, v, table, seq_lens = paged(lens, 8, head_dim)
     q = torch.randn(batch, 32, head_dim, device=DEV, dtype=torch.bfloat16)
+    out = torch.full_like(q, float("nan"))
+    decode_attention(q, k, v, table, seq_lens, head_dim ** -0.5, num_splits=num_splits, out=out)
     ref = decode_attention_torch(q, k, v, table, seq_lens, head_dim ** -0.5)
-    for _ in range(3):  # the one-launch merge must leave its counters at 0 for the next launch
-        out = torch.full_like(q, float("nan"))
-        decode_attention(q, k, v, table, seq_lens, head_dim ** -0.5, num_splits=num_splits, out=out,
-                         merge=merge)
-        assert torch.isfinite(out).all()
-        assert rel_err(out, ref) < BF16_TOL
-    assert not split_counters(q.device, 1).any()
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < BF16_TOL
 
 
 @pytest.mark.parametrize("group", [1, 4])

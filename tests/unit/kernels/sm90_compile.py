@@ -63,16 +63,12 @@ def main() -> int:
     da, ea, ms = decode_attention, extend_attention, mask_sample
     builds = {
         "decode_split": lambda: compile_sm90(
-            da._decode_split_kernel, BF, BF, BF, I32, I32, F32, F32, BF, I32, 0.1, 0, *[N] * 17,
+            da._decode_split_kernel, BF, BF, BF, I32, I32, F32, F32, BF, 0.1, 0, *[N] * 17,
             GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16, BLOCK_N=64, PAGE_SIZE=16,
-            NUM_SPLITS=8, MERGE_LAST=False),
-        "decode_split_merge_last": lambda: compile_sm90(
-            da._decode_split_kernel, BF, BF, BF, I32, I32, F32, F32, BF, I32, 0.1, 0, *[N] * 17,
-            GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16, BLOCK_N=64, PAGE_SIZE=16,
-            NUM_SPLITS=8, MERGE_LAST=True),
+            NUM_SPLITS=8, PDL=True),
         "decode_reduce": lambda: compile_sm90(
             da._decode_reduce_kernel, F32, F32, BF, *[N] * 7, NUM_SPLITS=8, BLOCK_S=8,
-            HEAD_DIM=128, BLOCK_D=128),
+            HEAD_DIM=128, BLOCK_D=128, PDL=True),
         "extend": lambda: compile_sm90(
             ea._extend_kernel, BF, BF, BF, BF, I32, I32, I32, I64, 0.1, 0, 7, N, *[N] * 12,
             GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, PAGE_SIZE=16,
@@ -96,15 +92,15 @@ def main() -> int:
             BLOCK_W=1024, PROBES=8, num_warps=8),
         "add_rmsnorm": lambda: compile_sm90(
             rmsnorm._rmsnorm_kernel, BF, BF, BF, BF, BF, N, N, N, N, 4096, 1e-5,
-            HAS_RESIDUAL=True, BLOCK=4096, num_warps=8),
+            HAS_RESIDUAL=True, BLOCK=4096, PDL=True, num_warps=8),
         "rope_write_kv": lambda: compile_sm90(
             rotary._rope_kernel, BF, BF, BF, BF, BF, BF, BF, BF, I64, *[N] * 11,
-            NUM_HEADS=32, HALF=64, BLOCK_HALF=64, HAS_SLOTS=True, HAS_V=True, num_warps=1),
+            NUM_HEADS=32, HALF=64, BLOCK_HALF=64, HAS_SLOTS=True, HAS_V=True, PDL=True, num_warps=1),
         "rope_qk_in_place": lambda: compile_sm90(
             rotary._rope_kernel, BF, BF, BF, BF, BF, BF, BF, BF, BF, *[N] * 11,
-            NUM_HEADS=32, HALF=48, BLOCK_HALF=64, HAS_SLOTS=False, HAS_V=False, num_warps=1),
+            NUM_HEADS=32, HALF=48, BLOCK_HALF=64, HAS_SLOTS=False, HAS_V=False, PDL=False, num_warps=1),
         "silu_mul": lambda: compile_sm90(
-            decode_fused._silu_mul_kernel, BF, BF, 14336, BLOCK=1024),
+            decode_fused._silu_mul_kernel, BF, BF, 14336, BLOCK=1024, PDL=True),
     }
     failed = 0
     for name, build in builds.items():

@@ -2,10 +2,9 @@
 interpreter: every way of running a step's layer loop gives the logits of the model's own
 modules (the unfused loop), and the K/V it writes land where they belong.
 
-Ways: cuBLAS GEMMs with a norm launch each; Triton GEMVs for every projection with the norm as a
-separate launch; Triton GEMVs with the norm as the GEMM's prologue (`gemv.norm_linear`), the
-step's default at small buckets on the H200. The GEMV table is bf16-only, so the tests make it
-send every projection to Triton. bf16 on the real shapes: tests/gpu/test_gemv.py.
+Ways: cuBLAS GEMMs (F.linear) and Triton GEMVs for every projection (`kernels/gemv.py`, which
+the H200 table picks per projection at small buckets). The table is bf16-only, so the test makes
+it send every projection to Triton. bf16 on the real shapes: tests/gpu/test_gemv.py.
 """
 import dataclasses
 
@@ -38,8 +37,7 @@ def model():
     return model
 
 
-def forward(model, batch: int, *, gemv_max_batch: int, fuse_norm: bool = True,
-            fused_ops: bool = True, merge: str = "last"):
+def forward(model, batch: int, *, gemv_max_batch: int, fused_ops: bool = True):
     """(logits, k cache, v cache) of one decode step of `batch` rows over the same random cache."""
     cfg = model.config
     kv = KVCache(cfg.num_layers, 1 + batch * PAGES_PER_ROW, PAGE, cfg.num_kv_heads, cfg.head_dim,
@@ -52,8 +50,7 @@ def forward(model, batch: int, *, gemv_max_batch: int, fuse_norm: bool = True,
     positions = CONTEXT + torch.arange(batch)  # ragged rows
     buffers.set_rows(0, torch.randint(0, cfg.vocab_size, (batch,), generator=gen), positions,
                      (positions + 1).int(), table)
-    step = DecodeForward(model, kv, buffers, fused_ops=fused_ops, gemv_max_batch=gemv_max_batch,
-                         fuse_norm=fuse_norm, attention_merge=merge)
+    step = DecodeForward(model, kv, buffers, fused_ops=fused_ops, gemv_max_batch=gemv_max_batch)
     with torch.no_grad():
         return step(batch).float(), torch.stack(kv.k), torch.stack(kv.v)
 
@@ -68,25 +65,9 @@ def every_projection_triton(m, weight, *, fused=False):
 def test_every_fused_form_gives_the_modules_logits(model, monkeypatch, rel_err, batch):
     ref, ref_k, ref_v = forward(model, batch, gemv_max_batch=0, fused_ops=False)
     cublas = forward(model, batch, gemv_max_batch=0)
-    launch_merge = forward(model, batch, gemv_max_batch=0, merge="launch")
     monkeypatch.setattr(gemv, "measured_config", every_projection_triton)
-    separate_norms = forward(model, batch, gemv_max_batch=8, fuse_norm=False)
-    norm_prologues = forward(model, batch, gemv_max_batch=8, fuse_norm=True)
-    for name, (logits, k, v) in {"cublas": cublas, "launch_merge": launch_merge,
-                                 "separate_norms": separate_norms,
-                                 "norm_prologues": norm_prologues}.items():
+    triton_gemv = forward(model, batch, gemv_max_batch=8)
+    for name, (logits, k, v) in {"cublas": cublas, "gemv": triton_gemv}.items():
         assert logits.shape == ref.shape, name
         assert rel_err(logits, ref) < 1e-5, name
         assert rel_err(k, ref_k) < 1e-5 and rel_err(v, ref_v) < 1e-5, name
-
-
-def test_gemv_plan_names_the_norm_prologues(model, monkeypatch):
-    monkeypatch.setattr(gemv, "measured_config", every_projection_triton)
-    kv = KVCache(2, 2, PAGE, 2, 32, torch.float32, "cpu")
-    step = DecodeForward(model, kv, DecodeBuffers.allocate(2, 1, "cpu"), gemv_max_batch=8)
-    plan = step.gemv_plan(1)
-    assert {k for k, v in plan.items() if v.endswith("+norm")} == {"qkv", "gate_up_silu", "lm_head"}
-    step.fuse_norm = False
-    assert not any(v.endswith("+norm") for v in step.gemv_plan(1).values())
-    assert set(DecodeForward(model, kv, DecodeBuffers.allocate(2, 1, "cpu"), gemv_max_batch=0)
-               .gemv_plan(1).values()) == {"cublas"}

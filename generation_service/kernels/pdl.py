@@ -1,0 +1,51 @@
+"""Programmatic dependent launch (PDL, Hopper and later) for the decode forward's kernels.
+
+A decode step at small batch is a chain of ~250 short kernels; between two of them the GPU
+drains one grid and launches the next. With PDL a kernel starts while its predecessor still
+runs: every kernel here calls `pdl_launch_dependents` first (its successor may launch once all
+of its programs have started) and `pdl_wait` before its first global load or store (which
+returns once the predecessor has completed and its writes are visible). So the successor's
+launch and setup overlap the predecessor's tail, and nothing is read or written early.
+
+Rules for a kernel that takes `PDL`: call both helpers unconditionally at its top, before any
+global memory access and before any early exit (a kernel that exits without waiting would let
+the next one run ahead of the grid before it). Launch with `**pdl_launch(tensor)`.
+Off under the interpreter and before sm_90; `STRUCTGEN_PDL=0` turns it off (debugging, A/B).
+CUDA graphs keep the launch attribute as a programmatic edge.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+ENABLED = os.environ.get("STRUCTGEN_PDL", "1") != "0"  # module switch, read per launch
+
+
+@triton.jit
+def pdl_launch_dependents(PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@functools.lru_cache(maxsize=None)
+def _supported(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def pdl_launch(tensor: torch.Tensor) -> dict:
+    """Launch keywords for a kernel taking `PDL`: PDL and launch_pdl both on where the device
+    supports it and ENABLED, else both off."""
+    on = (ENABLED and tensor.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+          and _supported(tensor.device.index if tensor.device.index is not None
+                         else torch.cuda.current_device()))
+    return {"PDL": on, "launch_pdl": on}
