@@ -49,7 +49,7 @@ PROJECTIONS = ("qkv", "o", "gate_up", "down")
 VARIANTS = {
     "cublas": dict(gemv_max_batch=0, pdl=False),
     "gemv": dict(gemv_max_batch=8, pdl=False),
-    "gemv+pdl": dict(gemv_max_batch=8, pdl=True),
+    "gemv+pdl": dict(gemv_max_batch=8, pdl=True),  # with gemv.PDL_M1 at one row
 }
 # (group, lower-case substrings of kernel names), first match wins: Triton kernels by their
 # function names first (attention's reduce kernel must not fall into GEMM's split-K reduce).

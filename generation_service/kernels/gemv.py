@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from .decode_fused import silu_mul
+from . import pdl as pdl_module
 from .pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 
 MAX_ROWS = 16  # the dot kernel pads x's rows to one 16-wide MMA tile
@@ -101,13 +102,30 @@ MEASURED: dict[tuple[int, int, bool], tuple[tuple[int, GemvConfig | None], ...]]
 }
 
 
-def measured_config(m: int, weight: torch.Tensor, *, fused: bool = False) -> GemvConfig | None:
+# One row under PDL (kernels/pdl.py): MEASURED timed each projection alone, where cuBLAS kept
+# qkv and down by < 4%; in a whole decode step with PDL, Triton there lets the step's chain of
+# Triton kernels overlap across them. benchmarks/results/profile-h200-triton-m1.json (same run,
+# 1-row step, PDL on): 8B 4.463 -> 4.427 ms, 1B 1.021 -> 1.014 ms. Configs: each shape's fastest
+# Triton config at M = 1 in kernels-gemv-h200.json.
+PDL_M1: dict[tuple[int, int, bool], GemvConfig] = {
+    (6144, 4096, False): GemvConfig(16, 512, num_stages=3, use_dot=False),  # 8B qkv 15.75 us
+    (4096, 14336, False): GemvConfig(32, 256),  # 8B down 33.06 us
+    (3072, 2048, False): GemvConfig(16, 512, num_stages=3, use_dot=False),  # 1B qkv 7.06 us
+    (2048, 8192, False): GemvConfig(16, 512, num_stages=3),  # 1B down 14.55 us
+}
+
+
+def measured_config(m: int, weight: torch.Tensor, *, fused: bool = False,
+                    pdl: bool | None = None) -> GemvConfig | None:
     """The Triton config that beat cuBLAS on the H200 for x (m, K) @ weight^T (fused: weight is
-    [gate; up] for gemv_gate_up_silu), or None (CUBLAS): cuBLAS won, or nobody measured it."""
+    [gate; up] for gemv_gate_up_silu), or None (CUBLAS): cuBLAS won, or nobody measured it.
+    pdl (default: kernels.pdl.ENABLED): one row also takes PDL_M1's choices."""
     if weight.dtype != torch.bfloat16:  # the table's numbers are bf16 only
         return CUBLAS
-    ranges = MEASURED.get((weight.shape[0], weight.shape[1], fused), ())
-    return next((choice for max_m, choice in ranges if m <= max_m), CUBLAS)
+    key = (weight.shape[0], weight.shape[1], fused)
+    if m == 1 and (pdl_module.ENABLED if pdl is None else pdl) and key in PDL_M1:
+        return PDL_M1[key]
+    return next((choice for max_m, choice in MEASURED.get(key, ()) if m <= max_m), CUBLAS)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

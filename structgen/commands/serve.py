@@ -50,7 +50,7 @@ OPTIONS = (
     Option("--max-draft-tokens", "MAX_DRAFT_TOKENS", int, "engine", "max_draft_tokens", "most speculative draft tokens per step"),
     Option("--runner", "RUNNER", str, "engine", "runner", "auto (CUDA graphs on a GPU, eager on CPU), cuda_graph, or eager (debugging)"),
     Option("--overlap", "OVERLAP", on_off, "engine", "overlap", "under CUDA graphs, launch decode step N+1 before reading N: true (default) or false (debugging)"),
-    Option("--verify-graphs", "VERIFY_GRAPHS", on_off, "engine", "verify_graphs", "under CUDA graphs, run speculative verify steps as graphs too: true or false (default)"),
+    Option("--verify-graphs", "VERIFY_GRAPHS", on_off, "engine", "verify_graphs", "under CUDA graphs, run speculative verify steps as graphs too: true (default) or false"),
     Option("--host", "HOST", str, "serve", "host", "address to listen on (default 127.0.0.1; 0.0.0.0 for all)"),
     Option("--port", "PORT", int, "serve", "port", "port to listen on (default 50051; 0 = any free port)"),
     Option("--grammar-address", "GRAMMAR_ADDRESS", str, "serve", "grammar_address", "a running grammar_service, e.g. unix:///run/structgen/grammar.sock (default: spawn one)"),

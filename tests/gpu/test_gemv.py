@@ -89,7 +89,8 @@ def _every_projection_triton(m, weight, *, fused=False):
 @pytest.mark.parametrize("batch", [1, 5])
 def test_decode_with_gemv_matches_cublas(model, batch, plan, monkeypatch):
     """plan "measured": the table's hybrid (the fixture has the 1B shapes: at bucket 1 o_proj,
-    gate_up+silu and the LM head run Triton, at bucket 8 the last two); "every_projection":
+    gate_up+silu and the LM head run Triton, with PDL on qkv and down too; at bucket 8
+    gate_up+silu and the LM head); "every_projection":
     Triton for all five, so qkv and down run inside the forward too.
     Per step: eager logits of the gemv forward within bf16 tolerance of the cuBLAS one;
     the gemv graph's token is an argmax of its eager logits (graph == eager); where the two
@@ -103,7 +104,9 @@ def test_decode_with_gemv_matches_cublas(model, batch, plan, monkeypatch):
     gemv_runner, cublas_runner = _runner(model, 8), _runner(model, 0)
     bucket = bucket_for(batch, gemv_runner.buckets)
     triton = {k for k, v in gemv_runner.forward.gemv_plan(bucket).items() if v != "cublas"}
-    expected = {"gate_up_silu", "lm_head"} | ({"o_proj"} if bucket == 1 else set())
+    from generation_service.kernels import pdl
+    one_row = {"o_proj", "qkv", "down"} if pdl.ENABLED else {"o_proj"}  # gemv.PDL_M1
+    expected = {"gate_up_silu", "lm_head"} | (one_row if bucket == 1 else set())
     assert triton == (set(gemv_runner.forward.gemv_plan(bucket)) if plan == "every_projection"
                       else expected), triton
     same, steps, worst = 0, 6, 0.0

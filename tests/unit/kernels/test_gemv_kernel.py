@@ -160,7 +160,18 @@ def weight(n, k, dtype=torch.bfloat16):
     (2048, 8192, False, torch.bfloat16, 1),  # 1B down M = 1: a 0.3% tie
 ])
 def test_table_picks_cublas_unless_triton_was_measured_faster(n, k, fused, dtype, m):
-    assert gemv_mod.measured_config(m, weight(n, k, dtype), fused=fused) is gemv_mod.CUBLAS
+    assert gemv_mod.measured_config(m, weight(n, k, dtype), fused=fused, pdl=False) is gemv_mod.CUBLAS
+
+
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (3072, 2048), (2048, 8192)])
+def test_one_row_under_pdl_runs_qkv_and_down_on_triton(n, k):
+    """Under PDL the 1-row step put qkv and down on their fastest Triton configs too (PDL_M1);
+    more rows, or no PDL, keep MEASURED's cuBLAS."""
+    w = weight(n, k)
+    assert gemv_mod.measured_config(1, w, pdl=True) == gemv_mod.PDL_M1[(n, k, False)]
+    assert gemv_mod.measured_config(2, w, pdl=True) is gemv_mod.CUBLAS
+    assert gemv_mod.measured_config(1, w, pdl=False) is gemv_mod.CUBLAS
+    assert gemv_mod.measured_config(1, weight(n, k, torch.float16), pdl=True) is gemv_mod.CUBLAS
 
 
 @pytest.mark.parametrize("n,k,fused,rows,expected", [
@@ -173,7 +184,7 @@ def test_table_picks_cublas_unless_triton_was_measured_faster(n, k, fused, dtype
 ])
 def test_table_picks_the_measured_triton_winners(n, k, fused, rows, expected):
     for m in rows:
-        assert str(gemv_mod.measured_config(m, weight(n, k), fused=fused)) == expected, m
+        assert str(gemv_mod.measured_config(m, weight(n, k), fused=fused, pdl=False)) == expected, m
 
 
 def test_table_follows_the_h200_run():
@@ -191,7 +202,7 @@ def test_table_follows_the_h200_run():
     for (n, k, fused, m), recs in runs.items():
         best = min(recs, key=lambda r: r["triton_us"])
         wins = best["triton_us"] <= (1 - gemv_mod.MIN_GAIN) * best["cublas_us"]
-        got = gemv_mod.measured_config(m, weight(n, k), fused=fused)
+        got = gemv_mod.measured_config(m, weight(n, k), fused=fused, pdl=False)
         assert (str(got) == best["config"]) if wins else got is gemv_mod.CUBLAS, (best["case"], got)
 
 
