@@ -6,7 +6,8 @@ writes), prepare_inputs (fused decode input preparation), mask_sample + philox
 (grammar mask + sampling; sample_reference is its torch twin), rmsnorm (RMSNorm with an
 optional residual add), rotary (RoPE; with the K/V cache write for the decode forward),
 decode_fused (the decode forward's element-wise set: those two plus silu*mul), gemv
-(skinny GEMMs for decode buckets <= 8 and the measured Triton/cuBLAS choice per projection).
+(skinny GEMMs for decode buckets <= 8 and the measured Triton/cuBLAS choice per projection),
+pdl (programmatic dependent launch: the decode forward's kernels overlap their launches).
 NOTES.md: floors and measurements.
 """
 from __future__ import annotations
