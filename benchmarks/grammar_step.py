@@ -40,6 +40,7 @@ from generation_service.engine.params import GrammarSpec  # noqa: E402
 from grammar_service.client import GrammarControlClient  # noqa: E402
 from real_tokenizers import VOCAB_SIZES, continuation_ids, tokenizer_dir  # noqa: E402
 from step_channel import FLAG_CONSTRAINED, FLAG_FRESH, Geometry, StepChannel  # noqa: E402
+from structgen.supervisor import wait_healthy  # noqa: E402
 from structgen.tokenizer_identity import fingerprint_tokenizer_json  # noqa: E402
 
 from _documents import DOCUMENTS  # noqa: E402  (benchmarks/_documents.py: schema + document pairs)
@@ -183,11 +184,8 @@ def bench_vocab(name: str, args) -> list[dict]:
     client = GrammarControlClient(f"unix://{sock}")
     rows_out = []
     try:
-        deadline = time.monotonic() + 180
-        while not client.is_serving():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("grammar_service did not start")
-            time.sleep(0.2)
+        if not wait_healthy(f"unix://{sock}", 180, proc):
+            raise RuntimeError("grammar_service did not start")
         for backend, workload, batch in itertools.product(args.backends, args.workloads, args.batches):
             grammar_ids = [client.compile(GrammarSpec("json_schema", json.dumps(schema), backend=backend)).result(120)
                            .grammar_id for schema, _ in DOCUMENTS]

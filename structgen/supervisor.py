@@ -32,12 +32,13 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         pass
 
 
-def wait_healthy(address: str, timeout_s: float) -> bool:
-    """True once a grpc.health.v1 Check on `address` answers SERVING."""
+def wait_healthy(address: str, timeout_s: float, process: subprocess.Popen | None = None) -> bool:
+    """True once a grpc.health.v1 Check on `address` answers SERVING; False after timeout_s,
+    or as soon as `process` (the server, when the caller started it) has exited."""
     deadline = time.monotonic() + timeout_s
     with grpc.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and (process is None or process.poll() is None):
             try:
                 reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
@@ -90,11 +91,11 @@ class GrammarSupervisor:
     def start(self, ready_timeout_s: float = 120.0) -> None:
         """Spawn the child and wait until it reports SERVING."""
         self._process = self._spawn()
-        if not wait_healthy(self.address, ready_timeout_s):
+        if not wait_healthy(self.address, ready_timeout_s, self._process):
             code = self._process.poll()
             self.stop()
-            raise RuntimeError(f"grammar_service did not become healthy within {ready_timeout_s} s"
-                               + (f" (it exited with {code})" if code is not None else ""))
+            raise RuntimeError(f"grammar_service exited with {code} before it was healthy" if code is not None
+                               else f"grammar_service did not become healthy within {ready_timeout_s} s")
         self._watcher = threading.Thread(target=self._watch, name="grammar-supervisor", daemon=True)
         self._watcher.start()
 

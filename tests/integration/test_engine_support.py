@@ -40,24 +40,17 @@ class GrammarServiceProcess:
 
 def start_grammar_service(folder: pathlib.Path, name: str = "grammar") -> GrammarServiceProcess:
     """`python -m grammar_service --listen unix://<folder>/<name>.sock`, waited until serving."""
-    from grammar_service.client import GrammarControlClient
+    from structgen.supervisor import wait_healthy
 
     address = f"unix://{folder / (name + '.sock')}"
     log_path = folder / f"{name}.log"
     process = subprocess.Popen([sys.executable, "-m", "grammar_service", "--listen", address],
                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(log_path, "a"),
                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    probe = GrammarControlClient(address)
-    try:
-        deadline = time.monotonic() + 120
-        while not probe.is_serving(timeout_s=1.0):
-            if process.poll() is not None or time.monotonic() > deadline:
-                process.kill()  # (a no-op when it has exited)
-                process.wait(10)
-                raise RuntimeError(f"grammar_service did not start:\n{log_path.read_text()[-2000:]}")
-            time.sleep(0.1)
-    finally:
-        probe.close()
+    if not wait_healthy(address, 120, process):
+        process.kill()  # (a no-op when it has exited)
+        process.wait(10)
+        raise RuntimeError(f"grammar_service did not start:\n{log_path.read_text()[-2000:]}")
     return GrammarServiceProcess(process, address, log_path)
 
 

@@ -7,7 +7,6 @@ import signal
 import stat
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -18,6 +17,7 @@ from grammar_service.backends import available_backends
 from grammar_service.client import GrammarControlClient
 from real_tokenizers import continuation_ids
 from step_channel import ERR_NONE, ChannelError, Geometry, StepChannel
+from structgen.supervisor import wait_healthy
 from structgen.tokenizer_identity import fingerprint_tokenizer_json
 
 VOCAB = 32768
@@ -31,12 +31,8 @@ def grammar_process(tmp_path_factory, mistral_32k_dir):
     proc = subprocess.Popen([sys.executable, "-m", "grammar_service", "--listen", f"unix://{sock}",
                              "--compile-timeout-s", "20", "--num-fill-threads", "2",
                              "--tokenizer-dir", mistral_32k_dir, "--vocab-size", str(VOCAB)], cwd=ROOT)
+    assert wait_healthy(f"unix://{sock}", 120, proc), f"grammar_service not healthy (exit code {proc.poll()})"
     client = GrammarControlClient(f"unix://{sock}")
-    deadline = time.monotonic() + 120
-    while not client.is_serving():
-        assert proc.poll() is None, f"grammar_service exited with {proc.returncode}"
-        assert time.monotonic() < deadline, "grammar_service did not become healthy"
-        time.sleep(0.2)
     yield proc, client, sock
     client.close()
     if proc.poll() is None:

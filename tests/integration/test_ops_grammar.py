@@ -22,6 +22,7 @@ from generation_service.engine.params import GrammarSpec
 from grammar_service.client import GrammarControlClient
 from real_tokenizers import continuation_ids
 from step_channel import Geometry, StepChannel
+from structgen.supervisor import wait_healthy
 from structgen.tokenizer_identity import fingerprint_tokenizer_json
 
 VOCAB = 32768
@@ -57,12 +58,8 @@ def sidecar(tmp_path_factory, mistral_32k_dir):
     proc = subprocess.Popen([sys.executable, "-m", "structgen.cli", "grammar", "--listen", f"unix://{sock}",
                              f"--metrics-port={metrics_port}", f"--health-port={health_port}",
                              "--tokenizer-dir", mistral_32k_dir, "--vocab-size", str(VOCAB)], cwd=ROOT)
+    assert wait_healthy(f"unix://{sock}", 120, proc), f"grammar_service not healthy (exit code {proc.poll()})"
     client = GrammarControlClient(f"unix://{sock}")
-    deadline = time.monotonic() + 120
-    while not client.is_serving():
-        assert proc.poll() is None, f"grammar_service exited with {proc.returncode}"
-        assert time.monotonic() < deadline, "grammar_service did not become healthy"
-        time.sleep(0.2)
     yield proc, client, sock, metrics_port, health_port
     client.close()
     if proc.poll() is None:
