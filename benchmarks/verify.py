@@ -35,23 +35,23 @@ what Engine.step does for a batch it does not graph), `eager_forward_ms` (the fo
 
 On a CPU, `--device cpu --runner eager --presets tiny` runs all of it but the graphs (there
 `graph` is the eager path and the step rows have eager figures only).
+
+This file holds the CLI, the engines per model shape, the engine comparison and the summary.
+Next to it: `_verify_runs.py` (the variants, one batch run and its row, the counters, the oracle
+proposer), `_verify_step.py` (one verify step alone), `_verify_header.py` (what the run was).
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import pathlib
-import platform
 import signal
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -60,223 +60,17 @@ sys.path.insert(0, str(ROOT))
 
 from generation_service.engine.engine import Engine, EngineConfig  # noqa: E402
 from generation_service.engine.kv_cache import num_pages_for  # noqa: E402
-from generation_service.engine.params import GenerationRequest, SamplingParams, SpeculativeParams  # noqa: E402
-from generation_service.engine.request import Request  # noqa: E402
-from generation_service.engine.sampler import SampleRow  # noqa: E402
-from generation_service.engine.scheduler import ScheduledBatch, ScheduledRow  # noqa: E402
-from generation_service.engine.speculative import PROPOSERS, DraftProposer  # noqa: E402
+from generation_service.engine.params import SamplingParams, SpeculativeParams  # noqa: E402
+from generation_service.engine.speculative import PROPOSERS  # noqa: E402
 
-from tests.integration.test_engine_support import wait_settled  # noqa: E402
-
-from decode import PAGE_SIZE, engine_model_spec, log  # noqa: E402  (benchmarks/, the script's folder)
+# benchmarks/, the script's folder: decode.py and this script's helper modules
+from decode import PAGE_SIZE, engine_model_spec, log  # noqa: E402
+from _verify_runs import OFF, ORACLE, SPECULATIVE, Variant, engine_row, run_batch  # noqa: E402  (one batch run)
+from _verify_step import num, step_costs  # noqa: E402  (one verify step alone)
+from _verify_header import header  # noqa: E402  (what the run was)
 
 TINY = "tiny"  # tests/gpu/gpu_helpers.py's 2-layer random Llama: exercises the script on a CPU
-
-
-@dataclass(frozen=True)
-class Variant:
-    name: str
-    is_speculative: bool  # requests ask for --drafts draft tokens per step (else 0)
-    verify_graphs: bool   # EngineConfig.verify_graphs of the engine that runs it
-
-
-OFF = Variant("off", False, False)
-SPECULATIVE = (Variant("eager", True, False), Variant("graph", True, True))
 WORKLOADS = ("oracle", "ngram")  # the proposer of the speculative variants
-
-
-class OracleProposer(DraftProposer):
-    """Drafts a request's calibrated greedy continuation (`continuations[prompt_ids]`) from
-    its position on; with accuracy < 1, draft token j at output position n is replaced by a
-    wrong one when a hash of (prompt, n + j) falls above `accuracy`."""
-
-    def __init__(self) -> None:
-        self.continuations: dict[tuple[int, ...], list[int]] = {}
-        self.accuracy = 1.0
-        self.vocab_size = 1
-
-    def propose(self, request: Request, k: int) -> list[int]:
-        prompt = request.spec.prompt_ids
-        n = request.num_generated
-        drafts = list(self.continuations.get(prompt, [])[n:n + k])
-        for j, token in enumerate(drafts):
-            if hash((prompt, n + j)) % 1000 >= self.accuracy * 1000:
-                drafts[j] = (token + 1) % self.vocab_size
-        return drafts
-
-
-ORACLE = OracleProposer()  # one instance, filled after calibration, for every engine
-
-
-@dataclass(frozen=True)
-class Counters:
-    """Engine and runner counters at one moment; `minus` gives a window's counts."""
-
-    steps: int
-    graph_steps: int
-    verify_graph_steps: int
-    chained_steps: int
-    draft_proposed: int
-    draft_accepted: int
-
-    @classmethod
-    def of(cls, engine: Engine) -> "Counters":
-        stats, runner = engine.stats(), engine.runner
-        return cls(stats.steps, getattr(runner, "num_graph_steps", 0), getattr(runner, "num_verify_steps", 0),
-                   getattr(runner, "num_chained_steps", 0), stats.draft_proposed, stats.draft_accepted)
-
-    def minus(self, earlier: "Counters") -> "Counters":
-        return Counters(*(getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)))
-
-
-@dataclass
-class Run:
-    """One batch through the engine: outputs, and counters over the timed window."""
-
-    outputs: list[list[int]]
-    num_tokens_before: int  # tokens read before the window (each row's first, from prefill)
-    finish_reasons: dict[str, int]
-    errors: list[str]
-    window_s: float      # every row's first token -> the last row's end
-    submit_to_end_s: float
-    window: Counters
-
-
-def run_batch(engine: Engine, tag: str, prompts, sampling: SamplingParams,
-              speculative: SpeculativeParams = SpeculativeParams()) -> Run:
-    """Submit every prompt at once; time from every row's first token to the last row's end."""
-    started = time.perf_counter()
-    streams = [engine.submit(GenerationRequest(f"{tag}-{i}", prompt, sampling, speculative=speculative))
-               for i, prompt in enumerate(prompts)]
-    outputs, finals = [[] for _ in streams], [None] * len(streams)
-
-    def drain(i: int, until_first: bool) -> None:
-        while finals[i] is None and not (until_first and outputs[i]):
-            event = streams[i].get(timeout=120)
-            outputs[i] += event.token_ids
-            finals[i] = event if event.is_final else None
-
-    for i in range(len(streams)):
-        drain(i, until_first=True)
-    t0, before, num_before = time.perf_counter(), Counters.of(engine), sum(len(out) for out in outputs)
-    for i in range(len(streams)):
-        drain(i, until_first=False)
-    end, window = time.perf_counter(), Counters.of(engine).minus(before)
-    reasons: dict[str, int] = {}
-    for final in finals:
-        reasons[final.finish_reason.name] = reasons.get(final.finish_reason.name, 0) + 1
-    errors = [repr(f.error) for f in finals if f.error is not None][:3]
-    return Run(outputs, num_before, reasons, errors, end - t0, end - started, window)
-
-
-def engine_row(preset: str, batch: int, variant: Variant, workload: str, num_drafts: int, run: Run,
-               continuations: list[list[int]]) -> dict:
-    w = run.window
-    decoded = sum(len(out) for out in run.outputs) - run.num_tokens_before
-    eager_steps = w.steps - w.graph_steps  # after prefill: the verify steps not graphed
-    verify_steps = w.verify_graph_steps + (eager_steps if num_drafts else 0)
-    row = {"preset": preset, "batch": batch, "variant": variant.name, "workload": workload,
-           "num_draft_tokens": num_drafts, "verify_graphs": variant.verify_graphs, "steps": w.steps,
-           "graph_steps": w.graph_steps, "verify_graph_steps": w.verify_graph_steps, "eager_steps": eager_steps,
-           "chained_steps": w.chained_steps, "verify_steps": verify_steps,
-           "ms_per_step": run.window_s / max(1, w.steps) * 1e3, "tokens_per_s": decoded / run.window_s,
-           "tokens_decoded": decoded, "tokens_per_step": decoded / max(1, w.steps),
-           "drafts_proposed": w.draft_proposed, "drafts_accepted": w.draft_accepted,
-           "acceptance": w.draft_accepted / w.draft_proposed if w.draft_proposed else None,
-           "accepted_per_verify_step": w.draft_accepted / verify_steps if verify_steps else None,
-           # rows of a batch have the same lengths and run together: a verify step holds ~batch rows
-           "accepted_per_verify_row": w.draft_accepted / (verify_steps * batch) if verify_steps else None,
-           "calibration_match": calibration_match(run.outputs, continuations), "window_s": run.window_s,
-           "submit_to_end_s": run.submit_to_end_s, "finish_reasons": run.finish_reasons, "errors": run.errors}
-    log(f"{preset} b={batch:3d} {variant.name:5s} {workload:6s} {row['ms_per_step']:8.3f} ms/step "
-        f"{row['tokens_per_s']:9.1f} tok/s {row['tokens_per_step']:5.2f} tok/step, accepted "
-        f"{w.draft_accepted}/{w.draft_proposed}, {w.verify_graph_steps} verify graph / {eager_steps} eager / "
-        f"{w.steps} steps, {w.chained_steps} chained")
-    return row
-
-
-def num(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def calibration_match(outputs: list[list[int]], continuations: list[list[int]]) -> float:
-    """Mean share of its calibrated continuation each row reproduced before a difference."""
-    shares = []
-    for out, cont in zip(outputs, continuations):
-        same = next((j for j, (a, b) in enumerate(zip(out, cont)) if a != b), min(len(out), len(cont)))
-        shares.append(same / max(1, len(cont)))
-    return sum(shares) / len(shares)
-
-
-# ---- one verify step alone ---------------------------------------------------------------
-def idle_rows(engine: Engine, batch: int, context: int, num_drafts: int, gen: torch.Generator):
-    """(verify rows, the same rows without drafts, their pages): `batch` requests at `context`
-    cached tokens (random ids; K/V whatever the pages hold), pages from the idle engine."""
-    vocab, width = engine.model_config.vocab_size, 1 + num_drafts
-    verify, decode, pages = [], [], []
-    for i in range(batch):
-        ids = torch.randint(0, vocab, (context + width,), generator=gen).tolist()
-        request = Request(GenerationRequest(f"step-{i}", tuple(ids[:context + 1]),
-                                            SamplingParams(max_new_tokens=width, ignore_eos=True),
-                                            speculative=SpeculativeParams(num_drafts)), frozenset(), i)
-        request.pages = engine.allocator.allocate(num_pages_for(context + width, engine.config.page_size))
-        request.num_cached = context
-        pages += request.pages
-        verify.append(ScheduledRow(request, context, ids[context:], ids[context + 1:], is_sampling=True))
-        decode.append(ScheduledRow(request, context, ids[context:context + 1], is_sampling=True))
-    return ScheduledBatch(verify), ScheduledBatch(decode), pages
-
-
-def median_ms(fn, reps: int, warmup: int = 3) -> float:
-    """Median host wall time of fn (which ends synchronized), after warmup calls."""
-    times = []
-    for _ in range(warmup + reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[warmup:]) * 1e3
-
-
-def step_costs(engine: Engine, preset: str, batches: list[int], context: int, num_drafts: int,
-               reps: int) -> list[dict]:
-    """One step alone per batch (module docstring); without graphs (runner "eager") the eager
-    figures only."""
-    wait_settled(engine)  # every page back: the rows below take theirs from the allocator
-    runner, sampler = engine.runner, engine.sampler
-    has_graphs = getattr(runner, "verify", None) is not None
-    gen, out = torch.Generator().manual_seed(1), []
-
-    def synchronize() -> None:
-        if runner.device.type == "cuda":
-            torch.cuda.synchronize()
-
-    def eager_step(batch: ScheduledBatch, sample: bool = True) -> None:  # Engine.step's eager path (no masks)
-        logits = runner.run(batch)
-        if sample:
-            sampler(logits, [SampleRow.of(row, False) for row in batch.rows])
-        synchronize()
-
-    def graph_step(batch: ScheduledBatch) -> None:  # verify rows: the verify graph; else a decode graph
-        runner.collect(runner.launch(batch, None))
-
-    for batch_size in batches:
-        verify, decode, pages = idle_rows(engine, batch_size, context, num_drafts, gen)
-        try:
-            row = {"preset": preset, "batch": batch_size, "context": context, "num_draft_tokens": num_drafts,
-                   "graph_ms": median_ms(lambda: graph_step(verify), reps) if has_graphs else None,
-                   "eager_ms": median_ms(lambda: eager_step(verify), reps),
-                   "eager_forward_ms": median_ms(lambda: eager_step(verify, sample=False), reps),
-                   "decode_graph_ms": median_ms(lambda: graph_step(decode), reps) if has_graphs else None}
-        finally:
-            engine.allocator.free(pages)
-        if has_graphs:
-            row["eager_over_graph"] = row["eager_ms"] / row["graph_ms"]
-            row["graph_over_decode"] = row["graph_ms"] / row["decode_graph_ms"]
-        log(f"{preset} b={batch_size:3d} one verify step: graph {num(row['graph_ms'], '.3f')} ms, eager "
-            f"{row['eager_ms']:.3f} ms (forward {row['eager_forward_ms']:.3f}), decode graph "
-            f"{num(row['decode_graph_ms'], '.3f')} ms")
-        out.append(row)
-    return out
 
 
 # ---- per model shape ---------------------------------------------------------------------
@@ -380,32 +174,6 @@ class Shape:
 
 
 # ---- the run -----------------------------------------------------------------------------
-def code_version() -> dict:
-    """The git commit and whether tracked files differ from it where there is a checkout (else
-    $STRUCTGEN_COMMIT), and a digest of the engine's sources and this script, which identifies
-    the code where there is no .git (a device copy of the working tree)."""
-    def git(*words: str) -> str | None:
-        try:
-            done = subprocess.run(["git", *words], cwd=ROOT, capture_output=True, text=True, timeout=10)
-        except OSError:
-            return None
-        return done.stdout.strip() if done.returncode == 0 else None
-
-    commit = git("rev-parse", "HEAD")
-    status = git("status", "--porcelain", "--untracked-files=no") if commit else None
-    digest = hashlib.sha256()
-    for path in sorted([*(ROOT / "generation_service").rglob("*.py"), pathlib.Path(__file__).resolve()]):
-        digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
-    return {"code_commit": commit or os.environ.get("STRUCTGEN_COMMIT", "unknown"),
-            "code_dirty": None if status is None else bool(status), "code_sha256": digest.hexdigest()[:16]}
-
-
-def device_name(device: str) -> str:
-    if device.startswith("cuda"):
-        return torch.cuda.get_device_name()
-    return f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--presets", nargs="+", default=["llama-3.1-8b", "llama-3.2-1b"],
@@ -430,19 +198,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     args.batches = sorted(args.batches)
     return args
-
-
-def header(args) -> dict:
-    """What the run was: command, device, versions, code, arguments."""
-    try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    return {"command": "python " + " ".join(sys.argv), "device": device_name(args.device),
-            "torch": torch.__version__, "triton": triton_version, "python": platform.python_version(),
-            **code_version(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "args": vars(args),
-            "workload": "prompt P x repeats (random ids); drafts: see workloads; greedy unless --temperature"}
 
 
 def main() -> int:
