@@ -83,5 +83,10 @@ def test_a_slow_compile_does_not_delay_other_requests(client):
         pytest.skip(f"the compile was not slow on this machine ({slow_done})")
     finished_meanwhile = [o for o in others if o[1] < others[0][0] + slow_done["wait_s"] - 0.2]
     assert len(finished_meanwhile) >= 2, (slow_done, others)
+    # Not queued behind the compile: each got its first token in a fraction of the time the
+    # slow request waited (alone here: 0.03-0.4 s against 7 s). A fixed 1 s bound failed once
+    # on a loaded 2-core machine, where every first token took 1.1-1.5 s during the compile.
+    bound = max(1.0, slow_done["wait_s"] / 4)
     for _, _, stamps in finished_meanwhile:
-        assert stamps and stamps[0] < 1.0, f"first token took {stamps[0]:.2f} s while another grammar compiled"
+        assert stamps and stamps[0] < bound, (f"first token took {stamps[0]:.2f} s while another grammar "
+                                              f"compiled for {slow_done['wait_s']:.1f} s")
