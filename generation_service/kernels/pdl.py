@@ -2,14 +2,18 @@
 
 A decode step at small batch is a chain of ~250 short kernels; between two of them the GPU
 drains one grid and launches the next. With PDL a kernel starts while its predecessor still
-runs: every kernel here calls `pdl_launch_dependents` first (its successor may launch once all
-of its programs have started) and `pdl_wait` before its first global load or store (which
-returns once the predecessor has completed and its writes are visible). So the successor's
-launch and setup overlap the predecessor's tail, and nothing is read or written early.
+runs: each kernel here calls `pdl_wait` before its first global load or store (it returns once
+the predecessor has completed and its writes are visible) and `pdl_launch_dependents` once its
+successor may be let in (the successor launches when every program of this kernel has called
+it or exited). The small kernels (RMSNorm, RoPE, silu*mul, the attention reduce) call it at
+their start; the GEMVs and the attention split kernel after their main loop, so the waiting
+successor does not hold SM slots while they still stream (at their start: 8B B=1 +7.6%,
+docs/gpu.md "Launch overlap"). So the successor's launch and setup overlap the predecessor's
+tail, and nothing is read or written early.
 
-Rules for a kernel that takes `PDL`: call both helpers unconditionally at its top, before any
-global memory access and before any early exit (a kernel that exits without waiting would let
-the next one run ahead of the grid before it). Launch with `**pdl_launch(tensor)`.
+Rules for a kernel that takes `PDL`: `pdl_wait` unconditionally at its top, before any global
+memory access and before any early exit (a kernel that exits without waiting would let the
+next one run ahead of the grid before it). Launch with `**pdl_launch(tensor)`.
 Off under the interpreter and before sm_90; `STRUCTGEN_PDL=0` turns it off (debugging, A/B).
 CUDA graphs keep the launch attribute as a programmatic edge.
 """
