@@ -39,8 +39,7 @@ import triton
 import triton.language as tl
 
 from .decode_fused import silu_mul
-from . import pdl as pdl_module
-from .pdl import pdl_launch, pdl_launch_dependents, pdl_wait
+from .pdl import pdl_launch, pdl_launch_dependents, pdl_on, pdl_wait
 
 MAX_ROWS = 16  # the dot kernel pads x's rows to one 16-wide MMA tile
 NUM_SMS = 132  # H200; the table below targets >= 2 programs per SM
@@ -119,11 +118,12 @@ def measured_config(m: int, weight: torch.Tensor, *, fused: bool = False,
                     pdl: bool | None = None) -> GemvConfig | None:
     """The Triton config that beat cuBLAS on the H200 for x (m, K) @ weight^T (fused: weight is
     [gate; up] for gemv_gate_up_silu), or None (CUBLAS): cuBLAS won, or nobody measured it.
-    pdl (default: kernels.pdl.ENABLED): one row also takes PDL_M1's choices."""
+    pdl (default: whether this weight's kernels launch with PDL, `kernels.pdl.pdl_on`): one row
+    also takes PDL_M1's choices."""
     if weight.dtype != torch.bfloat16:  # the table's numbers are bf16 only
         return CUBLAS
     key = (weight.shape[0], weight.shape[1], fused)
-    if m == 1 and (pdl_module.ENABLED if pdl is None else pdl) and key in PDL_M1:
+    if m == 1 and key in PDL_M1 and (pdl_on(weight) if pdl is None else pdl):
         return PDL_M1[key]
     return next((choice for max_m, choice in MEASURED.get(key, ()) if m <= max_m), CUBLAS)
 

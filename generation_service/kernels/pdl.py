@@ -27,6 +27,8 @@ import triton
 import triton.language as tl
 
 ENABLED = os.environ.get("STRUCTGEN_PDL", "1") != "0"  # module switch, read per launch
+# Like @triton.jit, which picks interpreter or compiler once, when it decorates.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -46,10 +48,14 @@ def _supported(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
+def pdl_on(tensor: torch.Tensor) -> bool:
+    """Kernels working on `tensor` launch with PDL: ENABLED and the device supports it."""
+    return (ENABLED and tensor.is_cuda and not _INTERPRETED
+            and _supported(tensor.device.index if tensor.device.index is not None
+                           else torch.cuda.current_device()))
+
+
 def pdl_launch(tensor: torch.Tensor) -> dict:
-    """Launch keywords for a kernel taking `PDL`: PDL and launch_pdl both on where the device
-    supports it and ENABLED, else both off."""
-    on = (ENABLED and tensor.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
-          and _supported(tensor.device.index if tensor.device.index is not None
-                         else torch.cuda.current_device()))
+    """Launch keywords for a kernel taking `PDL`: PDL and launch_pdl both `pdl_on(tensor)`."""
+    on = pdl_on(tensor)
     return {"PDL": on, "launch_pdl": on}

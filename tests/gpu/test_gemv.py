@@ -98,14 +98,13 @@ def test_decode_with_gemv_matches_cublas(model, batch, plan, monkeypatch):
     logit difference of that row). The cuBLAS runner is teacher-forced with the gemv tokens,
     so both caches hold the same sequence."""
     from generation_service.engine.cuda_graphs import bucket_for
-    from generation_service.kernels import gemv
+    from generation_service.kernels import gemv, pdl
     if plan == "every_projection":
         monkeypatch.setattr(gemv, "measured_config", _every_projection_triton)
     gemv_runner, cublas_runner = _runner(model, 8), _runner(model, 0)
     bucket = bucket_for(batch, gemv_runner.buckets)
     triton = {k for k, v in gemv_runner.forward.gemv_plan(bucket).items() if v != "cublas"}
-    from generation_service.kernels import pdl
-    one_row = {"o_proj", "qkv", "down"} if pdl.ENABLED else {"o_proj"}  # gemv.PDL_M1
+    one_row = {"o_proj", "qkv", "down"} if pdl.pdl_on(model.output_weight) else {"o_proj"}  # gemv.PDL_M1
     expected = {"gate_up_silu", "lm_head"} | (one_row if bucket == 1 else set())
     assert triton == (set(gemv_runner.forward.gemv_plan(bucket)) if plan == "every_projection"
                       else expected), triton
