@@ -321,7 +321,7 @@ class Engine:
             return None
         if self.link is not None and not self.link.is_connected:
             return None  # let `poll` reconnect and fail what needs the grammar
-        if previous.step is not None and not (self.link.is_connected and self.runner.channel is self.link.channel):
+        if previous.step is not None and self.runner.channel is not self.link.channel:
             return None
         requests = [row.request for row in previous.batch.rows]
         if len(self.scheduler.running) != len(requests):
