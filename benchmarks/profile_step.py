@@ -20,7 +20,8 @@ mask_sample greedy, no channel work):
 If the profiler reports no kernels inside graph replays, the eager step body
 (`GpuDecodeRunner.body`) is profiled instead: `kernel_source` says which.
 `--variants` profiles several DecodeForward settings over the same model and cache, side by
-side (VARIANTS: the GEMV table on or off, programmatic dependent launch on or off).
+side (VARIANTS: the GEMV table on or off, programmatic dependent launch on or off, the fused
+prologue or the torch ops it replaces; "embedding" counts the prologue kernel).
 """
 from __future__ import annotations
 
@@ -50,6 +51,8 @@ VARIANTS = {
     "cublas": dict(gemv_max_batch=0, pdl=False),
     "gemv": dict(gemv_max_batch=8, pdl=False),
     "gemv+pdl": dict(gemv_max_batch=8, pdl=True),  # with gemv.PDL_M1 at one row
+    # the same with the ~15 torch ops before layer 0 that kernels/decode_prologue.py replaces
+    "gemv+pdl-torch-prologue": dict(gemv_max_batch=8, pdl=True, fused_prologue=False),
 }
 # (group, lower-case substrings of kernel names), first match wins: Triton kernels by their
 # function names first (attention's reduce kernel must not fall into GEMM's split-K reduce).
@@ -59,7 +62,7 @@ GROUPS = (
     ("silu_mul", ("_silu_mul_kernel",)),
     ("attention", ("_decode_split_kernel", "_decode_reduce_kernel", "attention", "flash")),
     ("mask_sample", ("_partial_kernel", "_finalize_kernel")),
-    ("embedding", ("indexselect", "embedding")),
+    ("embedding", ("indexselect", "embedding", "_prologue_kernel")),
     ("gemm", ("gemm", "gemv", "nvjet", "xmma", "cutlass", "cublas", "splitkreduce")),
 )
 

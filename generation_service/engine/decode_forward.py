@@ -6,10 +6,11 @@ Two versions of the same step (docs/gpu.md has their H200 timings):
   backend: ~10 launches per layer;
 - torch: the model's own modules around the same GEMMs and attention: ~36 launches per layer.
 Both read input ids, positions, page tables and seq_lens from `DecodeBuffers`; padding rows
-(seq_len 0, page table 0) write only into the dummy page. The layer loops themselves
-(`fused_tokens`, `torch_tokens`) take any T token slots, their positions and cache slots and
-an attention callable: decode passes one token per row and the paged decode attention, the
-speculative verify graphs (`verify_graphs.py`) b rows x w tokens and the extend attention.
+(seq_len 0, page table 0) write only into the dummy page. `tokens` runs either layer loop
+over any T token slots, their positions and cache slots and an attention callable: decode
+passes one token per row and the paged decode attention, the speculative verify graphs
+(`verify_graphs.py`) b rows x w tokens and the extend attention. The fused loop starts from
+`kernels/decode_prologue.py`: embedding, cos/sin and (decode) cache slots in one launch.
 The fused version's GEMMs are cuBLAS (F.linear); for buckets <= `gemv_max_batch` each projection
 instead asks `kernels/gemv.py`'s MEASURED table (H200, bf16) and runs the Triton skinny GEMM
 where it beat cuBLAS at that shape and bucket (gate_up with silu*mul fused in), cuBLAS elsewhere.
@@ -94,22 +95,31 @@ class DecodeForward:
         if fused_ops is None:  # Triton element-wise fusions: Llama layout without q/k norms
             fused_ops = fuse_weights and not self.config.qk_norm and self.config.head_dim % 32 == 0
         self.fused_ops = fused_ops
+        if fused_ops:  # cos/sin of every position the cache holds, by the model's own rotary
+            positions = torch.arange(buffers.page_table.shape[1] * kv.page_size, device=kv.device)
+            self._rope_tables = model.rotary(positions, model.model.embed_tokens.weight.dtype)
         if not 0 <= gemv_max_batch <= 16:  # kernels.gemv.MAX_ROWS (not imported: triton)
             raise ValueError(f"gemv_max_batch must be in 0..16, got {gemv_max_batch}")
         self.gemv_max_batch = gemv_max_batch
+        self.fused_prologue = True  # read per call; False: the torch prologue (A/B, profile_step.py)
         self.attention = get_attention_backend("triton")
         self._extend_lens = torch.ones(buffers.max_batch, dtype=torch.int32, device=kv.device)
 
     def __call__(self, bucket: int) -> torch.Tensor:
-        """(bucket, vocab) logits of one token per row; graph safe (no host reads). Fused:
-        ~10 launches per layer (norm, qkv, rope+kv write, attention (2), o_proj, add+norm,
-        gate_up, silu*mul, down; 9 where gemv fuses silu*mul into gate_up), bf16 logits
+        """(bucket, vocab) logits of one token per row; graph safe (no host reads). Fused: the
+        prologue, then ~10 launches per layer (norm, qkv, rope+kv write, attention (2), o_proj,
+        add+norm, gate_up, silu*mul, down; 9 where gemv fuses silu*mul into gate_up), bf16 logits
         (mask_sample reads them as they are); else the model's own modules (the v1 path,
         ~36 launches per layer), float32 logits."""
         buf = self.buffers
+        if self.fused_ops:  # the cache slots come out of the prologue too
+            residual, cos, sin, slot_ids = self._prologue(buf.input_ids[:bucket], buf.positions[:bucket],
+                                                          buf.page_table[:bucket])
+            return self.fused_layers(residual, cos, sin, slot_ids, self._decode_attend(bucket),
+                                     self._projections(bucket))
         ids = buf.input_ids[:bucket].clamp(0, self.config.vocab_size - 1)
-        return self.tokens(ids, buf.positions[:bucket], self._slot_ids(bucket), self._decode_attend(bucket),
-                           self._projections(bucket))
+        return self.torch_tokens(ids, buf.positions[:bucket], self._slot_ids(bucket),
+                                 self._decode_attend(bucket))
 
     def _slot_ids(self, bucket: int) -> torch.Tensor:
         """(b,) int64 flattened cache slot of each row's new token (padding rows: dummy page)."""
@@ -158,17 +168,28 @@ class DecodeForward:
         the attention over the cache once the slots' K/V are written; cuBLAS GEMMs unless
         `proj` says otherwise. Graph safe."""
         if self.fused_ops:
-            return self.fused_tokens(ids, positions, slot_ids, attend, proj or CUBLAS)
+            residual, cos, sin, _ = self._prologue(ids, positions)
+            return self.fused_layers(residual, cos, sin, slot_ids, attend, proj or CUBLAS)
         return self.torch_tokens(ids, positions, slot_ids, attend)
 
-    def fused_tokens(self, ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
-                     attend: Callable, proj: Projections) -> torch.Tensor:
-        """The fused layer loop over T token slots (one per row for decode)."""
+    def _prologue(self, ids: torch.Tensor, positions: torch.Tensor, page_table: torch.Tensor | None = None):
+        """(embedded tokens, cos, sin, cache slots or None) in one launch (fused path), or
+        without `fused_prologue` by the ~15 torch ops it replaces (an A/B baseline)."""
+        if not self.fused_prologue:
+            residual = self.model.model.embed_tokens(ids.clamp(0, self.config.vocab_size - 1))
+            cos, sin = self.model.rotary(positions, residual.dtype)
+            return residual, cos, sin, None if page_table is None else self._slot_ids(ids.shape[0])
+        from generation_service.kernels.decode_prologue import decode_prologue
+        return decode_prologue(ids, positions, self.model.model.embed_tokens.weight, *self._rope_tables,
+                               page_table, self.kv.page_size)
+
+    def fused_layers(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     slot_ids: torch.Tensor, attend: Callable, proj: Projections) -> torch.Tensor:
+        """The fused layer loop over T token slots (one per row for decode): residual (T, hidden)
+        the embedded tokens, cos/sin (T, D) at their positions (`kernels/decode_prologue.py`)."""
         from generation_service.kernels.decode_fused import add_rmsnorm, rope_write_kv
         cfg, m, kv = self.config, self.model, self.kv
-        num_tokens = ids.shape[0]
-        residual = m.model.embed_tokens(ids)  # (T, hidden)
-        cos, sin = m.rotary(positions, residual.dtype)  # (T, D) each
+        num_tokens = residual.shape[0]
         q_dim, eps = cfg.num_heads * cfg.head_dim, cfg.rms_norm_eps
         delta = None
         for index, layer in enumerate(m.model.layers):

@@ -328,6 +328,27 @@ def test_rope_bf16():
     assert_rounding_close(k, want_k)
 
 
+def test_decode_prologue_bf16():
+    """Embedding, cos/sin and cache slots of 128 rows (8B shapes, llama3 RoPE): exactly the
+    torch ops they replace."""
+    from generation_service.kernels.decode_prologue import decode_prologue
+    from generation_service.model.layers import RotaryEmbedding
+    from generation_service.model.presets import PRESETS
+    rotary = RotaryEmbedding(PRESETS["llama-3.1-8b"])
+    rows, max_pages, vocab = 128, 512, 131072
+    cos_table, sin_table = rotary(torch.arange(max_pages * PAGE, device=DEV), torch.bfloat16)
+    embed = torch.randn(vocab, 4096, device=DEV, dtype=torch.bfloat16)
+    ids = torch.randint(-5, vocab + 5, (rows,), device=DEV)
+    positions = torch.randint(0, max_pages * PAGE, (rows,), device=DEV)
+    table = torch.randint(1, 10_000, (rows, max_pages), dtype=torch.int32, device=DEV)
+    hidden, cos, sin, slots = decode_prologue(ids, positions, embed, cos_table, sin_table, table, PAGE)
+    want_cos, want_sin = rotary(positions, torch.bfloat16)
+    pages = table.gather(1, (positions // PAGE).unsqueeze(1)).squeeze(1).long()
+    assert torch.equal(hidden, embed[ids.clamp(0, vocab - 1)])
+    assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+    assert torch.equal(slots, pages * PAGE + positions % PAGE)
+
+
 def assert_rounding_close(got: torch.Tensor, want: torch.Tensor) -> None:
     """The reference within bf16 rounding. Bit-equal under the CPU interpreter; on the H200
     77-81% of elements are (run 6): the compiled kernel keeps the products in fp32, where

@@ -14,9 +14,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from generation_service.kernels import (decode_attention, decode_fused, extend_attention,
-                                        kv_write, mask_sample, philox, prepare_inputs,
-                                        rmsnorm, rotary)
+from generation_service.kernels import (decode_attention, decode_fused, decode_prologue,
+                                        extend_attention, kv_write, mask_sample, philox,
+                                        prepare_inputs, rmsnorm, rotary)
 
 TARGET = GPUTarget("cuda", 90, 32)
 TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int32: "i32",
@@ -99,6 +99,10 @@ def main() -> int:
         "rope_qk_in_place": lambda: compile_sm90(
             rotary._rope_kernel, BF, BF, BF, BF, BF, BF, BF, BF, BF, *[N] * 11,
             NUM_HEADS=32, HALF=48, BLOCK_HALF=64, HAS_SLOTS=False, HAS_V=False, PDL=False, num_warps=1),
+        "decode_prologue": lambda: compile_sm90(
+            decode_prologue._prologue_kernel, I64, I64, I32, BF, BF, BF, BF, BF, BF, I64, 131072,
+            4096, 131072, *[N] * 3, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=1024, PAGE_SIZE=16,
+            HAS_PAGES=True, PDL=True),
         "silu_mul": lambda: compile_sm90(
             decode_fused._silu_mul_kernel, BF, BF, 14336, BLOCK=1024, PDL=True),
     }

@@ -2,8 +2,9 @@
 interpreter: every way of running a step's layer loop gives the logits of the model's own
 modules (the unfused loop), and the K/V it writes land where they belong.
 
-Ways: cuBLAS GEMMs (F.linear) and Triton GEMVs for every projection (`kernels/gemv.py`, which
-the H200 table picks per projection at small buckets). The table is bf16-only, so the test makes
+Ways: cuBLAS GEMMs (F.linear), with the fused prologue or the torch ops it replaces, and Triton
+GEMVs for every projection (`kernels/gemv.py`, which the H200 table picks per projection at
+small buckets). The table is bf16-only, so the test makes
 it send every projection to Triton. bf16 on the real shapes: tests/gpu/test_gemv.py.
 """
 import dataclasses
@@ -37,7 +38,8 @@ def model():
     return model
 
 
-def forward(model, batch: int, *, gemv_max_batch: int, fused_ops: bool = True):
+def forward(model, batch: int, *, gemv_max_batch: int, fused_ops: bool = True,
+            fused_prologue: bool = True):
     """(logits, k cache, v cache) of one decode step of `batch` rows over the same random cache."""
     cfg = model.config
     kv = KVCache(cfg.num_layers, 1 + batch * PAGES_PER_ROW, PAGE, cfg.num_kv_heads, cfg.head_dim,
@@ -51,6 +53,7 @@ def forward(model, batch: int, *, gemv_max_batch: int, fused_ops: bool = True):
     buffers.set_rows(0, torch.randint(0, cfg.vocab_size, (batch,), generator=gen), positions,
                      (positions + 1).int(), table)
     step = DecodeForward(model, kv, buffers, fused_ops=fused_ops, gemv_max_batch=gemv_max_batch)
+    step.fused_prologue = fused_prologue
     with torch.no_grad():
         return step(batch).float(), torch.stack(kv.k), torch.stack(kv.v)
 
@@ -65,9 +68,11 @@ def every_projection_triton(m, weight, *, fused=False):
 def test_every_fused_form_gives_the_modules_logits(model, monkeypatch, rel_err, batch):
     ref, ref_k, ref_v = forward(model, batch, gemv_max_batch=0, fused_ops=False)
     cublas = forward(model, batch, gemv_max_batch=0)
+    torch_prologue = forward(model, batch, gemv_max_batch=0, fused_prologue=False)
     monkeypatch.setattr(gemv, "measured_config", every_projection_triton)
     triton_gemv = forward(model, batch, gemv_max_batch=8)
-    for name, (logits, k, v) in {"cublas": cublas, "gemv": triton_gemv}.items():
+    forms = {"cublas": cublas, "cublas, torch prologue": torch_prologue, "gemv": triton_gemv}
+    for name, (logits, k, v) in forms.items():
         assert logits.shape == ref.shape, name
         assert rel_err(logits, ref) < 1e-5, name
         assert rel_err(k, ref_k) < 1e-5 and rel_err(v, ref_v) < 1e-5, name
