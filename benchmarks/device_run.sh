@@ -10,6 +10,7 @@
 # .bench: the real tokenizers as tgz, made here from the converted copies:
 #   tar czf .bench/<name>.tgz -C ~/.cache/structgen/tokenizers <name>   (tekken_131k, mistral_32k)
 #   run: bash benchmarks/device_run.sh [tests|bench|verify|profile|gemv|grammar|all|a,b,...] [extra decode.py args...]
+#   (PROFILE_ARGS: extra profile_step.py args, e.g. "--variants gemv+pdl-torch-prologue gemv+pdl")
 # Writes under $OUT: env.txt, tests.log, junit.xml, bench.log, decode-h200.json,
 #   grammar_step.log, grammar_step-h200-host-16cpu.json, profile.log, profile-h200.json,
 #   kernels-gemv.log, kernels-gemv-h200.json, verify.log, verify-h200.json.
@@ -56,7 +57,7 @@ if want verify; then
 fi
 if want profile; then
   # where the free decode step's time goes (cuBLAS GEMMs, then with the Triton GEMVs)
-  timeout ${PROFILE_TIMEOUT:-150} python3 benchmarks/profile_step.py --out "$OUT/profile-h200.json" 2>&1 \
+  timeout ${PROFILE_TIMEOUT:-150} python3 benchmarks/profile_step.py --out "$OUT/profile-h200.json" ${PROFILE_ARGS:-} 2>&1 \
     | tee "$OUT/profile.log" | tail -60
 fi
 if want gemv; then
