@@ -21,7 +21,7 @@ If the profiler reports no kernels inside graph replays, the eager step body
 (`GpuDecodeRunner.body`) is profiled instead: `kernel_source` says which.
 `--variants` profiles several DecodeForward settings over the same model and cache, side by
 side (VARIANTS: the GEMV table on or off, programmatic dependent launch on or off, the fused
-prologue or the torch ops it replaces; "embedding" counts the prologue kernel).
+prologue and step epilogue or the torch ops they replace; "embedding" counts the prologue).
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ from decode import copy_bandwidth_gbs, graph_ms, weight_bytes_read  # noqa: E402
 VOCAB = 131072
 PAGE_SIZE = 16
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
-# DecodeForward settings (read per call: set before capture) and pdl (kernels/pdl.py's
+# DecodeForward / GpuDecodeRunner settings (set before capture) and pdl (kernels/pdl.py's
 # switch, read per launch: on for every kernel launched while capturing the variant's graphs)
 VARIANTS = {
     "cublas": dict(gemv_max_batch=0, pdl=False),
@@ -53,6 +53,8 @@ VARIANTS = {
     "gemv+pdl": dict(gemv_max_batch=8, pdl=True),  # with gemv.PDL_M1 at one row
     # the same with the ~15 torch ops before layer 0 that kernels/decode_prologue.py replaces
     "gemv+pdl-torch-prologue": dict(gemv_max_batch=8, pdl=True, fused_prologue=False),
+    # ... and the 5 torch ops after sampling that kernels/step_epilogue.py replaces (GpuDecodeRunner)
+    "gemv+pdl-torch-epilogue": dict(gemv_max_batch=8, pdl=True, fused_epilogue=False),
 }
 # (group, lower-case substrings of kernel names), first match wins: Triton kernels by their
 # function names first (attention's reduce kernel must not fall into GEMM's split-K reduce).
@@ -263,8 +265,8 @@ def model_shape(args, preset: str, bandwidth: float) -> dict:
         runner = GpuDecodeRunner(model, kv, max_batch=max_batch, buckets=tuple(args.batches))
         settings = dict(VARIANTS[name])
         pdl.ENABLED = settings.pop("pdl")
-        for key, value in settings.items():  # read per call by DecodeForward: before capture
-            setattr(runner.forward, key, value)
+        for key, value in settings.items():  # read per call or at capture: set before capture
+            setattr(runner if hasattr(runner, key) else runner.forward, key, value)
         with torch.no_grad():
             capture_s = runner.capture()
             log(f"{preset} [{name}]: built and captured in {time.perf_counter() - started:.1f} s")

@@ -9,8 +9,10 @@ One decode step of bucket b (the body captured by `DecodeGraphs`), mask prefetch
       (`DecodeForward`, decode_forward.py)          from mapped host memory -> mask buffer
       join <-----------------------------------
     sample (mask applied)                         kernels.mask_sample (greedy when temperature 0)
-    [channel] outputs of entry N, outputs_seq = N, N += 1 on the device
-    feed: input_ids = tokens; positions, seq_lens += 1 for live rows
+    epilogue: out_tokens; [channel] outputs of     kernels.step_epilogue (one launch)
+      entry N; feed: input_ids = tokens,
+      positions, seq_lens += 1 for live rows
+    [channel] outputs_seq = N, N += 1 on the device
 
 grammar_service publishes step N's masks usually long before the forward ends, so the
 wait and the PCIe read of the mask rows (~2 MB at b=128, vocab 131k) leave the critical
@@ -106,6 +108,7 @@ class GpuDecodeRunner:
         self.max_batch = self.buckets[-1]
         self.mapped = mapped
         self.sampler = sampler
+        self.fused_epilogue = True  # read at capture; False: the torch ops (A/B, profile_step.py)
         max_pages = -(-self.config.max_position_embeddings // kv.page_size)
         self.buffers = DecodeBuffers.allocate(self.max_batch, max_pages, self.device)
         self.forward = DecodeForward(model, kv, self.buffers, fuse_weights=fuse_weights, fused_ops=fused_ops)
@@ -123,7 +126,6 @@ class GpuDecodeRunner:
         self._top_k = torch.zeros(mb, dtype=torch.int32, device=self.device)
         self._top_p = torch.ones(mb, dtype=torch.float32, device=self.device)
         self._seeds = torch.zeros(mb, dtype=torch.int64, device=self.device)
-        self._ones = torch.ones(1, self.max_batch, dtype=torch.int32, device=self.device)
         self._side: torch.cuda.Stream | None = None  # the mask-prefetch stream, made once
         self._mask_rows: torch.Tensor | None = None  # (max_batch, W) masks of the step, on the device
         if mapped is not None:
@@ -210,7 +212,7 @@ class GpuDecodeRunner:
                                  self._top_p[:bucket], self._seeds[:bucket], self.buffers.positions[:bucket],
                                  mask_vocab_size=self.mask_vocab if masks is not None else None,
                                  enable_filters=filters)
-            return ids.long()
+            return ids
         if filters:
             raise RuntimeError("the torch fallback sampler is greedy only; top-k/top-p need mask_sample")
         logits = logits.float().nan_to_num(nan=float("-inf"))
@@ -219,6 +221,7 @@ class GpuDecodeRunner:
         return logits.argmax(dim=-1)
 
     def body(self, bucket: int, variant: GraphVariant) -> None:
+        from generation_service.kernels.step_epilogue import step_epilogue, step_epilogue_torch
         buf = self.buffers
         if variant.waits:
             self._publish("inputs_seq")
@@ -236,19 +239,18 @@ class GpuDecodeRunner:
             masks = self._mask_rows[:bucket]
         elif variant.uses_channel:
             masks = self._read_masks(bucket, variant)
-        tokens = self._sample(logits, masks, bucket, variant.filters)  # (b,) int64
-        buf.out_tokens[:bucket].copy_(tokens)
-        if variant.uses_channel:
-            self._out_tokens[:, :bucket].index_put_((buf.ring_slot,), tokens.int().view(1, bucket))
-            self._out_counts[:, :bucket].index_put_((buf.ring_slot,), self._ones[:, :bucket])
+        tokens = self._sample(logits, masks, bucket, variant.filters)  # (b,) int32 or int64
+        # One launch: out_tokens, the channel's outputs at the ring slot, and the sampled tokens
+        # fed back (the host overwrites rows it changes before the next step; it reads nothing
+        # of these before outputs_seq).
+        channel = (buf.ring_slot, self._out_tokens, self._out_counts) if variant.uses_channel else None
+        if self.fused_epilogue:
+            step_epilogue(tokens, buf.out_tokens, buf.input_ids, buf.positions, buf.seq_lens, channel)
+        else:
+            step_epilogue_torch(tokens, buf.out_tokens, buf.input_ids, buf.positions, buf.seq_lens, channel)
         if variant.waits:
             self._publish("outputs_seq")
             advance_channel_step(buf, self.depth)
-        # Feed the sampled tokens back; the host overwrites rows it changes before the next step.
-        live = buf.seq_lens[:bucket] > 0
-        buf.input_ids[:bucket].copy_(tokens)
-        buf.positions[:bucket].add_(live)
-        buf.seq_lens[:bucket].add_(live)  # bool promotes to the int32 of seq_lens: no cast kernel
 
     # ---- driving ------------------------------------------------------------------------
     def warmup(self, bucket: int) -> None:

@@ -16,7 +16,7 @@ from triton.compiler import ASTSource
 
 from generation_service.kernels import (decode_attention, decode_fused, decode_prologue,
                                         extend_attention, kv_write, mask_sample, philox,
-                                        prepare_inputs, rmsnorm, rotary)
+                                        prepare_inputs, rmsnorm, rotary, step_epilogue)
 
 TARGET = GPUTarget("cuda", 90, 32)
 TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int32: "i32",
@@ -103,6 +103,9 @@ def main() -> int:
             decode_prologue._prologue_kernel, I64, I64, I32, BF, BF, BF, BF, BF, BF, I64, 131072,
             4096, 131072, *[N] * 3, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=1024, PAGE_SIZE=16,
             HAS_PAGES=True, PDL=True),
+        "step_epilogue": lambda: compile_sm90(
+            step_epilogue._step_epilogue_kernel, I32, I64, I64, I64, I32, I64, I32, I32, *[N] * 4,
+            CHANNEL=True, BLOCK=128),
         "silu_mul": lambda: compile_sm90(
             decode_fused._silu_mul_kernel, BF, BF, 14336, BLOCK=1024, PDL=True),
     }
