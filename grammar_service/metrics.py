@@ -14,3 +14,6 @@ STEP_SECONDS = Histogram(
     buckets=(50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1))
 ROWS_REJECTED = Counter(
     "structgen_grammar_tokens_rejected_total", "Accepted tokens the matcher refused (request aborted)")
+STEP_PHASE_SECONDS = Counter(
+    "structgen_grammar_step_phase_seconds", "Time of grammar steps by phase (loop.py: StepPhases)",
+    ["phase"])  # advance, fill, bookkeeping; the three add up to the step time
