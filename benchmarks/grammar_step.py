@@ -5,7 +5,13 @@ process plays the engine: it writes descriptors and outputs, publishes `inputs_s
 waits for `mask_seq >= N`. Reported per (vocabulary, workload, batch):
 - `step_us_p50/p90/p99`: publish inputs -> masks seen, as the engine experiences it
   (includes the loop's wake-up latency);
-- `service_step_us`: the loop's own time per step (advance + fill), from GetStats.
+- `service_step_us`: the loop's own time per step (advance + fill), from GetStats;
+- `service_advance_us` / `service_fill_us` / `service_bookkeeping_us`: its phases per step
+  (they add up to service_step_us; loop.py `StepPhases`), from the service's Prometheus
+  counter structgen_grammar_step_phase_seconds_total on --metrics-port.
+Each (workload, batch) runs once per step mode (`--modes`: STRUCTGEN_GRAMMAR_STEP of the
+service, one service process per mode, modes interleaved) and `--repeats` times; `summary`
+holds the medians over the repeats and the overlap/serial ratio.
 Workloads:
 - `replay`: realistic JSON documents, each constrained by its schema, tokenized with the
   real tokenizer; rows start at staggered offsets and restart (FRESH) when done;
@@ -14,6 +20,8 @@ Workloads:
   its own mask (EOS only when nothing else is allowed), restarting after 256 tokens.
 
     .venv/bin/python benchmarks/grammar_step.py --machine ci-2core
+    .venv/bin/python benchmarks/grammar_step.py --backends llguidance --vocabs tekken_131k \
+        --workloads random replay --batches 64 128 --repeats 5 --out benchmarks/results/grammar_step-ci-2core-overlap.json
 writes benchmarks/results/grammar_step-<machine>.json and prints a table.
 """
 from __future__ import annotations
@@ -25,10 +33,12 @@ import os
 import pathlib
 import platform
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 
 import numpy as np
 
@@ -143,30 +153,84 @@ def run_random(engine: Engine, grammar_ids, batch: int, num_steps: int, seed: in
     return times
 
 
-def start_service(sock: str, tok_dir: str, vocab: int, fill_threads: int) -> subprocess.Popen:
+PHASES = ("advance", "fill", "bookkeeping")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_service(sock: str, tok_dir: str, vocab: int, fill_threads: int, mode: str, metrics_port: int) -> subprocess.Popen:
+    env = dict(os.environ, STRUCTGEN_GRAMMAR_STEP=mode)
     return subprocess.Popen([sys.executable, "-m", "grammar_service", "--listen", f"unix://{sock}",
                              "--tokenizer-dir", tok_dir, "--vocab-size", str(vocab),
-                             "--num-fill-threads", str(fill_threads), "--log-level", "WARNING"], cwd=ROOT)
+                             "--num-fill-threads", str(fill_threads), "--metrics-port", str(metrics_port),
+                             "--log-level", "WARNING"], cwd=ROOT, env=env)
 
 
-def bench_one(client, tok_dir: str, fingerprint: str, geometry: Geometry, grammar_ids, docs_ids,
-              workload: str, batch: int, args) -> tuple[np.ndarray, float]:
-    """(engine-side step times in us, the service's own mean step time in us) for one configuration."""
+def phase_seconds(metrics_port: int) -> dict[str, float]:
+    """The service's structgen_grammar_step_phase_seconds_total by phase."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+    out = dict.fromkeys(PHASES, 0.0)
+    for line in text.splitlines():
+        if line.startswith("structgen_grammar_step_phase_seconds_total{"):
+            phase = line.split('phase="', 1)[1].split('"', 1)[0]
+            out[phase] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+class Service:
+    """One grammar_service process in one step mode."""
+
+    def __init__(self, mode: str, tok_dir: str, vocab: int, fill_threads: int):
+        self.mode = mode
+        self.sock = os.path.join(tempfile.mkdtemp(prefix="grammar-bench-"), "grammar.sock")
+        self.metrics_port = free_port()
+        self.proc = start_service(self.sock, tok_dir, vocab, fill_threads, mode, self.metrics_port)
+        self.client = GrammarControlClient(f"unix://{self.sock}")
+        self.grammar_ids: dict[str, list[int]] = {}  # backend -> ids of DOCUMENTS' schemas
+
+    def wait_healthy(self) -> None:
+        if not wait_healthy(f"unix://{self.sock}", 180, self.proc):
+            raise RuntimeError(f"grammar_service ({self.mode}) did not start")
+
+    def grammars(self, backend: str) -> list[int]:
+        if backend not in self.grammar_ids:
+            self.grammar_ids[backend] = [
+                self.client.compile(GrammarSpec("json_schema", json.dumps(schema), backend=backend)).result(120)
+                .grammar_id for schema, _ in DOCUMENTS]
+        return self.grammar_ids[backend]
+
+    def close(self) -> None:
+        self.client.close()
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+def bench_one(service: Service, backend: str, tok_dir: str, fingerprint: str, geometry: Geometry, docs_ids,
+              workload: str, batch: int, args) -> tuple[np.ndarray, float, dict[str, float]]:
+    """(engine-side step times in us, the service's own mean step time in us, its phases in us
+    per step) for one configuration."""
     num_steps = max(args.min_steps, args.steps // batch)
+    client, grammar_ids = service.client, service.grammars(backend)
     with StepChannel.create(geometry) as chan:
         client.open_channel(chan.name, geometry, max_slots=MAX_BATCH, first_step=1, tokenizer_dir=tok_dir,
                             tokenizer_fingerprint=fingerprint)
         engine = Engine(chan)
-        before = client.stats()
+        before, phases_before = client.stats(), phase_seconds(service.metrics_port)
         if workload == "random":
             times = run_random(engine, grammar_ids, batch, num_steps)
         else:
             drafts = 3 if workload == "replay_drafts3" else 0
             times = run_replay(engine, grammar_ids, docs_ids, batch, num_steps, drafts)
-        after = client.stats()
         client.close_channel(chan.name)
-    service_us = (after["total_step_us"] - before["total_step_us"]) / max(1, after["num_steps"] - before["num_steps"])
-    return np.array(times[args.warmup:] or times), service_us
+        after, phases_after = client.stats(), phase_seconds(service.metrics_port)
+    num = max(1, after["num_steps"] - before["num_steps"])
+    service_us = (after["total_step_us"] - before["total_step_us"]) / num
+    phases = {p: (phases_after[p] - phases_before[p]) * 1e6 / num for p in PHASES}
+    return np.array(times[args.warmup:] or times), service_us, phases
 
 
 def bench_vocab(name: str, args) -> list[dict]:
@@ -179,31 +243,50 @@ def bench_vocab(name: str, args) -> list[dict]:
     docs_ids = [continuation_ids(tok, json.dumps(doc, ensure_ascii=False)) + [EOS] for _, doc in DOCUMENTS]
     fingerprint = fingerprint_tokenizer_json(tok_dir, vocab)
     geometry = Geometry(max_batch=MAX_BATCH, max_positions=MAX_POSITIONS, vocab_size=vocab)
-    sock = os.path.join(tempfile.mkdtemp(prefix="grammar-bench-"), "grammar.sock")
-    proc = start_service(sock, tok_dir, vocab, args.fill_threads)
-    client = GrammarControlClient(f"unix://{sock}")
+    services = [Service(mode, tok_dir, vocab, args.fill_threads) for mode in args.modes]
     rows_out = []
     try:
-        if not wait_healthy(f"unix://{sock}", 180, proc):
-            raise RuntimeError("grammar_service did not start")
-        for backend, workload, batch in itertools.product(args.backends, args.workloads, args.batches):
-            grammar_ids = [client.compile(GrammarSpec("json_schema", json.dumps(schema), backend=backend)).result(120)
-                           .grammar_id for schema, _ in DOCUMENTS]
-            t, service_us = bench_one(client, tok_dir, fingerprint, geometry, grammar_ids, docs_ids, workload, batch, args)
-            row = {"vocab": name, "vocab_size": vocab, "backend": backend, "workload": workload, "batch": batch,
-                   "num_steps": len(t), "step_us_p50": float(np.percentile(t, 50)),
-                   "step_us_p90": float(np.percentile(t, 90)), "step_us_p99": float(np.percentile(t, 99)),
-                   "step_us_mean": float(t.mean()), "service_step_us": service_us,
-                   "service_us_per_row": service_us / batch}
-            rows_out.append(row)
-            print(f"{name:12s} {backend:10s} {workload:15s} {batch:5d} {row['num_steps']:6d} {row['step_us_p50']:10.0f} "
-                  f"{row['step_us_p90']:10.0f} {row['step_us_p99']:10.0f} {service_us:12.0f} "
-                  f"{service_us / batch:10.1f}", flush=True)
+        for service in services:
+            service.wait_healthy()
+        for repeat, (backend, workload, batch) in itertools.product(
+                range(args.repeats), itertools.product(args.backends, args.workloads, args.batches)):
+            for service in services:  # modes interleaved: the machine's load drifts alike for both
+                t, service_us, phases = bench_one(service, backend, tok_dir, fingerprint, geometry, docs_ids,
+                                                  workload, batch, args)
+                row = {"vocab": name, "vocab_size": vocab, "backend": backend, "workload": workload, "batch": batch,
+                       "mode": service.mode, "repeat": repeat,
+                       "num_steps": len(t), "step_us_p50": float(np.percentile(t, 50)),
+                       "step_us_p90": float(np.percentile(t, 90)), "step_us_p99": float(np.percentile(t, 99)),
+                       "step_us_mean": float(t.mean()), "service_step_us": service_us,
+                       "service_us_per_row": service_us / batch,
+                       **{f"service_{p}_us": phases[p] for p in PHASES}}
+                rows_out.append(row)
+                print(f"{name:12s} {backend:10s} {workload:15s} {batch:5d} {service.mode:8s} {row['num_steps']:6d} "
+                      f"{row['step_us_p50']:10.0f} {row['step_us_p90']:10.0f} {row['step_us_p99']:10.0f} "
+                      f"{service_us:12.0f} {service_us / batch:10.1f} " + " ".join(f"{phases[p]:8.0f}" for p in PHASES),
+                      flush=True)
     finally:
-        client.close()
-        proc.terminate()
-        proc.wait(30)
+        for service in services:
+            service.close()
     return rows_out
+
+
+def summarize(results: list[dict]) -> list[dict]:
+    """Medians over the repeats per (vocab, backend, workload, batch, mode); overlap/serial ratios."""
+    keys = ("step_us_p50", "step_us_p90", "service_step_us", *(f"service_{p}_us" for p in PHASES))
+    groups: dict[tuple, list[dict]] = {}
+    for row in results:
+        groups.setdefault((row["vocab"], row["backend"], row["workload"], row["batch"], row["mode"]), []).append(row)
+    summary = [{"vocab": v, "backend": b, "workload": w, "batch": n, "mode": m, "repeats": len(rows),
+                **{f"median_{k}": statistics.median(r[k] for r in rows) for k in keys}}
+               for (v, b, w, n, m), rows in groups.items()]
+    serial = {(s["vocab"], s["backend"], s["workload"], s["batch"]): s for s in summary if s["mode"] == "serial"}
+    for s in summary:
+        base = serial.get((s["vocab"], s["backend"], s["workload"], s["batch"]))
+        if base is not None and s["mode"] != "serial":
+            s["step_us_p50_vs_serial"] = s["median_step_us_p50"] / base["median_step_us_p50"]
+            s["service_step_us_vs_serial"] = s["median_service_step_us"] / base["median_service_step_us"]
+    return summary
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -219,23 +302,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--fill-threads", type=int, default=0,
                         help="BatchGrammarMatcher threads; 0 = xgrammar's auto (cores / 2)")
+    parser.add_argument("--modes", nargs="+", default=["overlap", "serial"], choices=["overlap", "serial"],
+                        help="STRUCTGEN_GRAMMAR_STEP of the service; one process per mode, interleaved (A/B)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of every configuration (summary: medians)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    print(f"{'vocab':12s} {'backend':10s} {'workload':15s} {'batch':>5s} {'steps':>6s} {'p50 us':>10s} {'p90 us':>10s} "
-          f"{'p99 us':>10s} {'service us':>12s} {'us/row':>10s}")
+    print(f"{'vocab':12s} {'backend':10s} {'workload':15s} {'batch':>5s} {'mode':8s} {'steps':>6s} {'p50 us':>10s} "
+          f"{'p90 us':>10s} {'p99 us':>10s} {'service us':>12s} {'us/row':>10s} {'advance':>8s} {'fill':>8s} {'bookkeep':>8s}")
     started, load_at_start = time.time(), os.getloadavg()
     results = [row for name in args.vocabs for row in bench_vocab(name, args)]
+    summary = summarize(results)
     out = pathlib.Path(args.out or ROOT / "benchmarks" / "results" / f"grammar_step-{args.machine}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
+
+    def _version(package: str) -> str:
+        try:
+            return version(package)
+        except PackageNotFoundError:
+            return ""
     out.write_text(json.dumps({
         "benchmark": "grammar_step", "machine": args.machine, "cpu_count": os.cpu_count(),
-        "platform": platform.platform(), "processor": platform.processor(), "xgrammar": version("xgrammar"),
-        "fill_threads": args.fill_threads,
+        "platform": platform.platform(), "processor": platform.processor(), "xgrammar": _version("xgrammar"),
+        "llguidance": _version("llguidance"), "fill_threads": args.fill_threads,
+        "modes": args.modes, "repeats": args.repeats,
         "fill_threads_effective": args.fill_threads or max(1, (os.cpu_count() or 2) // 2),
         "load_average_at_end": os.getloadavg(),
         "load_average_at_start": load_at_start, "max_positions": MAX_POSITIONS, "wall_s": time.time() - started,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "results": results}, indent=1) + "\n")
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "summary": summary,
+        "results": results}, indent=1) + "\n")
+    for s in summary:
+        print(f"median {s['workload']:8s} {s['batch']:4d} {s['mode']:8s} p50 {s['median_step_us_p50']:7.0f} us  service "
+              f"{s['median_service_step_us']:7.0f} us (advance {s['median_service_advance_us']:.0f}, fill "
+              f"{s['median_service_fill_us']:.0f}, bookkeeping {s['median_service_bookkeeping_us']:.0f})"
+              + (f"  x{s['service_step_us_vs_serial']:.3f} of serial" if "service_step_us_vs_serial" in s else ""))
     print(f"wrote {out}")
     return 0
 
