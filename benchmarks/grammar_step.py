@@ -9,9 +9,8 @@ waits for `mask_seq >= N`. Reported per (vocabulary, workload, batch):
 - `service_advance_us` / `service_fill_us` / `service_bookkeeping_us`: its phases per step
   (they add up to service_step_us; loop.py `StepPhases`), from the service's Prometheus
   counter structgen_grammar_step_phase_seconds_total on --metrics-port.
-Each (workload, batch) runs once per step mode (`--modes`: STRUCTGEN_GRAMMAR_STEP of the
-service, one service process per mode, modes interleaved) and `--repeats` times; `summary`
-holds the medians over the repeats and the overlap/serial ratio.
+Each (backend, workload, batch) runs `--repeats` times; `summary` holds the medians over
+the repeats.
 Workloads:
 - `replay`: realistic JSON documents, each constrained by its schema, tokenized with the
   real tokenizer; rows start at staggered offsets and restart (FRESH) when done;
@@ -21,7 +20,7 @@ Workloads:
 
     .venv/bin/python benchmarks/grammar_step.py --machine ci-2core
     .venv/bin/python benchmarks/grammar_step.py --backends llguidance --vocabs tekken_131k \
-        --workloads random replay --batches 64 128 --repeats 5 --out benchmarks/results/grammar_step-ci-2core-overlap.json
+        --workloads random replay --batches 64 128 --repeats 5 --out /tmp/grammar_step.json
 writes benchmarks/results/grammar_step-<machine>.json and prints a table.
 """
 from __future__ import annotations
@@ -162,12 +161,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_service(sock: str, tok_dir: str, vocab: int, fill_threads: int, mode: str, metrics_port: int) -> subprocess.Popen:
-    env = dict(os.environ, STRUCTGEN_GRAMMAR_STEP=mode)
+def start_service(sock: str, tok_dir: str, vocab: int, fill_threads: int, metrics_port: int) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "grammar_service", "--listen", f"unix://{sock}",
                              "--tokenizer-dir", tok_dir, "--vocab-size", str(vocab),
                              "--num-fill-threads", str(fill_threads), "--metrics-port", str(metrics_port),
-                             "--log-level", "WARNING"], cwd=ROOT, env=env)
+                             "--log-level", "WARNING"], cwd=ROOT)
 
 
 def phase_seconds(metrics_port: int) -> dict[str, float]:
@@ -182,19 +180,18 @@ def phase_seconds(metrics_port: int) -> dict[str, float]:
 
 
 class Service:
-    """One grammar_service process in one step mode."""
+    """One grammar_service process, its control client and its metrics port."""
 
-    def __init__(self, mode: str, tok_dir: str, vocab: int, fill_threads: int):
-        self.mode = mode
+    def __init__(self, tok_dir: str, vocab: int, fill_threads: int):
         self.sock = os.path.join(tempfile.mkdtemp(prefix="grammar-bench-"), "grammar.sock")
         self.metrics_port = free_port()
-        self.proc = start_service(self.sock, tok_dir, vocab, fill_threads, mode, self.metrics_port)
+        self.proc = start_service(self.sock, tok_dir, vocab, fill_threads, self.metrics_port)
         self.client = GrammarControlClient(f"unix://{self.sock}")
         self.grammar_ids: dict[str, list[int]] = {}  # backend -> ids of DOCUMENTS' schemas
 
     def wait_healthy(self) -> None:
         if not wait_healthy(f"unix://{self.sock}", 180, self.proc):
-            raise RuntimeError(f"grammar_service ({self.mode}) did not start")
+            raise RuntimeError("grammar_service did not start")
 
     def grammars(self, backend: str) -> list[int]:
         if backend not in self.grammar_ids:
@@ -243,50 +240,40 @@ def bench_vocab(name: str, args) -> list[dict]:
     docs_ids = [continuation_ids(tok, json.dumps(doc, ensure_ascii=False)) + [EOS] for _, doc in DOCUMENTS]
     fingerprint = fingerprint_tokenizer_json(tok_dir, vocab)
     geometry = Geometry(max_batch=MAX_BATCH, max_positions=MAX_POSITIONS, vocab_size=vocab)
-    services = [Service(mode, tok_dir, vocab, args.fill_threads) for mode in args.modes]
+    service = Service(tok_dir, vocab, args.fill_threads)
     rows_out = []
     try:
-        for service in services:
-            service.wait_healthy()
+        service.wait_healthy()
         for repeat, (backend, workload, batch) in itertools.product(
                 range(args.repeats), itertools.product(args.backends, args.workloads, args.batches)):
-            for service in services:  # modes interleaved: the machine's load drifts alike for both
-                t, service_us, phases = bench_one(service, backend, tok_dir, fingerprint, geometry, docs_ids,
-                                                  workload, batch, args)
-                row = {"vocab": name, "vocab_size": vocab, "backend": backend, "workload": workload, "batch": batch,
-                       "mode": service.mode, "repeat": repeat,
-                       "num_steps": len(t), "step_us_p50": float(np.percentile(t, 50)),
-                       "step_us_p90": float(np.percentile(t, 90)), "step_us_p99": float(np.percentile(t, 99)),
-                       "step_us_mean": float(t.mean()), "service_step_us": service_us,
-                       "service_us_per_row": service_us / batch,
-                       **{f"service_{p}_us": phases[p] for p in PHASES}}
-                rows_out.append(row)
-                print(f"{name:12s} {backend:10s} {workload:15s} {batch:5d} {service.mode:8s} {row['num_steps']:6d} "
-                      f"{row['step_us_p50']:10.0f} {row['step_us_p90']:10.0f} {row['step_us_p99']:10.0f} "
-                      f"{service_us:12.0f} {service_us / batch:10.1f} " + " ".join(f"{phases[p]:8.0f}" for p in PHASES),
-                      flush=True)
+            t, service_us, phases = bench_one(service, backend, tok_dir, fingerprint, geometry, docs_ids,
+                                              workload, batch, args)
+            row = {"vocab": name, "vocab_size": vocab, "backend": backend, "workload": workload, "batch": batch,
+                   "repeat": repeat,
+                   "num_steps": len(t), "step_us_p50": float(np.percentile(t, 50)),
+                   "step_us_p90": float(np.percentile(t, 90)), "step_us_p99": float(np.percentile(t, 99)),
+                   "step_us_mean": float(t.mean()), "service_step_us": service_us,
+                   "service_us_per_row": service_us / batch,
+                   **{f"service_{p}_us": phases[p] for p in PHASES}}
+            rows_out.append(row)
+            print(f"{name:12s} {backend:10s} {workload:15s} {batch:5d} {row['num_steps']:6d} "
+                  f"{row['step_us_p50']:10.0f} {row['step_us_p90']:10.0f} {row['step_us_p99']:10.0f} "
+                  f"{service_us:12.0f} {service_us / batch:10.1f} " + " ".join(f"{phases[p]:8.0f}" for p in PHASES),
+                  flush=True)
     finally:
-        for service in services:
-            service.close()
+        service.close()
     return rows_out
 
 
 def summarize(results: list[dict]) -> list[dict]:
-    """Medians over the repeats per (vocab, backend, workload, batch, mode); overlap/serial ratios."""
+    """Medians over the repeats per (vocab, backend, workload, batch)."""
     keys = ("step_us_p50", "step_us_p90", "service_step_us", *(f"service_{p}_us" for p in PHASES))
     groups: dict[tuple, list[dict]] = {}
     for row in results:
-        groups.setdefault((row["vocab"], row["backend"], row["workload"], row["batch"], row["mode"]), []).append(row)
-    summary = [{"vocab": v, "backend": b, "workload": w, "batch": n, "mode": m, "repeats": len(rows),
-                **{f"median_{k}": statistics.median(r[k] for r in rows) for k in keys}}
-               for (v, b, w, n, m), rows in groups.items()]
-    serial = {(s["vocab"], s["backend"], s["workload"], s["batch"]): s for s in summary if s["mode"] == "serial"}
-    for s in summary:
-        base = serial.get((s["vocab"], s["backend"], s["workload"], s["batch"]))
-        if base is not None and s["mode"] != "serial":
-            s["step_us_p50_vs_serial"] = s["median_step_us_p50"] / base["median_step_us_p50"]
-            s["service_step_us_vs_serial"] = s["median_service_step_us"] / base["median_service_step_us"]
-    return summary
+        groups.setdefault((row["vocab"], row["backend"], row["workload"], row["batch"]), []).append(row)
+    return [{"vocab": v, "backend": b, "workload": w, "batch": n, "repeats": len(rows),
+             **{f"median_{k}": statistics.median(r[k] for r in rows) for k in keys}}
+            for (v, b, w, n), rows in groups.items()]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -302,12 +289,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--fill-threads", type=int, default=0,
                         help="BatchGrammarMatcher threads; 0 = xgrammar's auto (cores / 2)")
-    parser.add_argument("--modes", nargs="+", default=["overlap", "serial"], choices=["overlap", "serial"],
-                        help="STRUCTGEN_GRAMMAR_STEP of the service; one process per mode, interleaved (A/B)")
     parser.add_argument("--repeats", type=int, default=1, help="runs of every configuration (summary: medians)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    print(f"{'vocab':12s} {'backend':10s} {'workload':15s} {'batch':>5s} {'mode':8s} {'steps':>6s} {'p50 us':>10s} "
+    print(f"{'vocab':12s} {'backend':10s} {'workload':15s} {'batch':>5s} {'steps':>6s} {'p50 us':>10s} "
           f"{'p90 us':>10s} {'p99 us':>10s} {'service us':>12s} {'us/row':>10s} {'advance':>8s} {'fill':>8s} {'bookkeep':>8s}")
     started, load_at_start = time.time(), os.getloadavg()
     results = [row for name in args.vocabs for row in bench_vocab(name, args)]
@@ -325,17 +310,16 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "grammar_step", "machine": args.machine, "cpu_count": os.cpu_count(),
         "platform": platform.platform(), "processor": platform.processor(), "xgrammar": _version("xgrammar"),
         "llguidance": _version("llguidance"), "fill_threads": args.fill_threads,
-        "modes": args.modes, "repeats": args.repeats,
+        "repeats": args.repeats,
         "fill_threads_effective": args.fill_threads or max(1, (os.cpu_count() or 2) // 2),
         "load_average_at_end": os.getloadavg(),
         "load_average_at_start": load_at_start, "max_positions": MAX_POSITIONS, "wall_s": time.time() - started,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "summary": summary,
         "results": results}, indent=1) + "\n")
     for s in summary:
-        print(f"median {s['workload']:8s} {s['batch']:4d} {s['mode']:8s} p50 {s['median_step_us_p50']:7.0f} us  service "
+        print(f"median {s['vocab']:12s} {s['backend']:10s} {s['workload']:15s} {s['batch']:4d} p50 {s['median_step_us_p50']:7.0f} us  service "
               f"{s['median_service_step_us']:7.0f} us (advance {s['median_service_advance_us']:.0f}, fill "
-              f"{s['median_service_fill_us']:.0f}, bookkeeping {s['median_service_bookkeeping_us']:.0f})"
-              + (f"  x{s['service_step_us_vs_serial']:.3f} of serial" if "service_step_us_vs_serial" in s else ""))
+              f"{s['median_service_fill_us']:.0f}, bookkeeping {s['median_service_bookkeeping_us']:.0f})")
     print(f"wrote {out}")
     return 0
 

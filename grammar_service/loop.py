@@ -11,19 +11,10 @@ batch_rollback), one call per backend present in the step (usually one); Python 
 rows only for bookkeeping. Masks are written in place in
 the shared region; rows that are not filled with a grammar mask are all ones, and only rows
 that were written with a grammar mask on the entry's previous use are reset.
-
-In overlap mode, steps without drafts (every row one position, one token accepted per row,
-one backend; the common case) take `_overlapped_step` instead: the same results, masks and valid positions,
-with a and c pipelined: the advance runs in chunks (`batch_advance`) and each finished
-chunk's rows are filled on a helper thread (`_Filler`, native fill without the GIL) while the
-next chunk advances. STRUCTGEN_GRAMMAR_STEP=overlap turns it on (default serial; A/B:
-benchmarks/grammar_step.py --modes).
 """
 from __future__ import annotations
 
 import logging
-import os
-import queue
 import threading
 import time
 from collections import deque
@@ -44,21 +35,6 @@ log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.05     # wake up this often without inputs: heartbeat, stop flag
 WAIT_SPIN_S = 100e-6   # spin this long on inputs_seq, then sleep in steps of at most...
 WAIT_SLEEP_S = 100e-6  # ...this (the fill overlaps the forward; wake-up latency adds to it)
-STEP_MODES = ("overlap", "serial")
-NUM_CHUNKS = 4         # overlapped step: advance chunks per step (each handoff costs a thread wake-up)
-MIN_CHUNK_ROWS = 16    # ...of at least this many rows
-
-
-def step_mode(environ=os.environ) -> str:
-    """STRUCTGEN_GRAMMAR_STEP: "serial" (default: the plain a-b-c order) or "overlap".
-
-    serial stays the default: overlap measured slower, service step x0.94-1.31 on 2 cores and
-    x1.04-1.22 on the 16-CPU GPU host (benchmarks/results/grammar_step-*-overlap.json): the
-    pipelined advance ran about twice as long (GIL handoffs with the helper thread)."""
-    mode = environ.get("STRUCTGEN_GRAMMAR_STEP", "serial")
-    if mode not in STEP_MODES:
-        raise ValueError(f"STRUCTGEN_GRAMMAR_STEP must be one of {STEP_MODES}, got {mode!r}")
-    return mode
 
 
 T = TypeVar("T")
@@ -99,9 +75,8 @@ class _Walker:
 class StepPhases:
     """Nanoseconds by phase, summed over steps; advance + fill + bookkeeping = step time.
 
-    advance: a. fill: c; in an overlapped step only the fill left after the last advance
-    chunk (the rest ran behind the advance). bookkeeping: everything else (descriptor, b,
-    releases, stale rows, publishing)."""
+    advance: a. fill: c. bookkeeping: everything else (descriptor, b, releases, stale rows,
+    publishing)."""
     advance_ns: int = 0
     fill_ns: int = 0
     bookkeeping_ns: int = 0
@@ -115,62 +90,12 @@ class StepPhases:
         metrics.STEP_PHASE_SECONDS.labels("bookkeeping").inc((step_ns - advance_ns - fill_ns) / 1e9)
 
 
-class _Filler:
-    """A helper thread running `batch_fill` jobs while the loop thread advances the next chunk.
-
-    The native fill runs without the GIL. NOTE: `submit` waits (GIL released) until the helper
-    has taken the job; otherwise the helper would wait for the GIL, up to the interpreter's
-    switch interval (5 ms), while the loop thread runs Python."""
-
-    def __init__(self, name: str):
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._taken = threading.Semaphore(0)
-        self._done = threading.Semaphore(0)
-        self._num_pending = 0
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, backend: GrammarBackend, matchers: list, masks: np.ndarray, indices: list[int]) -> None:
-        self._jobs.put((backend, matchers, masks, indices))
-        self._num_pending += 1
-        self._taken.acquire()
-
-    def wait(self) -> None:
-        """Until every submitted job is done; raises the first job's error."""
-        for _ in range(self._num_pending):
-            self._done.acquire()
-        self._num_pending = 0
-        error, self._error = self._error, None
-        if error is not None:
-            raise error
-
-    def close(self) -> None:
-        self._jobs.put(None)
-
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            self._taken.release()
-            try:
-                job[0].batch_fill(*job[1:])
-            except BaseException as exc:  # raised in the loop thread by wait()
-                self._error = self._error or exc
-            finally:
-                self._done.release()
-
-
 class StepLoop:
     """Owns a channel's slots and its loop thread; `start`, then `stop` from another thread."""
 
     def __init__(self, channel: StepChannel, max_slots: int, first_step: int,
-                 lookup_grammar: Callable[[int], tuple[GrammarBackend, Any] | None],
-                 mode: str | None = None):
-        """`mode`: "overlap" or "serial" (module doc); None reads STRUCTGEN_GRAMMAR_STEP."""
+                 lookup_grammar: Callable[[int], tuple[GrammarBackend, Any] | None]):
         self.channel = channel
-        self.mode = step_mode() if mode is None else mode
-        if self.mode not in STEP_MODES:
-            raise ValueError(f"mode must be one of {STEP_MODES}, got {mode!r}")
-        self._filler = _Filler(f"step-fill-{channel.name}") if self.mode == "overlap" else None
         self.phases = StepPhases()
         self.slots = SlotTable(max_slots)
         self.next_step = first_step
@@ -182,7 +107,6 @@ class StepLoop:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.num_steps = 0
-        self.num_overlapped_steps = 0  # steps that took _overlapped_step
         self.total_step_ns = 0
         self._step_ns: deque[int] = deque(maxlen=1024)
         for k in range(g.depth):  # the region starts zeroed; unconstrained rows are all ones
@@ -199,8 +123,6 @@ class StepLoop:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
-        if self._filler is not None:
-            self._filler.close()
 
     def _run(self) -> None:
         chan = self.channel
@@ -225,25 +147,18 @@ class StepLoop:
         rows = entry.desc_rows[:min(entry.batch_size, g.max_batch)].tolist()
         advance_ns = fill_ns = 0
         try:
-            times = self._filler is not None and self._overlapped_step(step, rows)
-            if times:
-                advance_ns, fill_ns = times
-                self.num_overlapped_steps += 1
-            else:
-                advance_started = time.perf_counter_ns()
-                if step != self._first_step:
-                    self._advance(self._prev_rows, self.channel.entry(step - 1), entry.results)
-                advance_ns = time.perf_counter_ns() - advance_started
-                self._bind_and_release(rows)
-                fill_started = time.perf_counter_ns()
-                self._fill(step, rows)
-                fill_ns = time.perf_counter_ns() - fill_started
+            advance_started = time.perf_counter_ns()
+            if step != self._first_step:
+                self._advance(self._prev_rows, self.channel.entry(step - 1), entry.results)
+            advance_ns = time.perf_counter_ns() - advance_started
+            self._bind_and_release(rows)
+            fill_started = time.perf_counter_ns()
+            self._fill(step, rows)
+            fill_ns = time.perf_counter_ns() - fill_started
             for slot, num_positions, flags, _ in rows:
                 if flags & FLAG_RELEASE and num_positions > 0 and self.slots.is_valid(slot):
                     self.slots.release(slot)  # dropped after this step's fill
         except Exception:  # never leave the GPU waiting on a bug
-            if self._filler is not None:
-                self._wait_filler_quietly()
             log.exception("step %d of channel %s failed", step, self.channel.name)
             self._fail_step(step, rows)
         self._prev_rows = rows
@@ -255,135 +170,6 @@ class StepLoop:
         self._step_ns.append(elapsed_ns)
         self.phases.add(advance_ns, fill_ns, elapsed_ns)
         metrics.STEP_SECONDS.observe(elapsed_ns / 1e9)
-
-    def _wait_filler_quietly(self) -> None:
-        """After a failed step: no helper job may still write masks when _fail_step resets them."""
-        try:
-            self._filler.wait()
-        except Exception:
-            pass  # the step fails anyway; the first error is the one logged
-
-    # ---- overlapped step (no drafts) -----------------------------------------------------
-    def _plain_backend(self, step: int, rows: list[list[int]]) -> tuple[bool, GrammarBackend | None]:
-        """(whether `_overlapped_step` can take the step, the one backend of the matchers it
-        advances or fills before b). It can when no row has drafts, each row of step N-1
-        accepted at most one token, no slot is in two rows, and at most one backend is
-        involved (FRESH rows aside: they are filled after b, grouped as in _fill)."""
-        prev, states, max_slots = self._prev_rows, self.slots.states, self.slots.max_slots
-        if step == self._first_step:
-            prev = []
-        elif prev and int(self.channel.entry(step - 1).out_counts[:len(prev)].max()) > 1:
-            return False, None
-        backends = {}
-        for some_rows, skip in ((prev, 0), (rows, FLAG_FRESH)):  # this step's FRESH rows: after b
-            slots = [row[0] for row in some_rows if row[2] & FLAG_CONSTRAINED]
-            if len(set(slots)) != len(slots):
-                return False, None
-            for slot, num_positions, flags, _ in some_rows:
-                if num_positions > 1:
-                    return False, None
-                if flags & FLAG_CONSTRAINED and not flags & skip and 0 <= slot < max_slots:
-                    backend = states[slot].backend
-                    if backend is not None:
-                        backends[id(backend)] = backend
-        return len(backends) <= 1, next(iter(backends.values()), None)
-
-    def _overlapped_step(self, step: int, rows: list[list[int]]) -> tuple[int, int] | None:
-        """a + b + c of a step without drafts, the fill of each advanced chunk on the helper
-        thread; (advance ns, exposed fill ns). None, having changed nothing, when the step
-        does not qualify (`_plain_backend`). Results, masks and valid positions are those of
-        `_advance`, `_bind_and_release` and `_fill`."""
-        qualifies, backend = self._plain_backend(step, rows)
-        if not qualifies:
-            return None
-        advance_started = time.perf_counter_ns()
-        g, entry, filler = self.channel.geometry, self.channel.entry(step), self._filler
-        max_pos, masks, results = g.max_positions, entry.masks, entry.results
-        states, max_slots = self.slots.states, self.slots.max_slots
-        # c's rows: unconstrained ones take their positions; a slot that b touches (FRESH or
-        # release-only) is filled after b, any other as soon as its advance is done
-        touched = {slot for slot, n, flags, _ in rows if flags & FLAG_FRESH or (flags & FLAG_RELEASE and n <= 0)}
-        valid = [0] * len(rows)
-        early: dict[int, int] = {}  # slot -> row of this step
-        late: list[tuple[int, int]] = []  # (row, slot)
-        for r, (slot, num_positions, flags, _) in enumerate(rows):
-            num_positions = min(max(num_positions, 0), max_pos)
-            if not flags & FLAG_CONSTRAINED:
-                valid[r] = num_positions
-            elif num_positions and 0 <= slot < max_slots:
-                if slot in touched:
-                    late.append((r, slot))
-                else:
-                    early[slot] = r
-        filled: list[int] = []
-
-        def fill_rows(slots_rows, direct: bool) -> None:
-            """c for rows whose matcher is final for this step (same cases as _fill)."""
-            matchers, indices, backends = [], [], []
-            for r, slot in slots_rows:
-                state = states[slot]
-                if state.can_fill:
-                    matchers.append(state.matcher)
-                    indices.append(r * max_pos)
-                    backends.append(state.backend)
-                    valid[r] = 1
-                elif state.is_terminated:
-                    masks[r * max_pos] = self._stop_only(state.backend)
-                    filled.append(r * max_pos)
-                    valid[r] = 1
-            if not matchers:
-                return
-            filled.extend(indices)
-            if not direct:  # one backend (_plain_backend)
-                filler.submit(backends[0], matchers, masks, indices)
-                return
-            for group_backend, group in by_backend(list(zip(matchers, indices, backends)), lambda t: t[2]):
-                group_backend.batch_fill([t[0] for t in group], masks, [t[1] for t in group])
-
-        # a, as _advance with one token per row
-        active = []  # (row of step N-1, slot, its state, token)
-        if step != self._first_step:
-            prev = self._prev_rows
-            n = len(prev)
-            results[:n] = (-1, ERR_NONE)
-            prev_entry = self.channel.entry(step - 1)
-            counts, tokens = prev_entry.out_counts[:n].tolist(), prev_entry.out_tokens[:n, 0].tolist()
-            for r, (slot, _, flags, _) in enumerate(prev):
-                if not flags & FLAG_CONSTRAINED or flags & FLAG_RELEASE or not 0 <= slot < max_slots:
-                    continue
-                state = states[slot]
-                if state.pending_error != ERR_NONE:
-                    results[r, 1] = state.pending_error
-                    state.pending_error = ERR_NONE
-                elif state.matcher is None:
-                    results[r, 1] = ERR_NO_MATCHER
-                elif not state.is_terminated and counts[r] > 0:
-                    active.append((r, slot, state, tokens[r]))
-        advanced = {a[1] for a in active}
-        fill_rows([(r, slot) for slot, r in early.items() if slot not in advanced], direct=False)
-        stop_ids = backend.stop_token_ids if active else frozenset()
-        chunk_len = max(MIN_CHUNK_ROWS, -(-len(active) // NUM_CHUNKS))
-        for start in range(0, len(active), chunk_len):
-            chunk = active[start:start + chunk_len]
-            accepted = backend.batch_advance([a[2].matcher for a in chunk], [a[3] for a in chunk])
-            for (r, slot, state, token), ok in zip(chunk, accepted):
-                if not ok:
-                    log.info("slot %d: token %d (index 0) rejected by its grammar", slot, token)
-                    results[r, 1] = ERR_TOKEN_REJECTED
-                    metrics.ROWS_REJECTED.inc()
-                    self.slots.release(slot)
-                elif token in stop_ids and state.matcher.is_terminated():
-                    results[r, 0] = 0
-                    state.is_terminated = True
-            fill_rows([(early[a[1]], a[1]) for a in chunk if a[1] in early], direct=False)
-        advance_ns = time.perf_counter_ns() - advance_started
-        self._bind_and_release(rows)  # b touches no slot of a helper job
-        fill_started = time.perf_counter_ns()
-        fill_rows(late, direct=True)
-        filler.wait()
-        entry.valid_positions[:len(rows)] = valid
-        self._reset_stale(step, set(filled))
-        return advance_ns, time.perf_counter_ns() - fill_started
 
     def _fail_step(self, step: int, rows: list[list[int]]) -> None:
         """Fail this step's constrained rows (ERR_INTERNAL, valid 0, matcher dropped); free rows go on."""

@@ -14,7 +14,6 @@ back itself (base.py: batch_rollback undoes the stop token too).
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -131,11 +130,6 @@ class LLGuidanceBackend(GrammarBackend):
                                            eos_token=list(tokenizer.stop_token_ids) or None)
         self._executor = llg.LLExecutor(num_fill_threads or None)
         self._mask_bytes = tokenizer.mask_words * 4
-        # batch_advance through consume_token_par only with a pool of several threads: with one
-        # (80% of 2 cores) the consumes queue behind the overlapped fill in the same pool and the
-        # step got slower (benchmarks/results/grammar_step-ci-2core-overlap.json)
-        num_pool_threads = num_fill_threads or min(32, int(0.8 * (os.cpu_count() or 1)))
-        self.parallel_advance = num_pool_threads >= 4
 
     # ---- compile -------------------------------------------------------------------------
     def compile(self, spec: GrammarSpec) -> LLGuidanceGrammar:
@@ -157,25 +151,6 @@ class LLGuidanceBackend(GrammarBackend):
     def batch_accept(self, matchers: Sequence[LLGuidanceMatcher], token_ids: Sequence[int]) -> list[bool]:
         # One token per matcher costs microseconds; the mask fill is where threads pay off.
         return [m.accept(t) for m, t in zip(matchers, token_ids)]
-
-    def batch_advance(self, matchers: Sequence[LLGuidanceMatcher], token_ids: Sequence[int]) -> list[bool]:
-        # consume_token_par spreads the consumes over the executor's threads without the GIL;
-        # a refused token leaves llguidance's matcher in its error state, which base.py allows
-        # here (the loop drops it). Stop tokens stay out of llguidance's history (module doc).
-        if not self.parallel_advance:
-            return self.batch_accept(matchers, token_ids)
-        stop_ids, ok = self._stop_ids, [False] * len(matchers)
-        par_at, par = [], []
-        for k, (m, t) in enumerate(zip(matchers, token_ids)):
-            if m.stopped_by_token or t in stop_ids:
-                ok[k] = m.accept(t)
-            else:
-                par_at.append(k)
-                par.append((m.inner, t))
-        if par:
-            for k, accepted in zip(par_at, self._executor.consume_token_par(par)):
-                ok[k] = accepted
-        return ok
 
     def batch_fill(self, matchers: Sequence[LLGuidanceMatcher], masks: np.ndarray, indices: Sequence[int]) -> None:
         if masks.dtype != np.int32 or masks.shape[1] * 4 != self._mask_bytes:

@@ -4,12 +4,16 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
+from prometheus_client import REGISTRY
 
 from channel_driver import Row, allowed_tokens, is_allowed
 from generation_service.engine.params import GrammarSpec
+from grammar_service.loop import StepLoop
 from real_tokenizers import continuation_ids
 from step_channel import (
-    ERR_NO_MATCHER, ERR_NONE, ERR_TOKEN_REJECTED, ERR_UNKNOWN_GRAMMAR, FLAG_CONSTRAINED, FLAG_RELEASE, MASK_OK,
+    ERR_NO_MATCHER, ERR_NONE, ERR_TOKEN_REJECTED, ERR_UNKNOWN_GRAMMAR, FLAG_CONSTRAINED, FLAG_FRESH, FLAG_RELEASE,
+    MASK_OK, Geometry, StepChannel,
 )
 
 EOS = 2  # "</s>" in the Mistral vocabulary
@@ -249,3 +253,35 @@ def test_rows_of_two_backends_share_a_step(driver, compile_id, mistral_32k):
     for backend_masks in masks:
         assert all(is_allowed(m, t) for m, t in zip(backend_masks, ids))
     assert list(allowed_tokens(masks[1][-1])) == [EOS]
+
+
+def test_step_phases_add_up_to_the_step_time_and_reach_the_counter(service, compile_id, mistral_32k):
+    """Per-phase step time (loop.py `StepPhases`): advance and fill are measured, the three
+    phases add up to the loop's step time, and the Prometheus counter gets the same seconds.
+    The loop is driven synchronously (run_step), so every step's time is in when it is read."""
+    ids = continuation_ids(mistral_32k, json.dumps(DOCS[0][1], ensure_ascii=False)) + [EOS]
+    gid = compile_id("json_schema", PERSON)
+    phases = ("advance", "fill", "bookkeeping")
+
+    def counter() -> dict[str, float]:
+        return {p: REGISTRY.get_sample_value("structgen_grammar_step_phase_seconds_total", {"phase": p}) or 0.0
+                for p in phases}
+    before = counter()
+    with StepChannel.create(Geometry(max_batch=2, max_positions=1, vocab_size=32768)) as chan:
+        loop = StepLoop(chan, 16, 1, service._lookup_grammar)
+        for n, token in enumerate(ids, start=1):
+            e = chan.entry(n)
+            e.desc_header[:] = (n, 2)
+            e.desc_rows[0] = (0, 1, FLAG_CONSTRAINED | (FLAG_FRESH if n == 1 else 0), gid)
+            e.desc_rows[1] = (1, 1, 0, 0)  # unconstrained
+            loop.run_step(n)
+            assert n == 1 or e.results[:2, 1].tolist() == [ERR_NONE, ERR_NONE]
+            assert is_allowed(e.masks[0], token)
+            e.out_counts[:2] = 1
+            e.out_tokens[:2, 0] = (token, 9)
+    after, p = counter(), loop.phases
+    assert loop.num_steps == len(ids)
+    assert p.advance_ns > 0 and p.fill_ns > 0 and p.bookkeeping_ns > 0
+    assert p.advance_ns + p.fill_ns + p.bookkeeping_ns == loop.total_step_ns
+    for name, ns in zip(phases, (p.advance_ns, p.fill_ns, p.bookkeeping_ns)):
+        assert after[name] - before[name] == pytest.approx(ns / 1e9, rel=1e-6, abs=1e-9)
