@@ -19,6 +19,9 @@ mask_sample greedy, no channel work):
 - floor: weights read per step / device copy bandwidth measured here (decode.py's floor).
 If the profiler reports no kernels inside graph replays, the eager step body
 (`GpuDecodeRunner.body`) is profiled instead: `kernel_source` says which.
+Variants with a `graph` (nowait, prepublished) replay that channel variant instead of the free
+one, over a mapped step channel whose masks allow every token (the side stream's kernels
+count too: kernel_ms may then exceed step_ms).
 `--variants` profiles several DecodeForward settings over the same model and cache, side by
 side (VARIANTS: the GEMV table on or off, programmatic dependent launch on or off, the fused
 prologue and step epilogue or the torch ops they replace; "embedding" counts the prologue).
@@ -55,6 +58,12 @@ VARIANTS = {
     "gemv+pdl-torch-prologue": dict(gemv_max_batch=8, pdl=True, fused_prologue=False),
     # ... and the 5 torch ops after sampling that kernels/step_epilogue.py replaces (GpuDecodeRunner)
     "gemv+pdl-torch-epilogue": dict(gemv_max_batch=8, pdl=True, fused_epilogue=False),
+    # the step channel's graph variants (graph: which one; default free) over a real mapped
+    # region whose masks are all ones: nowait (publish inputs, gather masks, write outputs, no
+    # wait) and prepublished (the serving body, its wait always passing): what a constrained
+    # step costs the GPU beyond free when grammar_service is never late
+    "gemv+pdl/nowait": dict(gemv_max_batch=8, pdl=True, graph="nowait"),
+    "gemv+pdl/prepublished": dict(gemv_max_batch=8, pdl=True, graph="prepublished"),
 }
 # (group, lower-case substrings of kernel names), first match wins: Triton kernels by their
 # function names first (attention's reduce kernel must not fall into GEMM's split-K reduce).
@@ -64,7 +73,8 @@ GROUPS = (
     ("silu_mul", ("_silu_mul_kernel",)),
     ("attention", ("_decode_split_kernel", "_decode_reduce_kernel", "attention", "flash")),
     ("mask_sample", ("_partial_kernel", "_finalize_kernel")),
-    ("embedding", ("indexselect", "embedding", "_prologue_kernel")),
+    ("embedding", ("embedding", "_prologue_kernel")),
+    ("index_select", ("indexselect",)),  # the torch embedding gather, or the channel's mask gather
     ("gemm", ("gemm", "gemv", "nvjet", "xmma", "cutlass", "cublas", "splitkreduce")),
 )
 
@@ -196,6 +206,16 @@ def isolated_projections(model, runner, bucket: int, reps: int = 20) -> dict[str
     return out
 
 
+def all_ones_channel(max_batch: int):
+    """(channel, mapped): a step channel registered with CUDA whose masks allow every token."""
+    from step_channel import Geometry, StepChannel
+    from step_channel.cuda import MappedChannel
+    channel = StepChannel.create(Geometry(max_batch=max_batch, max_positions=1, vocab_size=VOCAB, depth=4))
+    for k in range(channel.geometry.depth):
+        channel.entry(k).masks[:] = -1
+    return channel, MappedChannel.register(channel)
+
+
 def load_rows(runner, batch: int, context: int, pages_per_row: int) -> None:
     """Rows [0, batch): a random token at position `context` over a random cache."""
     ids = torch.randint(0, VOCAB, (batch,))
@@ -206,14 +226,16 @@ def load_rows(runner, batch: int, context: int, pages_per_row: int) -> None:
 
 
 def profile_batch(args, model, runner, batch: int, pages_per_row: int, trace_dir,
-                  isolated: bool = True) -> dict:
+                  isolated: bool = True, variant=None) -> dict:
+    """variant: the graph variant replayed (default the free one)."""
     from generation_service.engine.cuda_graphs import FREE
+    variant = variant or FREE
     cfg = model.config
     load_rows(runner, batch, args.context, pages_per_row)
     for _ in range(args.warmup):
-        runner.step(batch)
+        runner.step(batch, variant=variant)
     load_rows(runner, batch, args.context, pages_per_row)
-    times = event_times_ms(lambda: runner.step(batch), args.steps)
+    times = event_times_ms(lambda: runner.step(batch, variant=variant), args.steps)
     step_ms = sorted(times)[len(times) // 2]
     load_rows(runner, batch, args.context, pages_per_row)
     if trace_dir:
@@ -221,7 +243,7 @@ def profile_batch(args, model, runner, batch: int, pages_per_row: int, trace_dir
     trace = str(trace_dir / f"{cfg.num_layers}L-b{batch}.json") if trace_dir else None
     kernels, source = [], "graph replay"
     if not args.eager:
-        kernels = profile_kernels(lambda: runner.step(batch), args.profile_steps, trace)
+        kernels = profile_kernels(lambda: runner.step(batch, variant=variant), args.profile_steps, trace)
     if len(kernels) < 2 * cfg.num_layers * args.profile_steps:  # none seen inside the graphs
         log(f"b={batch}: {len(kernels)} kernels seen in graph replays: profiling the eager body")
         source = "eager body (GpuDecodeRunner.body, free variant)"
@@ -241,9 +263,11 @@ def profile_batch(args, model, runner, batch: int, pages_per_row: int, trace_dir
 
 
 def model_shape(args, preset: str, bandwidth: float) -> dict:
+    from generation_service.engine.cuda_graphs import FREE, NOWAIT, PREPUBLISHED
     from generation_service.engine.gpu_runner import GpuDecodeRunner
     from generation_service.engine.kv_cache import KVCache
     from generation_service.kernels import pdl
+    graph_variants = {"free": FREE, "nowait": NOWAIT, "prepublished": PREPUBLISHED}
     from generation_service.model.presets import PRESETS
     from generation_service.model.random_init import build_random_model
     cfg = dataclasses.replace(PRESETS[preset], vocab_size=VOCAB, max_position_embeddings=4096)
@@ -262,9 +286,16 @@ def model_shape(args, preset: str, bandwidth: float) -> dict:
     out = {"preset": preset, "weight_bytes_read": weight_bytes_read(model),
            "weight_floor_ms": floor_ms, "variants": []}
     for index, name in enumerate(args.variants):
-        runner = GpuDecodeRunner(model, kv, max_batch=max_batch, buckets=tuple(args.batches))
         settings = dict(VARIANTS[name])
         pdl.ENABLED = settings.pop("pdl")
+        graph = graph_variants[settings.pop("graph", "free")]
+        channel = mapped = None
+        if graph.uses_channel:
+            channel, mapped = all_ones_channel(max_batch)
+        runner = GpuDecodeRunner(model, kv, max_batch=max_batch, buckets=tuple(args.batches),
+                                 mapped=mapped, variants=tuple(dict.fromkeys((FREE, graph))))
+        if mapped is not None:
+            runner.set_channel_step(1)
         for key, value in settings.items():  # read per call or at capture: set before capture
             setattr(runner if hasattr(runner, key) else runner.forward, key, value)
         with torch.no_grad():
@@ -273,7 +304,8 @@ def model_shape(args, preset: str, bandwidth: float) -> dict:
             rows = []
             for batch in args.batches:
                 row = profile_batch(args, model, runner, batch, pages_per_row,
-                                    trace_dir and trace_dir / name, isolated=index == 0)
+                                    trace_dir and trace_dir / name.replace("/", "-"),
+                                    isolated=index == 0, variant=graph)
                 row["over_weight_floor"] = row["step_ms"] / floor_ms
                 row["gemv_plan"] = runner.forward.gemv_plan(batch)
                 rows.append(row)
@@ -282,6 +314,9 @@ def model_shape(args, preset: str, bandwidth: float) -> dict:
         out["variants"].append({"variant": name, **VARIANTS[name], "capture_s": capture_s, "rows": rows})
         runner.close()
         del runner
+        if channel is not None:  # graphs -> unregister -> unmap
+            mapped.close()
+            channel.close()
         started = time.perf_counter()
     del model, kv
     torch.cuda.empty_cache()
@@ -307,7 +342,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--steps", type=int, default=50, help="timed replays (CUDA events)")
     ap.add_argument("--profile-steps", type=int, default=5, help="replays under the profiler")
-    ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+    ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["cublas", "gemv", "gemv+pdl"],
                     help="DecodeForward settings to profile side by side (VARIANTS)")
     ap.add_argument("--eager", action="store_true", help="profile the eager step body only")
     ap.add_argument("--trace-dir", help="keep the chrome traces here")
