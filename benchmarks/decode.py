@@ -233,6 +233,8 @@ class Bench:
                                  mapped=self.mapped, variants=(FREE, WAIT_EVEN, WAIT_ODD, NOWAIT, PREPUBLISHED,
                                                                with_serial(WAIT_EVEN), with_serial(WAIT_ODD)))
         runner.set_channel_step(self.next_step)
+        if self.args.prefetch_min_bucket is not None:
+            runner.prefetch_min_bucket = self.args.prefetch_min_bucket
         with torch.no_grad():
             capture_s = runner.capture()
             log(f"{preset}: captured {len(runner.graphs.graphs)} graphs in {capture_s:.1f} s")
@@ -442,6 +444,9 @@ def main() -> int:
         "STRUCTGEN_TEKKEN_DIR", str(pathlib.Path.home() / ".cache/structgen/tokenizers/tekken_131k")))
     ap.add_argument("--grammar-fill-threads", type=int, default=0,
                     help="grammar_service's mask-fill threads for the graph rows (0: its default)")
+    ap.add_argument("--prefetch-min-bucket", type=int, default=None,
+                    help="GpuDecodeRunner.prefetch_min_bucket (default: the runner's): buckets below "
+                         "it read masks after the forward; 1 = the side-stream prefetch everywhere")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/decode-h200.json"))
     args = ap.parse_args()
     args.batches = sorted(args.batches)

@@ -18,6 +18,9 @@ grammar_service publishes step N's masks usually long before the forward ends, s
 wait and the PCIe read of the mask rows (~2 MB at b=128, vocab 131k) leave the critical
 path. The `+serial` variants (`mask_prefetch=False`) run the wait and the gather on the
 main stream after the forward instead: the same kernels, the same buffers, so the same tokens.
+Buckets below `prefetch_min_bucket` (16) do so in every variant: there the forward is a chain
+of PDL-linked kernels, the side-stream branch slowed it by more than the 3-6 us gather it hides
+(H200: 1B batch 8, +24 us for the branch alone), and grammar_service is rarely late for 8 rows.
 
 Capture: the side stream forks after inputs_seq = N is published (so the wait of step N is
 never issued before it) and joins before the sampler reads the mask buffer; both are
@@ -56,6 +59,9 @@ from generation_service.engine.decode_forward import DecodeForward
 from generation_service.engine.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
+
+
+PREFETCH_MIN_BUCKET = 16
 
 
 def publish_step_seq(mapped, fence: torch.Tensor, step_counter: torch.Tensor, which: str) -> None:
@@ -113,6 +119,10 @@ class GpuDecodeRunner:
         self.buffers = DecodeBuffers.allocate(self.max_batch, max_pages, self.device)
         self.forward = DecodeForward(model, kv, self.buffers, fuse_weights=fuse_weights, fused_ops=fused_ops)
         self.mask_prefetch = mask_prefetch  # the default of `step`; `+serial` variants read masks after the forward
+        # Buckets below this read masks after the forward in every variant: the side-stream
+        # branch beside the forward's PDL-chained small-bucket kernels cost more than the
+        # gather it hides (docs/gpu.md, "Mask prefetch below 16 rows"). Read at capture.
+        self.prefetch_min_bucket = PREFETCH_MIN_BUCKET
         if variants is None:
             variants = SERVING_VARIANTS if mapped is not None else (FREE,)
         self.variants = self._own_variants(variants)
@@ -225,8 +235,10 @@ class GpuDecodeRunner:
         buf = self.buffers
         if variant.waits:
             self._publish("inputs_seq")
-        main = torch.cuda.current_stream() if variant.prefetches else None
-        if variant.prefetches:
+        # NOTE: below prefetch_min_bucket a prefetch variant reads its masks after the forward too
+        prefetches = variant.prefetches and bucket >= self.prefetch_min_bucket
+        main = torch.cuda.current_stream() if prefetches else None
+        if prefetches:
             # NOTE: fork after inputs_seq = N (the parity argument needs the wait after it);
             # the side stream also sees the host's row updates and the previous step's sampler.
             self._side.wait_stream(main)
@@ -234,7 +246,7 @@ class GpuDecodeRunner:
                 self._read_masks(bucket, variant)
         logits = self.decode_forward(bucket)
         masks = None
-        if variant.prefetches:
+        if prefetches:
             main.wait_stream(self._side)  # NOTE: join before the sampler reads the buffer (and before capture ends)
             masks = self._mask_rows[:bucket]
         elif variant.uses_channel:
