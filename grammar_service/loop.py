@@ -206,7 +206,7 @@ class StepLoop:
         while active:  # one batched accept per token index j
             still = []
             for item, ok in self._batch_accept(active, lambda a: a[2].matcher, lambda a: a[2].backend,
-                                               lambda a: a[3][j], single):
+                                               lambda a: a[3][j], single, advance=True):
                 r, slot, state, tokens = item
                 if not ok:
                     log.info("slot %d: token %d (index %d) rejected by its grammar", slot, tokens[j], j)
@@ -306,11 +306,13 @@ class StepLoop:
 
     @staticmethod
     def _batch_accept(items: list[T], matcher_of, backend_of, token_of,
-                      single: GrammarBackend | None) -> list[tuple[T, bool]]:
-        """One batch_accept per backend; (item, accepted) pairs in backend-group order."""
+                      single: GrammarBackend | None, advance: bool = False) -> list[tuple[T, bool]]:
+        """One batch_accept (advance: batch_advance, a refusing matcher is dropped) per
+        backend; (item, accepted) pairs in backend-group order."""
         out: list[tuple[T, bool]] = []
         for backend, group in by_backend(items, backend_of, single):
-            accepted = backend.batch_accept([matcher_of(i) for i in group], [token_of(i) for i in group])
+            accept = backend.batch_advance if advance else backend.batch_accept
+            accepted = accept([matcher_of(i) for i in group], [token_of(i) for i in group])
             out.extend(zip(group, accepted))
         return out
 

@@ -11,6 +11,9 @@ Invariants every backend keeps:
   rows it is not given are left untouched. Matchers given to it are not terminated.
 - `batch_accept` advances each matcher by one token and reports, per matcher, whether
   the token was allowed; a matcher that refused a token is left where it was.
+- `batch_advance` is `batch_accept` for the deferred advance by the tokens the GPU sampled
+  under these matchers' own masks, where the loop drops every matcher that refuses: such a
+  matcher may be left unusable, so a backend may skip its "left where it was" bookkeeping.
 - `batch_rollback` undoes the last n accepted tokens of each matcher, including the stop
   token that terminated it.
 - A matcher terminates only by accepting one of `stop_token_ids` (the loop asks
@@ -82,6 +85,10 @@ class GrammarBackend(abc.ABC):
 
     @abc.abstractmethod
     def batch_accept(self, matchers: Sequence[Matcher], token_ids: Sequence[int]) -> list[bool]: ...
+
+    def batch_advance(self, matchers: Sequence[Matcher], token_ids: Sequence[int]) -> list[bool]:
+        """`batch_accept`, except that a matcher that refused its token may be left unusable."""
+        return self.batch_accept(matchers, token_ids)
 
     @abc.abstractmethod
     def batch_fill(self, matchers: Sequence[Matcher], masks: np.ndarray, indices: Sequence[int]) -> None: ...

@@ -152,6 +152,14 @@ class LLGuidanceBackend(GrammarBackend):
         # One token per matcher costs microseconds; the mask fill is where threads pay off.
         return [m.accept(t) for m, t in zip(matchers, token_ids)]
 
+    def batch_advance(self, matchers: Sequence[LLGuidanceMatcher], token_ids: Sequence[int]) -> list[bool]:
+        # consume_token skips try_consume_tokens' undo-on-refusal: 2.0 vs 3.0 us a row (131k
+        # Tekken vocabulary, benchmarks/decode.py's schema). A refused token leaves llguidance's
+        # matcher in its error state, which base.py allows here.
+        stop_ids = self._stop_ids
+        return [m.accept(t) if m.stopped_by_token or t in stop_ids else m.inner.consume_token(t)
+                for m, t in zip(matchers, token_ids)]
+
     def batch_fill(self, matchers: Sequence[LLGuidanceMatcher], masks: np.ndarray, indices: Sequence[int]) -> None:
         if masks.dtype != np.int32 or masks.shape[1] * 4 != self._mask_bytes:
             raise ValueError(f"masks must be int32 [rows, {self._mask_bytes // 4}], got {masks.dtype} {masks.shape}")

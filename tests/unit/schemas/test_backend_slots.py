@@ -109,6 +109,21 @@ def test_a_refused_token_leaves_the_matcher_where_it_was(backend, mistral_32k):
     assert all(matcher.accept(t) for t in ids[1:])
 
 
+def test_batch_advance_accepts_as_batch_accept_and_reports_refusals(backend, mistral_32k):
+    """The loop's deferred advance: the same states as batch_accept along a document, the stop
+    token included; a refused token reported False (the matcher may be left unusable)."""
+    compiled = backend.compile(GrammarSpec("json_schema", json.dumps(PERSON)))
+    advanced, accepted = backend.new_matcher(compiled), backend.new_matcher(compiled)
+    for token in continuation_ids(mistral_32k, '{"name": "x", "age": 1}') + [EOS]:
+        assert backend.batch_advance([advanced], [token]) == backend.batch_accept([accepted], [token]) == [True]
+        if token != EOS:
+            np.testing.assert_array_equal(_mask(backend, advanced), _mask(backend, accepted))
+    assert advanced.is_terminated() and accepted.is_terminated()
+    fresh = backend.new_matcher(compiled)
+    refused = continuation_ids(mistral_32k, "}")[0]
+    assert backend.batch_advance([fresh, backend.new_matcher(compiled)], [refused, EOS]) == [False, False]
+
+
 def test_jump_forward_tokens_are_what_the_grammar_forces(backend, mistral_32k):
     compiled = backend.compile(GrammarSpec("json_schema", json.dumps(
         {"type": "object", "properties": {"status": {"const": "shipped"}}, "required": ["status"]}),
