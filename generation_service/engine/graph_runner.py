@@ -217,6 +217,14 @@ class CudaGraphRunner(ModelRunner):
                 torch.tensor(pages, dtype=table.dtype, device=table.device))
 
     # ---- the step channel ----------------------------------------------------------------------
+    @torch.no_grad()
+    def attach(self, link) -> None:
+        """Attach the link's step channel and capture its graphs now (engine start) instead of
+        in the first constrained step, which would stall its rows for the whole capture (every
+        decode and verify variant: ~2 s on the H200). A later step of the link only checks it."""
+        if link is not None and link.is_connected:
+            self._ensure_channel(link, link.next_step)
+
     def _ensure_channel(self, link, step: int) -> None:
         channel = link.channel
         if channel is not self.channel:
