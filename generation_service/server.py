@@ -56,7 +56,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             stream.cancel()
         schema = domain.grammar.text if domain.grammar is not None and domain.grammar.kind == "json_schema" else None
         texts: list[str] = []
-        for event in metrics.get().observe(stream, domain):
+        # Events queued while this thread waited go out as one message (stream.coalesce).
+        for event in metrics.get().observe(stream.coalesced(), domain):
             if event.error is not None:
                 raise event.error
             if event.finish_reason is FinishReason.DEADLINE:

@@ -125,6 +125,7 @@ class RequestTable:
             self.slots.free(slot)
         self._releasing = []
         kept: dict[int, list[int]] = {}
+        pushed: list[RequestStream] = []  # woken once every row is done (stream.py says why)
         sampling = iter(zip(batch.sampling_rows, samples))
         for row in batch.rows:
             request = row.request
@@ -139,10 +140,12 @@ class RequestTable:
                 self.finish(request, FinishReason.ERROR, GrammarUnavailableError(
                     "grammar_service has no matcher for this request"))
                 continue
-            kept[id(request)] = self._accept(row, request, result)
+            kept[id(request)] = self._accept(row, request, result, pushed)
+        for stream in pushed:
+            stream.wake()
         return kept
 
-    def _accept(self, row, request: Request, result: SampleResult) -> list[int]:
+    def _accept(self, row, request: Request, result: SampleResult, pushed: list[RequestStream]) -> list[int]:
         if row.drafts:
             self._accept_drafts(row, request, result)
         else:  # K/V is valid for the known tokens
@@ -153,8 +156,9 @@ class RequestTable:
         if delta.finish_reason is not None:
             self.finish(request, delta.finish_reason, None, delta.token_ids, delta.text, delta.logprobs)
         elif delta.token_ids:
-            self._streams[request.request_id].put(OutputEvent.of_tokens(
-                tuple(delta.token_ids), delta.text, tuple(delta.logprobs)))
+            stream = self._streams[request.request_id]
+            stream.push(OutputEvent.of_tokens(tuple(delta.token_ids), delta.text, tuple(delta.logprobs)))
+            pushed.append(stream)
         return delta.token_ids
 
     def _accept_drafts(self, row, request: Request, result: SampleResult) -> None:

@@ -1,7 +1,10 @@
 """RequestStream: what `Engine.submit` returns; iterate it (blocking) for OutputEvents."""
 from __future__ import annotations
 
+import collections
 import queue
+import threading
+import time
 from typing import Callable, Iterator
 
 from generation_service.engine.events import OutputEvent
@@ -9,29 +12,118 @@ from generation_service.engine.events import OutputEvent
 
 class RequestStream:
     """Events of one request, in order; the last one has `finish_reason` (and `usage`).
-    Thread-safe: the engine thread puts, one consumer iterates, anyone may cancel."""
+    Thread-safe: the engine thread puts, one consumer iterates, anyone may cancel.
+
+    The engine `push`es a step's token events without waking anyone and `wake`s each stream
+    once the step's rows are done: a consumer woken per row would take the GIL from the
+    engine thread in the middle of the step (benchmarks/engine_host.py). `wake` only costs a
+    futex call when the consumer is blocked; one that is behind finds the events queued."""
 
     def __init__(self, request_id: str, cancel: Callable[[str], None]) -> None:
         self.request_id = request_id
         self._cancel = cancel
-        self._events: queue.SimpleQueue[OutputEvent] = queue.SimpleQueue()
+        self._events: collections.deque[OutputEvent] = collections.deque()
+        self._wakeup = threading.Lock()  # held while nobody is to be woken; released to wake
+        self._wakeup.acquire()
+        self._is_waiting = False  # the consumer is (about to be) blocked on `_wakeup`
         self.is_finished = False  # the final event was put (not necessarily read)
 
-    def put(self, event: OutputEvent) -> None:
+    # ---- engine side ---------------------------------------------------------------------------
+    def push(self, event: OutputEvent) -> None:
+        """Queue an event without waking the consumer; `wake` must follow."""
         self.is_finished = self.is_finished or event.is_final
-        self._events.put(event)
+        self._events.append(event)
+
+    def wake(self) -> None:
+        """Wake the consumer if it is blocked (events were pushed)."""
+        # NOTE: push appends before this reads `_is_waiting`, and `_wait` sets it before it
+        # reads `_events`: one of the two sees the other, so no wake-up is lost.
+        if self._is_waiting:
+            self._is_waiting = False
+            try:
+                self._wakeup.release()
+            except RuntimeError:  # released already: the consumer's next acquire returns at once
+                pass
+
+    def put(self, event: OutputEvent) -> None:
+        self.push(event)
+        self.wake()
+
+    # ---- consumer side -------------------------------------------------------------------------
+    def _wait(self, timeout: float | None) -> bool:
+        """Block until an event is queued; False after `timeout` seconds. May return early."""
+        self._is_waiting = True
+        if self._events:
+            self._is_waiting = False
+            return True
+        woken = self._wakeup.acquire(timeout=-1 if timeout is None else max(timeout, 0))
+        self._is_waiting = False
+        return woken
 
     def __iter__(self) -> Iterator[OutputEvent]:
+        for events in self.batches():
+            yield from events
+
+    def batches(self) -> Iterator[list[OutputEvent]]:
+        """All events queued at each wake-up, in order, until the final one (last)."""
+        events = self._events
         while True:
-            event = self._events.get()
-            yield event
-            if event.is_final:
+            if not events:
+                self._wait(None)
+                continue
+            batch = [events.popleft() for _ in range(len(events))]
+            yield batch
+            if batch[-1].is_final:
                 return
+
+    def coalesced(self) -> Iterator[OutputEvent]:
+        """Like iterating, but the token events queued together come as one (see `coalesce`)."""
+        for batch in self.batches():
+            yield from coalesce(batch)
 
     def get(self, timeout: float | None = None) -> OutputEvent:
         """The next event; raises queue.Empty after `timeout` seconds."""
-        return self._events.get(timeout=timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._events:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise queue.Empty
+            self._wait(remaining)
+        return self._events.popleft()
 
     def cancel(self) -> None:
         """Finish the request as CANCELLED; its slot, pages and matcher are freed at once."""
         self._cancel(self.request_id)
+
+
+def coalesce(events: list[OutputEvent]) -> list[OutputEvent]:
+    """Merge each run of consecutive plain token events into one event with all their tokens,
+    text and logprobs (a GenerateResponse carries "the tokens since the previous message").
+    Events with a guarantee, a finish reason or an error stay as they are, in place: tokens
+    are never moved into the final event, so a failed request still sends them first."""
+    merged: list[OutputEvent] = []
+    run: list[OutputEvent] = []
+    for event in events:
+        if _is_plain_tokens(event):
+            run.append(event)
+            continue
+        if run:
+            merged.append(_merge(run))
+            run = []
+        merged.append(event)
+    if run:
+        merged.append(_merge(run))
+    return merged
+
+
+def _is_plain_tokens(event: OutputEvent) -> bool:
+    return (event.finish_reason is None and event.guarantee is None and event.error is None
+            and event.usage is None)
+
+
+def _merge(run: list[OutputEvent]) -> OutputEvent:
+    if len(run) == 1:
+        return run[0]
+    return OutputEvent.of_tokens(tuple(t for event in run for t in event.token_ids),
+                                 "".join(event.text for event in run),
+                                 tuple(lp for event in run for lp in event.logprobs))
