@@ -5,15 +5,20 @@ On the GPU the engine overlaps step N+1 with the host work of step N (engine.py
 times it alone: N running requests (default 128) with the default model's tokenizer, each
 step one ScheduledBatch of N decode rows with one sampled token each. The tokens replay the
 tokenization of real text (prose, JSON documents, accents, CJK, emoji, byte-fallback runs),
-each request from its own offset, so the detokenizer sees real pieces. Four cases:
-with/without stop strings (they never match, but their prefixes are held back), and with/
-without consumers draining the streams (one thread per request iterating its stream, as the
-gRPC servicer does; without, the benchmark reads the streams between steps, untimed).
+each request from its own offset, so the detokenizer sees real pieces. Six cases:
+with/without stop strings (they never match, but their prefixes are held back), times three
+kinds of consumer: none (the benchmark reads the streams between steps, untimed), `drain`
+(one thread per request iterating its stream) and `servicer` (one thread per request doing
+what `server.Generate` does per message but the gRPC send: `metrics.observe` and
+`proto_convert.event_to_proto`, on `stream.coalesced()` where the stream has it, so the
+same script times older code too).
 Reported: microseconds of postprocess per row, median over steps, the best of `--repeats`
 runs, taken round robin over the cases (the machine may be shared: the least disturbed run
 is the cost; the median of the runs shows the spread); wall time, and the
 engine thread's CPU time (`thread_time`: what other processes take is not counted, nor the
-GIL waits for consumers).
+GIL waits for consumers). Also per row, over the whole run until every consumer has read its
+final event: wall time and the process's CPU time (all threads: what a token costs the
+serving process), and for `servicer` consumers the tokens per message sent.
 
     .venv/bin/python benchmarks/engine_host.py --out benchmarks/results/engine_host-ci-2core.json
 """
@@ -40,6 +45,9 @@ from generation_service.engine.request import Request, RequestStatus  # noqa: E4
 from generation_service.engine.sampler import SampleResult  # noqa: E402
 from generation_service.engine.scheduler import ScheduledBatch, ScheduledRow, Scheduler, SlotPool  # noqa: E402
 from generation_service.engine.stream import RequestStream  # noqa: E402
+from generation_service import proto_convert  # noqa: E402
+from generation_service.metrics import GenerationMetrics  # noqa: E402
+from prometheus_client import CollectorRegistry  # noqa: E402
 
 PROSE = (
     "The engine overlaps the forward of one step with the bookkeeping of the previous one, "
@@ -51,6 +59,7 @@ PROSE = (
 )
 # Stop strings absent from the text whose prefixes ("\n", "<", "Obs") occur: held back, never matched.
 STOP_STRINGS = ("\nUser:", "</answer>", "Observation:")
+SERVICER_METRICS = GenerationMetrics(CollectorRegistry())  # not the process's registry
 PROMPT = "Answer the question in prose, then as JSON:"
 
 
@@ -85,51 +94,78 @@ def decode_step(requests: list[Request], corpus_ids: list[int], step: int):
     return ScheduledBatch(rows), samples
 
 
-def drain(stream: RequestStream) -> None:
+def drain(stream: RequestStream, spec) -> None:
     for _ in stream:
         pass
+
+
+def serve(stream: RequestStream, spec) -> None:
+    """server.Generate's loop without the transport (no grammar: no schema validation)."""
+    events = stream.coalesced() if hasattr(stream, "coalesced") else stream
+    num_messages = 0
+    for event in SERVICER_METRICS.observe(events, spec):
+        proto_convert.event_to_proto(event, spec)
+        num_messages += 1
+    NUM_MESSAGES.append(num_messages)  # (list.append is atomic under the GIL)
+
+
+NUM_MESSAGES: list[int] = []  # per request of the last case with servicer consumers
+CONSUMERS = {"none": None, "drain": drain, "servicer": serve}
 
 
 def drain_now(streams: list[RequestStream]) -> None:
     """What consumers would have read by now (so events do not pile up in memory)."""
     for stream in streams:
-        while not stream._events.empty():
+        events = stream._events  # a deque, or a SimpleQueue (this script timing older code)
+        while len(events) if not hasattr(events, "empty") else not events.empty():
             stream.get()
 
 
 def run_case(tokenizer, corpus_ids: list[int], prompt_ids: list[int], *, num_requests: int,
-             num_steps: int, stop_strings: tuple[str, ...], consumers: bool) -> dict:
+             num_steps: int, stop_strings: tuple[str, ...], consumers: str) -> dict:
     slots = SlotPool(2 * num_requests)
     scheduler = Scheduler(PageAllocator(1 << 16), 16, slots, max_batch=num_requests,
                           max_waiting=num_requests, prefill_chunk_tokens=4096)
     table = RequestTable(scheduler, slots, tokenizer, tokenizer.eos_token_ids)
     requests = make_requests(table, prompt_ids, num_requests, num_steps + 1, stop_strings)
     streams = [table._streams[r.request_id] for r in requests]
-    threads = [threading.Thread(target=drain, args=(stream,), daemon=True) for stream in streams] if consumers else []
+    consume = CONSUMERS[consumers]
+    NUM_MESSAGES.clear()
+    threads = [threading.Thread(target=consume, args=(stream, request.spec), daemon=True)
+               for stream, request in zip(streams, requests)] if consume is not None else []
     for thread in threads:
         thread.start()
     per_step_s, per_step_cpu_s = [], []
+    run_start, run_start_cpu = time.perf_counter(), time.process_time()
     for step in range(num_steps):
         batch, samples = decode_step(requests, corpus_ids, step)
         start, start_cpu = time.perf_counter(), time.thread_time()
         table.postprocess(batch, samples, None, None, None)
         per_step_s.append(time.perf_counter() - start)
         per_step_cpu_s.append(time.thread_time() - start_cpu)
-        if not consumers:
+        if consume is None:
             drain_now(streams)
     num_finished = table.num_finished
     for request in requests:  # the final event ends each consumer
         table.finish(request, FinishReason.CANCELLED, None)
     for thread in threads:
         thread.join()
+    num_rows = num_steps * num_requests
+    run_us_per_row = 1e6 * (time.perf_counter() - run_start) / num_rows
+    run_cpu_us_per_row = 1e6 * (time.process_time() - run_start_cpu) / num_rows
     assert num_finished == 0, f"{num_finished} requests finished early: a stop string matched the corpus?"
+    num_messages = sum(NUM_MESSAGES) if consumers == "servicer" else None  # else one per event
     us_per_row = [1e6 * s / num_requests for s in per_step_s[num_steps // 10:]]  # skip warm-up steps
     cpu_us_per_row = [1e6 * s / num_requests for s in per_step_cpu_s[num_steps // 10:]]
     return {"stop_strings": bool(stop_strings), "consumers": consumers, "num_requests": num_requests,
             "num_steps": num_steps, "us_per_row_median": round(statistics.median(us_per_row), 2),
             "us_per_row_mean": round(statistics.fmean(us_per_row), 2),
             "cpu_us_per_row_median": round(statistics.median(cpu_us_per_row), 2),
-            "ms_per_step_median": round(statistics.median(us_per_row) * num_requests / 1000, 3)}
+            "ms_per_step_median": round(statistics.median(us_per_row) * num_requests / 1000, 3),
+            "num_messages": num_messages, "num_tokens": num_rows,
+            # the whole run until every consumer read its final event, all threads: what a
+            # token costs the serving process (step building and the finishes included)
+            "run_us_per_row": round(run_us_per_row, 2), "run_cpu_us_per_row": round(run_cpu_us_per_row, 2)}
 
 
 def main() -> int:
@@ -138,6 +174,8 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=128)
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--consumers", nargs="+", choices=list(CONSUMERS), default=list(CONSUMERS))
+    parser.add_argument("--no-stop-strings", action="store_true", help="only the cases without")
     parser.add_argument("--out", type=pathlib.Path, default=None)
     args = parser.parse_args()
 
@@ -148,7 +186,8 @@ def main() -> int:
     corpus_ids = tokenizer.encode(corpus_text(), add_special_tokens=False)
     assert any(i in tokenizer.byte_fallback_ids for i in corpus_ids)
     prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}])
-    cases = [(stop_strings, consumers) for stop_strings in ((), STOP_STRINGS) for consumers in (False, True)]
+    stop_cases = ((),) if args.no_stop_strings else ((), STOP_STRINGS)
+    cases = [(stop_strings, consumers) for stop_strings in stop_cases for consumers in args.consumers]
     runs: dict[tuple, list[dict]] = {case: [] for case in cases}
     for _ in range(args.repeats):  # round robin: a busy spell of the machine spreads over the cases
         for stop_strings, consumers in cases:
@@ -161,10 +200,13 @@ def main() -> int:
         rows.append(row | {"repeats": args.repeats,
                            "us_per_row_median_of_repeats": round(statistics.median(
                                run["us_per_row_median"] for run in runs[case]), 2)})
-        print(f"stop_strings={row['stop_strings']!s:5} consumers={row['consumers']!s:5} "
+        print(f"stop_strings={row['stop_strings']!s:5} consumers={row['consumers']:8} "
               f"{row['us_per_row_median']:7.2f} us/row (median of repeats {rows[-1]['us_per_row_median_of_repeats']:.2f}, "
               f"engine thread CPU {row['cpu_us_per_row_median']:.2f}), "
-              f"{row['ms_per_step_median']:.3f} ms/step at {args.requests} rows", flush=True)
+              f"{row['ms_per_step_median']:.3f} ms/step at {args.requests} rows; whole run "
+              f"{row['run_us_per_row']:.2f} us/row, process CPU {row['run_cpu_us_per_row']:.2f}"
+              + (f", {row['num_tokens'] / row['num_messages']:.2f} tokens/message" if row["num_messages"] else ""),
+              flush=True)
     if args.out is not None:
         result = {"benchmark": "engine_host", "machine": args.machine, "python": platform.python_version(),
                   "tokenizer": "default (Mistral 32k SentencePiece)", "rows": rows}
