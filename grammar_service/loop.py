@@ -55,9 +55,14 @@ def by_backend(items: Sequence[T], backend_of: Callable[[T], GrammarBackend],
 
 
 def the_only_backend(backends: Iterator[GrammarBackend]) -> GrammarBackend | None:
-    """The backend if all are the same one, else None."""
-    found = {id(b): b for b in backends}
-    return next(iter(found.values())) if len(found) == 1 else None
+    """The backend if all are the same one, else None (also for none)."""
+    only = None
+    for backend in backends:
+        if only is None:
+            only = backend
+        elif backend is not only:
+            return None
+    return only
 
 
 @dataclass(slots=True)
@@ -243,35 +248,36 @@ class StepLoop:
         states, max_slots = self.slots.states, self.slots.max_slots
         drafts = entry.drafts[:len(rows)].tolist() if max_pos > 1 else None
         valid = [0] * len(rows)
-        walkers: list[_Walker] = []
+        first: list[tuple[int, Matcher, GrammarBackend]] = []  # (row, matcher, backend) filled at position 0
+        walkers: list[_Walker] = []  # rows with drafts: their matchers walk on past position 0
         filled: list[int] = []
         for r, (slot, num_positions, flags, _) in enumerate(rows):
-            num_positions = min(max(num_positions, 0), max_pos)
+            if not 0 <= num_positions <= max_pos:
+                num_positions = min(max(num_positions, 0), max_pos)
             if not flags & FLAG_CONSTRAINED:
                 valid[r] = num_positions
                 continue
             state = states[slot] if 0 <= slot < max_slots else None
             if state is None or num_positions == 0:
                 continue  # valid 0: no slot (a bug of the caller) or nothing to fill
-            if state.can_fill:
-                walkers.append(_Walker(r, state.matcher, state.backend, num_positions,
-                                       drafts[r][:num_positions - 1] if num_positions > 1 else []))
+            if state.matcher is not None and not state.is_terminated:
+                first.append((r, state.matcher, state.backend))
+                if num_positions > 1:
+                    walkers.append(_Walker(r, state.matcher, state.backend, num_positions,
+                                           drafts[r][:num_positions - 1]))
                 valid[r] = 1
             elif state.is_terminated:
                 masks[r * max_pos] = self._stop_only(state.backend)
                 filled.append(r * max_pos)
                 valid[r] = 1
             # else valid 0: no matcher; its error is in the results
-        single = the_only_backend(w.backend for w in walkers)
+        single = the_only_backend(backend for _, _, backend in first)
+        for backend, group in by_backend(first, lambda f: f[2], single):
+            indices = [r * max_pos for r, _, _ in group]
+            backend.batch_fill([matcher for _, matcher, _ in group], masks, indices)
+            filled.extend(indices)
         level = walkers
-        for p in range(max_pos):
-            if not level:
-                break
-            for backend, group in by_backend(level, lambda w: w.backend, single):
-                indices = [w.row * max_pos + p for w in group]
-                backend.batch_fill([w.matcher for w in group], masks, indices)
-                filled.extend(indices)
-            level = [w for w in level if w.num_positions > p + 1]
+        for p in range(max_pos - 1):  # accept draft p, then fill position p + 1 behind it
             if not level:
                 break
             next_level = []
@@ -284,7 +290,11 @@ class StepLoop:
                     continue  # a stop draft ended the grammar: no position after it
                 valid[w.row] = p + 2
                 next_level.append(w)
-            level = next_level
+            for backend, group in by_backend(next_level, lambda w: w.backend, single):
+                indices = [w.row * max_pos + p + 1 for w in group]
+                backend.batch_fill([w.matcher for w in group], masks, indices)
+                filled.extend(indices)
+            level = [w for w in next_level if w.num_positions > p + 2]
         undo = [w for w in walkers if w.num_accepted]
         if undo:
             for backend, group in by_backend(undo, lambda w: w.backend, single):
