@@ -19,6 +19,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from operator import attrgetter, itemgetter
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import numpy as np
@@ -87,12 +88,13 @@ class StepPhases:
     bookkeeping_ns: int = 0
 
     def add(self, advance_ns: int, fill_ns: int, step_ns: int) -> None:
+        bookkeeping_ns = step_ns - advance_ns - fill_ns
         self.advance_ns += advance_ns
         self.fill_ns += fill_ns
-        self.bookkeeping_ns += step_ns - advance_ns - fill_ns
+        self.bookkeeping_ns += bookkeeping_ns
         metrics.STEP_PHASE_SECONDS.labels("advance").inc(advance_ns / 1e9)
         metrics.STEP_PHASE_SECONDS.labels("fill").inc(fill_ns / 1e9)
-        metrics.STEP_PHASE_SECONDS.labels("bookkeeping").inc((step_ns - advance_ns - fill_ns) / 1e9)
+        metrics.STEP_PHASE_SECONDS.labels("bookkeeping").inc(bookkeeping_ns / 1e9)
 
 
 class StepLoop:
@@ -260,7 +262,7 @@ class StepLoop:
             state = states[slot] if 0 <= slot < max_slots else None
             if state is None or num_positions == 0:
                 continue  # valid 0: no slot (a bug of the caller) or nothing to fill
-            if state.matcher is not None and not state.is_terminated:
+            if state.can_fill:
                 first.append((r, state.matcher, state.backend))
                 if num_positions > 1:
                     walkers.append(_Walker(r, state.matcher, state.backend, num_positions,
@@ -272,10 +274,8 @@ class StepLoop:
                 valid[r] = 1
             # else valid 0: no matcher; its error is in the results
         single = the_only_backend(backend for _, _, backend in first)
-        for backend, group in by_backend(first, lambda f: f[2], single):
-            indices = [r * max_pos for r, _, _ in group]
-            backend.batch_fill([matcher for _, matcher, _ in group], masks, indices)
-            filled.extend(indices)
+        filled.extend(self._batch_fill(first, itemgetter(0), itemgetter(1), itemgetter(2), single,
+                                       masks, max_pos, 0))
         level = walkers
         for p in range(max_pos - 1):  # accept draft p, then fill position p + 1 behind it
             if not level:
@@ -290,10 +290,8 @@ class StepLoop:
                     continue  # a stop draft ended the grammar: no position after it
                 valid[w.row] = p + 2
                 next_level.append(w)
-            for backend, group in by_backend(next_level, lambda w: w.backend, single):
-                indices = [w.row * max_pos + p + 1 for w in group]
-                backend.batch_fill([w.matcher for w in group], masks, indices)
-                filled.extend(indices)
+            filled.extend(self._batch_fill(next_level, attrgetter("row"), attrgetter("matcher"),
+                                           attrgetter("backend"), single, masks, max_pos, p + 1))
             level = [w for w in next_level if w.num_positions > p + 2]
         undo = [w for w in walkers if w.num_accepted]
         if undo:
@@ -313,6 +311,18 @@ class StepLoop:
                     row[token >> 5] |= np.uint32(1 << (token & 31))
             row = self._stop_only_rows[id(backend)] = row.view(np.int32)
         return row
+
+    @staticmethod
+    def _batch_fill(items: list[T], row_of, matcher_of, backend_of, single: GrammarBackend | None,
+                    masks: np.ndarray, max_pos: int, position: int) -> list[int]:
+        """One batch_fill per backend of the mask rows at `position` of the items' rows; returns
+        the mask row indices written."""
+        written: list[int] = []
+        for backend, group in by_backend(items, backend_of, single):
+            indices = [row_of(i) * max_pos + position for i in group]
+            backend.batch_fill([matcher_of(i) for i in group], masks, indices)
+            written.extend(indices)
+        return written
 
     @staticmethod
     def _batch_accept(items: list[T], matcher_of, backend_of, token_of,
