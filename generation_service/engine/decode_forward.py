@@ -118,16 +118,16 @@ class DecodeForward:
             return self.fused_layers(residual, cos, sin, slot_ids, self._decode_attend(bucket),
                                      self._projections(bucket))
         ids = buf.input_ids[:bucket].clamp(0, self.config.vocab_size - 1)
-        return self.torch_tokens(ids, buf.positions[:bucket], self._slot_ids(bucket),
+        positions = buf.positions[:bucket]
+        return self.torch_tokens(ids, positions, self._slot_ids(positions, buf.page_table[:bucket]),
                                  self._decode_attend(bucket))
 
-    def _slot_ids(self, bucket: int) -> torch.Tensor:
+    def _slot_ids(self, positions: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
         """(b,) int64 flattened cache slot of each row's new token (padding rows: dummy page)."""
-        buf, kv = self.buffers, self.kv
-        positions, page_table = buf.positions[:bucket], buf.page_table[:bucket]
-        page_col = (positions // kv.page_size).clamp(max=page_table.shape[1] - 1)
+        page_size = self.kv.page_size
+        page_col = (positions // page_size).clamp(max=page_table.shape[1] - 1)
         pages = page_table.gather(1, page_col.unsqueeze(1)).squeeze(1).long()
-        return pages * kv.page_size + positions % kv.page_size
+        return pages * page_size + positions % page_size
 
     def _projections(self, bucket: int) -> Projections:
         if bucket <= self.gemv_max_batch:
@@ -178,7 +178,7 @@ class DecodeForward:
         if not self.fused_prologue:
             residual = self.model.model.embed_tokens(ids.clamp(0, self.config.vocab_size - 1))
             cos, sin = self.model.rotary(positions, residual.dtype)
-            return residual, cos, sin, None if page_table is None else self._slot_ids(ids.shape[0])
+            return residual, cos, sin, None if page_table is None else self._slot_ids(positions, page_table)
         from generation_service.kernels.decode_prologue import decode_prologue
         return decode_prologue(ids, positions, self.model.model.embed_tokens.weight, *self._rope_tables,
                                page_table, self.kv.page_size)

@@ -146,7 +146,7 @@ class Engine:
         the loop thread."""
         if self.link is not None and not self.link.connect():
             log.warning("grammar_service not reachable at start; constrained requests fail until it is")
-        elif self.link is not None and hasattr(self.runner, "attach"):
+        elif self.link is not None:
             self.runner.attach(self.link)  # the channel's graphs now, not in the first constrained step
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()

@@ -65,6 +65,10 @@ class ModelRunner:
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
         return self.model(forward_batch, self.kv_cache)
 
+    def attach(self, link) -> None:
+        """The engine started with a connected grammar link: prepare what its steps need
+        (nothing here; the graph runner captures the channel's graphs)."""
+
 
 # Runners by name (EngineConfig.runner). "cuda_graph" imports its module (and CUDA) lazily.
 RUNNERS: dict[str, type[ModelRunner]] = {"eager": ModelRunner}
