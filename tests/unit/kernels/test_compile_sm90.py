@@ -14,6 +14,9 @@ def test_kernels_compile_for_sm90():
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     script = Path(__file__).with_name("sm90_compile.py")
     root = Path(__file__).resolve().parents[3]
+    # NOTE: the script's own folder heads its sys.path, so without this an editable install
+    # of another checkout (a git worktree's main) would supply generation_service
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)
     proc = subprocess.run([sys.executable, str(script)], cwd=root, env=env,
                           capture_output=True, text=True, timeout=600)
     if "ptxas" in proc.stderr and "not found" in proc.stderr:
