@@ -235,6 +235,8 @@ class Bench:
         runner.set_channel_step(self.next_step)
         if self.args.prefetch_min_bucket is not None:
             runner.prefetch_min_bucket = self.args.prefetch_min_bucket
+        if self.args.fold_step_tail is not None:
+            runner.fold_step_tail = self.args.fold_step_tail
         with torch.no_grad():
             capture_s = runner.capture()
             log(f"{preset}: captured {len(runner.graphs.graphs)} graphs in {capture_s:.1f} s")
@@ -447,6 +449,9 @@ def main() -> int:
     ap.add_argument("--prefetch-min-bucket", type=int, default=None,
                     help="GpuDecodeRunner.prefetch_min_bucket (default: the runner's): buckets below "
                          "it read masks after the forward; 1 = the side-stream prefetch everywhere")
+    ap.add_argument("--fold-step-tail", action=argparse.BooleanOptionalAction, default=None,
+                    help="GpuDecodeRunner.fold_step_tail (default: the runner's): the epilogue publishes "
+                         "outputs_seq and advances N; --no-fold-step-tail: the write memop + 3 kernels after it")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/decode-h200.json"))
     args = ap.parse_args()
     args.batches = sorted(args.batches)

@@ -9,10 +9,17 @@ One decode step of bucket b (the body captured by `DecodeGraphs`), mask prefetch
       (`DecodeForward`, decode_forward.py)          from mapped host memory -> mask buffer
       join <-----------------------------------
     sample (mask applied)                         kernels.mask_sample (greedy when temperature 0)
-    epilogue: out_tokens; [channel] outputs of     kernels.step_epilogue (one launch)
+    epilogue: out_tokens; [channel] outputs of     kernels.step_epilogue (one launch, one program)
       entry N; feed: input_ids = tokens,
-      positions, seq_lens += 1 for live rows
-    [channel] outputs_seq = N, N += 1 on the device
+      positions, seq_lens += 1 for live rows;
+      [channel] system fence, outputs_seq = N,
+      N += 1 and its ring slot on the device
+
+Captured nodes of a channel step: bucket >= 16, 2 memops (inputs_seq fence, wait) and 4
+kernels besides the forward (inputs_seq store, gather, mask_sample's two, the epilogue);
+below 16 the wait and the gather follow the forward on the main stream, the same nodes.
+`fold_step_tail = False` (A/B) ends the step as before: the epilogue without the seq, then
+`publish_step_seq` + `advance_channel_step` (a write memop and 3 kernels).
 
 grammar_service publishes step N's masks usually long before the forward ends, so the
 wait and the PCIe read of the mask rows (~2 MB at b=128, vocab 131k) leave the critical
@@ -37,9 +44,11 @@ wait, on whichever stream, ended before step N began), so "bit 0 of mask_seq == 
 is exact: odd N waits with WAIT_AND 1, even N with WAIT_NOR ~1. (`prepublished`, a benchmark
 variant whose wait always passes, breaks this; benchmarks/decode.py restores it after a run.)
 Two graph copies per bucket and mask read, chosen by the host that knows N. The writes take N from a
-device counter (a kernel store after a cuStreamWriteValue32 fence), so nothing is patched per replay.
+device counter, so nothing is patched per replay: inputs_seq by a kernel store after a
+cuStreamWriteValue32 fence; outputs_seq by the epilogue, after each thread's fence.sc.sys and a
+CTA barrier (kernels/step_epilogue.py), which then advances the counter for step N + 1.
 Eager mode (debugging, the reference in tests) waits with GEQ N and writes N directly, on
-the same streams as the graph.
+the same streams as the graph (the epilogue without the seq, then the memop and the advance).
 
 The host only touches rows that change (`load_rows`, `scrub_tail`), never waits for the GPU
 to build step N+1 (it reads tokens from the outputs area after outputs_seq), and picks the
@@ -115,6 +124,9 @@ class GpuDecodeRunner:
         self.mapped = mapped
         self.sampler = sampler
         self.fused_epilogue = True  # read at capture; False: the torch ops (A/B, profile_step.py)
+        # Read at capture: the fused epilogue also publishes outputs_seq and advances N (one
+        # launch); False: `publish_step_seq` + `advance_channel_step` after it (A/B).
+        self.fold_step_tail = True
         max_pages = -(-self.config.max_position_embeddings // kv.page_size)
         self.buffers = DecodeBuffers.allocate(self.max_batch, max_pages, self.device)
         self.forward = DecodeForward(model, kv, self.buffers, fuse_weights=fuse_weights, fused_ops=fused_ops)
@@ -230,9 +242,27 @@ class GpuDecodeRunner:
             apply_bitmask_torch(logits, masks)
         return logits.argmax(dim=-1)
 
-    def body(self, bucket: int, variant: GraphVariant) -> None:
-        from generation_service.kernels.step_epilogue import step_epilogue, step_epilogue_torch
+    def _epilogue(self, tokens: torch.Tensor, bucket: int, variant: GraphVariant) -> None:
+        """One launch: out_tokens, the channel's outputs at the ring slot, and the sampled tokens
+        fed back (the host overwrites rows it changes before the next step; it reads nothing
+        of these before outputs_seq). A captured channel step also publishes outputs_seq = N
+        and advances N in it (`fold_step_tail`); eager steps keep the memop that writes the
+        host's N (module docstring)."""
+        from generation_service.kernels.step_epilogue import MAX_PUBLISH_ROWS, step_epilogue, step_epilogue_torch
         buf = self.buffers
+        channel = (buf.ring_slot, self._out_tokens, self._out_counts) if variant.uses_channel else None
+        folds = (variant.waits and self._capturing and self.fused_epilogue and self.fold_step_tail
+                 and bucket <= MAX_PUBLISH_ROWS)
+        if self.fused_epilogue:
+            publish = (buf.step, self.mapped.seq_view("outputs_seq")) if folds else None
+            step_epilogue(tokens, buf.out_tokens, buf.input_ids, buf.positions, buf.seq_lens, channel, publish)
+        else:
+            step_epilogue_torch(tokens, buf.out_tokens, buf.input_ids, buf.positions, buf.seq_lens, channel)
+        if variant.waits and not folds:
+            self._publish("outputs_seq")
+            advance_channel_step(buf, self.depth)
+
+    def body(self, bucket: int, variant: GraphVariant) -> None:
         if variant.waits:
             self._publish("inputs_seq")
         # NOTE: below prefetch_min_bucket a prefetch variant reads its masks after the forward too
@@ -252,17 +282,7 @@ class GpuDecodeRunner:
         elif variant.uses_channel:
             masks = self._read_masks(bucket, variant)
         tokens = self._sample(logits, masks, bucket, variant.filters)  # (b,) int32 or int64
-        # One launch: out_tokens, the channel's outputs at the ring slot, and the sampled tokens
-        # fed back (the host overwrites rows it changes before the next step; it reads nothing
-        # of these before outputs_seq).
-        channel = (buf.ring_slot, self._out_tokens, self._out_counts) if variant.uses_channel else None
-        if self.fused_epilogue:
-            step_epilogue(tokens, buf.out_tokens, buf.input_ids, buf.positions, buf.seq_lens, channel)
-        else:
-            step_epilogue_torch(tokens, buf.out_tokens, buf.input_ids, buf.positions, buf.seq_lens, channel)
-        if variant.waits:
-            self._publish("outputs_seq")
-            advance_channel_step(buf, self.depth)
+        self._epilogue(tokens, bucket, variant)
 
     # ---- driving ------------------------------------------------------------------------
     def warmup(self, bucket: int) -> None:

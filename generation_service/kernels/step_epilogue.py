@@ -7,26 +7,57 @@ For rows r < bucket, with t = the token sampled for row r:
     positions[r] += live, seq_lens[r] += live
 and on a channel step, into the step channel's outputs area at the device ring slot s:
     channel_tokens[s, r] = t (int32), channel_counts[s, r] = 1
+and when the step also publishes (`publish`, one program only), with N the device step counter:
+    outputs_seq = N, then step = N + 1, ring_slot = (N + 1) mod depth
+
+Publish ordering (NOTE: grammar_service, on the CPU, reads outputs_seq and then the outputs
+area): every thread fences its stores system-wide (`fence.sc.sys`, __threadfence_system),
+the CTA barrier makes every thread's fence precede it, and only then does one thread store
+outputs_seq (`st.relaxed.sys`, a volatile store; not an atomic: the H200 hosts have no
+native atomics on mapped host memory, CU_DEVICE_ATTRIBUTE_HOST_NATIVE_ATOMIC_SUPPORTED = 0).
+The barrier also keeps the step counter's and the ring slot's new values from landing
+before every thread has read the old ones. Under the interpreter (no inline asm, one
+program run in order) the fence is left out.
 
 Why: in torch these are 5 launches on a free step (a copy, the compare, a copy, two adds)
 and 3 more on a channel step (the int32 cast and two index_put), each a graph node of a
 few microseconds that the decode forward's PDL chain cannot overlap
-(`engine/gpu_runner.py`'s step body; docs/gpu.md "Launch overlap").
+(`engine/gpu_runner.py`'s step body; docs/gpu.md "Launch overlap"); publishing folds in
+`gpu_runner.publish_step_seq` + `advance_channel_step` (a write memop and 3 kernels).
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 BLOCK = 128  # rows per program
+MAX_PUBLISH_ROWS = BLOCK  # a publishing epilogue runs one program
+
+
+@triton.jit
+def _fence_system(x):
+    """__threadfence_system in every thread that holds an element of `x` (returned as an
+    unused int32 tensor: inline asm must return something)."""
+    return tl.inline_asm_elementwise("fence.sc.sys; mov.b32 $0, 0;", "=r,r", [x], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _store_system(ptrs, value, is_mine):
+    """*ptrs = value, a strong system-scope (volatile) store, by the threads where is_mine != 0."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.relaxed.sys.global.b32 [$1], $2; mov.b32 $0, 0; }",
+        "=r,l,r,r", [ptrs, value, is_mine], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
 def _step_epilogue_kernel(sampled_ptr, out_tokens_ptr, input_ids_ptr, positions_ptr, seq_lens_ptr,
                           ring_slot_ptr, channel_tokens_ptr, channel_counts_ptr,
-                          stride_ct_slot, stride_ct_row, stride_cc_slot, bucket,
-                          CHANNEL: tl.constexpr, BLOCK: tl.constexpr):
+                          step_ptr, seq_ptr, stride_ct_slot, stride_ct_row, stride_cc_slot, bucket, depth,
+                          CHANNEL: tl.constexpr, PUBLISH: tl.constexpr, SYS_FENCE: tl.constexpr,
+                          BLOCK: tl.constexpr):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = rows < bucket
     token = tl.load(sampled_ptr + rows, mask=mask, other=0).to(tl.int64)
@@ -43,15 +74,31 @@ def _step_epilogue_kernel(sampled_ptr, out_tokens_ptr, input_ids_ptr, positions_
                  token.to(tl.int32), mask=mask)
         tl.store(channel_counts_ptr + slot * stride_cc_slot + rows,
                  tl.full([BLOCK], 1, tl.int32), mask=mask)
+    if PUBLISH:  # one program (the wrapper checks): the barrier orders every row's stores
+        n = tl.load(step_ptr)
+        if SYS_FENCE:
+            _fence_system(rows)  # each thread: its outputs visible system-wide ...
+        tl.debug_barrier()  # ... before any thread passes (every thread has read step and ring_slot)
+        if SYS_FENCE:
+            _store_system(seq_ptr + rows * 0, n + rows * 0, (rows == 0).to(tl.int32))
+        else:
+            tl.store(seq_ptr, n)
+        n_next = n + 1
+        tl.store(step_ptr, n_next)
+        tl.store(ring_slot_ptr, ((n_next % depth + depth) % depth).to(tl.int64))  # as torch.remainder
 
 
 def step_epilogue(sampled: torch.Tensor, out_tokens: torch.Tensor, input_ids: torch.Tensor,
                   positions: torch.Tensor, seq_lens: torch.Tensor,
-                  channel: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+                  channel: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                  publish: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """sampled (bucket,) any integer dtype; out_tokens, input_ids (>= bucket,) int64, positions
     and seq_lens (>= bucket,) integer, updated in place. channel: (ring_slot (1,) int64,
     tokens (depth, >= bucket) int32, counts (depth, >= bucket) int32 with contiguous rows), the
-    step channel's outputs views (any row stride for tokens). Graph safe: one launch."""
+    step channel's outputs views (any row stride for tokens). publish (needs channel and
+    bucket <= BLOCK): (step (1,) int32 the device step counter N, outputs_seq (1,) int32 the
+    mapped sequence word): outputs_seq = N after the outputs, then N + 1 and its ring slot
+    (mod the depth of `tokens`). Graph safe: one launch."""
     bucket = sampled.shape[0]
     for t in (sampled, out_tokens, input_ids, positions, seq_lens):
         assert t.stride(0) == 1 and t.shape[0] >= bucket
@@ -59,12 +106,21 @@ def step_epilogue(sampled: torch.Tensor, out_tokens: torch.Tensor, input_ids: to
         ring_slot, tokens, counts = channel
         assert counts.stride(1) == 1 and tokens.dtype == counts.dtype == torch.int32
     else:
+        assert publish is None, "publishing needs the channel's outputs"
         ring_slot = tokens = counts = sampled  # never read without CHANNEL
+    if publish is not None:
+        step, seq = publish
+        assert step.dtype == seq.dtype == torch.int32 and ring_slot.dtype == torch.int64
+        if not 0 < bucket <= MAX_PUBLISH_ROWS:  # NOTE: a barrier orders stores within one program only
+            raise ValueError(f"a publishing epilogue runs one program: bucket {bucket} not in [1, {BLOCK}]")
+    else:
+        step = seq = sampled  # never read without PUBLISH
     if bucket:
         _step_epilogue_kernel[(triton.cdiv(bucket, BLOCK),)](
-            sampled, out_tokens, input_ids, positions, seq_lens, ring_slot, tokens, counts,
-            tokens.stride(0), tokens.stride(-1), counts.stride(0), bucket,
-            CHANNEL=channel is not None, BLOCK=BLOCK, num_warps=4)
+            sampled, out_tokens, input_ids, positions, seq_lens, ring_slot, tokens, counts, step, seq,
+            tokens.stride(0), tokens.stride(-1), counts.stride(0), bucket, tokens.shape[0],
+            CHANNEL=channel is not None, PUBLISH=publish is not None,
+            SYS_FENCE=not isinstance(_step_epilogue_kernel, InterpretedFunction), BLOCK=BLOCK, num_warps=4)
 
 
 def step_epilogue_torch(sampled: torch.Tensor, out_tokens: torch.Tensor, input_ids: torch.Tensor,

@@ -1,7 +1,7 @@
 """GpuDecodeRunner: eager decode == the model's reference forward, graph replay == eager
 (with padding rows), the mask prefetch (side stream) == the serial mask read under host
-masks published early and late, and constrained JSON under graphs with grammar_service in
-its own process (both mask reads)."""
+masks published early and late, with the step tail folded into the epilogue or not, and
+constrained JSON under graphs with grammar_service in its own process (both mask reads)."""
 from __future__ import annotations
 
 import json
@@ -80,23 +80,27 @@ def pack_bits(allowed: torch.Tensor) -> np.ndarray:
 
 
 POISON = 7  # the only token the stale masks allow, and one the real masks never do
+TAILS = {"memop-tail": False, "folded-tail": True}  # GpuDecodeRunner.fold_step_tail
 
 
+@pytest.mark.parametrize("batch,bucket", [(3, 4), (20, 32)])  # below and above prefetch_min_bucket
 @pytest.mark.parametrize("late", [False, True], ids=["masks-early", "masks-late"])
-def test_prefetch_and_serial_mask_reads_give_the_same_tokens(model, late):
+def test_prefetch_and_serial_mask_reads_give_the_same_tokens(model, late, batch, bucket):
     """Host-written masks (a quarter of the vocab per row, a new draw per step), eager and
-    graph, prefetch and serial: the same tokens, each allowed by its step's mask. masks-late:
-    the entry holds stale masks (POISON only) when the step launches, the real ones and
-    mask_seq arrive 20 ms later (long after the forward), so a gather that ran before its
-    wait, on either stream, would sample POISON."""
+    graph, prefetch and serial, each step tail: the same tokens, each allowed by its step's
+    mask, read by the host after outputs_seq = N (the ring wraps). masks-late: the entry
+    holds stale masks (POISON only) when the step launches, the real ones and mask_seq
+    arrive 20 ms later (long after the forward), so a mask read that ran before its wait,
+    on either stream, would sample POISON; and an outputs_seq published before the outputs
+    would hand the host the previous lap's tokens."""
     from step_channel.cuda import MappedChannel
-    batch, bucket, num_steps = 3, 4, 6
+    num_steps = 6
     geometry = Geometry(max_batch=bucket, max_positions=1, vocab_size=VOCAB, depth=4)
     chan = StepChannel.create(geometry)
     mapped = MappedChannel.register(chan)
     kv = make_kv(model.config, 1 + bucket * PAGES_PER_ROW)
     start = [t.clone() for t in kv.k + kv.v]
-    runner = GpuDecodeRunner(model, kv, max_batch=bucket, buckets=(1, 2, 4), mapped=mapped,
+    runner = GpuDecodeRunner(model, kv, max_batch=bucket, buckets=tuple(sorted({1, 2, 4, bucket})), mapped=mapped,
                              variants=SERVING_VARIANTS + tuple(with_serial(v) for v in SERVING_VARIANTS))
     gen = torch.Generator().manual_seed(3)
     allowed = []
@@ -110,8 +114,10 @@ def test_prefetch_and_serial_mask_reads_give_the_same_tokens(model, late):
     runs = {}
     try:
         with torch.no_grad():
-            for use_graph in (False, True):
-                if use_graph:
+            for use_graph, tail in [(False, name) for name in TAILS] + [(True, name) for name in TAILS]:
+                runner.fold_step_tail = TAILS[tail]
+                if use_graph:  # read at capture
+                    runner.close()
                     runner.capture()
                 for prefetch in (True, False):
                     for t, s in zip(kv.k + kv.v, start):
@@ -122,6 +128,8 @@ def test_prefetch_and_serial_mask_reads_give_the_same_tokens(model, late):
                         n = runner.next_channel_step
                         e = chan.entry(n)
                         e.desc_header[:] = (n, batch)
+                        e.out_tokens[:] = -1  # the previous lap's outputs must not pass for this step's
+                        e.out_counts[:] = 0
 
                         def publish(e=e, n=n, i=i):
                             e.masks[:bucket] = real[i]
@@ -139,15 +147,20 @@ def test_prefetch_and_serial_mask_reads_give_the_same_tokens(model, late):
                             timer.join()
                         assert chan.load_seq("inputs_seq") == n
                         tokens.append(e.out_tokens[:batch, 0].astype(np.int64))
-                    runs[(use_graph, prefetch)] = np.stack(tokens)  # (num_steps, batch)
-                    print(f"graph={use_graph} prefetch={prefetch} late={late}: {runs[(use_graph, prefetch)].T.tolist()}")
+                        assert (e.out_counts[:batch] == 1).all()
+                    # the device counter and ring slot: the next step's, in every mode
+                    n = runner.next_channel_step
+                    assert runner.buffers.step.item() == n and runner.buffers.ring_slot.item() == n % geometry.depth
+                    key = (use_graph, prefetch, tail)
+                    runs[key] = np.stack(tokens)  # (num_steps, batch)
+                    print(f"graph={use_graph} prefetch={prefetch} {tail} late={late}: {runs[key].T.tolist()}")
     finally:
         chan.publish_seq("mask_seq", runner.next_channel_step - 1)  # never leave the GPU waiting
         torch.cuda.synchronize()
         runner.close()
         mapped.close()
         chan.close()
-    reference = runs[(False, False)]  # eager, serial: the body before mask prefetch
+    reference = runs[(False, False, "memop-tail")]  # eager, serial: the body before mask prefetch
     for key, got in runs.items():
         assert np.array_equal(got, reference), f"{key}: {got.tolist()} != {reference.tolist()}"
     for i in range(num_steps):

@@ -139,3 +139,51 @@ def test_graph_wait_latency(mapped):
     median_us = sorted(times)[len(times) // 2] * 1e6
     print(f"graph wait round trip: median {median_us:.1f} us")
     assert median_us < 1000
+
+
+def test_graph_of_the_folded_epilogue_publishes_outputs_before_outputs_seq(mapped):
+    """kernels/step_epilogue.py with `publish` (the decode graph's folded tail), replayed
+    step after step: the host spins on outputs_seq and reads the outputs of entry N % D the
+    moment it sees N. Every step's tokens encode N, and the host clears the entry before each
+    step, so a seq store that overtook the output stores would show -1 or another step's
+    tokens; the device counter and ring slot advance as `advance_channel_step` did."""
+    from generation_service.kernels.step_epilogue import step_epilogue
+    chan, rows, first, num_steps = mapped.channel, GEOM.max_batch, 1000, 300
+    depth = GEOM.depth
+    step = torch.tensor([first], dtype=torch.int32, device="cuda")
+    ring_slot = torch.tensor([first % depth], dtype=torch.int64, device="cuda")
+    out_tokens, input_ids = (torch.zeros(rows, dtype=torch.int64, device="cuda") for _ in range(2))
+    positions = torch.zeros(rows, dtype=torch.int64, device="cuda")
+    seq_lens = torch.ones(rows, dtype=torch.int32, device="cuda")
+    channel = (ring_slot, mapped.ring_view("out_tokens", (rows, 1))[:, :, 0], mapped.ring_view("out_counts", (rows,)))
+    offsets = torch.arange(rows, dtype=torch.int32, device="cuda")
+    s = torch.cuda.Stream()
+
+    def body():
+        sampled = step * 100 + offsets  # (rows,) int32: step N's tokens, 100 N + r
+        step_epilogue(sampled, out_tokens, input_ids, positions, seq_lens, channel,
+                      publish=(step, mapped.seq_view("outputs_seq")))
+    with torch.cuda.stream(s):  # compile outside the capture, then restore the counter
+        body()
+    s.synchronize()
+    step.fill_(first)
+    ring_slot.fill_(first % depth)
+    chan.publish_seq("outputs_seq", first - 1)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        body()
+    for n in range(first, first + num_steps):
+        e = chan.entry(n)
+        e.out_tokens[:] = -1
+        e.out_counts[:] = 0
+        g.replay()
+        assert chan.wait_seq("outputs_seq", n, timeout_s=5, spin_s=1.0), f"step {n} never published"
+        got = e.out_tokens[:, 0].tolist()  # read at once: the GPU may still run the kernel's tail
+        assert got == [100 * n + r for r in range(rows)], (n, got)
+        assert e.out_counts.tolist() == [1] * rows
+        assert chan.load_seq("outputs_seq") == n
+    torch.cuda.synchronize()
+    n = first + num_steps
+    assert step.item() == n and ring_slot.item() == n % depth
+    assert positions.tolist() == [num_steps + 1] * rows  # one compile run + num_steps replays

@@ -59,6 +59,24 @@ def resource_usage(kernel) -> str:
                     for line in out.splitlines() if "REG:" in line)
 
 
+def check_publish_order(ptx: str) -> None:
+    """The folded step tail: every thread fences its stores system-wide, then the CTA
+    barrier, then the seq word's store; no store to global memory between fence and barrier."""
+    lines = [line.strip() for line in ptx.splitlines()]
+    fence = [i for i, line in enumerate(lines) if line.startswith("fence.sc.sys")]
+    barrier = [i for i, line in enumerate(lines) if line.startswith(("bar.sync", "barrier.sync"))]
+    seq = [i for i, line in enumerate(lines) if "st.relaxed.sys.global" in line]
+    assert fence and barrier and seq, f"fence {fence} barrier {barrier} seq store {seq}"
+    stores = [i for i, line in enumerate(lines) if "st.global" in line and "st.relaxed.sys" not in line]
+    channel_stores = [i for i in stores if i < fence[0]]
+    assert channel_stores and max(fence) < min(barrier) < min(seq), (fence, barrier, seq)
+    late = [lines[i] for i in stores if fence[0] < i < min(seq)]
+    assert not late, f"stores between the fence and the seq store: {late}"
+
+
+CHECKS = {"step_epilogue_publish": check_publish_order}
+
+
 def main() -> int:
     da, ea, ms = decode_attention, extend_attention, mask_sample
     builds = {
@@ -104,15 +122,20 @@ def main() -> int:
             4096, 131072, *[N] * 3, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=1024, PAGE_SIZE=16,
             HAS_PAGES=True, PDL=True),
         "step_epilogue": lambda: compile_sm90(
-            step_epilogue._step_epilogue_kernel, I32, I64, I64, I64, I32, I64, I32, I32, *[N] * 4,
-            CHANNEL=True, BLOCK=128),
+            step_epilogue._step_epilogue_kernel, I32, I64, I64, I64, I32, I64, I32, I32, I32, I32,
+            *[N] * 4, 4, CHANNEL=True, PUBLISH=False, SYS_FENCE=False, BLOCK=128),
+        "step_epilogue_publish": lambda: compile_sm90(
+            step_epilogue._step_epilogue_kernel, I32, I64, I64, I64, I32, I64, I32, I32, I32, I32,
+            *[N] * 4, 4, CHANNEL=True, PUBLISH=True, SYS_FENCE=True, BLOCK=128),
         "silu_mul": lambda: compile_sm90(
             decode_fused._silu_mul_kernel, BF, BF, 14336, BLOCK=1024, PDL=True),
     }
     failed = 0
     for name, build in builds.items():
         try:
-            print(f"{name}: ok {resource_usage(build())}")
+            kernel = build()
+            CHECKS.get(name, lambda ptx: None)(kernel.asm["ptx"])
+            print(f"{name}: ok {resource_usage(kernel)}")
         except Exception as exc:  # report every kernel, then fail
             failed += 1
             print(f"{name}: FAILED {exc!r}")
