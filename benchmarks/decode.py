@@ -237,6 +237,8 @@ class Bench:
             runner.prefetch_min_bucket = self.args.prefetch_min_bucket
         if self.args.fold_step_tail is not None:
             runner.fold_step_tail = self.args.fold_step_tail
+        if self.args.ring_mask_read is not None:
+            runner.ring_mask_read = self.args.ring_mask_read
         with torch.no_grad():
             capture_s = runner.capture()
             log(f"{preset}: captured {len(runner.graphs.graphs)} graphs in {capture_s:.1f} s")
@@ -452,6 +454,9 @@ def main() -> int:
     ap.add_argument("--fold-step-tail", action=argparse.BooleanOptionalAction, default=None,
                     help="GpuDecodeRunner.fold_step_tail (default: the runner's): the epilogue publishes "
                          "outputs_seq and advances N; --no-fold-step-tail: the write memop + 3 kernels after it")
+    ap.add_argument("--ring-mask-read", action=argparse.BooleanOptionalAction, default=None,
+                    help="GpuDecodeRunner.ring_mask_read (default: the runner's): below prefetch_min_bucket "
+                         "mask_sample reads the mapped ring entry in place instead of a gather kernel first")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/decode-h200.json"))
     args = ap.parse_args()
     args.batches = sorted(args.batches)

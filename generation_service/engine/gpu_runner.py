@@ -19,7 +19,8 @@ Captured nodes of a channel step: bucket >= 16, 2 memops (inputs_seq fence, wait
 kernels besides the forward (inputs_seq store, gather, mask_sample's two, the epilogue);
 below 16 the wait and the gather follow the forward on the main stream, the same nodes.
 `fold_step_tail = False` (A/B) ends the step as before: the epilogue without the seq, then
-`publish_step_seq` + `advance_channel_step` (a write memop and 3 kernels).
+`publish_step_seq` + `advance_channel_step` (a write memop and 3 kernels). `ring_mask_read`
+(below 16, off by default) lets mask_sample read entry N % D in place: one kernel fewer.
 
 grammar_service publishes step N's masks usually long before the forward ends, so the
 wait and the PCIe read of the mask rows (~2 MB at b=128, vocab 131k) leave the critical
@@ -135,6 +136,10 @@ class GpuDecodeRunner:
         # branch beside the forward's PDL-chained small-bucket kernels cost more than the
         # gather it hides (docs/gpu.md, "Mask prefetch below 16 rows"). Read at capture.
         self.prefetch_min_bucket = PREFETCH_MIN_BUCKET
+        # Read at capture: masks read after the forward (no prefetch) go straight from the mapped
+        # ring into the sampler, no gather kernel (`_masks_after_forward`). Off: unmeasured (A/B);
+        # the sampler's slice loop pays a PCIe latency per 1024 tokens where the gather pays one.
+        self.ring_mask_read = False
         if variants is None:
             variants = SERVING_VARIANTS if mapped is not None else (FREE,)
         self.variants = self._own_variants(variants)
@@ -224,8 +229,19 @@ class GpuDecodeRunner:
         torch.index_select(self._masks[:, :bucket], 0, self.buffers.ring_slot, out=rows.unsqueeze(0))
         return rows
 
+    def _masks_after_forward(self, bucket: int, variant: GraphVariant) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Step N's masks read on the main stream after the forward: (the gathered (bucket, W)
+        rows, None), or with `ring_mask_read` (the ring's (D, bucket, W) rows, the device ring
+        slot) for the sampler to read entry N % D in place, one kernel fewer. Not for top-k/top-p
+        (their search re-reads each row ~20 times: over PCIe, not HBM) nor the torch sampler."""
+        if not self.ring_mask_read or variant.filters or self.sampler != "triton":
+            return self._read_masks(bucket, variant), None
+        if variant.waits:
+            self._wait_masks(variant)
+        return self._masks[:, :bucket], self.buffers.ring_slot
+
     def _sample(self, logits: torch.Tensor, masks: torch.Tensor | None, bucket: int,
-                filters: bool = False) -> torch.Tensor:
+                filters: bool = False, mask_slot: torch.Tensor | None = None) -> torch.Tensor:
         if self.sampler == "triton":
             from generation_service.kernels.mask_sample import mask_sample
             ids, _ = mask_sample(logits, masks, self._temperature[:bucket], self._top_k[:bucket],
@@ -233,7 +249,7 @@ class GpuDecodeRunner:
                                  # the same draw for the same (seed, position) in any batch layout
                                  self._top_p[:bucket], self._seeds[:bucket], self.buffers.positions[:bucket],
                                  mask_vocab_size=self.mask_vocab if masks is not None else None,
-                                 enable_filters=filters)
+                                 enable_filters=filters, mask_slot=mask_slot)
             return ids
         if filters:
             raise RuntimeError("the torch fallback sampler is greedy only; top-k/top-p need mask_sample")
@@ -275,13 +291,13 @@ class GpuDecodeRunner:
             with torch.cuda.stream(self._side):
                 self._read_masks(bucket, variant)
         logits = self.decode_forward(bucket)
-        masks = None
+        masks = mask_slot = None
         if prefetches:
             main.wait_stream(self._side)  # NOTE: join before the sampler reads the buffer (and before capture ends)
             masks = self._mask_rows[:bucket]
         elif variant.uses_channel:
-            masks = self._read_masks(bucket, variant)
-        tokens = self._sample(logits, masks, bucket, variant.filters)  # (b,) int32 or int64
+            masks, mask_slot = self._masks_after_forward(bucket, variant)
+        tokens = self._sample(logits, masks, bucket, variant.filters, mask_slot)  # (b,) int32 or int64
         self._epilogue(tokens, bucket, variant)
 
     # ---- driving ------------------------------------------------------------------------

@@ -24,7 +24,9 @@ Launches: ``_partial_kernel`` grid (R, num_splits) does steps 1-4 and the unfilt
 Gumbel argmax over a vocab slice; ``_finalize_kernel`` grid (R,) merges the slices and,
 for rows with top-k/top-p, finds tau by a multi-probe search on the order-preserving int
 key of s (11 passes over the row per filter with 8 probes; exact, no sort), then draws
-once more.
+once more. With ``mask_slot`` both read the row's mask words in place from a ring of
+entries (the step channel's mapped masks, entry = the device scalar ``*mask_slot``) rather
+than from rows gathered before the launch.
 """
 from __future__ import annotations
 
@@ -45,13 +47,13 @@ def _key(s):
 
 
 @triton.jit
-def _is_unconstrained(mask_ptr, row_m, mask_vocab, BLOCK_W: tl.constexpr):
-    """True iff every bit below mask_vocab is set."""
+def _is_unconstrained(mask_row, mask_vocab, BLOCK_W: tl.constexpr):
+    """True iff every bit below mask_vocab is set (mask_row: the row's words)."""
     ok = tl.full([], 1, tl.int32)
     num_words = tl.cdiv(mask_vocab, 32)
     for w0 in range(0, num_words, BLOCK_W):
         w = w0 + tl.arange(0, BLOCK_W)
-        word = tl.load(mask_ptr + row_m + w, mask=w < num_words, other=-1)
+        word = tl.load(mask_row + w, mask=w < num_words, other=-1)
         nbits = tl.minimum(mask_vocab - w * 32, 32)  # valid bits in this word
         need = tl.where(nbits >= 32, -1, (1 << tl.minimum(nbits, 31)) - 1)
         ok = ok & tl.min(((word & need) == need).to(tl.int32), 0)
@@ -59,14 +61,23 @@ def _is_unconstrained(mask_ptr, row_m, mask_vocab, BLOCK_W: tl.constexpr):
 
 
 @triton.jit
-def _masked_logits(logits_ptr, mask_ptr, row_l, row_m, offs, vocab, mask_vocab,
+def _mask_row(mask_ptr, mask_slot_ptr, row, stride_m, stride_slot, MASK_RING: tl.constexpr):
+    """The row's mask words: mask_ptr + row * stride_m, in ring entry *mask_slot_ptr if MASK_RING."""
+    row_m = row.to(tl.int64) * stride_m
+    if MASK_RING:
+        row_m += tl.load(mask_slot_ptr).to(tl.int64) * stride_slot
+    return mask_ptr + row_m
+
+
+@triton.jit
+def _masked_logits(logits_ptr, mask_row, row_l, offs, vocab, mask_vocab,
                    unconstrained, HAS_MASK: tl.constexpr):
     x = tl.load(logits_ptr + row_l + offs, mask=offs < vocab, other=float("-inf"))
     x = x.to(tl.float32)
     x = tl.where(x != x, float("-inf"), x)
     if HAS_MASK:
         in_mask = offs < mask_vocab
-        word = tl.load(mask_ptr + row_m + offs // 32, mask=in_mask, other=0)
+        word = tl.load(mask_row + offs // 32, mask=in_mask, other=0)
         bit = (word >> (offs % 32)) & 1
         allowed = tl.where(in_mask, bit != 0, unconstrained)
         x = tl.where(allowed, x, float("-inf"))
@@ -82,19 +93,21 @@ def _gumbel(seed, step, t0, BLOCK: tl.constexpr):
 
 @triton.jit
 def _partial_kernel(
-    logits_ptr, mask_ptr, temp_ptr, seeds_ptr, steps_ptr, work_ptr,
-    vocab, mask_vocab, stride_l, stride_m, split_len,
-    HAS_MASK: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK: tl.constexpr,
-    BLOCK_W: tl.constexpr,
+    logits_ptr, mask_ptr, mask_slot_ptr, temp_ptr, seeds_ptr, steps_ptr, work_ptr,
+    vocab, mask_vocab, stride_l, stride_m, stride_slot, split_len,
+    HAS_MASK: tl.constexpr, MASK_RING: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
     row_l = row.to(tl.int64) * stride_l
-    row_m = row.to(tl.int64) * stride_m
+    mask_row = _mask_row(mask_ptr, mask_slot_ptr, row, stride_m, stride_slot, MASK_RING)
+    start = split * split_len
+    end = tl.minimum(start + split_len, vocab)
     unconstrained = tl.full([], 1, tl.int1)
     if HAS_MASK:
-        if mask_vocab < vocab:
-            unconstrained = _is_unconstrained(mask_ptr, row_m, mask_vocab, BLOCK_W)
+        if mask_vocab < end:  # only a slice with tokens past the mask vocab reads the whole row
+            unconstrained = _is_unconstrained(mask_row, mask_vocab, BLOCK_W)
     temp = tl.load(temp_ptr + row)
     inv_t = 1.0 / tl.where(temp > 0, temp, 1.0)
     seed = tl.load(seeds_ptr + row)
@@ -105,11 +118,9 @@ def _partial_kernel(
     best_xi = tl.zeros([], tl.int32)
     best_g = tl.full([], float("-inf"), tl.float32)
     best_gi = tl.zeros([], tl.int32)
-    start = split * split_len
-    end = tl.minimum(start + split_len, vocab)
     for t0 in range(start, end, BLOCK):
         offs = t0 + tl.arange(0, BLOCK)
-        x = _masked_logits(logits_ptr, mask_ptr, row_l, row_m, offs, vocab, mask_vocab,
+        x = _masked_logits(logits_ptr, mask_row, row_l, offs, vocab, mask_vocab,
                            unconstrained, HAS_MASK)
         x = tl.where(offs < end, x, float("-inf"))
         bx, bi = tl.max(x, 0, return_indices=True, return_indices_tie_break_left=True)
@@ -137,7 +148,7 @@ def _partial_kernel(
 
 
 @triton.jit
-def _pass_stats(logits_ptr, mask_ptr, row_l, row_m, vocab, mask_vocab, unconstrained,
+def _pass_stats(logits_ptr, mask_row, row_l, vocab, mask_vocab, unconstrained,
                 inv_t, s_max, probes, NEED_MASS: tl.constexpr, HAS_MASK: tl.constexpr,
                 BLOCK: tl.constexpr, PROBES: tl.constexpr):
     """One pass over the row: for each probe key u, the count and the mass
@@ -147,7 +158,7 @@ def _pass_stats(logits_ptr, mask_ptr, row_l, row_m, vocab, mask_vocab, unconstra
     probes32 = probes.to(tl.int32)  # keys and probes all lie in int32
     for t0 in range(0, vocab, BLOCK):
         offs = t0 + tl.arange(0, BLOCK)
-        s = _masked_logits(logits_ptr, mask_ptr, row_l, row_m, offs, vocab, mask_vocab,
+        s = _masked_logits(logits_ptr, mask_row, row_l, offs, vocab, mask_vocab,
                            unconstrained, HAS_MASK) * inv_t
         hit = (_key(s)[:, None] >= probes32[None, :]) & (offs < vocab)[:, None]  # (BLOCK, P)
         counts += tl.sum(hit.to(tl.int32), 0)
@@ -158,10 +169,10 @@ def _pass_stats(logits_ptr, mask_ptr, row_l, row_m, vocab, mask_vocab, unconstra
 
 @triton.jit
 def _finalize_kernel(
-    logits_ptr, mask_ptr, temp_ptr, top_k_ptr, top_p_ptr, seeds_ptr, steps_ptr, work_ptr,
-    out_ids_ptr, out_logprobs_ptr,
-    vocab, mask_vocab, stride_l, stride_m,
-    HAS_MASK: tl.constexpr, ENABLE_FILTERS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    logits_ptr, mask_ptr, mask_slot_ptr, temp_ptr, top_k_ptr, top_p_ptr, seeds_ptr, steps_ptr,
+    work_ptr, out_ids_ptr, out_logprobs_ptr,
+    vocab, mask_vocab, stride_l, stride_m, stride_slot,
+    HAS_MASK: tl.constexpr, MASK_RING: tl.constexpr, ENABLE_FILTERS: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK: tl.constexpr, BLOCK_W: tl.constexpr,
     PROBES: tl.constexpr,
 ):
@@ -191,7 +202,8 @@ def _finalize_kernel(
         use_p = top_p < 1.0
         if (temp > 0) & (use_k | use_p) & (m1 > float("-inf")):
             token = _filtered_sample(
-                logits_ptr, mask_ptr, row, vocab, mask_vocab, stride_l, stride_m, temp,
+                logits_ptr, _mask_row(mask_ptr, mask_slot_ptr, row, stride_m, stride_slot, MASK_RING),
+                row, vocab, mask_vocab, stride_l, temp,
                 top_k, top_p, use_k, use_p, m1, tl.load(seeds_ptr + row),
                 tl.load(steps_ptr + row), HAS_MASK, BLOCK, BLOCK_W, PROBES)
     tl.store(out_ids_ptr + row, token)
@@ -201,16 +213,16 @@ def _finalize_kernel(
 
 
 @triton.jit
-def _filtered_sample(logits_ptr, mask_ptr, row, vocab, mask_vocab, stride_l, stride_m,
+def _filtered_sample(logits_ptr, mask_row, row, vocab, mask_vocab, stride_l,
                      temp, top_k, top_p, use_k, use_p, m1, seed, step,
                      HAS_MASK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_W: tl.constexpr,
                      PROBES: tl.constexpr):
+    """The top-k/top-p draw of one row (mask_row: its mask words)."""
     row_l = row.to(tl.int64) * stride_l
-    row_m = row.to(tl.int64) * stride_m
     unconstrained = tl.full([], 1, tl.int1)
     if HAS_MASK:
         if mask_vocab < vocab:
-            unconstrained = _is_unconstrained(mask_ptr, row_m, mask_vocab, BLOCK_W)
+            unconstrained = _is_unconstrained(mask_row, mask_vocab, BLOCK_W)
     inv_t = 1.0 / temp
     s_max = m1 * inv_t
     top_key = _key(s_max).to(tl.int64) + 1  # no token has a key >= top_key
@@ -225,7 +237,7 @@ def _filtered_sample(logits_ptr, mask_ptr, row, vocab, mask_vocab, stride_l, str
         hi = top_key
         while hi - lo > 1:
             probes = lo + ((j + 1) * (hi - lo)) // (PROBES + 1)
-            counts, _ = _pass_stats(logits_ptr, mask_ptr, row_l, row_m, vocab, mask_vocab,
+            counts, _ = _pass_stats(logits_ptr, mask_row, row_l, vocab, mask_vocab,
                                     unconstrained, inv_t, s_max, probes, False, HAS_MASK,
                                     BLOCK, PROBES)
             ok = counts >= top_k
@@ -234,7 +246,7 @@ def _filtered_sample(logits_ptr, mask_ptr, row, vocab, mask_vocab, stride_l, str
         tau = lo
     # top-p: G(u) = mass of key >= u; keep key >= u* - 1 for the least u* with G(u*) < P.
     if use_p:
-        _, z_k = _pass_stats(logits_ptr, mask_ptr, row_l, row_m, vocab, mask_vocab,
+        _, z_k = _pass_stats(logits_ptr, mask_row, row_l, vocab, mask_vocab,
                              unconstrained, inv_t, s_max, tau + j * 0, True, HAS_MASK,
                              BLOCK, PROBES)
         p_mass = tl.maximum(top_p * tl.max(z_k, 0), 1e-30)
@@ -242,7 +254,7 @@ def _filtered_sample(logits_ptr, mask_ptr, row, vocab, mask_vocab, stride_l, str
         hi = top_key
         while hi - lo > 1:
             probes = lo + ((j + 1) * (hi - lo)) // (PROBES + 1)
-            _, masses = _pass_stats(logits_ptr, mask_ptr, row_l, row_m, vocab, mask_vocab,
+            _, masses = _pass_stats(logits_ptr, mask_row, row_l, vocab, mask_vocab,
                                     unconstrained, inv_t, s_max, probes, True, HAS_MASK,
                                     BLOCK, PROBES)
             ok = masses >= p_mass
@@ -253,7 +265,7 @@ def _filtered_sample(logits_ptr, mask_ptr, row, vocab, mask_vocab, stride_l, str
     best_gi = tl.zeros([], tl.int32)
     for t0 in range(0, vocab, BLOCK):
         offs = t0 + tl.arange(0, BLOCK)
-        s = _masked_logits(logits_ptr, mask_ptr, row_l, row_m, offs, vocab, mask_vocab,
+        s = _masked_logits(logits_ptr, mask_row, row_l, offs, vocab, mask_vocab,
                            unconstrained, HAS_MASK) * inv_t
         keep = (_key(s).to(tl.int64) >= tau) & (offs < vocab)
         score = tl.where(keep, s + _gumbel(seed, step, t0, BLOCK), float("-inf"))
@@ -277,18 +289,30 @@ def mask_sample(logits: torch.Tensor, bitmask: torch.Tensor | None, temperature:
                 steps: torch.Tensor, mask_vocab_size: int | None = None,
                 enable_filters: bool = True, num_splits: int | None = None,
                 search_probes: int = 8, out_ids: torch.Tensor | None = None,
-                out_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                out_logprobs: torch.Tensor | None = None,
+                mask_slot: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits (R, V) fp32/bf16/fp16, bitmask (R, W) int32 or None -> (ids (R,) int32,
     logprobs (R,) fp32). temperature/top_p (R,) fp32, top_k (R,) int32, seeds/steps (R,)
     int64. enable_filters=False compiles out top-k/top-p (a graph variant for batches
     that use neither). search_probes (a power of 2) trades passes over a filtered row
     for compares per token. Graph safe: no host reads of device values.
+    mask_slot (1,) int64 on the device: bitmask is a ring (D, >= R, W) (any entry and row
+    strides, e.g. the step channel's mapped masks) and row r's mask is
+    bitmask[mask_slot[0], r], read in place (no gather).
     """
     num_rows, vocab = logits.shape
     assert logits.stride(1) == 1
     assert temperature.dtype == top_p.dtype == torch.float32 and top_k.dtype == torch.int32
     assert seeds.dtype == steps.dtype == torch.int64
     has_mask = bitmask is not None
+    ring = mask_slot is not None
+    if ring:
+        assert has_mask and bitmask.dim() == 3 and bitmask.shape[1] >= num_rows
+        assert mask_slot.dtype == torch.int64 and mask_slot.numel() == 1
+        slot_stride = bitmask.stride(0)
+        bitmask = bitmask[0]  # (>= R, W) rows of entry 0; the kernels add slot * slot_stride
+    else:
+        mask_slot, slot_stride = logits, 0  # never read without MASK_RING
     if has_mask:
         assert bitmask.dtype == torch.int32 and bitmask.stride(1) == 1
         max_bits = bitmask.shape[1] * 32
@@ -310,13 +334,14 @@ def mask_sample(logits: torch.Tensor, bitmask: torch.Tensor | None, temperature:
     mask_arg = bitmask if has_mask else logits  # never read when HAS_MASK is False
     stride_m = bitmask.stride(0) if has_mask else 0
     _partial_kernel[(num_rows, num_splits)](
-        logits, mask_arg, temperature, seeds, steps, work,
-        vocab, mask_vocab_size, logits.stride(0), stride_m, split_len,
-        HAS_MASK=has_mask, NUM_SPLITS=num_splits, BLOCK=block, BLOCK_W=1024, num_warps=4)
+        logits, mask_arg, mask_slot, temperature, seeds, steps, work,
+        vocab, mask_vocab_size, logits.stride(0), stride_m, slot_stride, split_len,
+        HAS_MASK=has_mask, MASK_RING=ring, NUM_SPLITS=num_splits, BLOCK=block, BLOCK_W=1024,
+        num_warps=4)
     _finalize_kernel[(num_rows,)](
-        logits, mask_arg, temperature, top_k, top_p, seeds, steps, work,
-        out_ids, out_logprobs, vocab, mask_vocab_size, logits.stride(0), stride_m,
-        HAS_MASK=has_mask, ENABLE_FILTERS=enable_filters, NUM_SPLITS=num_splits,
+        logits, mask_arg, mask_slot, temperature, top_k, top_p, seeds, steps, work,
+        out_ids, out_logprobs, vocab, mask_vocab_size, logits.stride(0), stride_m, slot_stride,
+        HAS_MASK=has_mask, MASK_RING=ring, ENABLE_FILTERS=enable_filters, NUM_SPLITS=num_splits,
         BLOCK_S=triton.next_power_of_2(num_splits), BLOCK=block, BLOCK_W=1024,
         PROBES=search_probes, num_warps=8 if enable_filters else 4)  # one program per row
     return out_ids, out_logprobs

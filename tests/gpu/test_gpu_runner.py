@@ -1,7 +1,8 @@
 """GpuDecodeRunner: eager decode == the model's reference forward, graph replay == eager
-(with padding rows), the mask prefetch (side stream) == the serial mask read under host
-masks published early and late, with the step tail folded into the epilogue or not, and
-constrained JSON under graphs with grammar_service in its own process (both mask reads)."""
+(with padding rows), the mask prefetch (side stream) == the serial mask read (gathered or
+read from the ring in place) under host masks published early and late, with the step tail
+folded into the epilogue or not, and constrained JSON under graphs with grammar_service in
+its own process (both mask reads)."""
 from __future__ import annotations
 
 import json
@@ -80,7 +81,8 @@ def pack_bits(allowed: torch.Tensor) -> np.ndarray:
 
 
 POISON = 7  # the only token the stale masks allow, and one the real masks never do
-TAILS = {"memop-tail": False, "folded-tail": True}  # GpuDecodeRunner.fold_step_tail
+# GpuDecodeRunner (fold_step_tail, ring_mask_read): the step tail before and after the fold
+TAILS = {"memop-tail+gather": (False, False), "folded-tail+ring-read": (True, True)}
 
 
 @pytest.mark.parametrize("batch,bucket", [(3, 4), (20, 32)])  # below and above prefetch_min_bucket
@@ -115,8 +117,8 @@ def test_prefetch_and_serial_mask_reads_give_the_same_tokens(model, late, batch,
     try:
         with torch.no_grad():
             for use_graph, tail in [(False, name) for name in TAILS] + [(True, name) for name in TAILS]:
-                runner.fold_step_tail = TAILS[tail]
-                if use_graph:  # read at capture
+                runner.fold_step_tail, runner.ring_mask_read = TAILS[tail]
+                if use_graph:  # both settings are read at capture
                     runner.close()
                     runner.capture()
                 for prefetch in (True, False):
@@ -160,7 +162,7 @@ def test_prefetch_and_serial_mask_reads_give_the_same_tokens(model, late, batch,
         runner.close()
         mapped.close()
         chan.close()
-    reference = runs[(False, False, "memop-tail")]  # eager, serial: the body before mask prefetch
+    reference = runs[(False, False, "memop-tail+gather")]  # eager, serial, gathered: the oldest body
     for key, got in runs.items():
         assert np.array_equal(got, reference), f"{key}: {got.tolist()} != {reference.tolist()}"
     for i in range(num_steps):

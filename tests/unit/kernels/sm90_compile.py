@@ -102,12 +102,19 @@ def main() -> int:
             kv_write._kv_write_kernel, BF, BF, BF, BF, I64, *[N] * 4, ROW=1024, BLOCK=1024),
         "philox": lambda: compile_sm90(philox._uniform_kernel, I64, I64, F32, N, BLOCK=1024),
         "mask_sample_partial": lambda: compile_sm90(
-            ms._partial_kernel, F32, I32, F32, I64, I64, F32, *[N] * 5, HAS_MASK=True,
-            NUM_SPLITS=4, BLOCK=1024, BLOCK_W=1024),
+            ms._partial_kernel, F32, I32, I64, F32, I64, I64, F32, *[N] * 6, HAS_MASK=True,
+            MASK_RING=False, NUM_SPLITS=4, BLOCK=1024, BLOCK_W=1024),
+        "mask_sample_partial_ring": lambda: compile_sm90(
+            ms._partial_kernel, BF, I32, I64, F32, I64, I64, F32, *[N] * 6, HAS_MASK=True,
+            MASK_RING=True, NUM_SPLITS=16, BLOCK=1024, BLOCK_W=1024),
         "mask_sample_finalize": lambda: compile_sm90(
-            ms._finalize_kernel, BF, I32, F32, I32, F32, I64, I64, F32, I32, F32, *[N] * 4,
-            HAS_MASK=True, ENABLE_FILTERS=True, NUM_SPLITS=4, BLOCK_S=4, BLOCK=1024,
+            ms._finalize_kernel, BF, I32, I64, F32, I32, F32, I64, I64, F32, I32, F32, *[N] * 5,
+            HAS_MASK=True, MASK_RING=False, ENABLE_FILTERS=True, NUM_SPLITS=4, BLOCK_S=4, BLOCK=1024,
             BLOCK_W=1024, PROBES=8, num_warps=8),
+        "mask_sample_finalize_ring": lambda: compile_sm90(
+            ms._finalize_kernel, BF, I32, I64, F32, I32, F32, I64, I64, F32, I32, F32, *[N] * 5,
+            HAS_MASK=True, MASK_RING=True, ENABLE_FILTERS=False, NUM_SPLITS=16, BLOCK_S=16,
+            BLOCK=1024, BLOCK_W=1024, PROBES=8),
         "add_rmsnorm": lambda: compile_sm90(
             rmsnorm._rmsnorm_kernel, BF, BF, BF, BF, BF, N, N, N, N, 4096, 1e-5,
             HAS_RESIDUAL=True, BLOCK=4096, PDL=True, num_warps=8),

@@ -141,3 +141,31 @@ def test_gumbel_samples_follow_the_filtered_distribution():
     expect[top4] = torch.softmax(logits[0, top4] / 0.8, 0)
     assert counts[expect == 0].sum() == 0
     assert torch.allclose(counts / draws, expect, atol=0.03)
+
+
+@pytest.mark.parametrize("filters", [False, True])
+def test_ring_read_equals_the_gathered_rows(filters):
+    """mask_slot: the rows of ring entry mask_slot[0] read in place (the step channel's
+    (D, max_batch, P, W)[:, :, 0, :] layout: strided rows) == those rows gathered first.
+    The mask covers fewer tokens than the logits, so the unconstrained test runs too."""
+    rows, depth, words, mask_vocab = 5, 3, 8, 250  # 256 mask bits, VOCAB 300 logits
+    logits = torch.randn(rows, VOCAB) * 2
+    logits[:, 280] = 40.0  # past the mask vocab: only unconstrained rows may take it
+    area = torch.stack([_random_mask(rows + 2, words * 2, density=0.5).view(rows + 2, 2, words)
+                        for _ in range(depth)])  # (D, max_batch, P, W)
+    ring = area[:, :, 0, :]  # (D, rows + 2, W), entry and row strides of the area
+    slot = 2
+    ring[slot, 1] = -1  # an unconstrained row
+    params = _params(rows, [0.0, 1.0, 0.7, 1.0, 0.0], [0, 5, 0, 40, 0], [1.0, 1.0, 0.8, 0.9, 1.0])
+    want_ids, want_logprobs = mask_sample(logits, ring[slot, :rows].contiguous(), **params,
+                                          mask_vocab_size=mask_vocab, enable_filters=filters,
+                                          num_splits=2)
+    ids, logprobs = mask_sample(logits, ring, **params, mask_vocab_size=mask_vocab,
+                                enable_filters=filters, num_splits=2, mask_slot=torch.tensor([slot]))
+    assert torch.equal(ids, want_ids) and torch.equal(logprobs, want_logprobs)
+    assert ids[1] == 280 and (ids[[0, 2, 3, 4]] < mask_vocab).all()
+    other, _ = mask_sample(logits, ring, **params, mask_vocab_size=mask_vocab, enable_filters=filters,
+                           num_splits=2, mask_slot=torch.tensor([0]))
+    ref, _ = mask_sample(logits, ring[0, :rows].contiguous(), **params, mask_vocab_size=mask_vocab,
+                         enable_filters=filters, num_splits=2)
+    assert torch.equal(other, ref) and not torch.equal(other, ids)
