@@ -15,9 +15,9 @@ One decode step of bucket b (the body captured by `DecodeGraphs`), mask prefetch
       [channel] system fence, outputs_seq = N,
       N += 1 and its ring slot on the device
 
-Captured nodes of a channel step: bucket >= 16, 2 memops (inputs_seq fence, wait) and 4
-kernels besides the forward (inputs_seq store, gather, mask_sample's two, the epilogue);
-below 16 the wait and the gather follow the forward on the main stream, the same nodes.
+Captured nodes of a channel step besides the forward: 2 memops (inputs_seq fence, wait) and
+5 kernels (inputs_seq store, gather, mask_sample's two, the epilogue); bucket >= 16 runs the
+wait and the gather on the side stream, below 16 after the forward on the main stream.
 `fold_step_tail = False` (A/B) ends the step as before: the epilogue without the seq, then
 `publish_step_seq` + `advance_channel_step` (a write memop and 3 kernels). `ring_mask_read`
 (below 16, off by default) lets mask_sample read entry N % D in place: one kernel fewer.
