@@ -9,7 +9,15 @@ class GrammarServiceConfig:
     # "unix:///path.sock" (default; socket file mode 0600) or "host:port" for TCP.
     listen: str = "unix:///tmp/structgen-grammar.sock"
     num_compile_threads: int = 2        # concurrent compiles (one Python pool thread each)
-    num_fill_threads: int = 0           # xgrammar BatchGrammarMatcher threads; 0 = cores / 2
+    # mask fill threads per backend: xgrammar's BatchGrammarMatcher and llguidance's LLExecutor;
+    # 0 = each library's default (xgrammar: hardware threads / 2; llguidance: 80% of the CPUs, <= 32)
+    num_fill_threads: int = 0
+    # llguidance: batch_advance runs in the fill threads (consume_token_par) from this many rows;
+    # 0 = never, the default. On the 16-CPU GPU host the service step at 64-128 rows moved by
+    # x0.86-1.07 over three runs with rows on 6 schemas, and lost x1.2 with every row on one
+    # (copies of one compiled grammar share a lexer lock); on 2 CPUs (one llguidance thread) it
+    # lost x1.03-1.13 (benchmarks/results/grammar_step-ci-2core-parallel-advance.json).
+    min_parallel_advance_rows: int = 0
     compile_timeout_s: float = 10.0     # a slower compile is refused and remembered
     negative_cache_ttl_s: float = 60.0  # how long a failed/timed-out spec is answered from memory
     max_grammar_bytes: int = 1 << 20    # grammar text (or all choices together) above this is refused
@@ -26,6 +34,8 @@ class GrammarServiceConfig:
             raise ValueError(f"num_compile_threads must be >= 1, got {self.num_compile_threads}")
         if self.num_fill_threads < 0:
             raise ValueError(f"num_fill_threads must be >= 0, got {self.num_fill_threads}")
+        if self.min_parallel_advance_rows < 0:
+            raise ValueError(f"min_parallel_advance_rows must be >= 0, got {self.min_parallel_advance_rows}")
         if self.compile_timeout_s <= 0:
             raise ValueError(f"compile_timeout_s must be > 0, got {self.compile_timeout_s}")
         if self.max_grammar_bytes < 1:

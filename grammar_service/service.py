@@ -80,7 +80,8 @@ class GrammarService:
         if name not in self._backends:
             cls = load_backend_class(name)
             self._backends[name] = cls(self._tokenizer.data, num_compile_threads=self.config.num_compile_threads,
-                                       num_fill_threads=self.config.num_fill_threads)
+                                       num_fill_threads=self.config.num_fill_threads,
+                                       min_parallel_advance_rows=self.config.min_parallel_advance_rows)
         return self._backends[name]
 
     def _lookup_grammar(self, grammar_id: int) -> tuple[GrammarBackend, object] | None:

@@ -14,6 +14,8 @@ Invariants every backend keeps:
 - `batch_advance` is `batch_accept` for the deferred advance by the tokens the GPU sampled
   under these matchers' own masks, where the loop drops every matcher that refuses: such a
   matcher may be left unusable, so a backend may skip its "left where it was" bookkeeping.
+  Its results and states do not depend on how it runs (one row at a time or rows in native
+  threads from `min_parallel_advance_rows` rows on).
 - `batch_rollback` undoes the last n accepted tokens of each matcher, including the stop
   token that terminated it.
 - A matcher terminates only by accepting one of `stop_token_ids` (the loop asks
@@ -73,8 +75,12 @@ class GrammarBackend(abc.ABC):
 
     name: str = ""
 
-    def __init__(self, tokenizer: TokenizerData, *, num_compile_threads: int, num_fill_threads: int):
+    def __init__(self, tokenizer: TokenizerData, *, num_compile_threads: int, num_fill_threads: int,
+                 min_parallel_advance_rows: int = 0):
         self.tokenizer = tokenizer
+        # from this many rows a backend that can advance rows in native threads does so (0: never);
+        # backends without such a path ignore it
+        self.min_parallel_advance_rows = min_parallel_advance_rows
 
     @abc.abstractmethod
     def compile(self, spec: GrammarSpec) -> Any:

@@ -121,9 +121,10 @@ class LLGuidanceMatcher(Matcher):
 class LLGuidanceBackend(GrammarBackend):
     name = "llguidance"
 
-    def __init__(self, tokenizer: TokenizerData, *, num_compile_threads: int, num_fill_threads: int):
+    def __init__(self, tokenizer: TokenizerData, *, num_compile_threads: int, num_fill_threads: int,
+                 min_parallel_advance_rows: int = 0):
         super().__init__(tokenizer, num_compile_threads=num_compile_threads,
-                         num_fill_threads=num_fill_threads)
+                         num_fill_threads=num_fill_threads, min_parallel_advance_rows=min_parallel_advance_rows)
         self._stop_ids = frozenset(tokenizer.stop_token_ids)
         # LLTokenizer takes the tokenizer.json text; n_vocab = mask width (logits width).
         self.lltokenizer = llg.LLTokenizer(tokenizer.tokenizer_json, n_vocab=tokenizer.vocab_size,
@@ -146,6 +147,10 @@ class LLGuidanceBackend(GrammarBackend):
 
     # ---- matchers ------------------------------------------------------------------------
     def new_matcher(self, compiled: LLGuidanceGrammar) -> LLGuidanceMatcher:
+        # NOTE: deep_copy shares the template's lexer (llguidance's Parser.shared, an Arc<Mutex>)
+        # and every compute_mask / consume_token holds that lock, so the rows of one compiled
+        # grammar fill and advance one at a time whatever the thread count (measured on 16 CPUs,
+        # 1.9.1: 4 threads walking copies take 4.1x one thread's time, independent matchers 1.5x).
         return LLGuidanceMatcher(compiled.template.deep_copy(), self._stop_ids)
 
     def batch_accept(self, matchers: Sequence[LLGuidanceMatcher], token_ids: Sequence[int]) -> list[bool]:
@@ -156,9 +161,30 @@ class LLGuidanceBackend(GrammarBackend):
         # consume_token skips try_consume_tokens' undo-on-refusal: 2.0 vs 3.0 us a row (131k
         # Tekken vocabulary, benchmarks/decode.py's schema). A refused token leaves llguidance's
         # matcher in its error state, which base.py allows here.
+        if 0 < self.min_parallel_advance_rows <= len(matchers):
+            return self._advance_in_threads(matchers, token_ids)
         stop_ids = self._stop_ids
         return [m.accept(t) if m.stopped_by_token or t in stop_ids else m.inner.consume_token(t)
                 for m, t in zip(matchers, token_ids)]
+
+    def _advance_in_threads(self, matchers: Sequence[LLGuidanceMatcher], token_ids: Sequence[int]) -> list[bool]:
+        """batch_advance in one LLExecutor.consume_token_par call: the GIL released, the rows'
+        consume_token spread over the fill threads (rows of one grammar still one at a time, see
+        new_matcher). Stop tokens and stopped rows go through `accept` (kept out of llguidance's
+        history, module doc)."""
+        stop_ids = self._stop_ids
+        accepted = [False] * len(matchers)
+        plain_at, plain = [], []  # positions and (llguidance matcher, token) of the other rows
+        for k, (m, t) in enumerate(zip(matchers, token_ids)):
+            if m.stopped_by_token or t in stop_ids:
+                accepted[k] = m.accept(t)
+            else:
+                plain_at.append(k)
+                plain.append((m.inner, t))
+        if plain:  # consume_token_par raises ValueError("No matchers") on an empty list (1.9.1)
+            for k, ok in zip(plain_at, self._executor.consume_token_par(plain)):
+                accepted[k] = ok
+        return accepted
 
     def batch_fill(self, matchers: Sequence[LLGuidanceMatcher], masks: np.ndarray, indices: Sequence[int]) -> None:
         if masks.dtype != np.int32 or masks.shape[1] * 4 != self._mask_bytes:

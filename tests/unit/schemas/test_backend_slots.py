@@ -109,19 +109,37 @@ def test_a_refused_token_leaves_the_matcher_where_it_was(backend, mistral_32k):
     assert all(matcher.accept(t) for t in ids[1:])
 
 
-def test_batch_advance_accepts_as_batch_accept_and_reports_refusals(backend, mistral_32k):
-    """The loop's deferred advance: the same states as batch_accept along a document, the stop
-    token included; a refused token reported False (the matcher may be left unusable)."""
-    compiled = backend.compile(GrammarSpec("json_schema", json.dumps(PERSON)))
-    advanced, accepted = backend.new_matcher(compiled), backend.new_matcher(compiled)
-    for token in continuation_ids(mistral_32k, '{"name": "x", "age": 1}') + [EOS]:
-        assert backend.batch_advance([advanced], [token]) == backend.batch_accept([accepted], [token]) == [True]
-        if token != EOS:
-            np.testing.assert_array_equal(_mask(backend, advanced), _mask(backend, accepted))
-    assert advanced.is_terminated() and accepted.is_terminated()
-    fresh = backend.new_matcher(compiled)
+@pytest.mark.parametrize("min_parallel_rows", [0, 1], ids=["row-by-row", "in-threads"])
+def test_batch_advance_accepts_as_batch_accept_and_reports_refusals(backend, mistral_32k, monkeypatch,
+                                                                    min_parallel_rows):
+    """The loop's deferred advance, one row at a time and (llguidance) in the fill threads: rows of
+    two grammars advanced together reach the states batch_accept gives them one by one, rows that
+    take a stop token and rows that go on sharing a batch; refusals (a token the grammar refuses, a
+    stop token before the grammar accepts, a token after the stop) reported False."""
+    monkeypatch.setattr(backend, "min_parallel_advance_rows", min_parallel_rows)
+    person = backend.compile(GrammarSpec("json_schema", json.dumps(PERSON)))
+    choice = backend.compile(GrammarSpec("choice", choices=("red", "green")))
+    docs = [(person, continuation_ids(mistral_32k, '{"name": "x", "age": 1}') + [EOS]),
+            (person, continuation_ids(mistral_32k, '{"name": "Ada", "age": 36, "tags": ["a"]}') + [EOS]),
+            (choice, continuation_ids(mistral_32k, "green") + [EOS])]
+    advanced = [backend.new_matcher(compiled) for compiled, _ in docs]
+    accepted = [backend.new_matcher(compiled) for compiled, _ in docs]
+    for j in range(max(len(ids) for _, ids in docs)):
+        rows = [r for r, (_, ids) in enumerate(docs) if j < len(ids)]
+        tokens = [docs[r][1][j] for r in rows]
+        assert backend.batch_advance([advanced[r] for r in rows], tokens) == [True] * len(rows)
+        assert [backend.batch_accept([accepted[r]], [t]) for r, t in zip(rows, tokens)] == [[True]] * len(rows)
+        for r, t in zip(rows, tokens):
+            assert advanced[r].is_terminated() == accepted[r].is_terminated() == (t == EOS)
+            if t != EOS:
+                np.testing.assert_array_equal(_mask(backend, advanced[r]), _mask(backend, accepted[r]))
+    going_on = backend.new_matcher(person)
     refused = continuation_ids(mistral_32k, "}")[0]
-    assert backend.batch_advance([fresh, backend.new_matcher(compiled)], [refused, EOS]) == [False, False]
+    batch = [backend.new_matcher(person), backend.new_matcher(person), advanced[0], going_on]
+    assert backend.batch_advance(batch, [refused, EOS, docs[0][1][0], docs[0][1][0]]) == [False, False, False, True]
+    reference = backend.new_matcher(person)
+    assert reference.accept(docs[0][1][0])
+    np.testing.assert_array_equal(_mask(backend, going_on), _mask(backend, reference))
 
 
 def test_jump_forward_tokens_are_what_the_grammar_forces(backend, mistral_32k):
@@ -202,6 +220,49 @@ def test_channel_draft_walk_release_and_reuse(service, driver, mistral_32k, back
     driver.finish([[], red])
     view = driver.step([Row(2, 1, FLAG_CONSTRAINED | FLAG_RELEASE)])
     assert list(allowed_tokens(view.masks[0, 0])) == [EOS]
+
+
+def test_a_configured_threshold_sends_the_loops_advance_through_the_threads(mistral_32k_dir, mistral_32k,
+                                                                            monkeypatch):
+    """GrammarServiceConfig.min_parallel_advance_rows reaches the llguidance backend the loop uses:
+    a 3-row step is advanced in one consume_token_par call, a 1-row step row by row, and the rows
+    walk a document (results ERR_NONE, the stop token ends each row)."""
+    from grammar_service.backends.llguidance import LLGuidanceBackend
+
+    in_threads = []
+    advance_in_threads = LLGuidanceBackend._advance_in_threads
+
+    def spy(self, matchers, token_ids):
+        in_threads.append(len(matchers))
+        return advance_in_threads(self, matchers, token_ids)
+    monkeypatch.setattr(LLGuidanceBackend, "_advance_in_threads", spy)
+    config = GrammarServiceConfig(tokenizer_dir=mistral_32k_dir, vocab_size=VOCAB, min_parallel_advance_rows=2)
+    svc = GrammarService(config)
+    chan = StepChannel.create(GEOMETRY)
+    try:
+        svc.open_channel(chan.name, GEOMETRY, max_slots=8, first_step=1, tokenizer_dir=mistral_32k_dir,
+                         tokenizer_fingerprint=fingerprint_tokenizer_json(mistral_32k_dir, VOCAB))
+        driver = ChannelDriver(chan)
+        grammar_id = svc.compile(GrammarSpec("json_schema", json.dumps(PERSON), backend="llguidance")).result(30) \
+            .entry.grammar_id
+        ids = continuation_ids(mistral_32k, '{"name": "Ada", "age": 36}') + [EOS]
+        view = driver.step([Row.fresh(slot, grammar_id) for slot in range(3)])
+        for j, token in enumerate(ids):
+            assert all(is_allowed(view.masks[r, 0], token) for r in range(3))
+            driver.finish([[token]] * 3)
+            view = driver.step([Row(slot, 1, FLAG_CONSTRAINED) for slot in range(3)])
+            assert view.results[:, 1].tolist() == [ERR_NONE] * 3
+        assert view.results[:, 0].tolist() == [0] * 3  # each row ended at its only token, the stop token
+        driver.finish([[], [], []])
+        driver.step([Row.fresh(3, grammar_id)])
+        driver.finish([ids[:1]])
+        view = driver.step([Row(3, 1, FLAG_CONSTRAINED)])  # a 1-row advance: below the threshold
+        assert view.results.tolist() == [[-1, ERR_NONE]]
+        assert in_threads == [3] * len(ids)
+        svc.close_channel(chan.name)
+    finally:
+        chan.close()
+        svc.close()
 
 
 def test_llguidance_bounded_whitespace_is_refused_because_its_mask_and_matcher_disagree(make_backend):
