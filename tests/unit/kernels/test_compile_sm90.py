@@ -14,6 +14,9 @@ def test_kernels_compile_for_sm90():
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     script = Path(__file__).with_name("sm90_compile.py")
     root = Path(__file__).resolve().parents[3]
+    # the script's folder heads sys.path, not root: import this checkout's kernels, not an
+    # installed (editable) copy of another checkout
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
     proc = subprocess.run([sys.executable, str(script)], cwd=root, env=env,
                           capture_output=True, text=True, timeout=600)
     if "ptxas" in proc.stderr and "not found" in proc.stderr:
