@@ -188,7 +188,8 @@ class DecodeForward:
     def gemv_plan(self, bucket: int) -> dict[str, str]:
         """What the step runs at this bucket, in layer order (PLAN_NAMES): projection -> "cublas"
         or its Triton config; norm -> "folded" (into the GEMMs around it: `Projections`) or
-        "kernel". input_norm "folded" means layers 1.. (layer 0's input norm is a kernel)."""
+        "kernel" (a launch of its own). input_norm "folded" means layers 1.. (layer 0's input
+        norm is a kernel)."""
         if not self.fused_ops or bucket > self.gemv_max_batch:
             proj, configs = CUBLAS, {}
         else:
@@ -274,8 +275,8 @@ class DecodeForward:
         layer = self.model.model.layers[index]
         return layer.input_layernorm.weight, layer.post_attention_layernorm.weight
 
-    def _add_norm(self, proj: Projections, fold: bool, x: torch.Tensor, linear,
-                  residual: torch.Tensor, norm_weight: torch.Tensor | None):
+    def _add_norm(self, proj: Projections, fold: bool, x: torch.Tensor, linear: torch.nn.Linear,
+                  residual: torch.Tensor, norm_weight: torch.Tensor | None) -> tuple:
         """residual + linear(x), then the norm: (the next GEMM's input, the new residual, rms).
         fold: the GEMM adds the residual and leaves the norm to the next GEMM (input = the new
         residual, rms its RowRms); else add_rmsnorm after it (rms None)."""
