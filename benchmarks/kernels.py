@@ -430,7 +430,7 @@ def bench_gemv_decode(bw, quick):
                 runner.close()
         for batch in batches:
             t, t_ref = ms[max(batches), batch], ms[0, batch]
-            triton = {k: v for k, v in plans[batch].items() if v != "cublas"}
+            triton = {k: v for k, v in plans[batch].items() if v not in ("cublas", "kernel")}
             out.append(record("gemv_decode", f"{preset} B={batch} free step", t, t_ref, wbytes,
                               bw, cublas_x_floor=t_ref / (wbytes / bw / 1e6),
                               gemv_plan=plans[batch]))

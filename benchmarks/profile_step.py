@@ -24,7 +24,8 @@ one, over a mapped step channel whose masks allow every token (the side stream's
 count too: kernel_ms may then exceed step_ms).
 `--variants` profiles several DecodeForward settings over the same model and cache, side by
 side (VARIANTS: the GEMV table on or off, programmatic dependent launch on or off, the fused
-prologue and step epilogue or the torch ops they replace; "embedding" counts the prologue).
+prologue and step epilogue or the torch ops they replace, the RMSNorms folded into the GEMVs or
+kernels; "embedding" counts the prologue).
 """
 from __future__ import annotations
 
@@ -58,6 +59,9 @@ VARIANTS = {
     "gemv+pdl-torch-prologue": dict(gemv_max_batch=8, pdl=True, fused_prologue=False),
     # ... and the 5 torch ops after sampling that kernels/step_epilogue.py replaces (GpuDecodeRunner)
     "gemv+pdl-torch-epilogue": dict(gemv_max_batch=8, pdl=True, fused_epilogue=False),
+    # every RMSNorm a kernel (weightless, the same folded weights): what folding the norms into
+    # the GEMVs around them saves (DecodeForward.fold_norms; gemv_plan's *_norm entries)
+    "gemv+pdl-unfolded-norms": dict(gemv_max_batch=8, pdl=True, fold_norms=False),
     # the step channel's graph variants (graph: which one; default free) over a real mapped
     # region whose masks are all ones: nowait (publish inputs, gather masks, write outputs, no
     # wait) and prepublished (the serving body, its wait always passing): what a constrained

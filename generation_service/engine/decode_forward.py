@@ -14,6 +14,13 @@ passes one token per row and the paged decode attention, the speculative verify 
 The fused version's GEMMs are cuBLAS (F.linear); for buckets <= `gemv_max_batch` each projection
 instead asks `kernels/gemv.py`'s MEASURED table (H200, bf16) and runs the Triton skinny GEMM
 where it beat cuBLAS at that shape and bucket (gate_up with silu*mul fused in), cuBLAS elsewhere.
+Its weights carry the layer norms' weights (qkv: input_layernorm's, gate_up:
+post_attention_layernorm's; `fuse_layer_weights`), so its norm kernels run without a weight,
+and where both GEMMs around a norm run Triton the norm folds into them (`Projections`): the
+producer (o_proj, down) adds the residual and sums squares, the consumer (gate_up, the next
+qkv) normalises. Launches per layer: add+norm, qkv, rope+kv write, attention (2), o_proj,
+add+norm, gate_up (+ silu*mul on cuBLAS), down: 9-10; each folded norm one fewer (7 at one row
+on the 8B and 1B shapes, where all four projections run Triton; `gemv_plan` says which).
 """
 from __future__ import annotations
 
@@ -39,31 +46,52 @@ class DecodeMeta:
 
 @dataclass
 class LayerWeights:
-    """Per-layer projections concatenated once so a decode step runs 2 GEMMs instead of 5."""
+    """Per-layer projections concatenated once so a decode step runs 2 GEMMs instead of 5.
+    norms_folded: qkv carries input_layernorm's weight and gate_up post_attention_layernorm's
+    (W * g, `fuse_layer_weights`), so the norms in front of them run without a weight."""
 
     qkv: torch.Tensor
     qkv_bias: torch.Tensor | None
     gate_up: torch.Tensor
+    norms_folded: bool = False
 
 
 @dataclass(frozen=True)
 class Projections:
     """The GEMMs of one fused step: cuBLAS, or per projection whichever of cuBLAS and the Triton
-    skinny GEMM won on the H200 (`kernels.gemv.linear` / `gate_up_silu`) at small buckets."""
+    skinny GEMM won on the H200 (`kernels.gemv.linear` / `gate_up_silu`) at small buckets.
+    fold_*: that RMSNorm runs inside the Triton GEMMs around it, not as a kernel (kernels/gemv.py,
+    "Folded RMSNorm"): its producer adds the residual (`add_residual`), its consumer normalises
+    (`rms`). Set only where both GEMMs run Triton and the weights carry the norm weights."""
 
-    linear: Callable  # (x, weight, bias) -> x @ weight^T + bias
-    gate_up_silu: Callable  # (x, [gate; up]) -> silu(x @ gate^T) * (x @ up^T)
+    linear: Callable  # (x, weight, bias, rms=None) -> x @ weight^T + bias; rms: x's gemv.RowRms
+    gate_up_silu: Callable  # (x, [gate; up], rms=None) -> silu(x @ gate^T) * (x @ up^T)
+    add_residual: Callable | None = None  # (x, weight, bias, residual, eps) -> (h, h's RowRms)
+    fold_post_norm: bool = False  # o_proj -> post_attention_layernorm -> gate_up
+    fold_input_norm: bool = False  # down -> the next layer's input_layernorm -> qkv (not layer 0)
 
 
-def _cublas_gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+def _cublas_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   rms=None) -> torch.Tensor:
+    assert rms is None, "a folded RMSNorm runs in Triton GEMMs only"
+    return F.linear(x, weight, bias)
+
+
+def _cublas_gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor, rms=None) -> torch.Tensor:
     from generation_service.kernels.decode_fused import silu_mul
+    assert rms is None, "a folded RMSNorm runs in Triton GEMMs only"
     return silu_mul(F.linear(x, gate_up))
 
 
-CUBLAS = Projections(F.linear, _cublas_gate_up_silu)  # every GEMM on cuBLAS (any number of rows)
+CUBLAS = Projections(_cublas_linear, _cublas_gate_up_silu)  # every GEMM on cuBLAS (any rows)
+PLAN_NAMES = ("input_norm", "qkv", "o_proj", "post_attention_norm", "gate_up_silu", "down", "lm_head")
 
 
-def fuse_layer_weights(model) -> list[LayerWeights]:
+def fuse_layer_weights(model, *, fold_norms: bool = False) -> list[LayerWeights]:
+    """Each layer's q/k/v and gate/up concatenated (copies: the model's parameters, which its
+    modules and prefill use, stay as they are). fold_norms: qkv's columns scaled by
+    input_layernorm's weight g and gate_up's by post_attention_layernorm's, rounded once to the
+    weight dtype: rmsnorm(h) * g @ W^T = rmsnorm(h) @ (W * g)^T."""
     fused = []
     with torch.no_grad():
         for layer in model.model.layers:
@@ -71,10 +99,12 @@ def fuse_layer_weights(model) -> list[LayerWeights]:
             bias = None
             if a.q_proj.bias is not None:
                 bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
-            fused.append(LayerWeights(
-                qkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
-                qkv_bias=bias,
-                gate_up=torch.cat([m.gate_proj.weight, m.up_proj.weight])))
+            qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+            gate_up = torch.cat([m.gate_proj.weight, m.up_proj.weight])
+            if fold_norms:  # (N, K) * (K,): in fp32, one rounding
+                qkv.mul_(layer.input_layernorm.weight)
+                gate_up.mul_(layer.post_attention_layernorm.weight)
+            fused.append(LayerWeights(qkv, bias, gate_up, norms_folded=fold_norms))
     return fused
 
 
@@ -85,16 +115,20 @@ class DecodeForward:
     MEASURED table says Triton wins there, cuBLAS otherwise (fused path only; 0 = cuBLAS
     everywhere; `gemv_plan` says which). Read per call, so set it before capture. Default 8:
     the rows the table was measured at (shapes it does not know stay on cuBLAS).
+    The fused path's weights carry the layer norms' weights (`fuse_layer_weights`), so its norm
+    kernels run without one; fold_norms (read per call) folds a norm into the GEMMs around it
+    where both run Triton (`Projections`); False keeps every norm a kernel (A/B, profile_step.py).
     """
 
     def __init__(self, model, kv: KVCache, buffers: DecodeBuffers, *, fuse_weights: bool = True,
                  fused_ops: bool | None = None, gemv_max_batch: int = 8) -> None:
         from generation_service.kernels import get_attention_backend
         self.model, self.config, self.kv, self.buffers = model, model.config, kv, buffers
-        self.weights = fuse_layer_weights(model) if fuse_weights else None
         if fused_ops is None:  # Triton element-wise fusions: Llama layout without q/k norms
             fused_ops = fuse_weights and not self.config.qk_norm and self.config.head_dim % 32 == 0
         self.fused_ops = fused_ops
+        # the torch path runs the model's norms: only the fused path takes folded weights
+        self.weights = fuse_layer_weights(model, fold_norms=fused_ops) if fuse_weights else None
         if fused_ops:  # cos/sin of every position the cache holds, by the model's own rotary
             positions = torch.arange(buffers.page_table.shape[1] * kv.page_size, device=kv.device)
             self._rope_tables = model.rotary(positions, model.model.embed_tokens.weight.dtype)
@@ -102,13 +136,13 @@ class DecodeForward:
             raise ValueError(f"gemv_max_batch must be in 0..16, got {gemv_max_batch}")
         self.gemv_max_batch = gemv_max_batch
         self.fused_prologue = True  # read per call; False: the torch prologue (A/B, profile_step.py)
+        self.fold_norms = True  # read per call; False: every norm a kernel (A/B, profile_step.py)
         self.attention = get_attention_backend("triton")
         self._extend_lens = torch.ones(buffers.max_batch, dtype=torch.int32, device=kv.device)
 
     def __call__(self, bucket: int) -> torch.Tensor:
         """(bucket, vocab) logits of one token per row; graph safe (no host reads). Fused: the
-        prologue, then ~10 launches per layer (norm, qkv, rope+kv write, attention (2), o_proj,
-        add+norm, gate_up, silu*mul, down; 9 where gemv fuses silu*mul into gate_up), bf16 logits
+        prologue, then 7-10 launches per layer (see the module docstring), bf16 logits
         (mask_sample reads them as they are); else the model's own modules (the v1 path,
         ~36 launches per layer), float32 logits."""
         buf = self.buffers
@@ -130,25 +164,41 @@ class DecodeForward:
         return pages * page_size + positions % page_size
 
     def _projections(self, bucket: int) -> Projections:
-        if bucket <= self.gemv_max_batch:
-            from generation_service.kernels import gemv
-            return Projections(gemv.linear, gemv.gate_up_silu)  # per shape, from gemv.MEASURED
-        return CUBLAS
+        """Per shape from gemv.MEASURED at buckets <= gemv_max_batch; a norm folds where its
+        producer and consumer both run Triton (layer 0 stands for all, they share shapes)."""
+        if bucket > self.gemv_max_batch:
+            return CUBLAS
+        from generation_service.kernels import gemv
+        on_triton = {name: config is not None for name, config in self._gemv_configs(bucket).items()}
+        fold = self.fold_norms and self.weights[0].norms_folded
+        return Projections(gemv.linear, gemv.gate_up_silu, gemv.linear_add_residual,
+                           fold_post_norm=fold and on_triton["o_proj"] and on_triton["gate_up_silu"],
+                           fold_input_norm=fold and on_triton["down"] and on_triton["qkv"])
 
-    def gemv_plan(self, bucket: int) -> dict[str, str]:
-        """Projection -> "cublas" or the Triton config the step runs at this bucket (what
-        `_projections` dispatches to; layer 0 stands for all, they share shapes)."""
-        names = ("qkv", "o_proj", "gate_up_silu", "down", "lm_head")
-        if not self.fused_ops or bucket > self.gemv_max_batch:
-            return dict.fromkeys(names, "cublas")
+    def _gemv_configs(self, bucket: int) -> dict:
+        """Projection -> its `gemv.measured_config` at this bucket (None: cuBLAS)."""
         from generation_service.kernels.gemv import measured_config
         layer, w = self.model.model.layers[0], self.weights[0]
-        configs = (measured_config(bucket, w.qkv),
-                   measured_config(bucket, layer.self_attn.o_proj.weight),
-                   measured_config(bucket, w.gate_up, fused=True),
-                   measured_config(bucket, layer.mlp.down_proj.weight),
-                   measured_config(bucket, self.model.output_weight))
-        return {name: "cublas" if c is None else str(c) for name, c in zip(names, configs)}
+        return {"qkv": measured_config(bucket, w.qkv),
+                "o_proj": measured_config(bucket, layer.self_attn.o_proj.weight),
+                "gate_up_silu": measured_config(bucket, w.gate_up, fused=True),
+                "down": measured_config(bucket, layer.mlp.down_proj.weight),
+                "lm_head": measured_config(bucket, self.model.output_weight)}
+
+    def gemv_plan(self, bucket: int) -> dict[str, str]:
+        """What the step runs at this bucket, in layer order (PLAN_NAMES): projection -> "cublas"
+        or its Triton config; norm -> "folded" (into the GEMMs around it: `Projections`) or
+        "kernel" (a launch of its own). input_norm "folded" means layers 1.. (layer 0's input
+        norm is a kernel)."""
+        if not self.fused_ops or bucket > self.gemv_max_batch:
+            proj, configs = CUBLAS, {}
+        else:
+            proj, configs = self._projections(bucket), self._gemv_configs(bucket)
+        plan = {name: str(configs[name]) if configs.get(name) is not None else "cublas"
+                for name in PLAN_NAMES}
+        plan["input_norm"] = "folded" if proj.fold_input_norm else "kernel"
+        plan["post_attention_norm"] = "folded" if proj.fold_post_norm else "kernel"
+        return plan
 
     def _decode_attend(self, bucket: int) -> Callable:
         """(q, layer index) -> attention of one query token per row over the paged cache."""
@@ -186,31 +236,63 @@ class DecodeForward:
     def fused_layers(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      slot_ids: torch.Tensor, attend: Callable, proj: Projections) -> torch.Tensor:
         """The fused layer loop over T token slots (one per row for decode): residual (T, hidden)
-        the embedded tokens, cos/sin (T, D) at their positions (`kernels/decode_prologue.py`)."""
+        the embedded tokens, cos/sin (T, D) at their positions (`kernels/decode_prologue.py`).
+        Each norm's input x comes with rms = None (x normalised by a kernel) or with the RowRms of
+        the raw residual stream x (a folded norm: the consumer GEMM normalises)."""
         from generation_service.kernels.decode_fused import add_rmsnorm, rope_write_kv
         cfg, m, kv = self.config, self.model, self.kv
+        layers = m.model.layers
         num_tokens = residual.shape[0]
         q_dim, eps = cfg.num_heads * cfg.head_dim, cfg.rms_norm_eps
-        delta = None
-        for index, layer in enumerate(m.model.layers):
+        input_norm, post_norm = self._norm_weights(0)
+        x, residual = add_rmsnorm(residual, None, input_norm, eps)
+        rms = None
+        for index, layer in enumerate(layers):
             w = self.weights[index]
-            x, residual = add_rmsnorm(delta if delta is not None else residual,
-                                      residual if delta is not None else None,
-                                      layer.input_layernorm.weight, eps)
-            qkv = proj.linear(x, w.qkv, w.qkv_bias)
+            qkv = proj.linear(x, w.qkv, w.qkv_bias, rms)
             q = rope_write_kv(qkv, cos, sin, kv.k[index], kv.v[index], slot_ids,
                               cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
             o = attend(q, index)
-            o_proj, down_proj = layer.self_attn.o_proj, layer.mlp.down_proj
-            delta = proj.linear(o.view(num_tokens, q_dim), o_proj.weight, o_proj.bias)
-            x, residual = add_rmsnorm(delta, residual, layer.post_attention_layernorm.weight, eps)
-            delta = proj.linear(proj.gate_up_silu(x, w.gate_up), down_proj.weight, down_proj.bias)
-        x, _ = add_rmsnorm(delta, residual, m.model.norm.weight, eps)
+            x, residual, rms = self._add_norm(proj, proj.fold_post_norm, o.view(num_tokens, q_dim),
+                                              layer.self_attn.o_proj, residual, post_norm)
+            act = proj.gate_up_silu(x, w.gate_up, rms)
+            if index + 1 == len(layers):
+                break
+            input_norm, post_norm = self._norm_weights(index + 1)
+            x, residual, rms = self._add_norm(proj, proj.fold_input_norm, act, layer.mlp.down_proj,
+                                              residual, input_norm)
+        down_proj = layers[-1].mlp.down_proj
+        # the final norm keeps its weight: the LM head's weight may be the (tied) embedding
+        x, _ = add_rmsnorm(proj.linear(act, down_proj.weight, down_proj.bias), residual,
+                           m.model.norm.weight, eps)
         return proj.linear(x, m.output_weight, None)
+
+    def _norm_weights(self, index: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The weights layer `index`'s input and post-attention norm kernels multiply by:
+        None where its qkv and gate_up weights carry them (`LayerWeights.norms_folded`)."""
+        if self.weights[index].norms_folded:
+            return None, None
+        layer = self.model.model.layers[index]
+        return layer.input_layernorm.weight, layer.post_attention_layernorm.weight
+
+    def _add_norm(self, proj: Projections, fold: bool, x: torch.Tensor, linear: torch.nn.Linear,
+                  residual: torch.Tensor, norm_weight: torch.Tensor | None) -> tuple:
+        """residual + linear(x), then the norm: (the next GEMM's input, the new residual, rms).
+        fold: the GEMM adds the residual and leaves the norm to the next GEMM (input = the new
+        residual, rms its RowRms); else add_rmsnorm after it (rms None)."""
+        from generation_service.kernels.decode_fused import add_rmsnorm
+        eps = self.config.rms_norm_eps
+        if fold:
+            h, rms = proj.add_residual(x, linear.weight, linear.bias, residual, eps)
+            return h, h, rms
+        delta = proj.linear(x, linear.weight, linear.bias)
+        normed, h = add_rmsnorm(delta, residual, norm_weight, eps)
+        return normed, h, None
 
     def torch_tokens(self, ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
                      attend: Callable) -> torch.Tensor:
         """The unfused layer loop over T token slots; float32 logits."""
+        assert self.weights is None or not self.weights[0].norms_folded, "folded: for fused_layers"
         cfg, m, kv = self.config, self.model, self.kv
         num_tokens = ids.shape[0]
         hidden = m.model.embed_tokens(ids)  # (T, hidden)

@@ -18,6 +18,18 @@ the 4.2 TB/s copy bandwidth). Design for bandwidth:
   program streaming matching gate and up rows; gate and up are rounded to the output dtype
   before silu * up, as `decode_fused.silu_mul(F.linear(x, gate_up))` rounds them.
 
+Folded RMSNorm (the decode forward's o_proj -> norm -> gate_up and down -> norm -> next qkv,
+where both GEMMs run here): the norm's weight g is folded into the consumer's weight at load
+(W * g, `decode_forward.fuse_layer_weights`), and the rest of the norm splits across the two
+GEMMs, so the add_rmsnorm launch between them goes. The producer (`gemv_add_residual`,
+ADD_RESIDUAL) writes h = residual + its output, rounded as add_rmsnorm rounds it, and per row
+each program's sum of h^2 over its columns (`RowRms`: fp32, no atomics, deterministic); the
+consumer (`rms=`, RMS_SCALE) reads h raw and, after its K loop, scales the fp32 accumulators by
+rsqrt(sum / K + eps). Its K loop is the plain kernel's: the same instructions in the sm_90 SASS
+and the same registers (the partial sums load after it); with the flags off the kernels compile
+to the plain ones. Numerics: h @ (W * g)^T * r instead of (rmsnorm(h) * g) @ W^T: bf16 rounding
+of W * g in place of two roundings of the normalised input.
+
 Configs: no autotuning (autotune would sync and time inside a graph capture). `candidate_configs`
 gives 2-4 configs per shape (a first guess, then alternatives); benchmarks/kernels.py
 (`--only gemv`) times every candidate against cuBLAS. The H200 run showed the first guesses
@@ -60,6 +72,18 @@ class GemvConfig:
         kind = "dot" if self.use_dot else "row"
         return f"{kind} n{self.block_n} k{self.block_k} w{self.num_warps} s{self.num_stages}"
 
+
+@dataclass(frozen=True)
+class RowRms:
+    """The RMS of each row of h (M, K), left in pieces by the GEMM that wrote h (its
+    ADD_RESIDUAL epilogue): sum_sq[m, p] = sum of h[m, n]^2 in fp32 over producer program p's
+    columns. A consumer GEMM (`gemv(..., rms=)`) finishes it: rsqrt(sum_sq[m].sum() / K + eps)."""
+
+    sum_sq: torch.Tensor  # (M, P) fp32, contiguous
+    eps: float
+
+
+MAX_SUMS = 512  # a consumer loads a row's partial sums as one tile: the producer's programs
 
 # Keyed by output columns N (fused gate/up: I): the first row whose bound holds. Shared memory
 # per dot program = num_stages * BLOCK_K * (BLOCK_N + 16) * 2 bytes (W tile + x tile):
@@ -128,21 +152,33 @@ def measured_config(m: int, weight: torch.Tensor, *, fused: bool = False,
     return next((choice for max_m, choice in MEASURED.get(key, ()) if m <= max_m), CUBLAS)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) by whichever of cuBLAS and `gemv` MEASURED says is faster here."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           rms: RowRms | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) by whichever of cuBLAS and `gemv` MEASURED says is faster here.
+    rms: a folded RMSNorm's consumer (`gemv`): only where MEASURED picks Triton."""
     config = measured_config(x.shape[0], weight)
     if config is CUBLAS:
+        assert rms is None, "a folded RMSNorm runs in Triton GEMMs only"
         return F.linear(x, weight, bias)
-    return gemv(x, weight, bias, config=config)
+    return gemv(x, weight, bias, config=config, rms=rms)
 
 
-def gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+def gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor, rms: RowRms | None = None) -> torch.Tensor:
     """silu_mul(F.linear(x, gate_up)), or the fused `gemv_gate_up_silu` where MEASURED says it is
-    faster (its timing already includes the silu_mul launch it saves)."""
+    faster (its timing already includes the silu_mul launch it saves). rms: as `linear`'s."""
     config = measured_config(x.shape[0], gate_up, fused=True)
     if config is CUBLAS:
+        assert rms is None, "a folded RMSNorm runs in Triton GEMMs only"
         return silu_mul(F.linear(x, gate_up))
-    return gemv_gate_up_silu(x, gate_up, config=config)
+    return gemv_gate_up_silu(x, gate_up, config=config, rms=rms)
+
+
+def linear_add_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        residual: torch.Tensor, eps: float) -> tuple[torch.Tensor, RowRms]:
+    """`gemv_add_residual` with MEASURED's config: a folded RMSNorm's producer, Triton only."""
+    config = measured_config(x.shape[0], weight)
+    assert config is not CUBLAS, "a folded RMSNorm runs in Triton GEMMs only"
+    return gemv_add_residual(x, weight, bias, residual, eps, config=config)
 
 
 def candidate_configs(m: int, n: int, k: int, *, fused: bool = False) -> list[GemvConfig]:
@@ -160,9 +196,22 @@ def candidate_configs(m: int, n: int, k: int, *, fused: bool = False) -> list[Ge
 
 
 @triton.jit
-def _epilogue(acc_g, acc_u, bias_ptr, out_ptr, offs_n, offs_m, n_mask, m_mask, stride_om,
-              HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr):
-    """acc_g/acc_u (BLOCK_N, BLOCK_M) fp32 -> out[m, n] (+ bias[n]; silu(gate) * up)."""
+def _inv_rms(sum_sq_ptr, offs_m, m_mask, num_sums, K, eps, BLOCK_S: tl.constexpr):
+    """(BLOCK_M,) fp32 rsqrt(mean(x^2) + eps) of x's rows, from the sums of squares its producer
+    GEMM left in sum_sq (M, num_sums), one column per producer program (`RowRms`)."""
+    offs_s = tl.arange(0, BLOCK_S)
+    ptrs = sum_sq_ptr + offs_m[:, None] * num_sums + offs_s[None, :]  # (BLOCK_M, BLOCK_S)
+    sums = tl.load(ptrs, mask=m_mask[:, None] & (offs_s < num_sums)[None, :], other=0.0)
+    return tl.rsqrt(tl.sum(sums, axis=1) / K + eps)
+
+
+@triton.jit
+def _epilogue(acc_g, acc_u, bias_ptr, out_ptr, residual_ptr, sum_sq_ptr, offs_n, offs_m, n_mask,
+              m_mask, stride_om, stride_rm, num_sums, HAS_BIAS: tl.constexpr,
+              SILU_MUL: tl.constexpr, ADD_RESIDUAL: tl.constexpr):
+    """acc_g/acc_u (BLOCK_N, BLOCK_M) fp32 -> out[m, n] (+ bias[n]; silu(gate) * up;
+    ADD_RESIDUAL: out = residual + the GEMM's output, and this program's sum of out^2 per row
+    to sum_sq[m, program])."""
     dt = out_ptr.dtype.element_ty
     out = acc_g
     if HAS_BIAS:
@@ -171,17 +220,30 @@ def _epilogue(acc_g, acc_u, bias_ptr, out_ptr, offs_n, offs_m, n_mask, m_mask, s
         g = out.to(dt).to(tl.float32)  # gate and up rounded as the GEMM's bf16 output would be
         act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # F.silu, rounded
         out = act * acc_u.to(dt).to(tl.float32)
+    mask = m_mask[None, :] & n_mask[:, None]
+    if ADD_RESIDUAL:  # rmsnorm.py's add: the GEMM's output rounded, plus the residual, rounded
+        res_ptrs = residual_ptr + offs_m[None, :] * stride_rm + offs_n[:, None]
+        res = tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32)
+        h = (out.to(dt).to(tl.float32) + res).to(dt).to(tl.float32)  # 0 outside the mask
+        tl.store(sum_sq_ptr + offs_m * num_sums + tl.program_id(0), tl.sum(h * h, axis=0),
+                 mask=m_mask)
+        out = h
     ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]  # (BLOCK_N, BLOCK_M)
-    tl.store(ptrs, out.to(dt), mask=m_mask[None, :] & n_mask[:, None])
+    tl.store(ptrs, out.to(dt), mask=mask)
 
 
 @triton.jit
 def _gemv_dot_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+                     residual_ptr, sum_sq_ptr, stride_rm, num_sums, eps,
                      HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, EVEN: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PDL: tl.constexpr):
+                     PDL: tl.constexpr, ADD_RESIDUAL: tl.constexpr, RMS_SCALE: tl.constexpr,
+                     BLOCK_S: tl.constexpr):
     # swap-AB: W's tile is the MMA's A operand (K-major as stored), x^T its B operand;
     # rows of x beyond M load as zeros. EVEN: N % BLOCK_N == 0 and K % BLOCK_K == 0.
+    # RMS_SCALE (a folded RMSNorm's consumer): x is the raw residual stream and W carries the
+    # norm weight; the rows' 1/rms scales the accumulators after the K loop, which stays as it
+    # is (scaling x per K tile stopped Triton pipelining the W loads: 1B gate_up 18.5 -> 54 us).
     pdl_wait(PDL)  # before any global access (pdl.py)
     offs_n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -210,15 +272,22 @@ def _gemv_dot_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride
         up_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     pdl_launch_dependents(PDL)  # W is read: the next kernel may launch
-    _epilogue(acc_g, acc_u, bias_ptr, out_ptr, offs_n, offs_m, n_mask, m_mask, stride_om,
-              HAS_BIAS, SILU_MUL)
+    if RMS_SCALE:
+        inv_rms = _inv_rms(sum_sq_ptr, offs_m, m_mask, num_sums, K, eps, BLOCK_S)
+        acc_g *= inv_rms[None, :]
+        acc_u *= inv_rms[None, :]
+    _epilogue(acc_g, acc_u, bias_ptr, out_ptr, residual_ptr, sum_sq_ptr, offs_n, offs_m, n_mask,
+              m_mask, stride_om, stride_rm, num_sums, HAS_BIAS, SILU_MUL, ADD_RESIDUAL)
 
 
 @triton.jit
 def _gemv_row_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_wn,
+                     residual_ptr, sum_sq_ptr, num_sums, eps,
                      HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, EVEN: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+                     ADD_RESIDUAL: tl.constexpr, RMS_SCALE: tl.constexpr, BLOCK_S: tl.constexpr):
     # M = 1: fp32 products accumulate per (n, k) lane; the K reduction runs once, at the end.
+    # ADD_RESIDUAL / RMS_SCALE: as in _gemv_dot_kernel.
     pdl_wait(PDL)  # before any global access (pdl.py)
     offs_n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -244,45 +313,84 @@ def _gemv_row_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_wn,
         up_ptrs += BLOCK_K
     pdl_launch_dependents(PDL)  # W is read: the next kernel may launch
     offs_m = tl.arange(0, 1)
-    _epilogue(tl.sum(acc_g, axis=1)[:, None], tl.sum(acc_u, axis=1)[:, None], bias_ptr, out_ptr,
-              offs_n, offs_m, n_mask, offs_m < 1, 0, HAS_BIAS, SILU_MUL)
+    gate, up = tl.sum(acc_g, axis=1)[:, None], tl.sum(acc_u, axis=1)[:, None]  # (BLOCK_N, 1)
+    if RMS_SCALE:
+        inv_rms = _inv_rms(sum_sq_ptr, offs_m, offs_m < 1, num_sums, K, eps, BLOCK_S)
+        gate *= inv_rms[None, :]
+        up *= inv_rms[None, :]
+    _epilogue(gate, up, bias_ptr, out_ptr, residual_ptr, sum_sq_ptr, offs_n, offs_m, n_mask,
+              offs_m < 1, 0, 0, num_sums, HAS_BIAS, SILU_MUL, ADD_RESIDUAL)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n_out: int,
-            config: GemvConfig | None, silu_mul: bool) -> torch.Tensor:
+            config: GemvConfig | None, silu_mul: bool, residual: torch.Tensor | None = None,
+            rms: RowRms | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(out, sum_sq): sum_sq (M, programs) fp32 with a residual (the producer), else None."""
     m, k = x.shape
     assert 1 <= m <= MAX_ROWS, f"gemv serves 1..{MAX_ROWS} rows, got {m}"
     assert weight.shape[1] == k and x.dtype == weight.dtype
     assert x.stride(1) == 1 and weight.stride(1) == 1 and (bias is None or bias.is_contiguous())
+    assert residual is None or rms is None, "a GEMM either produces a RowRms or consumes one"
     cfg = (config or measured_config(m, weight, fused=silu_mul)
            or candidate_configs(m, n_out, k, fused=silu_mul)[0])
     out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(n_out, cfg.block_n),)
+    sum_sq = None
+    if residual is not None:
+        assert residual.shape == out.shape and residual.dtype == out.dtype and residual.stride(1) == 1
+        assert grid[0] <= MAX_SUMS, f"{grid[0]} programs: more partial sums than a consumer loads"
+        sum_sq = torch.empty(m, grid[0], dtype=torch.float32, device=x.device)
+    if rms is not None:
+        assert rms.sum_sq.shape[0] == m and rms.sum_sq.is_contiguous()
+        sum_sq = rms.sum_sq
+    num_sums = 0 if sum_sq is None else sum_sq.shape[1]
     flags = dict(HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
                  EVEN=n_out % cfg.block_n == 0 and k % cfg.block_k == 0,
                  BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                 ADD_RESIDUAL=residual is not None, RMS_SCALE=rms is not None,
+                 BLOCK_S=triton.next_power_of_2(num_sums) if rms is not None else 1,
                  num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x))
-    grid = (triton.cdiv(n_out, cfg.block_n),)
-    bias_arg = bias if bias is not None else weight  # never read without HAS_BIAS
+    # pointers the flags leave unread: any tensor of the launch
+    bias_arg = bias if bias is not None else weight
+    residual_arg = residual if residual is not None else out
+    sum_sq_arg = sum_sq if sum_sq is not None else out
+    eps = rms.eps if rms is not None else 0.0
     if cfg.use_dot:
         _gemv_dot_kernel[grid](x, weight, bias_arg, out, m, n_out, k, x.stride(0),
-                               weight.stride(0), out.stride(0), BLOCK_M=16, **flags)
+                               weight.stride(0), out.stride(0), residual_arg, sum_sq_arg,
+                               residual_arg.stride(0), num_sums, eps, BLOCK_M=16, **flags)
     else:
         assert m == 1, "the row kernel serves M = 1 only"
-        _gemv_row_kernel[grid](x, weight, bias_arg, out, n_out, k, weight.stride(0), **flags)
-    return out
+        _gemv_row_kernel[grid](x, weight, bias_arg, out, n_out, k, weight.stride(0),
+                               residual_arg, sum_sq_arg, num_sums, eps, **flags)
+    return out, sum_sq if residual is not None else None
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: GemvConfig | None = None) -> torch.Tensor:
+         config: GemvConfig | None = None, rms: RowRms | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for x (M, K), M <= 16: (M, N) in x's dtype, fp32 accumulation.
-    config: default the MEASURED winner, else the first candidate. Graph safe: one launch, one
-    output allocation, no host reads."""
-    return _launch(x, weight, bias, weight.shape[0], config, silu_mul=False)
+    config: default the MEASURED winner, else the first candidate. rms (a folded RMSNorm's
+    consumer): x is the raw residual stream h with its `RowRms`, weight = W * norm weight
+    (folded at load): returns F.linear(rmsnorm(h) * norm weight, W, bias) up to bf16 rounding,
+    as (h @ weight^T) * rsqrt(mean(h^2) + eps) + bias. Graph safe: one launch, one output
+    allocation, no host reads."""
+    return _launch(x, weight, bias, weight.shape[0], config, silu_mul=False, rms=rms)[0]
 
 
-def gemv_gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor,
-                      config: GemvConfig | None = None) -> torch.Tensor:
+def gemv_gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor, config: GemvConfig | None = None,
+                      rms: RowRms | None = None) -> torch.Tensor:
     """silu(x @ gate^T) * (x @ up^T) for gate_up = [gate; up] (2I, K): (M, I), rounded as
-    `silu_mul(F.linear(x, gate_up))` rounds (gate and up to x's dtype first)."""
+    `silu_mul(F.linear(x, gate_up))` rounds (gate and up to x's dtype first). rms: as `gemv`'s,
+    both accumulators scaled before the rounding."""
     assert gate_up.shape[0] % 2 == 0
-    return _launch(x, gate_up, None, gate_up.shape[0] // 2, config, silu_mul=True)
+    return _launch(x, gate_up, None, gate_up.shape[0] // 2, config, silu_mul=True, rms=rms)[0]
+
+
+def gemv_add_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      residual: torch.Tensor, eps: float,
+                      config: GemvConfig | None = None) -> tuple[torch.Tensor, RowRms]:
+    """A folded RMSNorm's producer: (h, h's RowRms) for h = residual + F.linear(x, weight, bias),
+    rounded as add_rmsnorm rounds it (the GEMM's output to x's dtype, then the sum). Out of
+    place: residual is not written. eps: the norm's, for the consumer."""
+    h, sum_sq = _launch(x, weight, bias, weight.shape[0], config, silu_mul=False, residual=residual)
+    return h, RowRms(sum_sq, eps)

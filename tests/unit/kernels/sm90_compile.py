@@ -117,7 +117,10 @@ def main() -> int:
             BLOCK=1024, BLOCK_W=1024, PROBES=8),
         "add_rmsnorm": lambda: compile_sm90(
             rmsnorm._rmsnorm_kernel, BF, BF, BF, BF, BF, N, N, N, N, 4096, 1e-5,
-            HAS_RESIDUAL=True, BLOCK=4096, PDL=True, num_warps=8),
+            HAS_RESIDUAL=True, HAS_WEIGHT=True, BLOCK=4096, PDL=True, num_warps=8),
+        "add_rmsnorm_weightless": lambda: compile_sm90(
+            rmsnorm._rmsnorm_kernel, BF, BF, BF, BF, BF, N, N, N, N, 4096, 1e-5,
+            HAS_RESIDUAL=True, HAS_WEIGHT=False, BLOCK=4096, PDL=True, num_warps=8),
         "rope_write_kv": lambda: compile_sm90(
             rotary._rope_kernel, BF, BF, BF, BF, BF, BF, BF, BF, I64, *[N] * 11,
             NUM_HEADS=32, HALF=64, BLOCK_HALF=64, HAS_SLOTS=True, HAS_V=True, PDL=True, num_warps=1),

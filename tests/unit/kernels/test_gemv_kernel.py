@@ -79,6 +79,115 @@ def test_gate_up_silu_matches_silu_mul(rel_err, dtype, m, i, k):
             assert (out == unfused).float().mean().item() > 0.9, cfg
 
 
+EPS = 1e-5
+
+
+def rows_of_scales(m, k, dtype, seed):
+    """(m, k) rows of very different RMS (1/4 .. 4): a norm applied to the wrong row shows."""
+    gen = torch.Generator().manual_seed(seed)
+    scale = 2.0 ** torch.linspace(-2, 2, m)[:, None]
+    return (torch.randn(m, k, generator=gen) * scale).to(dtype)
+
+
+def rmsnorm64(h, g):
+    """rmsnorm(h) * g in float64: the reference the folded norm approximates."""
+    h = h.double()
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS) * g.double()
+
+
+def row_rms(h, num_sums):
+    """A RowRms of h as a producer with num_sums programs would leave it (ragged chunks)."""
+    chunks = torch.tensor_split(h.float().pow(2), num_sums, dim=1)
+    return gemv_mod.RowRms(torch.stack([c.sum(1) for c in chunks], dim=1).contiguous(), EPS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("n,k", [(64, 128), (100, 200)])  # last: masked N and K tails
+def test_add_residual_is_the_rounded_add_and_its_sums_of_squares(rel_err, dtype, m, n, k):
+    """The producer: h = residual + the GEMM's output, rounded as add_rmsnorm rounds it (so
+    bit-equal to the plain GEMM's output + residual in torch), residual untouched, and each
+    program's sums of h^2 over its columns."""
+    x, w, b = operands(m, n, k, dtype, seed=3)
+    residual = rows_of_scales(m, n, dtype, seed=4)
+    kept = residual.clone()
+    for bias in (None, b):
+        for cfg in map(small, gemv_mod.candidate_configs(m, n, k)):
+            h, rms = gemv_mod.gemv_add_residual(x, w, bias, residual, EPS, config=cfg)
+            assert torch.equal(residual, kept), cfg  # out of place
+            assert torch.equal(h, gemv_mod.gemv(x, w, bias, config=cfg) + residual), cfg
+            assert rel_err(h, F.linear(x.float(), w.float(), None if bias is None else bias.float())
+                           + residual.float()) < BOUND[dtype], cfg
+            num_programs = -(-n // cfg.block_n)
+            assert rms.eps == EPS and rms.sum_sq.shape == (m, num_programs)
+            assert rms.sum_sq.dtype == torch.float32
+            want = h.float().pow(2).split(cfg.block_n, dim=1)  # program p: columns p * BLOCK_N..
+            want = torch.stack([c.sum(1) for c in want], dim=1)
+            assert rel_err(rms.sum_sq, want) < 1e-6, cfg
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("n,k,num_sums", [(64, 128, 4), (100, 200, 5)])  # ragged: masked tails
+def test_rms_scale_is_the_gemm_of_the_normalised_rows(rel_err, dtype, m, n, k, num_sums):
+    """The consumer: x raw with its RowRms and the norm weight folded into W gives
+    F.linear(rmsnorm(x) * g, W, bias) (the unfolded two-launch path) up to rounding."""
+    from generation_service.kernels.rmsnorm import rmsnorm_torch
+    h = rows_of_scales(m, k, dtype, seed=5)
+    _, w, b = operands(m, n, k, dtype, seed=6)
+    g = (1 + 0.3 * torch.randn(k, generator=torch.Generator().manual_seed(7))).to(dtype)
+    folded = (w * g).to(dtype)  # as fuse_layer_weights folds it
+    rms = row_rms(h, num_sums)
+    two_launch = F.linear(rmsnorm_torch(h, g, EPS), w)  # what the unfolded path computes
+    for bias in (None, b):
+        ref = F.linear(rmsnorm64(h, g), w.double(), None if bias is None else bias.double())
+        for cfg in map(small, gemv_mod.candidate_configs(m, n, k)):
+            out = gemv_mod.gemv(h, folded, bias, config=cfg, rms=rms)
+            assert out.shape == (m, n) and out.dtype == dtype
+            assert rel_err(out, ref) < 2 * BOUND[dtype], (cfg, bias is not None)
+            if bias is None:
+                assert rel_err(out, two_launch) < 2 * BOUND[dtype], cfg
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_gate_up_silu_rms_scale(rel_err, dtype, m):
+    """The consumer with silu * up: both accumulators scaled before the rounding and silu."""
+    i, k = 96, 320
+    h = rows_of_scales(m, k, dtype, seed=8)
+    gen = torch.Generator().manual_seed(9)
+    gate_up = (torch.randn(2 * i, k, generator=gen) / k ** 0.5).to(dtype)
+    g = (1 + 0.3 * torch.randn(k, generator=gen)).to(dtype)
+    gate, up = F.linear(rmsnorm64(h, g), gate_up.double()).chunk(2, dim=1)
+    ref = F.silu(gate) * up
+    for cfg in map(small, gemv_mod.candidate_configs(m, i, k, fused=True)):
+        out = gemv_mod.gemv_gate_up_silu(h, (gate_up * g).to(dtype), config=cfg, rms=row_rms(h, 3))
+        assert out.shape == (m, i) and out.dtype == dtype
+        assert rel_err(out, ref) < 3 * BOUND[dtype], cfg
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_producer_then_consumer_is_add_rmsnorm_then_gemm(rel_err, m):
+    """o_proj -> post-attention norm -> gate_up as the fused decode forward chains them: the
+    consumer reads the producer's sums of squares as they are laid out, whatever its config."""
+    dtype, hidden, q_dim, i = torch.float16, 96, 64, 48
+    o, w_o, _ = operands(m, hidden, q_dim, dtype, seed=10)
+    residual = rows_of_scales(m, hidden, dtype, seed=11)
+    gen = torch.Generator().manual_seed(12)
+    gate_up = (torch.randn(2 * i, hidden, generator=gen) / hidden ** 0.5).to(dtype)
+    g = (1 + 0.3 * torch.randn(hidden, generator=gen)).to(dtype)
+    h_ref = (F.linear(o.float(), w_o.float()) + residual.float())
+    gate, up = F.linear(rmsnorm64(h_ref, g), gate_up.double()).chunk(2, dim=1)
+    ref = F.silu(gate) * up
+    producers = map(small, gemv_mod.candidate_configs(m, hidden, q_dim))
+    consumers = list(map(small, gemv_mod.candidate_configs(m, i, hidden, fused=True)))
+    for p_cfg in producers:
+        h, rms = gemv_mod.gemv_add_residual(o, w_o, None, residual, EPS, config=p_cfg)
+        for c_cfg in consumers:
+            out = gemv_mod.gemv_gate_up_silu(h, (gate_up * g).to(dtype), config=c_cfg, rms=rms)
+            assert rel_err(out, ref) < 3 * BOUND[dtype], (p_cfg, c_cfg)
+
+
 def test_rejects_what_it_cannot_serve():
     x, w, _ = operands(17, 64, 128, torch.float32)
     with pytest.raises(AssertionError):
@@ -86,6 +195,13 @@ def test_rejects_what_it_cannot_serve():
     row = gemv_mod.GemvConfig(16, 128, use_dot=False)
     with pytest.raises(AssertionError):
         gemv_mod.gemv(x[:2], w, config=row)  # the CUDA-core kernel is M = 1 only
+    rms = row_rms(x[:2], 2)
+    with pytest.raises(AssertionError):
+        gemv_mod.linear(x[:2], w, rms=rms)  # unmeasured: cuBLAS, which cannot fold a norm
+    n = gemv_mod.MAX_SUMS + 1  # one column a program: more sums of squares than a consumer loads
+    with pytest.raises(AssertionError):
+        gemv_mod.gemv_add_residual(x[:2], torch.zeros(n, 128), None, torch.zeros(2, n), EPS,
+                                   config=gemv_mod.GemvConfig(1, 128))
 
 
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (14336, 4096), (4096, 14336),
@@ -111,24 +227,36 @@ def test_table_fills_the_h200(n, k):
 COMPILE = """
 import sys
 sys.path.insert(0, "tests/unit/kernels")
-from sm90_compile import BF, N, compile_sm90, resource_usage
+from sm90_compile import BF, F32, N, compile_sm90, resource_usage
 from generation_service.kernels import gemv as g
-flags = dict(HAS_BIAS=True, SILU_MUL=False, EVEN=True)
-for bn, bk, silu in ((16, 256, False), (64, 128, False), (32, 128, True)):
-    k = compile_sm90(g._gemv_dot_kernel, BF, BF, BF, BF, 7, N, N, N, N, N, HAS_BIAS=not silu,
-                     SILU_MUL=silu, EVEN=True, BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, PDL=silu,
-                     num_stages=4)
-    print("dot", bn, bk, silu, resource_usage(k), "cp.async" in k.asm["ptx"])
+# (mode, the flags it sets): plain, a folded norm's producer and its consumer
+modes = (("plain", {}), ("add_residual", dict(ADD_RESIDUAL=True)),
+         ("rms_scale", dict(RMS_SCALE=True, BLOCK_S=128)))
+for bn, bk, silu in ((16, 256, False), (32, 256, False), (64, 128, False), (32, 128, True),
+                     (64, 64, True)):
+    for mode, flags in modes:
+        if silu and mode == "add_residual":
+            continue
+        flags = dict(dict(ADD_RESIDUAL=False, RMS_SCALE=False, BLOCK_S=1), **flags)
+        k = compile_sm90(g._gemv_dot_kernel, BF, BF, BF, BF, 7, N, N, N, N, N, BF, F32, N, 128,
+                         1e-5, HAS_BIAS=not silu, SILU_MUL=silu, EVEN=True, BLOCK_M=16,
+                         BLOCK_N=bn, BLOCK_K=bk, PDL=silu, num_stages=4, **flags)
+        print("dot", bn, bk, silu, mode, resource_usage(k), "cp.async" in k.asm["ptx"])
 for silu in (False, True):
-    k = compile_sm90(g._gemv_row_kernel, BF, BF, BF, BF, N, N, N, HAS_BIAS=not silu,
-                     SILU_MUL=silu, EVEN=True, BLOCK_N=16, BLOCK_K=256 if silu else 512,
-                     PDL=silu, num_stages=3)
-    print("row", silu, resource_usage(k))
+    for mode, flags in modes:
+        if silu and mode == "add_residual":
+            continue
+        flags = dict(dict(ADD_RESIDUAL=False, RMS_SCALE=False, BLOCK_S=1), **flags)
+        k = compile_sm90(g._gemv_row_kernel, BF, BF, BF, BF, N, N, N, BF, F32, 128, 1e-5,
+                         HAS_BIAS=not silu, SILU_MUL=silu, EVEN=True, BLOCK_N=16,
+                         BLOCK_K=256 if silu else 512, PDL=silu, num_stages=3, **flags)
+        print("row", silu, mode, resource_usage(k))
 """
 
 
 def test_gemv_compile_sm90():
-    """Both kernels compile for the H200 (sm_90) with W tiles pipelined by cp.async."""
+    """Both kernels compile for the H200 (sm_90) with W tiles pipelined by cp.async, plain and
+    as a folded RMSNorm's producer (add_residual) and consumer (rms_scale), without spills."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     root = Path(__file__).resolve().parents[3]
@@ -138,7 +266,7 @@ def test_gemv_compile_sm90():
         pytest.skip("triton without its bundled ptxas")
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
-    assert len(lines) == 5 and all("STACK:0" in line for line in lines), proc.stdout
+    assert len(lines) == 13 + 5 and all("STACK:0" in line for line in lines), proc.stdout
     assert all(line.endswith("True") for line in lines if line.startswith("dot")), proc.stdout
 
 
@@ -210,9 +338,9 @@ def test_linear_and_gate_up_silu_dispatch_on_the_table(monkeypatch):
     """Measured winners go to the Triton kernels with the table's config; anything else is
     exactly the cuBLAS path (F.linear, silu_mul(F.linear))."""
     calls = []
-    monkeypatch.setattr(gemv_mod, "gemv", lambda x, w, b=None, config=None: calls.append(
+    monkeypatch.setattr(gemv_mod, "gemv", lambda x, w, b=None, config=None, rms=None: calls.append(
         ("gemv", str(config))) or x.new_empty(x.shape[0], w.shape[0]))
-    monkeypatch.setattr(gemv_mod, "gemv_gate_up_silu", lambda x, w, config=None: calls.append(
+    monkeypatch.setattr(gemv_mod, "gemv_gate_up_silu", lambda x, w, config=None, rms=None: calls.append(
         ("gate_up_silu", str(config))) or x.new_empty(x.shape[0], w.shape[0] // 2))
     x = torch.empty(2, 4096, dtype=torch.bfloat16, device="meta")
     assert gemv_mod.linear(x, weight(131072, 4096)).shape == (2, 131072)

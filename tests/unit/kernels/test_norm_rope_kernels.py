@@ -24,6 +24,20 @@ def test_rmsnorm_and_fused_add(rel_err, dtype, tol):
     assert rel_err(got, want) < tol
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.float16, 2e-3)])
+def test_weightless_add_rmsnorm(rel_err, dtype, tol):
+    """weight None (the weight folded into the next GEMM): the normalised rows, unscaled, and
+    the same new residual as with a weight."""
+    x, residual = torch.randn(5, 96).to(dtype), torch.randn(5, 96).to(dtype)
+    out, new_residual = add_rmsnorm(x, residual, None, 1e-5)
+    assert torch.equal(new_residual, x + residual)
+    x32 = new_residual.float()
+    want = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    assert rel_err(out, want) < tol and rel_err(out, rmsnorm_torch(new_residual, None, 1e-5)) < tol
+    weight = (torch.rand(96) + 0.5).to(dtype)  # with a weight: that weight times the same rows
+    assert rel_err(add_rmsnorm(x, residual, weight, 1e-5)[0], weight * out) < tol
+
+
 def _inv_freq(head_dim, theta=10000.0):
     return 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
 
