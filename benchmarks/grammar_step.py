@@ -8,19 +8,30 @@ waits for `mask_seq >= N`. Reported per (vocabulary, workload, batch):
 - `service_step_us`: the loop's own time per step (advance + fill), from GetStats;
 - `service_advance_us` / `service_fill_us` / `service_bookkeeping_us`: its phases per step
   (they add up to service_step_us; loop.py `StepPhases`), from the service's Prometheus
-  counter structgen_grammar_step_phase_seconds_total on --metrics-port.
+  counter structgen_grammar_step_phase_seconds_total on --metrics-port. These are means over
+  every step, the `--warmup` ones included (the engine-side percentiles leave those out).
 Each (backend, workload, batch) runs `--repeats` times; `summary` holds the medians over
-the repeats.
+the repeats and their ranges (`range_*`: [min, max]).
+`--advance` picks how llguidance's deferred advance runs (grammar_service
+--min-parallel-advance-rows): `serial` (a Python list of consume_token), `parallel`
+(LLExecutor.consume_token_par at every batch size), `configured` (the service's default
+threshold), or `both`: serial and parallel services side by side, every llguidance
+configuration run on each in turn (order alternating by repeat), rows tagged `advance` and
+`advance_ab` giving parallel/serial medians. Other backends run once, on the first service,
+tagged `serial` (xgrammar's batch_accept_token is a C++ loop in the calling thread).
 Workloads:
 - `replay`: realistic JSON documents, each constrained by its schema, tokenized with the
-  real tokenizer; rows start at staggered offsets and restart (FRESH) when done;
+  real tokenizer; the rows of one document start together (lockstep) and restart (FRESH)
+  when done;
 - `replay_drafts3`: the same with 3 draft tokens per row (4 mask rows per row per step);
 - `random`: adversarial random walks: each row samples a uniformly random allowed token from
   its own mask (EOS only when nothing else is allowed), restarting after 256 tokens.
+Rows use the schemas of benchmarks/_documents.py round-robin; `--num-schemas 1` puts every
+row on the first one (one compiled grammar, the single-schema case).
 
     .venv/bin/python benchmarks/grammar_step.py --machine ci-2core
     .venv/bin/python benchmarks/grammar_step.py --backends llguidance --vocabs tekken_131k \
-        --workloads random replay --batches 64 128 --repeats 5 --out /tmp/grammar_step.json
+        --workloads random replay --batches 64 128 --repeats 5 --advance both --out /tmp/grammar_step.json
 writes benchmarks/results/grammar_step-<machine>.json and prints a table.
 """
 from __future__ import annotations
@@ -96,7 +107,9 @@ def _check_results(e, batch: int) -> None:
 
 
 def run_replay(engine: Engine, grammar_ids, docs_ids, batch: int, num_steps: int, num_drafts: int) -> list[float]:
-    """Row r replays document r % len(docs) from a staggered offset; a finished row restarts."""
+    """Row r replays document r % len(docs) from its start; a finished row restarts. The rows of
+    one document move in lockstep (the same state every step), so about batch / len(docs) rows
+    reach a costly position in the same step."""
     ndocs = len(docs_ids)
     doc = [r % ndocs for r in range(batch)]
     pos = [0] * batch
@@ -161,11 +174,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_service(sock: str, tok_dir: str, vocab: int, fill_threads: int, metrics_port: int) -> subprocess.Popen:
+# --advance variant -> grammar_service --min-parallel-advance-rows (None: the service's default)
+ADVANCE_MIN_ROWS = {"serial": 0, "parallel": 1, "configured": None}
+ADVANCE_CHOICES = {"serial": ("serial",), "parallel": ("parallel",), "configured": ("configured",),
+                   "both": ("serial", "parallel")}
+
+
+def start_service(sock: str, tok_dir: str, vocab: int, fill_threads: int, metrics_port: int,
+                  min_parallel_advance_rows: int | None) -> subprocess.Popen:
+    advance = ([] if min_parallel_advance_rows is None
+               else ["--min-parallel-advance-rows", str(min_parallel_advance_rows)])
     return subprocess.Popen([sys.executable, "-m", "grammar_service", "--listen", f"unix://{sock}",
                              "--tokenizer-dir", tok_dir, "--vocab-size", str(vocab),
                              "--num-fill-threads", str(fill_threads), "--metrics-port", str(metrics_port),
-                             "--log-level", "WARNING"], cwd=ROOT)
+                             *advance, "--log-level", "WARNING"], cwd=ROOT)
 
 
 def phase_seconds(metrics_port: int) -> dict[str, float]:
@@ -182,10 +204,12 @@ def phase_seconds(metrics_port: int) -> dict[str, float]:
 class Service:
     """One grammar_service process, its control client and its metrics port."""
 
-    def __init__(self, tok_dir: str, vocab: int, fill_threads: int):
+    def __init__(self, tok_dir: str, vocab: int, fill_threads: int, advance: str):
+        self.advance = advance  # an ADVANCE_MIN_ROWS key
         self.sock = os.path.join(tempfile.mkdtemp(prefix="grammar-bench-"), "grammar.sock")
         self.metrics_port = free_port()
-        self.proc = start_service(self.sock, tok_dir, vocab, fill_threads, self.metrics_port)
+        self.proc = start_service(self.sock, tok_dir, vocab, fill_threads, self.metrics_port,
+                                  ADVANCE_MIN_ROWS[advance])
         self.client = GrammarControlClient(f"unix://{self.sock}")
         self.grammar_ids: dict[str, list[int]] = {}  # backend -> ids of DOCUMENTS' schemas
 
@@ -211,7 +235,9 @@ def bench_one(service: Service, backend: str, tok_dir: str, fingerprint: str, ge
     """(engine-side step times in us, the service's own mean step time in us, its phases in us
     per step) for one configuration."""
     num_steps = max(args.min_steps, args.steps // batch)
-    client, grammar_ids = service.client, service.grammars(backend)
+    # the first --num-schemas documents and their grammars (1: every row on one compiled grammar)
+    client, grammar_ids = service.client, service.grammars(backend)[:args.num_schemas]
+    docs_ids = docs_ids[:args.num_schemas]
     with StepChannel.create(geometry) as chan:
         client.open_channel(chan.name, geometry, max_slots=MAX_BATCH, first_step=1, tokenizer_dir=tok_dir,
                             tokenizer_fingerprint=fingerprint)
@@ -230,6 +256,14 @@ def bench_one(service: Service, backend: str, tok_dir: str, fingerprint: str, ge
     return np.array(times[args.warmup:] or times), service_us, phases
 
 
+def services_for(backend: str, services: list[Service], repeat: int) -> list[Service]:
+    """The services a configuration runs on, in this repeat's order: llguidance on each (the
+    advance variants, alternating which goes first), other backends on the first only."""
+    if backend != "llguidance":
+        return services[:1]
+    return services if repeat % 2 == 0 else services[::-1]
+
+
 def bench_vocab(name: str, args) -> list[dict]:
     from tokenizers import Tokenizer
 
@@ -240,40 +274,100 @@ def bench_vocab(name: str, args) -> list[dict]:
     docs_ids = [continuation_ids(tok, json.dumps(doc, ensure_ascii=False)) + [EOS] for _, doc in DOCUMENTS]
     fingerprint = fingerprint_tokenizer_json(tok_dir, vocab)
     geometry = Geometry(max_batch=MAX_BATCH, max_positions=MAX_POSITIONS, vocab_size=vocab)
-    service = Service(tok_dir, vocab, args.fill_threads)
+    services = [Service(tok_dir, vocab, args.fill_threads, advance) for advance in ADVANCE_CHOICES[args.advance]]
     rows_out = []
     try:
-        service.wait_healthy()
+        for service in services:  # they start side by side
+            service.wait_healthy()
         for repeat, (backend, workload, batch) in itertools.product(
                 range(args.repeats), itertools.product(args.backends, args.workloads, args.batches)):
-            t, service_us, phases = bench_one(service, backend, tok_dir, fingerprint, geometry, docs_ids,
-                                              workload, batch, args)
-            row = {"vocab": name, "vocab_size": vocab, "backend": backend, "workload": workload, "batch": batch,
-                   "repeat": repeat,
-                   "num_steps": len(t), "step_us_p50": float(np.percentile(t, 50)),
-                   "step_us_p90": float(np.percentile(t, 90)), "step_us_p99": float(np.percentile(t, 99)),
-                   "step_us_mean": float(t.mean()), "service_step_us": service_us,
-                   "service_us_per_row": service_us / batch,
-                   **{f"service_{p}_us": phases[p] for p in PHASES}}
-            rows_out.append(row)
-            print(f"{name:12s} {backend:10s} {workload:15s} {batch:5d} {row['num_steps']:6d} "
-                  f"{row['step_us_p50']:10.0f} {row['step_us_p90']:10.0f} {row['step_us_p99']:10.0f} "
-                  f"{service_us:12.0f} {service_us / batch:10.1f} " + " ".join(f"{phases[p]:8.0f}" for p in PHASES),
-                  flush=True)
+            for service in services_for(backend, services, repeat):
+                t, service_us, phases = bench_one(service, backend, tok_dir, fingerprint, geometry, docs_ids,
+                                                  workload, batch, args)
+                advance = service.advance if backend == "llguidance" else "serial"
+                row = {"vocab": name, "vocab_size": vocab, "backend": backend, "workload": workload, "batch": batch,
+                       "advance": advance, "repeat": repeat,
+                       "num_steps": len(t), "step_us_p50": float(np.percentile(t, 50)),
+                       "step_us_p90": float(np.percentile(t, 90)), "step_us_p99": float(np.percentile(t, 99)),
+                       "step_us_mean": float(t.mean()), "service_step_us": service_us,
+                       "service_us_per_row": service_us / batch,
+                       **{f"service_{p}_us": phases[p] for p in PHASES}}
+                rows_out.append(row)
+                print(f"{name:12s} {backend:10s} {workload:15s} {batch:5d} {advance:10s} {row['num_steps']:6d} "
+                      f"{row['step_us_p50']:10.0f} {row['step_us_p90']:10.0f} {row['step_us_p99']:10.0f} "
+                      f"{service_us:12.0f} {service_us / batch:10.1f} "
+                      + " ".join(f"{phases[p]:8.0f}" for p in PHASES), flush=True)
     finally:
-        service.close()
+        for service in services:
+            service.close()
     return rows_out
 
 
+SUMMARY_KEYS = ("step_us_p50", "step_us_p90", "service_step_us", *(f"service_{p}_us" for p in PHASES))
+
+
 def summarize(results: list[dict]) -> list[dict]:
-    """Medians over the repeats per (vocab, backend, workload, batch)."""
-    keys = ("step_us_p50", "step_us_p90", "service_step_us", *(f"service_{p}_us" for p in PHASES))
+    """Medians and [min, max] over the repeats per (vocab, backend, workload, batch, advance);
+    with both advance variants, the parallel rows carry `advance_ab`: parallel / serial medians."""
     groups: dict[tuple, list[dict]] = {}
     for row in results:
-        groups.setdefault((row["vocab"], row["backend"], row["workload"], row["batch"]), []).append(row)
-    return [{"vocab": v, "backend": b, "workload": w, "batch": n, "repeats": len(rows),
-             **{f"median_{k}": statistics.median(r[k] for r in rows) for k in keys}}
-            for (v, b, w, n), rows in groups.items()]
+        groups.setdefault((row["vocab"], row["backend"], row["workload"], row["batch"], row["advance"]), []).append(row)
+    summary = [{"vocab": v, "backend": b, "workload": w, "batch": n, "advance": a, "repeats": len(rows),
+                **{f"median_{k}": statistics.median(r[k] for r in rows) for k in SUMMARY_KEYS},
+                **{f"range_{k}": [min(r[k] for r in rows), max(r[k] for r in rows)] for k in SUMMARY_KEYS}}
+               for (v, b, w, n, a), rows in groups.items()]
+    by_key = {(s["vocab"], s["backend"], s["workload"], s["batch"], s["advance"]): s for s in summary}
+    for s in summary:
+        serial = by_key.get((s["vocab"], s["backend"], s["workload"], s["batch"], "serial"))
+        if s["advance"] == "parallel" and serial is not None:
+            s["advance_ab"] = {f"{k}_parallel_over_serial": s[f"median_{k}"] / serial[f"median_{k}"]
+                               for k in ("service_step_us", "service_advance_us", "step_us_p50")}
+    return summary
+
+
+def _median_range(s: dict, key: str) -> str:
+    low, high = s[f"range_{key}"]
+    return f"{s[f'median_{key}']:.0f} [{low:.0f}-{high:.0f}]"
+
+
+def print_summary(summary: list[dict]) -> None:
+    for s in summary:
+        print(f"median [min-max] {s['vocab']:12s} {s['backend']:10s} {s['workload']:8s} {s['batch']:4d} "
+              f"{s['advance']:8s} p50 {_median_range(s, 'step_us_p50')} us  service "
+              f"{_median_range(s, 'service_step_us')} us (advance {_median_range(s, 'service_advance_us')}, "
+              f"fill {_median_range(s, 'service_fill_us')}, bookkeeping {_median_range(s, 'service_bookkeeping_us')})")
+    for s in summary:
+        if "advance_ab" in s:
+            ab = s["advance_ab"]
+            print(f"parallel/serial {s['vocab']:12s} {s['backend']:10s} {s['workload']:8s} {s['batch']:4d}: "
+                  f"advance x{ab['service_advance_us_parallel_over_serial']:.2f}, "
+                  f"service step x{ab['service_step_us_parallel_over_serial']:.2f}, "
+                  f"engine p50 x{ab['step_us_p50_parallel_over_serial']:.2f}")
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return ""
+
+
+def run_info(args) -> dict:
+    """What a result file says about the run besides its figures."""
+    num_cpus = len(os.sched_getaffinity(0))
+    return {
+        "benchmark": "grammar_step", "machine": args.machine, "cpu_count": os.cpu_count(), "cpus_available": num_cpus,
+        "platform": platform.platform(), "processor": platform.processor(), "xgrammar": _version("xgrammar"),
+        "llguidance": _version("llguidance"), "command": "python " + " ".join(sys.argv),
+        "repeats": args.repeats, "advance": args.advance, "num_schemas": args.num_schemas,
+        "fill_threads": args.fill_threads,
+        # 0 = each library's default: xgrammar hardware_concurrency / 2, llguidance's LLExecutor
+        # 80% of available_parallelism clamped to [1, 32]
+        "fill_threads_effective": {"xgrammar": args.fill_threads or max(1, (os.cpu_count() or 2) // 2),
+                                   "llguidance": args.fill_threads or min(32, max(1, num_cpus * 80 // 100))},
+        "load_average_at_end": os.getloadavg(), "max_positions": MAX_POSITIONS,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -288,38 +382,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--fill-threads", type=int, default=0,
-                        help="BatchGrammarMatcher threads; 0 = xgrammar's auto (cores / 2)")
+                        help="fill threads per backend; 0 = each library's default (fill_threads_effective)")
+    parser.add_argument("--advance", default="configured", choices=list(ADVANCE_CHOICES),
+                        help="llguidance's deferred advance: a Python list (serial), consume_token_par (parallel), "
+                             "the service's threshold (configured), or serial and parallel interleaved (both)")
     parser.add_argument("--repeats", type=int, default=1, help="runs of every configuration (summary: medians)")
+    parser.add_argument("--num-schemas", type=int, default=len(DOCUMENTS), choices=range(1, len(DOCUMENTS) + 1),
+                        metavar=f"1..{len(DOCUMENTS)}",
+                        help="rows spread over this many schemas (llguidance: copies of one compiled grammar "
+                             "share its lexer lock, so 1 is the worst case for its threads)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    print(f"{'vocab':12s} {'backend':10s} {'workload':15s} {'batch':>5s} {'steps':>6s} {'p50 us':>10s} "
-          f"{'p90 us':>10s} {'p99 us':>10s} {'service us':>12s} {'us/row':>10s} {'advance':>8s} {'fill':>8s} {'bookkeep':>8s}")
+    print(f"{'vocab':12s} {'backend':10s} {'workload':15s} {'batch':>5s} {'variant':10s} {'steps':>6s} "
+          f"{'p50 us':>10s} {'p90 us':>10s} {'p99 us':>10s} {'service us':>12s} {'us/row':>10s} {'advance':>8s} "
+          f"{'fill':>8s} {'bookkeep':>8s}")
     started, load_at_start = time.time(), os.getloadavg()
     results = [row for name in args.vocabs for row in bench_vocab(name, args)]
     summary = summarize(results)
     out = pathlib.Path(args.out or ROOT / "benchmarks" / "results" / f"grammar_step-{args.machine}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    from importlib.metadata import PackageNotFoundError, version
-
-    def _version(package: str) -> str:
-        try:
-            return version(package)
-        except PackageNotFoundError:
-            return ""
-    out.write_text(json.dumps({
-        "benchmark": "grammar_step", "machine": args.machine, "cpu_count": os.cpu_count(),
-        "platform": platform.platform(), "processor": platform.processor(), "xgrammar": _version("xgrammar"),
-        "llguidance": _version("llguidance"), "fill_threads": args.fill_threads,
-        "repeats": args.repeats,
-        "fill_threads_effective": args.fill_threads or max(1, (os.cpu_count() or 2) // 2),
-        "load_average_at_end": os.getloadavg(),
-        "load_average_at_start": load_at_start, "max_positions": MAX_POSITIONS, "wall_s": time.time() - started,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "summary": summary,
-        "results": results}, indent=1) + "\n")
-    for s in summary:
-        print(f"median {s['vocab']:12s} {s['backend']:10s} {s['workload']:15s} {s['batch']:4d} p50 {s['median_step_us_p50']:7.0f} us  service "
-              f"{s['median_service_step_us']:7.0f} us (advance {s['median_service_advance_us']:.0f}, fill "
-              f"{s['median_service_fill_us']:.0f}, bookkeeping {s['median_service_bookkeeping_us']:.0f})")
+    out.write_text(json.dumps({**run_info(args), "load_average_at_start": load_at_start,
+                               "wall_s": time.time() - started, "summary": summary, "results": results},
+                              indent=1) + "\n")
+    print_summary(summary)
     print(f"wrote {out}")
     return 0
 
