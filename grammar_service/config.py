@@ -15,8 +15,9 @@ class GrammarServiceConfig:
     # llguidance: batch_advance runs in the fill threads (consume_token_par) from this many rows;
     # 0 = never, the default. On the 16-CPU GPU host the service step at 64-128 rows moved by
     # x0.86-1.07 over three runs with rows on 6 schemas, and lost x1.2 with every row on one
-    # (copies of one compiled grammar share a lexer lock); on 2 CPUs (one llguidance thread) it
-    # lost x1.03-1.13 (benchmarks/results/grammar_step-ci-2core-parallel-advance.json).
+    # (copies of one compiled grammar share a lexer lock); on 2 CPUs (one llguidance thread)
+    # x0.93-1.13 over three rounds of random walks at 16-128 rows, its advance phase x0.94-1.41
+    # (benchmarks/results/grammar_step-ci-2core-parallel-advance.json).
     min_parallel_advance_rows: int = 0
     compile_timeout_s: float = 10.0     # a slower compile is refused and remembered
     negative_cache_ttl_s: float = 60.0  # how long a failed/timed-out spec is answered from memory
