@@ -68,6 +68,10 @@ VARIANTS = {
     # step costs the GPU beyond free when grammar_service is never late
     "gemv+pdl/nowait": dict(gemv_max_batch=8, pdl=True, graph="nowait"),
     "gemv+pdl/prepublished": dict(gemv_max_batch=8, pdl=True, graph="prepublished"),
+    # ... with the step's tail as before kernels/step_epilogue.py published outputs_seq itself:
+    # a write memop and 3 kernels after the epilogue (GpuDecodeRunner.fold_step_tail)
+    "gemv+pdl/prepublished-unfolded-tail": dict(gemv_max_batch=8, pdl=True, graph="prepublished",
+                                                fold_step_tail=False),
 }
 # (group, lower-case substrings of kernel names), first match wins: Triton kernels by their
 # function names first (attention's reduce kernel must not fall into GEMM's split-K reduce).
