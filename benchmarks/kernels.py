@@ -305,6 +305,18 @@ def gemv_weights(hidden, inter, q_dim, kv_dim, layers):
     return weights
 
 
+# `--extra-m1`: more programs (BLOCK_N 8 on CUDA cores: N / 8 programs) or deeper pipelines for
+# one row, where the projections under 64 MB stream at 2.3-3.6 TB/s (profile-h200-fold.json)
+EXTRA_M1: list = []
+
+
+def extra_m1_configs() -> list:
+    from generation_service.kernels.gemv import GemvConfig
+    return [GemvConfig(8, 1024, num_stages=3, use_dot=False), GemvConfig(8, 512, use_dot=False),
+            GemvConfig(16, 512, num_warps=8, num_stages=3, use_dot=False),
+            GemvConfig(16, 256, num_stages=6), GemvConfig(16, 128, num_stages=8)]
+
+
 def bench_gemv(bw, quick):
     """Per projection and M: cuBLAS vs each gemv candidate (gate_up: F.linear + silu_mul vs the
     fused gemv_gate_up_silu); then all projections of a step, cuBLAS vs gemv defaults."""
@@ -328,6 +340,8 @@ def bench_gemv(bw, quick):
                     t_ref = graph_ms([lambda w=w: F.linear(x, w) for w in ws]) / len(ws)
                     extra = {}
                 configs = candidate_configs(m, n // 2 if fused else n, k, fused=fused)
+                if EXTRA_M1 and m == 1 and not fused and name != "lm_head":
+                    configs += [c for c in EXTRA_M1 if c not in configs]
                 for index, cfg in enumerate(configs):
                     if fused:
                         fns = [lambda w=w, c=cfg: gemv_gate_up_silu(x, w, config=c) for w in ws]
@@ -486,7 +500,11 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer shapes (~1 minute)")
     parser.add_argument("--only", default="", help="comma list: decode,extend,prepare,"
                         "kv_write,mask_sample,norm_rope,tuning,gemv,gemv_decode")
+    parser.add_argument("--extra-m1", action="store_true",
+                        help="gemv: also time extra_m1_configs() at one row (not in the MEASURED table's candidates)")
     args = parser.parse_args()
+    if args.extra_m1:
+        EXTRA_M1.extend(extra_m1_configs())
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 2
