@@ -314,7 +314,17 @@ def extra_m1_configs() -> list:
     from generation_service.kernels.gemv import GemvConfig
     return [GemvConfig(8, 1024, num_stages=3, use_dot=False), GemvConfig(8, 512, use_dot=False),
             GemvConfig(16, 512, num_warps=8, num_stages=3, use_dot=False),
-            GemvConfig(16, 256, num_stages=6), GemvConfig(16, 128, num_stages=8)]
+            GemvConfig(16, 256, num_stages=6), GemvConfig(16, 128, num_stages=8),
+            GemvConfig(4, 2048, num_stages=3, use_dot=False), GemvConfig(8, 1024, use_dot=False),
+            GemvConfig(8, 2048, num_warps=8, num_stages=3, use_dot=False),
+            GemvConfig(4, 1024, num_stages=4, use_dot=False)]
+
+
+def extra_m1_fused_configs() -> list:
+    """gate_up + silu: two W tiles a step, so half the K tile of the one-row configs above."""
+    from generation_service.kernels.gemv import GemvConfig
+    return [GemvConfig(8, 512, num_stages=3, use_dot=False), GemvConfig(4, 1024, num_stages=3, use_dot=False),
+            GemvConfig(8, 1024, num_warps=8, num_stages=3, use_dot=False)]
 
 
 def bench_gemv(bw, quick):
@@ -340,8 +350,9 @@ def bench_gemv(bw, quick):
                     t_ref = graph_ms([lambda w=w: F.linear(x, w) for w in ws]) / len(ws)
                     extra = {}
                 configs = candidate_configs(m, n // 2 if fused else n, k, fused=fused)
-                if EXTRA_M1 and m == 1 and not fused and name != "lm_head":
-                    configs += [c for c in EXTRA_M1 if c not in configs]
+                if EXTRA_M1 and m == 1 and name != "lm_head":
+                    extra = extra_m1_fused_configs() if fused else EXTRA_M1
+                    configs += [c for c in extra if c not in configs]
                 for index, cfg in enumerate(configs):
                     if fused:
                         fns = [lambda w=w, c=cfg: gemv_gate_up_silu(x, w, config=c) for w in ws]

@@ -62,6 +62,11 @@ VARIANTS = {
     # every RMSNorm a kernel (weightless, the same folded weights): what folding the norms into
     # the GEMVs around them saves (DecodeForward.fold_norms; gemv_plan's *_norm entries)
     "gemv+pdl-unfolded-norms": dict(gemv_max_batch=8, pdl=True, fold_norms=False),
+    # gemv.PDL_M1 as it was before the BLOCK_N 8 CUDA-core configs (kernels-gemv-m1-h200.json):
+    # qkv and down only, o_proj from MEASURED (set while this variant captures)
+    "gemv+pdl-m1-before": dict(gemv_max_batch=8, pdl=True, pdl_m1={
+        "6144x4096": "row n16 k512 w4 s3", "4096x14336": "dot n32 k256 w4 s4",
+        "3072x2048": "row n16 k512 w4 s3", "2048x8192": "dot n16 k512 w4 s3"}),
     # the step channel's graph variants (graph: which one; default free) over a real mapped
     # region whose masks are all ones: nowait (publish inputs, gather masks, write outputs, no
     # wait) and prepublished (the serving body, its wait always passing): what a constrained
@@ -270,11 +275,23 @@ def profile_batch(args, model, runner, batch: int, pages_per_row: int, trace_dir
     return out
 
 
+def parse_pdl_m1(table: dict[str, str]) -> dict:
+    """{"NxK": "row n16 k512 w4 s3", ...} (a VARIANTS pdl_m1) -> gemv.PDL_M1's form."""
+    from generation_service.kernels.gemv import GemvConfig
+    out = {}
+    for shape, text in table.items():
+        kind, *fields = text.split()
+        n, k, w, s = (int(f[1:]) for f in fields)
+        out[tuple(map(int, shape.split("x"))) + (False,)] = GemvConfig(n, k, w, s, use_dot=kind == "dot")
+    return out
+
+
 def model_shape(args, preset: str, bandwidth: float) -> dict:
     from generation_service.engine.cuda_graphs import FREE, NOWAIT, PREPUBLISHED
     from generation_service.engine.gpu_runner import GpuDecodeRunner
     from generation_service.engine.kv_cache import KVCache
-    from generation_service.kernels import pdl
+    from generation_service.kernels import gemv, pdl
+    pdl_m1_table = dict(gemv.PDL_M1)  # a variant's pdl_m1 replaces it while it captures
     graph_variants = {"free": FREE, "nowait": NOWAIT, "prepublished": PREPUBLISHED}
     from generation_service.model.presets import PRESETS
     from generation_service.model.random_init import build_random_model
@@ -296,6 +313,9 @@ def model_shape(args, preset: str, bandwidth: float) -> dict:
     for index, name in enumerate(args.variants):
         settings = dict(VARIANTS[name])
         pdl.ENABLED = settings.pop("pdl")
+        pdl_m1 = settings.pop("pdl_m1", None)
+        gemv.PDL_M1.clear()
+        gemv.PDL_M1.update(pdl_m1_table if pdl_m1 is None else parse_pdl_m1(pdl_m1))
         graph = graph_variants[settings.pop("graph", "free")]
         channel = mapped = None
         if graph.uses_channel:
@@ -326,6 +346,8 @@ def model_shape(args, preset: str, bandwidth: float) -> dict:
             mapped.close()
             channel.close()
         started = time.perf_counter()
+    gemv.PDL_M1.clear()
+    gemv.PDL_M1.update(pdl_m1_table)
     del model, kv
     torch.cuda.empty_cache()
     return out

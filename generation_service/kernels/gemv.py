@@ -127,14 +127,17 @@ MEASURED: dict[tuple[int, int, bool], tuple[tuple[int, GemvConfig | None], ...]]
 
 # One row under PDL (kernels/pdl.py): MEASURED timed each projection alone, where cuBLAS kept
 # qkv and down by < 4%; in a whole decode step with PDL, Triton there lets the step's chain of
-# Triton kernels overlap across them. benchmarks/results/profile-h200-triton-m1.json (same run,
-# 1-row step, PDL on): 8B 4.463 -> 4.427 ms, 1B 1.021 -> 1.014 ms. Configs: each shape's fastest
-# Triton config at M = 1 in kernels-gemv-h200.json.
+# Triton kernels overlap across them (profile-h200-triton-m1.json: 8B 4.463 -> 4.427 ms).
+# The configs: the CUDA-core kernel at BLOCK_N 8 (N / 8 programs, 4-8 per SM, each streaming
+# whole 1024-wide K tiles), the fastest of 9-14 candidates for every projection but gate_up in
+# kernels-gemv-m1-h200.json (`kernels.py --extra-m1`, us per call, before -> this config):
 PDL_M1: dict[tuple[int, int, bool], GemvConfig] = {
-    (6144, 4096, False): GemvConfig(16, 512, num_stages=3, use_dot=False),  # 8B qkv 15.75 us
-    (4096, 14336, False): GemvConfig(32, 256),  # 8B down 33.06 us
-    (3072, 2048, False): GemvConfig(16, 512, num_stages=3, use_dot=False),  # 1B qkv 7.06 us
-    (2048, 8192, False): GemvConfig(16, 512, num_stages=3),  # 1B down 14.55 us
+    (6144, 4096, False): GemvConfig(8, 1024, num_stages=3, use_dot=False),  # 8B qkv 15.2 -> 14.5
+    (4096, 4096, False): GemvConfig(8, 1024, num_stages=3, use_dot=False),  # 8B o_proj 12.0 -> 10.3
+    (4096, 14336, False): GemvConfig(8, 1024, num_stages=3, use_dot=False),  # 8B down 32.6 -> 29.3
+    (3072, 2048, False): GemvConfig(8, 1024, num_stages=3, use_dot=False),  # 1B qkv 6.4 -> 5.0
+    (2048, 2048, False): GemvConfig(8, 1024, num_stages=3, use_dot=False),  # 1B o_proj 5.8 -> 4.1
+    (2048, 8192, False): GemvConfig(8, 1024, num_stages=3, use_dot=False),  # 1B down 14.2 -> 10.7
 }
 
 
