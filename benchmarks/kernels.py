@@ -351,8 +351,8 @@ def bench_gemv(bw, quick):
                     extra = {}
                 configs = candidate_configs(m, n // 2 if fused else n, k, fused=fused)
                 if EXTRA_M1 and m == 1 and name != "lm_head":
-                    extra = extra_m1_fused_configs() if fused else EXTRA_M1
-                    configs += [c for c in extra if c not in configs]
+                    more = extra_m1_fused_configs() if fused else EXTRA_M1
+                    configs += [c for c in more if c not in configs]
                 for index, cfg in enumerate(configs):
                     if fused:
                         fns = [lambda w=w, c=cfg: gemv_gate_up_silu(x, w, config=c) for w in ws]
