@@ -10,7 +10,8 @@
 # .bench: the real tokenizers as tgz, made here from the converted copies:
 #   tar czf .bench/<name>.tgz -C ~/.cache/structgen/tokenizers <name>   (tekken_131k, mistral_32k)
 #   run: bash benchmarks/device_run.sh [tests|bench|verify|profile|gemv|grammar|all|a,b,...] [extra decode.py args...]
-#   (PROFILE_ARGS: extra profile_step.py args, e.g. "--variants gemv+pdl-torch-prologue gemv+pdl")
+#   (PROFILE_ARGS: extra profile_step.py args, e.g. "--variants gemv+pdl-torch-prologue gemv+pdl";
+#    GRAMMAR_ARGS: grammar_step.py's workload args instead of the default)
 # Writes under $OUT: env.txt, tests.log, junit.xml, bench.log, decode-h200.json,
 #   grammar_step.log, grammar_step-h200-host-16cpu.json, profile.log, profile-h200.json,
 #   kernels-gemv.log, kernels-gemv-h200.json, verify.log, verify-h200.json.
@@ -66,8 +67,9 @@ if want gemv; then
 fi
 if want grammar; then
   # both backends (.whl carries llguidance 1.9.1) on the 131k vocabulary, medians of 3 repeats
+  # GRAMMAR_ARGS replaces the workload arguments (e.g. an A/B: "--num-schemas 1 --lanes 1 4 ...")
   timeout ${GRAMMAR_TIMEOUT:-150} python3 benchmarks/grammar_step.py --machine h200-host-16cpu \
-    --backends llguidance xgrammar --vocabs tekken_131k --workloads random replay --batches 64 128 --repeats 3 \
+    ${GRAMMAR_ARGS:---backends llguidance xgrammar --vocabs tekken_131k --workloads random replay --batches 64 128 --repeats 3} \
     --out "$OUT/grammar_step-h200-host-16cpu.json" 2>&1 | tee "$OUT/grammar_step.log" | tail -30
 fi
 exit $rc
