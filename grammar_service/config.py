@@ -19,6 +19,18 @@ class GrammarServiceConfig:
     # x0.93-1.13 over three rounds of random walks at 16-128 rows, its advance phase x0.94-1.41
     # (benchmarks/results/grammar_step-ci-2core-parallel-advance.json).
     min_parallel_advance_rows: int = 0
+    # llguidance: matchers built apart per compiled grammar ("lanes", backends/llguidance.py), new
+    # rows handed out round robin over them, so the rows of one grammar fill and advance in up to
+    # that many threads at once (copies of one matcher share its lexer lock); 0 and 1: one lane,
+    # the behaviour before lanes. Capped at llguidance's fill threads (1 on 2 CPUs: no change
+    # there; 12 on the 16-CPU GPU host). 8: on that host 128 rows spread over 6 compiled grammars
+    # filled in 595 us at 12 threads, rows on independent matchers in 568, rows of one grammar
+    # in 1647 (1207 at 1 thread), so ~6-8 independent lexers reach the floor; each lane adds its
+    # build to the compile, once per grammar (2 CPUs, 131k vocabulary: ~1.5 ms for typical
+    # schemas, ~55 ms for k8s-pod-v1: 87 -> 493 ms at 8 lanes) and its memory (~50 KB walked;
+    # k8s-pod-v1 ~300 KB). Workloads with a new schema per request gain nothing from lanes:
+    # set 1 there. benchmarks/results/grammar_step-ci-2core-lanes.json has the 2-CPU A/B.
+    num_llguidance_lanes: int = 8
     compile_timeout_s: float = 10.0     # a slower compile is refused and remembered
     negative_cache_ttl_s: float = 60.0  # how long a failed/timed-out spec is answered from memory
     max_grammar_bytes: int = 1 << 20    # grammar text (or all choices together) above this is refused
@@ -37,6 +49,8 @@ class GrammarServiceConfig:
             raise ValueError(f"num_fill_threads must be >= 0, got {self.num_fill_threads}")
         if self.min_parallel_advance_rows < 0:
             raise ValueError(f"min_parallel_advance_rows must be >= 0, got {self.min_parallel_advance_rows}")
+        if self.num_llguidance_lanes < 0:
+            raise ValueError(f"num_llguidance_lanes must be >= 0, got {self.num_llguidance_lanes}")
         if self.compile_timeout_s <= 0:
             raise ValueError(f"compile_timeout_s must be > 0, got {self.compile_timeout_s}")
         if self.max_grammar_bytes < 1:

@@ -81,7 +81,8 @@ class GrammarService:
             cls = load_backend_class(name)
             self._backends[name] = cls(self._tokenizer.data, num_compile_threads=self.config.num_compile_threads,
                                        num_fill_threads=self.config.num_fill_threads,
-                                       min_parallel_advance_rows=self.config.min_parallel_advance_rows)
+                                       min_parallel_advance_rows=self.config.min_parallel_advance_rows,
+                                       num_llguidance_lanes=self.config.num_llguidance_lanes)
         return self._backends[name]
 
     def _lookup_grammar(self, grammar_id: int) -> tuple[GrammarBackend, object] | None:

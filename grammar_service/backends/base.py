@@ -76,10 +76,11 @@ class GrammarBackend(abc.ABC):
     name: str = ""
 
     def __init__(self, tokenizer: TokenizerData, *, num_compile_threads: int, num_fill_threads: int,
-                 min_parallel_advance_rows: int = 0):
+                 min_parallel_advance_rows: int = 0, num_llguidance_lanes: int = 1):
         self.tokenizer = tokenizer
         # from this many rows a backend that can advance rows in native threads does so (0: never);
-        # backends without such a path ignore it
+        # backends without such a path ignore it. num_llguidance_lanes: llguidance's alone
+        # (backends/llguidance.py, lanes); the others take it to share one constructor call.
         self.min_parallel_advance_rows = min_parallel_advance_rows
 
     @abc.abstractmethod

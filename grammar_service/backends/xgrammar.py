@@ -58,11 +58,12 @@ class XGrammarBackend(GrammarBackend):
     name = "xgrammar"
 
     def __init__(self, tokenizer: TokenizerData, *, num_compile_threads: int, num_fill_threads: int,
-                 min_parallel_advance_rows: int = 0):
+                 min_parallel_advance_rows: int = 0, num_llguidance_lanes: int = 1):
         # min_parallel_advance_rows is ignored: batch_accept_token is a static C++ loop over the
         # rows in the calling thread (xgrammar 0.2.9), never BatchGrammarMatcher's fill threads.
         super().__init__(tokenizer, num_compile_threads=num_compile_threads,
-                         num_fill_threads=num_fill_threads, min_parallel_advance_rows=min_parallel_advance_rows)
+                         num_fill_threads=num_fill_threads, min_parallel_advance_rows=min_parallel_advance_rows,
+                         num_llguidance_lanes=num_llguidance_lanes)
         meta = xgr.TokenizerInfo._detect_metadata_from_hf(tokenizer.tokenizer_json)
         self.tokenizer_info = xgr.TokenizerInfo(
             list(tokenizer.encoded_vocab), meta["vocab_type"], vocab_size=tokenizer.vocab_size,

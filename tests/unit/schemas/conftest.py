@@ -20,7 +20,9 @@ def make_backend(tokenizer_data):
 
     def make(name: str):
         if name not in built:
-            built[name] = load_backend_class(name)(tokenizer_data, num_compile_threads=1, num_fill_threads=2)
+            # llguidance on 2 lanes: the slot contract holds across lanes (test_llguidance_lanes.py)
+            built[name] = load_backend_class(name)(tokenizer_data, num_compile_threads=1, num_fill_threads=2,
+                                                    num_llguidance_lanes=2)
         return built[name]
     return make
 

@@ -293,7 +293,7 @@ def test_llguidance_bounded_whitespace_is_refused_because_its_mask_and_matcher_d
     llguidance = type(llguidance)(data, num_compile_threads=1, num_fill_threads=1)
     vocab = {str(piece): i for i, piece in enumerate(data.encoded_vocab)}
     grammar = llg.LLMatcher.grammar_from_json_schema(schema, defaults=json_options(spec))  # what it would compile
-    matcher = llguidance.new_matcher(LLGuidanceGrammar(grammar, llg.LLMatcher(llguidance.lltokenizer, grammar), ()))
+    matcher = llguidance.new_matcher(LLGuidanceGrammar(grammar, (llg.LLMatcher(llguidance.lltokenizer, grammar),), ()))
     assert all(matcher.accept(vocab[p]) for p in ("[", "6", "\u2581,", "<0x30>", ",", "<0x30>", "\u2581"))
     masks = np.zeros((1, data.mask_words), np.int32)
     llguidance.batch_fill([matcher], masks, [0])
