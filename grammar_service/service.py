@@ -9,6 +9,7 @@ import logging
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Callable
 
 from generation_service.engine.params import GrammarSpec
 from grammar_service.backends import DEFAULT_BACKEND, load_backend_class, resolve_backend_name
@@ -40,8 +41,11 @@ class _Tokenizer:
 
 
 class GrammarService:
-    def __init__(self, config: GrammarServiceConfig):
+    def __init__(self, config: GrammarServiceConfig, *, after_tokenizer_load: Callable[[], None] = lambda: None):
+        """`after_tokenizer_load` runs after each tokenizer load, with no channel open (the server
+        freezes the heap there: server.freeze_heap)."""
         self.config = config
+        self._after_tokenizer_load = after_tokenizer_load
         self._lock = threading.Lock()
         self._tokenizer: _Tokenizer | None = None
         self._backends: dict[str, GrammarBackend] = {}
@@ -73,6 +77,7 @@ class GrammarService:
         self._compiler = GrammarCompiler(self._backend, self.config)
         self._backend(DEFAULT_BACKEND)  # build it now, not on the first compile
         log.info("tokenizer %s loaded (vocab_size %d, fingerprint %s)", tokenizer_dir, vocab_size, fingerprint[:16])
+        self._after_tokenizer_load()
         return self._tokenizer
 
     def _backend(self, name: str) -> GrammarBackend:

@@ -1,6 +1,7 @@
 """The gRPC edge in-process: proto <-> GrammarSpec, CLI defaults, health port, status mapping."""
 from __future__ import annotations
 
+import gc
 import socket
 
 import grpc
@@ -13,6 +14,7 @@ from generation_service.engine.params import GrammarSpec
 from grammar_service.client import GrammarControlClient, spec_to_proto
 from grammar_service.config import GrammarServiceConfig
 from grammar_service.server import RunningServer, build_parser, main, spec_from_proto
+from step_channel import Geometry, StepChannel
 
 
 @pytest.mark.parametrize("spec", [
@@ -63,3 +65,40 @@ def test_health_port_and_compile_before_any_tokenizer(tmp_path):
         client.close()
         running.stop()
     assert not (tmp_path / "g.sock").exists()
+
+
+GEOMETRY = Geometry(max_batch=4, max_positions=1, vocab_size=32768)
+
+
+def _is_tracked_by_full_passes(obj) -> bool:
+    return any(o is obj for o in gc.get_objects())  # frozen objects are left out
+
+
+def test_the_heap_is_frozen_at_start_and_after_the_first_channels_tokenizer_load(tmp_path, mistral_32k_dir,
+                                                                              mistral_32k_fingerprint):
+    """What exists when the server starts, and what the tokenizer load of the first OpenChannel
+    builds (`structgen serve` starts grammar_service without a tokenizer), is out of the
+    collector's full passes: such a pass would stall a step loop (server.freeze_heap)."""
+    gc.unfreeze()
+    before_start = [[]]
+    config = GrammarServiceConfig(listen=f"unix://{tmp_path}/g.sock", shutdown_grace_s=0.5)
+    running = RunningServer(config)
+    client = GrammarControlClient(config.listen)
+    chan = StepChannel.create(GEOMETRY)
+    try:
+        assert not _is_tracked_by_full_passes(before_start)
+        before_load = [[]]
+        client.open_channel(chan.name, GEOMETRY, max_slots=4, first_step=1, tokenizer_dir=mistral_32k_dir,
+                            tokenizer_fingerprint=mistral_32k_fingerprint)
+        assert not _is_tracked_by_full_passes(before_load)
+        assert not _is_tracked_by_full_passes(running.service._backends["xgrammar"])
+        after_load = [[]]
+        client.close_channel(chan.name)
+        client.open_channel(chan.name, GEOMETRY, max_slots=4, first_step=1, tokenizer_dir=mistral_32k_dir,
+                            tokenizer_fingerprint=mistral_32k_fingerprint)  # no load: nothing frozen
+        assert _is_tracked_by_full_passes(after_load)
+    finally:
+        client.close()
+        running.stop()
+        chan.close()
+        gc.unfreeze()
