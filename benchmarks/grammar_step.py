@@ -16,9 +16,12 @@ the repeats and their ranges (`range_*`: [min, max]).
 --min-parallel-advance-rows): `serial` (a Python list of consume_token), `parallel`
 (LLExecutor.consume_token_par at every batch size), `configured` (the service's default
 threshold), or `both`: serial and parallel services side by side, every llguidance
-configuration run on each in turn (order alternating by repeat), rows tagged `advance` and
-`advance_ab` giving parallel/serial medians. Other backends run once, on the first service,
-tagged `serial` (xgrammar's batch_accept_token is a C++ loop in the calling thread).
+configuration run on each in turn (order reversed every other repeat), rows tagged `advance` and
+`advance_ab` giving parallel/serial medians. `--lanes 1 8` does the same for llguidance's lanes
+per compiled grammar (grammar_service --num-llguidance-lanes, capped at its fill threads; 1 =
+one lane, the behaviour before lanes): one service per lanes x advance variant, `lanes_ab`
+giving each lanes value's medians over the first one's. Other backends run once, on the first service, tagged `serial`
+(xgrammar's batch_accept_token is a C++ loop in the calling thread).
 Workloads:
 - `replay`: realistic JSON documents, each constrained by its schema, tokenized with the
   real tokenizer; the rows of one document start together (lockstep) and restart (FRESH)
@@ -32,6 +35,8 @@ row on the first one (one compiled grammar, the single-schema case).
     .venv/bin/python benchmarks/grammar_step.py --machine ci-2core
     .venv/bin/python benchmarks/grammar_step.py --backends llguidance --vocabs tekken_131k \
         --workloads random replay --batches 64 128 --repeats 5 --advance both --out /tmp/grammar_step.json
+    .venv/bin/python benchmarks/grammar_step.py --backends llguidance --vocabs tekken_131k --workloads random \
+        --batches 64 128 --num-schemas 1 --lanes 1 8 --advance both --repeats 3 --out /tmp/lanes.json
 writes benchmarks/results/grammar_step-<machine>.json and prints a table.
 """
 from __future__ import annotations
@@ -58,6 +63,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # tests/: the real tokenizers a
 from channel_driver import Row  # noqa: E402
 from generation_service.engine.params import GrammarSpec  # noqa: E402
 from grammar_service.client import GrammarControlClient  # noqa: E402
+from grammar_service.config import GrammarServiceConfig  # noqa: E402
 from real_tokenizers import VOCAB_SIZES, continuation_ids, tokenizer_dir  # noqa: E402
 from step_channel import FLAG_CONSTRAINED, FLAG_FRESH, Geometry, StepChannel  # noqa: E402
 from structgen.supervisor import wait_healthy  # noqa: E402
@@ -141,6 +147,29 @@ def run_replay(engine: Engine, grammar_ids, docs_ids, batch: int, num_steps: int
     return times
 
 
+def sample_allowed(masks: np.ndarray, rng: np.random.Generator) -> list[int]:
+    """One uniformly random allowed token per mask row (int32 words, bit t = token t), EOS only
+    when nothing else is allowed. Vectorised: ~12 ms for 128 rows of a 131k vocabulary on 2
+    CPUs, where unpacking each row took ~66 ms (the benchmark's wall time, not its figures)."""
+    words = masks.view(np.uint32).copy()
+    counts = np.bitwise_count(words).sum(axis=1, dtype=np.int64)
+    eos_word, eos_bit = EOS >> 5, np.uint32(1 << (EOS & 31))
+    drop_eos = (counts > 1) & ((words[:, eos_word] & eos_bit) != 0)
+    words[drop_eos, eos_word] &= ~eos_bit
+    counts -= drop_eos
+    k = (rng.random(len(words)) * counts).astype(np.int64)  # each row's k-th allowed token (0-based)
+    cum = np.cumsum(np.bitwise_count(words), axis=1, dtype=np.int64)
+    word = (cum <= k[:, None]).sum(axis=1)  # the word holding it
+    before = np.where(word > 0, cum[np.arange(len(words)), np.maximum(word - 1, 0)], 0)
+    tokens = []
+    for row, (w, rank) in enumerate(zip(word.tolist(), (k - before).tolist())):
+        bits = int(words[row, w])
+        for _ in range(rank):
+            bits &= bits - 1  # clear the lowest set bit
+        tokens.append(w * 32 + (bits & -bits).bit_length() - 1)
+    return tokens
+
+
 def run_random(engine: Engine, grammar_ids, batch: int, num_steps: int, seed: int = 0) -> list[float]:
     rng = np.random.default_rng(seed)
     fresh, length = [True] * batch, [0] * batch
@@ -152,10 +181,7 @@ def run_random(engine: Engine, grammar_ids, batch: int, num_steps: int, seed: in
         _check_results(e, batch if step else 0)
         times.append(elapsed)
         tokens = []
-        for r in range(batch):
-            allowed = np.flatnonzero(np.unpackbits(e.masks[r * MAX_POSITIONS].view(np.uint8), bitorder="little"))
-            choices = allowed[allowed != EOS] if len(allowed) > 1 else allowed
-            token = int(rng.choice(choices))
+        for r, token in enumerate(sample_allowed(e.masks[:batch * MAX_POSITIONS:MAX_POSITIONS], rng)):
             tokens.append([token])
             length[r] += 1
             fresh[r] = False
@@ -181,13 +207,15 @@ ADVANCE_CHOICES = {"serial": ("serial",), "parallel": ("parallel",), "configured
 
 
 def start_service(sock: str, tok_dir: str, vocab: int, fill_threads: int, metrics_port: int,
-                  min_parallel_advance_rows: int | None) -> subprocess.Popen:
+                  min_parallel_advance_rows: int | None, lanes: int | None) -> subprocess.Popen:
+    """A grammar_service process; None for either knob leaves the service's default."""
     advance = ([] if min_parallel_advance_rows is None
                else ["--min-parallel-advance-rows", str(min_parallel_advance_rows)])
+    lanes_flag = [] if lanes is None else ["--num-llguidance-lanes", str(lanes)]
     return subprocess.Popen([sys.executable, "-m", "grammar_service", "--listen", f"unix://{sock}",
                              "--tokenizer-dir", tok_dir, "--vocab-size", str(vocab),
                              "--num-fill-threads", str(fill_threads), "--metrics-port", str(metrics_port),
-                             *advance, "--log-level", "WARNING"], cwd=ROOT)
+                             *advance, *lanes_flag, "--log-level", "WARNING"], cwd=ROOT)
 
 
 def phase_seconds(metrics_port: int) -> dict[str, float]:
@@ -204,12 +232,13 @@ def phase_seconds(metrics_port: int) -> dict[str, float]:
 class Service:
     """One grammar_service process, its control client and its metrics port."""
 
-    def __init__(self, tok_dir: str, vocab: int, fill_threads: int, advance: str):
+    def __init__(self, tok_dir: str, vocab: int, fill_threads: int, advance: str, lanes: int | None):
         self.advance = advance  # an ADVANCE_MIN_ROWS key
+        self.lanes = lanes      # --num-llguidance-lanes (None: the service's default)
         self.sock = os.path.join(tempfile.mkdtemp(prefix="grammar-bench-"), "grammar.sock")
         self.metrics_port = free_port()
         self.proc = start_service(self.sock, tok_dir, vocab, fill_threads, self.metrics_port,
-                                  ADVANCE_MIN_ROWS[advance])
+                                  ADVANCE_MIN_ROWS[advance], lanes)
         self.client = GrammarControlClient(f"unix://{self.sock}")
         self.grammar_ids: dict[str, list[int]] = {}  # backend -> ids of DOCUMENTS' schemas
 
@@ -258,7 +287,9 @@ def bench_one(service: Service, backend: str, tok_dir: str, fingerprint: str, ge
 
 def services_for(backend: str, services: list[Service], repeat: int) -> list[Service]:
     """The services a configuration runs on, in this repeat's order: llguidance on each (the
-    advance variants, alternating which goes first), other backends on the first only."""
+    lanes x advance variants, in order on even repeats and reversed on odd ones, so that over
+    an even number of repeats every service has the same mean place), other backends on the
+    first only."""
     if backend != "llguidance":
         return services[:1]
     return services if repeat % 2 == 0 else services[::-1]
@@ -274,7 +305,8 @@ def bench_vocab(name: str, args) -> list[dict]:
     docs_ids = [continuation_ids(tok, json.dumps(doc, ensure_ascii=False)) + [EOS] for _, doc in DOCUMENTS]
     fingerprint = fingerprint_tokenizer_json(tok_dir, vocab)
     geometry = Geometry(max_batch=MAX_BATCH, max_positions=MAX_POSITIONS, vocab_size=vocab)
-    services = [Service(tok_dir, vocab, args.fill_threads, advance) for advance in ADVANCE_CHOICES[args.advance]]
+    services = [Service(tok_dir, vocab, args.fill_threads, advance, lanes)
+                for lanes, advance in itertools.product(args.lanes, ADVANCE_CHOICES[args.advance])]
     rows_out = []
     try:
         for service in services:  # they start side by side
@@ -285,15 +317,17 @@ def bench_vocab(name: str, args) -> list[dict]:
                 t, service_us, phases = bench_one(service, backend, tok_dir, fingerprint, geometry, docs_ids,
                                                   workload, batch, args)
                 advance = service.advance if backend == "llguidance" else "serial"
+                lanes = service.lanes if backend == "llguidance" else None
                 row = {"vocab": name, "vocab_size": vocab, "backend": backend, "workload": workload, "batch": batch,
-                       "advance": advance, "repeat": repeat,
+                       "advance": advance, "lanes": lanes, "repeat": repeat,
                        "num_steps": len(t), "step_us_p50": float(np.percentile(t, 50)),
                        "step_us_p90": float(np.percentile(t, 90)), "step_us_p99": float(np.percentile(t, 99)),
                        "step_us_mean": float(t.mean()), "service_step_us": service_us,
                        "service_us_per_row": service_us / batch,
                        **{f"service_{p}_us": phases[p] for p in PHASES}}
                 rows_out.append(row)
-                print(f"{name:12s} {backend:10s} {workload:15s} {batch:5d} {advance:10s} {row['num_steps']:6d} "
+                print(f"{name:12s} {backend:10s} {workload:15s} {batch:5d} {advance:10s} {_lanes(lanes):>5s} "
+                      f"{row['num_steps']:6d} "
                       f"{row['step_us_p50']:10.0f} {row['step_us_p90']:10.0f} {row['step_us_p99']:10.0f} "
                       f"{service_us:12.0f} {service_us / batch:10.1f} "
                       + " ".join(f"{phases[p]:8.0f}" for p in PHASES), flush=True)
@@ -304,24 +338,36 @@ def bench_vocab(name: str, args) -> list[dict]:
 
 
 SUMMARY_KEYS = ("step_us_p50", "step_us_p90", "service_step_us", *(f"service_{p}_us" for p in PHASES))
+GROUP_KEYS = ("vocab", "backend", "workload", "batch", "advance", "lanes")
+AB_KEYS = ("service_step_us", "service_advance_us", "service_fill_us", "step_us_p50")
 
 
-def summarize(results: list[dict]) -> list[dict]:
-    """Medians and [min, max] over the repeats per (vocab, backend, workload, batch, advance);
-    with both advance variants, the parallel rows carry `advance_ab`: parallel / serial medians."""
+def _lanes(lanes: int | None) -> str:
+    return "dflt" if lanes is None else str(lanes)
+
+
+def summarize(results: list[dict], lanes_order: list[int | None]) -> list[dict]:
+    """Medians and [min, max] over the repeats per (vocab, backend, workload, batch, advance,
+    lanes). With both advance variants the parallel rows carry `advance_ab` (parallel / serial
+    medians at the same lanes); with several lanes values the others carry `lanes_ab` (their
+    medians over those of the first value in `lanes_order`, same advance)."""
     groups: dict[tuple, list[dict]] = {}
     for row in results:
-        groups.setdefault((row["vocab"], row["backend"], row["workload"], row["batch"], row["advance"]), []).append(row)
-    summary = [{"vocab": v, "backend": b, "workload": w, "batch": n, "advance": a, "repeats": len(rows),
+        groups.setdefault(tuple(row[k] for k in GROUP_KEYS), []).append(row)
+    summary = [{**dict(zip(GROUP_KEYS, key)), "repeats": len(rows),
                 **{f"median_{k}": statistics.median(r[k] for r in rows) for k in SUMMARY_KEYS},
                 **{f"range_{k}": [min(r[k] for r in rows), max(r[k] for r in rows)] for k in SUMMARY_KEYS}}
-               for (v, b, w, n, a), rows in groups.items()]
-    by_key = {(s["vocab"], s["backend"], s["workload"], s["batch"], s["advance"]): s for s in summary}
+               for key, rows in groups.items()]
+    by_key = {tuple(s[k] for k in GROUP_KEYS): s for s in summary}
     for s in summary:
-        serial = by_key.get((s["vocab"], s["backend"], s["workload"], s["batch"], "serial"))
-        if s["advance"] == "parallel" and serial is not None:
-            s["advance_ab"] = {f"{k}_parallel_over_serial": s[f"median_{k}"] / serial[f"median_{k}"]
-                               for k in ("service_step_us", "service_advance_us", "step_us_p50")}
+        v, b, w, n, a, lanes = (s[k] for k in GROUP_KEYS)
+        serial = by_key.get((v, b, w, n, "serial", lanes))
+        if a == "parallel" and serial is not None:
+            s["advance_ab"] = {f"{k}_parallel_over_serial": s[f"median_{k}"] / serial[f"median_{k}"] for k in AB_KEYS}
+        base = by_key.get((v, b, w, n, a, lanes_order[0]))
+        if b == "llguidance" and lanes != lanes_order[0] and base is not None:
+            s["lanes_ab"] = {"over_lanes": lanes_order[0],
+                             **{f"{k}_over_base": s[f"median_{k}"] / base[f"median_{k}"] for k in AB_KEYS}}
     return summary
 
 
@@ -333,16 +379,23 @@ def _median_range(s: dict, key: str) -> str:
 def print_summary(summary: list[dict]) -> None:
     for s in summary:
         print(f"median [min-max] {s['vocab']:12s} {s['backend']:10s} {s['workload']:8s} {s['batch']:4d} "
-              f"{s['advance']:8s} p50 {_median_range(s, 'step_us_p50')} us  service "
+              f"{s['advance']:8s} lanes {_lanes(s['lanes']):4s} p50 {_median_range(s, 'step_us_p50')} us  service "
               f"{_median_range(s, 'service_step_us')} us (advance {_median_range(s, 'service_advance_us')}, "
               f"fill {_median_range(s, 'service_fill_us')}, bookkeeping {_median_range(s, 'service_bookkeeping_us')})")
     for s in summary:
         if "advance_ab" in s:
             ab = s["advance_ab"]
-            print(f"parallel/serial {s['vocab']:12s} {s['backend']:10s} {s['workload']:8s} {s['batch']:4d}: "
-                  f"advance x{ab['service_advance_us_parallel_over_serial']:.2f}, "
+            print(f"parallel/serial {s['vocab']:12s} {s['backend']:10s} {s['workload']:8s} {s['batch']:4d} "
+                  f"lanes {_lanes(s['lanes']):4s}: advance x{ab['service_advance_us_parallel_over_serial']:.2f}, "
                   f"service step x{ab['service_step_us_parallel_over_serial']:.2f}, "
                   f"engine p50 x{ab['step_us_p50_parallel_over_serial']:.2f}")
+    for s in summary:
+        if "lanes_ab" in s:
+            ab = s["lanes_ab"]
+            print(f"lanes {_lanes(s['lanes'])}/{_lanes(ab['over_lanes'])} {s['vocab']:12s} {s['workload']:8s} "
+                  f"{s['batch']:4d} {s['advance']:8s}: fill x{ab['service_fill_us_over_base']:.2f}, "
+                  f"advance x{ab['service_advance_us_over_base']:.2f}, "
+                  f"service step x{ab['service_step_us_over_base']:.2f}, engine p50 x{ab['step_us_p50_over_base']:.2f}")
 
 
 def _version(package: str) -> str:
@@ -356,16 +409,21 @@ def _version(package: str) -> str:
 def run_info(args) -> dict:
     """What a result file says about the run besides its figures."""
     num_cpus = len(os.sched_getaffinity(0))
+    llguidance_threads = args.fill_threads or min(32, max(1, num_cpus * 80 // 100))
+    default_lanes = GrammarServiceConfig().num_llguidance_lanes
     return {
         "benchmark": "grammar_step", "machine": args.machine, "cpu_count": os.cpu_count(), "cpus_available": num_cpus,
         "platform": platform.platform(), "processor": platform.processor(), "xgrammar": _version("xgrammar"),
         "llguidance": _version("llguidance"), "command": "python " + " ".join(sys.argv),
-        "repeats": args.repeats, "advance": args.advance, "num_schemas": args.num_schemas,
+        "repeats": args.repeats, "advance": args.advance, "lanes": args.lanes, "num_schemas": args.num_schemas,
         "fill_threads": args.fill_threads,
         # 0 = each library's default: xgrammar hardware_concurrency / 2, llguidance's LLExecutor
         # 80% of available_parallelism clamped to [1, 32]
         "fill_threads_effective": {"xgrammar": args.fill_threads or max(1, (os.cpu_count() or 2) // 2),
-                                   "llguidance": args.fill_threads or min(32, max(1, num_cpus * 80 // 100))},
+                                   "llguidance": llguidance_threads},
+        # grammar_service caps the lanes at llguidance's fill threads (0 counts as 1)
+        "lanes_effective": {_lanes(lanes): max(1, min(default_lanes if lanes is None else lanes, llguidance_threads))
+                            for lanes in args.lanes},
         "load_average_at_end": os.getloadavg(), "max_positions": MAX_POSITIONS,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
@@ -386,6 +444,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--advance", default="configured", choices=list(ADVANCE_CHOICES),
                         help="llguidance's deferred advance: a Python list (serial), consume_token_par (parallel), "
                              "the service's threshold (configured), or serial and parallel interleaved (both)")
+    parser.add_argument("--lanes", nargs="+", type=int, default=[None],
+                        help="llguidance lanes per compiled grammar, one service per value (default: the service's "
+                             "own; grammar_service caps them at its fill threads)")
     parser.add_argument("--repeats", type=int, default=1, help="runs of every configuration (summary: medians)")
     parser.add_argument("--num-schemas", type=int, default=len(DOCUMENTS), choices=range(1, len(DOCUMENTS) + 1),
                         metavar=f"1..{len(DOCUMENTS)}",
@@ -393,12 +454,12 @@ def main(argv: list[str] | None = None) -> int:
                              "share its lexer lock, so 1 is the worst case for its threads)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    print(f"{'vocab':12s} {'backend':10s} {'workload':15s} {'batch':>5s} {'variant':10s} {'steps':>6s} "
+    print(f"{'vocab':12s} {'backend':10s} {'workload':15s} {'batch':>5s} {'variant':10s} {'lanes':>5s} {'steps':>6s} "
           f"{'p50 us':>10s} {'p90 us':>10s} {'p99 us':>10s} {'service us':>12s} {'us/row':>10s} {'advance':>8s} "
           f"{'fill':>8s} {'bookkeep':>8s}")
     started, load_at_start = time.time(), os.getloadavg()
     results = [row for name in args.vocabs for row in bench_vocab(name, args)]
-    summary = summarize(results)
+    summary = summarize(results, args.lanes)
     out = pathlib.Path(args.out or ROOT / "benchmarks" / "results" / f"grammar_step-{args.machine}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({**run_info(args), "load_average_at_start": load_at_start,
