@@ -17,7 +17,8 @@ class GrammarServiceConfig:
     # x0.86-1.07 over three runs with rows on 6 schemas, and lost x1.2 with every row on one
     # (copies of one compiled grammar share a lexer lock); on 2 CPUs (one llguidance thread)
     # x0.93-1.13 over three rounds of random walks at 16-128 rows, its advance phase x0.94-1.41
-    # (benchmarks/results/grammar_step-ci-2core-parallel-advance.json).
+    # (benchmarks/results/grammar_step-ci-2core-parallel-advance.json). With lanes, one schema,
+    # 2 fill threads on 2 CPUs: advance phase x0.99-1.41, step x0.90-1.22 (-lanes.json); still off.
     min_parallel_advance_rows: int = 0
     # llguidance: matchers built apart per compiled grammar ("lanes", backends/llguidance.py), new
     # rows handed out round robin over them, so the rows of one grammar fill and advance in up to
@@ -29,7 +30,9 @@ class GrammarServiceConfig:
     # build to the compile, once per grammar (2 CPUs, 131k vocabulary: ~1.5 ms for typical
     # schemas, ~55 ms for k8s-pod-v1: 87 -> 493 ms at 8 lanes) and its memory (~50 KB walked;
     # k8s-pod-v1 ~300 KB). Workloads with a new schema per request gain nothing from lanes:
-    # set 1 there. benchmarks/results/grammar_step-ci-2core-lanes.json has the 2-CPU A/B.
+    # set 1 there. 2 CPUs, one schema, 2 fill threads (2 lanes): fill x0.81-1.04, step x0.88-1.01
+    # over one lane, against an A/A floor of x0.93-1.11 (benchmarks/results/
+    # grammar_step-ci-2core-lanes.json, -aa.json); the host's figures decide the default.
     num_llguidance_lanes: int = 8
     compile_timeout_s: float = 10.0     # a slower compile is refused and remembered
     negative_cache_ttl_s: float = 60.0  # how long a failed/timed-out spec is answered from memory
