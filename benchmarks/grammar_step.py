@@ -391,18 +391,19 @@ def print_summary(summary: list[dict]) -> None:
               f"fill {_median_range(s, 'service_fill_us')}, bookkeeping {_median_range(s, 'service_bookkeeping_us')})")
     for s in summary:
         if "advance_ab" in s:
-            ab = s["advance_ab"]
             print(f"parallel/serial {s['vocab']:12s} {s['backend']:10s} {s['workload']:8s} {s['batch']:4d} "
-                  f"lanes {_lanes(s['lanes']):4s}: advance x{ab['service_advance_us_parallel_over_serial']:.2f}, "
-                  f"service step x{ab['service_step_us_parallel_over_serial']:.2f}, "
-                  f"engine p50 x{ab['step_us_p50_parallel_over_serial']:.2f}")
+                  f"lanes {_lanes(s['lanes']):4s}: {_ratios(s['advance_ab'], 'parallel_over_serial')}")
     for s in summary:
         if "lanes_ab" in s:
-            ab = s["lanes_ab"]
-            print(f"lanes {_lanes(s['lanes'])}/{_lanes(ab['over_lanes'])} {s['vocab']:12s} {s['workload']:8s} "
-                  f"{s['batch']:4d} {s['advance']:8s}: fill x{ab['service_fill_us_over_base']:.2f}, "
-                  f"advance x{ab['service_advance_us_over_base']:.2f}, "
-                  f"service step x{ab['service_step_us_over_base']:.2f}, engine p50 x{ab['step_us_p50_over_base']:.2f}")
+            print(f"lanes {_lanes(s['lanes'])}/{_lanes(s['lanes_ab']['over_lanes'])} {s['vocab']:12s} "
+                  f"{s['workload']:8s} {s['batch']:4d} {s['advance']:8s}: {_ratios(s['lanes_ab'], 'over_base')}")
+
+
+def _ratios(ab: dict, suffix: str) -> str:
+    """An A/B's ratios of medians (`<key>_<suffix>`) as text: fill x0.46, advance x1.02, ..."""
+    names = (("service_fill_us", "fill"), ("service_advance_us", "advance"),
+             ("service_step_us", "service step"), ("step_us_p50", "engine p50"))
+    return ", ".join(f"{label} x{ab[f'{key}_{suffix}']:.2f}" for key, label in names)
 
 
 def _version(package: str) -> str:
