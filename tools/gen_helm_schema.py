@@ -117,7 +117,7 @@ schema = obj({
     "grammar": obj({
         "image": obj({"repository": {"anyOf": [{"const": ""}, image_repo]}, "tag": image_tag}),
         "drainDelaySeconds": i(0),
-        "numCompileThreads": opt(i(1)), "numFillThreads": opt(i(1)),
+        "numCompileThreads": opt(i(1)), "numFillThreads": opt(i(1)), "llguidanceLanes": opt(i(1)),
         "healthProbe": obj({"type": {"enum": ["exec", "grpc"]}, "port": port,
                             "periodSeconds": i(1), "timeoutSeconds": i(1), "failureThreshold": i(1)}),
         "metrics": obj({"enabled": b, "port": port}),

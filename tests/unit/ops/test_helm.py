@@ -250,6 +250,16 @@ def test_engine_flags_only_when_set(default, full):
     assert len(names) == len(set(names))
 
 
+def test_grammar_flags_only_when_set(default, full):
+    """Unset grammar values leave grammar_service's defaults (fill threads, llguidance lanes)."""
+    flags = lambda c: {a.split("=", 1)[0] for a in c["args"]}
+    assert not flags(container(default, "grammar")) & {
+        "--num-compile-threads", "--num-fill-threads", "--num-llguidance-lanes"}
+    grammar = container(full, "grammar")
+    assert arg(grammar, "--num-fill-threads") == "2"
+    assert arg(grammar, "--num-llguidance-lanes") == "2"
+
+
 def test_tls_client_ca_and_token_files_come_from_secrets(full):
     gen = container(full, "generation")
     vols = volumes(full)
