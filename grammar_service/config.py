@@ -18,7 +18,9 @@ class GrammarServiceConfig:
     # (copies of one compiled grammar share a lexer lock); on 2 CPUs (one llguidance thread)
     # x0.93-1.13 over three rounds of random walks at 16-128 rows, its advance phase x0.94-1.41
     # (benchmarks/results/grammar_step-ci-2core-parallel-advance.json). With lanes, one schema,
-    # 2 fill threads on 2 CPUs: advance phase x0.99-1.41, step x0.90-1.22 (-lanes.json); still off.
+    # 2 fill threads on 2 CPUs: advance phase x0.99-1.41, step x0.90-1.22 (-lanes.json); on the
+    # 16-CPU host with 8 lanes, one schema: step x0.98 (64 rows), x0.94 (128)
+    # (grammar_step-h200-host-16cpu-lanes.json): under a 5% gain, still off.
     min_parallel_advance_rows: int = 0
     # llguidance: matchers built apart per compiled grammar ("lanes", backends/llguidance.py), new
     # rows handed out round robin over them, so the rows of one grammar fill and advance in up to
@@ -32,7 +34,9 @@ class GrammarServiceConfig:
     # k8s-pod-v1 ~300 KB). Workloads with a new schema per request gain nothing from lanes:
     # set 1 there. 2 CPUs, one schema, 2 fill threads (2 lanes): fill x0.81-1.04, step x0.88-1.01
     # over one lane, against an A/A floor of x0.93-1.11 (benchmarks/results/
-    # grammar_step-ci-2core-lanes.json, -aa.json); the host's figures decide the default.
+    # grammar_step-ci-2core-lanes.json, -aa.json). On the 16-CPU host, one schema, random walks,
+    # 8 lanes against 1: fill x0.51 / x0.46, service step x0.60 / x0.61 at 64 / 128 rows
+    # (grammar_step-h200-host-16cpu-lanes.json); 1B decode at 128 rows: mask wait 18% -> 1.4%.
     num_llguidance_lanes: int = 8
     compile_timeout_s: float = 10.0     # a slower compile is refused and remembered
     negative_cache_ttl_s: float = 60.0  # how long a failed/timed-out spec is answered from memory
