@@ -305,12 +305,9 @@ def gemv_weights(hidden, inter, q_dim, kv_dim, layers):
     return weights
 
 
-# `--extra-m1`: more programs (BLOCK_N 8 on CUDA cores: N / 8 programs) or deeper pipelines for
-# one row, where the projections under 64 MB stream at 2.3-3.6 TB/s (profile-h200-fold.json)
-EXTRA_M1: list = []
-
-
 def extra_m1_configs() -> list:
+    """`--extra-m1`: more programs (BLOCK_N 8 on CUDA cores: N / 8 programs) or deeper pipelines
+    for one row, where the projections under 64 MB stream at 2.3-3.6 TB/s (profile-h200-fold.json)."""
     from generation_service.kernels.gemv import GemvConfig
     return [GemvConfig(8, 1024, num_stages=3, use_dot=False), GemvConfig(8, 512, use_dot=False),
             GemvConfig(16, 512, num_warps=8, num_stages=3, use_dot=False),
@@ -327,9 +324,10 @@ def extra_m1_fused_configs() -> list:
             GemvConfig(8, 1024, num_warps=8, num_stages=3, use_dot=False)]
 
 
-def bench_gemv(bw, quick):
+def bench_gemv(bw, quick, extra_m1=False):
     """Per projection and M: cuBLAS vs each gemv candidate (gate_up: F.linear + silu_mul vs the
-    fused gemv_gate_up_silu); then all projections of a step, cuBLAS vs gemv defaults."""
+    fused gemv_gate_up_silu); then all projections of a step, cuBLAS vs gemv defaults.
+    extra_m1: at one row also `extra_m1_configs()` (gate_up: `extra_m1_fused_configs()`)."""
     from generation_service.kernels.decode_fused import silu_mul
     from generation_service.kernels.gemv import candidate_configs, gemv, gemv_gate_up_silu
     out = []
@@ -350,8 +348,8 @@ def bench_gemv(bw, quick):
                     t_ref = graph_ms([lambda w=w: F.linear(x, w) for w in ws]) / len(ws)
                     extra = {}
                 configs = candidate_configs(m, n // 2 if fused else n, k, fused=fused)
-                if EXTRA_M1 and m == 1 and name != "lm_head":
-                    more = extra_m1_fused_configs() if fused else EXTRA_M1
+                if extra_m1 and m == 1 and name != "lm_head":
+                    more = extra_m1_fused_configs() if fused else extra_m1_configs()
                     configs += [c for c in more if c not in configs]
                 for index, cfg in enumerate(configs):
                     if fused:
@@ -514,8 +512,6 @@ def main() -> int:
     parser.add_argument("--extra-m1", action="store_true",
                         help="gemv: also time extra_m1_configs() at one row (not in the MEASURED table's candidates)")
     args = parser.parse_args()
-    if args.extra_m1:
-        EXTRA_M1.extend(extra_m1_configs())
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 2
@@ -533,7 +529,7 @@ def main() -> int:
               "mask_sample": lambda: bench_mask_sample(batches, bw),
               "norm_rope": lambda: bench_norm_rope(bw),
               "tuning": lambda: bench_tuning(bw),
-              "gemv": lambda: bench_gemv(bw, args.quick),
+              "gemv": lambda: bench_gemv(bw, args.quick, args.extra_m1),
               "gemv_decode": lambda: bench_gemv_decode(bw, args.quick)}
     records = []
     for name, run in suites.items():
