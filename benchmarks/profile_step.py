@@ -291,10 +291,10 @@ def model_shape(args, preset: str, bandwidth: float) -> dict:
     from generation_service.engine.gpu_runner import GpuDecodeRunner
     from generation_service.engine.kv_cache import KVCache
     from generation_service.kernels import gemv, pdl
-    pdl_m1_table = dict(gemv.PDL_M1)  # a variant's pdl_m1 replaces it while it captures
-    graph_variants = {"free": FREE, "nowait": NOWAIT, "prepublished": PREPUBLISHED}
     from generation_service.model.presets import PRESETS
     from generation_service.model.random_init import build_random_model
+    pdl_m1_table = dict(gemv.PDL_M1)  # a variant's pdl_m1 replaces it while it captures
+    graph_variants = {"free": FREE, "nowait": NOWAIT, "prepublished": PREPUBLISHED}
     cfg = dataclasses.replace(PRESETS[preset], vocab_size=VOCAB, max_position_embeddings=4096)
     started = time.perf_counter()
     model = build_random_model(cfg, torch.device("cuda"), torch.bfloat16, seed=0)
