@@ -63,7 +63,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # tests/: the real tokenizers a
 from channel_driver import Row  # noqa: E402
 from generation_service.engine.params import GrammarSpec  # noqa: E402
 from grammar_service.client import GrammarControlClient  # noqa: E402
-from grammar_service.config import GrammarServiceConfig  # noqa: E402
+from grammar_service.config import GrammarServiceConfig, llguidance_fill_threads, llguidance_lanes  # noqa: E402
 from real_tokenizers import VOCAB_SIZES, continuation_ids, tokenizer_dir  # noqa: E402
 from step_channel import FLAG_CONSTRAINED, FLAG_FRESH, Geometry, StepChannel  # noqa: E402
 from structgen.supervisor import wait_healthy  # noqa: E402
@@ -227,12 +227,13 @@ def start_service(sock: str, tok_dir: str, vocab: int, fill_threads: int, metric
 
 def phase_seconds(metrics_port: int) -> dict[str, float]:
     """The service's structgen_grammar_step_phase_seconds_total by phase."""
+    from prometheus_client.parser import text_string_to_metric_families
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
     out = dict.fromkeys(PHASES, 0.0)
-    for line in text.splitlines():
-        if line.startswith("structgen_grammar_step_phase_seconds_total{"):
-            phase = line.split('phase="', 1)[1].split('"', 1)[0]
-            out[phase] = float(line.rsplit(" ", 1)[1])
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "structgen_grammar_step_phase_seconds_total":
+                out[sample.labels["phase"]] = sample.value
     return out
 
 
@@ -417,7 +418,6 @@ def _version(package: str) -> str:
 def run_info(args) -> dict:
     """What a result file says about the run besides its figures."""
     num_cpus = len(os.sched_getaffinity(0))
-    llguidance_threads = args.fill_threads or min(32, max(1, num_cpus * 80 // 100))
     default_lanes = GrammarServiceConfig().num_llguidance_lanes
     return {
         "benchmark": "grammar_step", "machine": args.machine, "cpu_count": os.cpu_count(), "cpus_available": num_cpus,
@@ -428,9 +428,9 @@ def run_info(args) -> dict:
         # 0 = each library's default: xgrammar hardware_concurrency / 2, llguidance's LLExecutor
         # 80% of available_parallelism clamped to [1, 32]
         "fill_threads_effective": {"xgrammar": args.fill_threads or max(1, (os.cpu_count() or 2) // 2),
-                                   "llguidance": llguidance_threads},
+                                   "llguidance": llguidance_fill_threads(args.fill_threads)},
         # grammar_service caps the lanes at llguidance's fill threads (0 counts as 1)
-        "lanes_effective": {_lanes(lanes): max(1, min(default_lanes if lanes is None else lanes, llguidance_threads))
+        "lanes_effective": {_lanes(lanes): llguidance_lanes(default_lanes if lanes is None else lanes, args.fill_threads)
                             for lanes in args.lanes},
         "load_average_at_end": os.getloadavg(), "max_positions": MAX_POSITIONS,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}

@@ -1,6 +1,7 @@
 """The one configuration of grammar_service; CLI defaults come from here (server.main)."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 
@@ -72,3 +73,15 @@ class GrammarServiceConfig:
     @property
     def socket_path(self) -> str | None:
         return self.listen[len("unix://"):] if self.listen.startswith("unix://") else None
+
+
+def llguidance_fill_threads(num_fill_threads: int) -> int:
+    """The threads llguidance's LLExecutor fills with: num_fill_threads, or for 0 its own default
+    as its docstring gives it (80% of the CPUs this process may use, 1..32)."""
+    return num_fill_threads or min(32, max(1, len(os.sched_getaffinity(0)) * 80 // 100))
+
+
+def llguidance_lanes(num_llguidance_lanes: int, num_fill_threads: int) -> int:
+    """The lanes a compiled llguidance grammar gets: at least one, at most its fill threads (more
+    cannot run at once, and each costs a build)."""
+    return max(1, min(num_llguidance_lanes, llguidance_fill_threads(num_fill_threads)))

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
@@ -30,6 +29,7 @@ import numpy as np
 
 from generation_service.engine.params import GrammarSpec
 from grammar_service.backends.base import GrammarBackend, GrammarCompileError, Matcher, TokenizerData
+from grammar_service.config import llguidance_lanes
 from grammar_service.guarantees import llguidance_unenforced
 
 WHITESPACE = r"[\x20\x0A\x0D\x09]"
@@ -52,11 +52,6 @@ class LLGuidanceGrammar:
         # next() on itertools.count is atomic under the GIL: loops of several channels may
         # bind rows of one grammar at once
         return next(self._counter) % len(self.lanes)
-
-
-def default_fill_threads() -> int:
-    """LLExecutor(None)'s thread count as its docstring gives it: 80% of the CPUs, 1..32."""
-    return min(32, max(1, len(os.sched_getaffinity(0)) * 80 // 100))
 
 
 def json_options(spec: GrammarSpec) -> dict:
@@ -156,8 +151,7 @@ class LLGuidanceBackend(GrammarBackend):
                                            eos_token=list(tokenizer.stop_token_ids) or None)
         self._executor = llg.LLExecutor(num_fill_threads or None)
         self._mask_bytes = tokenizer.mask_words * 4
-        # More lanes than fill threads cannot run at once and cost a build each (config.py).
-        self.num_lanes = max(1, min(num_llguidance_lanes, num_fill_threads or default_fill_threads()))
+        self.num_lanes = llguidance_lanes(num_llguidance_lanes, num_fill_threads)
 
     # ---- compile -------------------------------------------------------------------------
     def compile(self, spec: GrammarSpec) -> LLGuidanceGrammar:
