@@ -30,26 +30,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
+
+from .sysmem import SYS_FENCE, fence_system, store_system
 
 BLOCK = 128  # rows per program
 MAX_PUBLISH_ROWS = BLOCK  # a publishing epilogue runs one program
-
-
-@triton.jit
-def _fence_system(x):
-    """__threadfence_system in every thread that holds an element of `x` (returned as an
-    unused int32 tensor: inline asm must return something)."""
-    return tl.inline_asm_elementwise("fence.sc.sys; mov.b32 $0, 0;", "=r,r", [x], dtype=tl.int32,
-                                     is_pure=False, pack=1)
-
-
-@triton.jit
-def _store_system(ptrs, value, is_mine):
-    """*ptrs = value, a strong system-scope (volatile) store, by the threads where is_mine != 0."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.relaxed.sys.global.b32 [$1], $2; mov.b32 $0, 0; }",
-        "=r,l,r,r", [ptrs, value, is_mine], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -77,10 +62,10 @@ def _step_epilogue_kernel(sampled_ptr, out_tokens_ptr, input_ids_ptr, positions_
     if PUBLISH:  # one program (the wrapper checks): the barrier orders every row's stores
         n = tl.load(step_ptr)
         if SYS_FENCE:
-            _fence_system(rows)  # each thread: its outputs visible system-wide ...
+            fence_system(rows)  # each thread: its outputs visible system-wide ...
         tl.debug_barrier()  # ... before any thread passes (every thread has read step and ring_slot)
         if SYS_FENCE:
-            _store_system(seq_ptr + rows * 0, n + rows * 0, (rows == 0).to(tl.int32))
+            store_system(seq_ptr + rows * 0, n + rows * 0, (rows == 0).to(tl.int32))
         else:
             tl.store(seq_ptr, n)
         n_next = n + 1
@@ -120,7 +105,7 @@ def step_epilogue(sampled: torch.Tensor, out_tokens: torch.Tensor, input_ids: to
             sampled, out_tokens, input_ids, positions, seq_lens, ring_slot, tokens, counts, step, seq,
             tokens.stride(0), tokens.stride(-1), counts.stride(0), bucket, tokens.shape[0],
             CHANNEL=channel is not None, PUBLISH=publish is not None,
-            SYS_FENCE=not isinstance(_step_epilogue_kernel, InterpretedFunction), BLOCK=BLOCK, num_warps=4)
+            SYS_FENCE=SYS_FENCE, BLOCK=BLOCK, num_warps=4)
 
 
 def step_epilogue_torch(sampled: torch.Tensor, out_tokens: torch.Tensor, input_ids: torch.Tensor,
