@@ -66,6 +66,10 @@ from hf_baseline import hf_baseline  # noqa: E402  (benchmarks/, the script's fo
 
 VOCAB = 131072
 PAGE_SIZE = 16
+# GpuDecodeRunner switches the command line can set (each --flag of the same name; None: the
+# runner's default), read at capture: A/B of the step's channel work in one run
+RUNNER_SETTINGS = ("prefetch_min_bucket", "fold_step_tail", "ring_mask_read", "mask_gather_programs",
+                   "fold_inputs_seq")
 SCHEMA = {  # a typical extraction schema: strings, numbers, enums, a nested array
     "type": "object",
     "properties": {
@@ -233,12 +237,9 @@ class Bench:
                                  mapped=self.mapped, variants=(FREE, WAIT_EVEN, WAIT_ODD, NOWAIT, PREPUBLISHED,
                                                                with_serial(WAIT_EVEN), with_serial(WAIT_ODD)))
         runner.set_channel_step(self.next_step)
-        if self.args.prefetch_min_bucket is not None:
-            runner.prefetch_min_bucket = self.args.prefetch_min_bucket
-        if self.args.fold_step_tail is not None:
-            runner.fold_step_tail = self.args.fold_step_tail
-        if self.args.ring_mask_read is not None:
-            runner.ring_mask_read = self.args.ring_mask_read
+        for key in RUNNER_SETTINGS:  # read at capture
+            if getattr(self.args, key) is not None:
+                setattr(runner, key, getattr(self.args, key))
         with torch.no_grad():
             capture_s = runner.capture()
             log(f"{preset}: captured {len(runner.graphs.graphs)} graphs in {capture_s:.1f} s")
@@ -457,6 +458,12 @@ def main() -> int:
     ap.add_argument("--ring-mask-read", action=argparse.BooleanOptionalAction, default=None,
                     help="GpuDecodeRunner.ring_mask_read (default: the runner's): below prefetch_min_bucket "
                          "mask_sample reads the mapped ring entry in place instead of a gather kernel first")
+    ap.add_argument("--mask-gather-programs", type=int, default=None,
+                    help="GpuDecodeRunner.mask_gather_programs (default: the runner's): CTAs of the side "
+                         "stream's mask gather; 0: torch.index_select")
+    ap.add_argument("--fold-inputs-seq", action=argparse.BooleanOptionalAction, default=None,
+                    help="GpuDecodeRunner.fold_inputs_seq (default: the runner's): the forward's prologue "
+                         "publishes inputs_seq; --no-fold-inputs-seq: a write memop + a copy kernel before it")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/decode-h200.json"))
     args = ap.parse_args()
     args.batches = sorted(args.batches)

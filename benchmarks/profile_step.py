@@ -77,6 +77,18 @@ VARIANTS = {
     # a write memop and 3 kernels after the epilogue (GpuDecodeRunner.fold_step_tail)
     "gemv+pdl/prepublished-unfolded-tail": dict(gemv_max_batch=8, pdl=True, graph="prepublished",
                                                 fold_step_tail=False),
+    # ... with inputs_seq published as before the prologue kernel did it: a write memop and a
+    # copy kernel ahead of the forward (GpuDecodeRunner.fold_inputs_seq)
+    "gemv+pdl/prepublished-unfolded-inputs": dict(gemv_max_batch=8, pdl=True, graph="prepublished",
+                                                  fold_inputs_seq=False),
+    # ... below 16 rows, mask_sample reading the mapped ring in place, no gather kernel
+    "gemv+pdl/prepublished-ring-read": dict(gemv_max_batch=8, pdl=True, graph="prepublished",
+                                            ring_mask_read=True),
+    # the side stream's mask gather (>= 16 rows) by torch.index_select, as before
+    # kernels/mask_gather.py, or by that kernel over fewer or more CTAs than the default
+    "gemv+pdl/nowait-index-select": dict(gemv_max_batch=8, pdl=True, graph="nowait", mask_gather_programs=0),
+    **{f"gemv+pdl/nowait-gather-{n}": dict(gemv_max_batch=8, pdl=True, graph="nowait", mask_gather_programs=n)
+       for n in (2, 4, 16, 32)},
 }
 # (group, lower-case substrings of kernel names), first match wins: Triton kernels by their
 # function names first (attention's reduce kernel must not fall into GEMM's split-K reduce).

@@ -140,15 +140,24 @@ class DecodeForward:
         self.attention = get_attention_backend("triton")
         self._extend_lens = torch.ones(buffers.max_batch, dtype=torch.int32, device=kv.device)
 
-    def __call__(self, bucket: int) -> torch.Tensor:
+    @property
+    def publishes_inputs(self) -> bool:
+        """Whether `__call__` can publish inputs_seq: its first launch is the fused prologue."""
+        return self.fused_ops and self.fused_prologue
+
+    def __call__(self, bucket: int, publish: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """(bucket, vocab) logits of one token per row; graph safe (no host reads). Fused: the
         prologue, then 7-10 launches per layer (see the module docstring), bf16 logits
         (mask_sample reads them as they are); else the model's own modules (the v1 path,
-        ~36 launches per layer), float32 logits."""
+        ~36 launches per layer), float32 logits. publish (needs `publishes_inputs`): the
+        prologue also stores the device step counter into the step channel's inputs_seq word
+        (`kernels/decode_prologue.py`)."""
         buf = self.buffers
+        if publish is not None and not self.publishes_inputs:
+            raise ValueError("publishing inputs_seq needs the fused prologue")
         if self.fused_ops:  # the cache slots come out of the prologue too
             residual, cos, sin, slot_ids = self._prologue(buf.input_ids[:bucket], buf.positions[:bucket],
-                                                          buf.page_table[:bucket])
+                                                          buf.page_table[:bucket], publish)
             return self.fused_layers(residual, cos, sin, slot_ids, self._decode_attend(bucket),
                                      self._projections(bucket))
         ids = buf.input_ids[:bucket].clamp(0, self.config.vocab_size - 1)
@@ -222,7 +231,8 @@ class DecodeForward:
             return self.fused_layers(residual, cos, sin, slot_ids, attend, proj or CUBLAS)
         return self.torch_tokens(ids, positions, slot_ids, attend)
 
-    def _prologue(self, ids: torch.Tensor, positions: torch.Tensor, page_table: torch.Tensor | None = None):
+    def _prologue(self, ids: torch.Tensor, positions: torch.Tensor, page_table: torch.Tensor | None = None,
+                  publish: tuple[torch.Tensor, torch.Tensor] | None = None):
         """(embedded tokens, cos, sin, cache slots or None) in one launch (fused path), or
         without `fused_prologue` by the ~15 torch ops it replaces (an A/B baseline)."""
         if not self.fused_prologue:
@@ -231,7 +241,7 @@ class DecodeForward:
             return residual, cos, sin, None if page_table is None else self._slot_ids(positions, page_table)
         from generation_service.kernels.decode_prologue import decode_prologue
         return decode_prologue(ids, positions, self.model.model.embed_tokens.weight, *self._rope_tables,
-                               page_table, self.kv.page_size)
+                               page_table, self.kv.page_size, publish)
 
     def fused_layers(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      slot_ids: torch.Tensor, attend: Callable, proj: Projections) -> torch.Tensor:

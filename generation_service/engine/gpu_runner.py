@@ -3,10 +3,11 @@
 One decode step of bucket b (the body captured by `DecodeGraphs`), mask prefetch on:
 
     main stream                                   side stream (one per runner, all graphs)
-    [channel] inputs_seq = N  (fence + copy of the device step counter)
       fork ----------------------------------->   [channel] wait mask_seq (parity of N)
     forward(b rows) -> logits (b, V)              [channel] gather entry N % D rows [0, b)
-      (`DecodeForward`, decode_forward.py)          from mapped host memory -> mask buffer
+      (`DecodeForward`, decode_forward.py; its      from mapped host memory -> mask buffer
+      prologue kernel first stores [channel]        (kernels/mask_gather.py, a few CTAs)
+      inputs_seq = the device step counter N)
       join <-----------------------------------
     sample (mask applied)                         kernels.mask_sample (greedy when temperature 0)
     epilogue: out_tokens; [channel] outputs of     kernels.step_epilogue (one launch, one program)
@@ -15,12 +16,15 @@ One decode step of bucket b (the body captured by `DecodeGraphs`), mask prefetch
       [channel] system fence, outputs_seq = N,
       N += 1 and its ring slot on the device
 
-Captured nodes of a channel step besides the forward: 2 memops (inputs_seq fence, wait) and
-5 kernels (inputs_seq store, gather, mask_sample's two, the epilogue); bucket >= 16 runs the
-wait and the gather on the side stream, below 16 after the forward on the main stream.
-`fold_step_tail = False` (A/B) ends the step as before: the epilogue without the seq, then
-`publish_step_seq` + `advance_channel_step` (a write memop and 3 kernels). `ring_mask_read`
-(below 16, off by default) lets mask_sample read entry N % D in place: one kernel fewer.
+Captured nodes of a channel step besides the forward: 1 memop (the wait) and 4 kernels
+(gather, mask_sample's two, the epilogue); bucket >= 16 runs the wait and the gather on the
+side stream, below 16 after the forward on the main stream. A/B switches, read at capture:
+`fold_inputs_seq = False` publishes inputs_seq as before, a write memop (the fence) and a copy
+kernel ahead of the forward; `fold_step_tail = False` ends the step with the epilogue without
+the seq, then `publish_step_seq` + `advance_channel_step` (a write memop and 3 kernels);
+`mask_gather_programs = 0` gathers with torch.index_select, whose blocks fill every SM while
+their loads cross the bus; `ring_mask_read` (below 16, off by default) lets mask_sample read
+entry N % D in place: one kernel fewer.
 
 grammar_service publishes step N's masks usually long before the forward ends, so the
 wait and the PCIe read of the mask rows (~2 MB at b=128, vocab 131k) leave the critical
@@ -30,24 +34,24 @@ Buckets below `prefetch_min_bucket` (16) do so in every variant: there the forwa
 of PDL-linked kernels, the side-stream branch slowed it by more than the 3-6 us gather it hides
 (H200: 1B batch 8, +24 us for the branch alone), and grammar_service is rarely late for 8 rows.
 
-Capture: the side stream forks after inputs_seq = N is published (so the wait of step N is
-never issued before it) and joins before the sampler reads the mask buffer; both are
-event edges, so in a graph the wait + gather become a branch parallel to the forward, and a
-replay ends only when both branches have. The mask buffer `(max_batch, mask_words)` is
+Capture: the side stream forks at the start of the step and joins before the sampler reads
+the mask buffer; both are event edges, so in a graph the wait + gather become a branch
+parallel to the forward, and a replay ends only when both branches have. The mask buffer `(max_batch, mask_words)` is
 allocated per mapped channel in `_map_channel`, never in the capture pool; steps on one stream are
 ordered, and the fork waits for everything before it (the previous step's sampler
 included), so the gather of step N+1 never overwrites masks step N still reads.
 
 Why a parity wait: a captured cuStreamWaitValue32 has its value baked in, but N changes
 every replay. While step N waits, mask_seq is N-1 or N (grammar_service publishes M only
-after the GPU wrote inputs_seq = M, which happens at the start of step M, and step N-1's
-wait, on whichever stream, ended before step N began), so "bit 0 of mask_seq == bit 0 of N"
-is exact: odd N waits with WAIT_AND 1, even N with WAIT_NOR ~1. (`prepublished`, a benchmark
-variant whose wait always passes, breaks this; benchmarks/decode.py restores it after a run.)
-Two graph copies per bucket and mask read, chosen by the host that knows N. The writes take N from a
-device counter, so nothing is patched per replay: inputs_seq by a kernel store after a
-cuStreamWriteValue32 fence; outputs_seq by the epilogue, after each thread's fence.sc.sys and a
-CTA barrier (kernels/step_epilogue.py), which then advances the counter for step N + 1.
+after the GPU wrote inputs_seq = M, which happens in step M, and step N-1's wait, on
+whichever stream, ended before step N began), so "bit 0 of mask_seq == bit 0 of N" is exact
+(also for a side-stream wait issued before inputs_seq = N lands): odd N waits with WAIT_AND 1,
+even N with WAIT_NOR ~1. (`prepublished`, a benchmark variant whose wait always passes, breaks
+this; benchmarks/decode.py restores it after a run.) Two graph copies per bucket and mask read,
+chosen by the host that knows N. The writes take N from a device counter, so nothing is patched
+per replay: inputs_seq by the prologue kernel after a system fence (or a kernel store after a
+cuStreamWriteValue32 fence); outputs_seq by the epilogue, after each thread's fence.sc.sys and
+a CTA barrier (kernels/step_epilogue.py), which then advances the counter for step N + 1.
 Eager mode (debugging, the reference in tests) waits with GEQ N and writes N directly, on
 the same streams as the graph (the epilogue without the seq, then the memop and the advance).
 
@@ -72,6 +76,9 @@ log = logging.getLogger(__name__)
 
 
 PREFETCH_MIN_BUCKET = 16
+# CTAs of the side stream's mask gather (kernels/mask_gather.py): enough 32 KB tiles in flight
+# to keep the host link busy, few enough SMs that the forward beside it keeps the rest.
+MASK_GATHER_PROGRAMS = 8
 
 
 def publish_step_seq(mapped, fence: torch.Tensor, step_counter: torch.Tensor, which: str) -> None:
@@ -140,6 +147,12 @@ class GpuDecodeRunner:
         # ring into the sampler, no gather kernel (`_masks_after_forward`). Off: unmeasured (A/B);
         # the sampler's slice loop pays a PCIe latency per 1024 tokens where the gather pays one.
         self.ring_mask_read = False
+        # Read at capture: CTAs of the prefetching side stream's mask gather; 0: torch.index_select
+        # everywhere (A/B: it fills every SM while its loads cross the bus).
+        self.mask_gather_programs = MASK_GATHER_PROGRAMS
+        # Read at capture: the forward's prologue kernel publishes inputs_seq (fused path); False:
+        # a write memop and a copy kernel before the forward (A/B).
+        self.fold_inputs_seq = True
         if variants is None:
             variants = SERVING_VARIANTS if mapped is not None else (FREE,)
         self.variants = self._own_variants(variants)
@@ -197,9 +210,10 @@ class GpuDecodeRunner:
         self.capture()
 
     # ---- the forward -----------------------------------------------------------------
-    def decode_forward(self, bucket: int) -> torch.Tensor:
-        """(bucket, vocab) logits of one token per row from the persistent buffers."""
-        return self.forward(bucket)
+    def decode_forward(self, bucket: int, publish: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """(bucket, vocab) logits of one token per row from the persistent buffers; publish: the
+        prologue also stores inputs_seq (`DecodeForward.__call__`)."""
+        return self.forward(bucket, publish)
 
     # ---- the step body -----------------------------------------------------------------
     def _publish(self, which: str) -> None:
@@ -218,15 +232,19 @@ class GpuDecodeRunner:
         else:
             wait_mask_parity(self.mapped, variant.parity)
 
-    def _read_masks(self, bucket: int, variant: GraphVariant) -> torch.Tensor:
+    def _read_masks(self, bucket: int, variant: GraphVariant, programs: int | None = None) -> torch.Tensor:
         """On the current stream: wait for step N's masks (channel steps), then gather rows
         [0, bucket) of entry N % D (index = the device ring slot) from mapped host memory
-        into the persistent mask buffer. Returns its (bucket, W) rows."""
+        into the persistent mask buffer. Returns its (bucket, W) rows. programs: the gather's
+        CTAs (None: all its tiles at once, for the main stream)."""
         if variant.waits:
             self._wait_masks(variant)
         rows = self._mask_rows[:bucket]
-        # (1, bucket, W) <- (D, bucket, W)[ring_slot]: one kernel, no temporary
-        torch.index_select(self._masks[:, :bucket], 0, self.buffers.ring_slot, out=rows.unsqueeze(0))
+        if self.mask_gather_programs and self.sampler == "triton":
+            from generation_service.kernels.mask_gather import mask_gather
+            mask_gather(self._masks[:, :bucket], self.buffers.ring_slot, rows, programs)
+        else:  # (1, bucket, W) <- (D, bucket, W)[ring_slot]: one kernel, no temporary
+            torch.index_select(self._masks[:, :bucket], 0, self.buffers.ring_slot, out=rows.unsqueeze(0))
         return rows
 
     def _masks_after_forward(self, bucket: int, variant: GraphVariant) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -279,18 +297,23 @@ class GpuDecodeRunner:
             advance_channel_step(buf, self.depth)
 
     def body(self, bucket: int, variant: GraphVariant) -> None:
-        if variant.waits:
+        # a captured channel step's prologue kernel stores inputs_seq = N (its first node)
+        folds_inputs = (variant.waits and self._capturing and self.fold_inputs_seq
+                        and self.forward.publishes_inputs)
+        if variant.waits and not folds_inputs:
             self._publish("inputs_seq")
         # NOTE: below prefetch_min_bucket a prefetch variant reads its masks after the forward too
         prefetches = variant.prefetches and bucket >= self.prefetch_min_bucket
         main = torch.cuda.current_stream() if prefetches else None
         if prefetches:
-            # NOTE: fork after inputs_seq = N (the parity argument needs the wait after it);
-            # the side stream also sees the host's row updates and the previous step's sampler.
+            # NOTE: the side stream sees the host's row updates and the previous step's sampler
+            # (so its gather never overwrites masks step N-1 still reads); its wait may be issued
+            # before inputs_seq = N lands: mask_seq is still N-1 or N (module docstring).
             self._side.wait_stream(main)
             with torch.cuda.stream(self._side):
-                self._read_masks(bucket, variant)
-        logits = self.decode_forward(bucket)
+                self._read_masks(bucket, variant, self.mask_gather_programs)
+        publish = (self.buffers.step, self.mapped.seq_view("inputs_seq")) if folds_inputs else None
+        logits = self.decode_forward(bucket, publish)
         masks = mask_slot = None
         if prefetches:
             main.wait_stream(self._side)  # NOTE: join before the sampler reads the buffer (and before capture ends)

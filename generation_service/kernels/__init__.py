@@ -6,7 +6,10 @@ writes), prepare_inputs (fused decode input preparation), mask_sample + philox
 (grammar mask + sampling; sample_reference is its torch twin), rmsnorm (RMSNorm with an
 optional residual add), rotary (RoPE; with the K/V cache write for the decode forward),
 decode_fused (the decode forward's element-wise set: those two plus silu*mul),
-decode_prologue (embedding, cos/sin and cache slots before the first layer), gemv
+decode_prologue (embedding, cos/sin and cache slots before the first layer; it can publish
+the step channel's inputs_seq), step_epilogue (the bookkeeping after sampling, outputs_seq),
+mask_gather (the step's masks from the mapped ring), sysmem (their system-scope fence and
+store), gemv
 (skinny GEMMs for decode buckets <= 8 and the measured Triton/cuBLAS choice per projection),
 pdl (programmatic dependent launch: the decode forward's kernels overlap their launches).
 NOTES.md: floors and measurements.

@@ -11,6 +11,11 @@ casts of `RotaryEmbedding`; six integer ops for the slots), each a drained grid 
 graph that PDL (pdl.py) cannot overlap. The cos/sin tables are `RotaryEmbedding`'s own
 output over every position the cache can hold, made once by torch, so the values are the
 ones the unfused step computes; positions and page columns are clamped into their tables.
+
+`publish` (a channel step of a captured decode graph): the first program also stores the device
+step counter N into the step channel's inputs_seq word (a fence, then a system-scope store;
+sysmem.py), replacing a write memop and a copy kernel in front of the forward. Nothing the GPU
+writes in step N precedes it: the previous step's outputs were fenced before its outputs_seq.
 """
 from __future__ import annotations
 
@@ -19,16 +24,18 @@ import triton
 import triton.language as tl
 
 from .pdl import pdl_launch, pdl_launch_dependents, pdl_wait
+from .sysmem import SYS_FENCE, fence_system, store_system
 
 BLOCK_H = 1024  # hidden columns per program: the gather spreads over hidden / 1024 programs a token
 
 
 @triton.jit
 def _prologue_kernel(ids_ptr, positions_ptr, page_table_ptr, embed_ptr, cos_table_ptr, sin_table_ptr,
-                     hidden_ptr, cos_ptr, sin_ptr, slot_ptr,
+                     hidden_ptr, cos_ptr, sin_ptr, slot_ptr, step_ptr, seq_ptr,
                      vocab_size, hidden_size, num_positions, stride_e, stride_pt, max_pages,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-                     PAGE_SIZE: tl.constexpr, HAS_PAGES: tl.constexpr, PDL: tl.constexpr):
+                     PAGE_SIZE: tl.constexpr, HAS_PAGES: tl.constexpr, PUBLISH: tl.constexpr,
+                     SYS_FENCE: tl.constexpr, PDL: tl.constexpr):
     """Grid (T, cdiv(hidden, BLOCK_H)): every program gathers BLOCK_H embedding columns of its
     token; the first of each token also copies its cos/sin rows and writes its cache slot."""
     pdl_launch_dependents(PDL)
@@ -53,16 +60,27 @@ def _prologue_kernel(ids_ptr, positions_ptr, page_table_ptr, embed_ptr, cos_tabl
             col = tl.minimum(position // PAGE_SIZE, max_pages - 1)
             page = tl.load(page_table_ptr + t * stride_pt + col).to(tl.int64)
             tl.store(slot_ptr + t, page * PAGE_SIZE + position % PAGE_SIZE)
+    if PUBLISH:
+        if (t == 0) & (block == 0):
+            n = tl.load(step_ptr)
+            if SYS_FENCE:
+                one = tl.arange(0, 1)
+                fence_system(one)
+                store_system(seq_ptr + one, n + one, (one == 0).to(tl.int32))
+            else:
+                tl.store(seq_ptr, n)
 
 
 def decode_prologue(ids: torch.Tensor, positions: torch.Tensor, embed: torch.Tensor,
                     cos_table: torch.Tensor, sin_table: torch.Tensor,
                     page_table: torch.Tensor | None = None, page_size: int = 0,
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                    publish: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(hidden (T, H) in embed's dtype, cos (T, D), sin (T, D), slot_ids (T,) int64 or None).
     ids, positions (T,) integer; embed (vocab, H) rows contiguous; cos/sin tables (P, D)
     contiguous (row p: position p); page_table (T, max_pages), one row per token (decode), or
-    None: no slots. Graph safe: one launch, no host reads."""
+    None: no slots. publish: (step (1,) int32 the device step counter N, inputs_seq (1,) int32
+    the mapped sequence word): inputs_seq = N (module docstring). Graph safe: one launch, no
+    host reads."""
     num_tokens, (vocab_size, hidden_size) = ids.shape[0], embed.shape
     num_positions, head_dim = cos_table.shape
     assert embed.stride(1) == 1 and cos_table.is_contiguous() and sin_table.is_contiguous()
@@ -75,14 +93,20 @@ def decode_prologue(ids: torch.Tensor, positions: torch.Tensor, embed: torch.Ten
     if page_table is not None:
         assert page_table.shape[0] == num_tokens and page_table.stride(1) == 1 and page_size > 0
         slot_ids = torch.empty(num_tokens, dtype=torch.int64, device=device)
+    if publish is not None:
+        step, seq = publish
+        assert step.dtype == seq.dtype == torch.int32 and num_tokens > 0
+    else:
+        step = seq = ids  # never read without PUBLISH
     if num_tokens:
         table = page_table if page_table is not None else ids  # never read without HAS_PAGES
         _prologue_kernel[(num_tokens, triton.cdiv(hidden_size, BLOCK_H))](
             ids, positions, table, embed, cos_table, sin_table, hidden, cos, sin,
-            slot_ids if slot_ids is not None else ids,
+            slot_ids if slot_ids is not None else ids, step, seq,
             vocab_size, hidden_size, num_positions, embed.stride(0),
             table.stride(0), table.shape[1] if page_table is not None else 1,
             HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_H=BLOCK_H,
-            PAGE_SIZE=max(page_size, 1), HAS_PAGES=page_table is not None, num_warps=4,
+            PAGE_SIZE=max(page_size, 1), HAS_PAGES=page_table is not None,
+            PUBLISH=publish is not None, SYS_FENCE=SYS_FENCE, num_warps=4,
             **pdl_launch(embed))
     return hidden, cos, sin, slot_ids

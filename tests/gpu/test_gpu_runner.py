@@ -81,8 +81,17 @@ def pack_bits(allowed: torch.Tensor) -> np.ndarray:
 
 
 POISON = 7  # the only token the stale masks allow, and one the real masks never do
-# GpuDecodeRunner (fold_step_tail, ring_mask_read): the step tail before and after the fold
-TAILS = {"memop-tail+gather": (False, False), "folded-tail+ring-read": (True, True)}
+# GpuDecodeRunner switches read at capture: the step's channel work before the folds (memops
+# for inputs_seq and the tail, torch.index_select's gather) and after them, with the mask
+# gather's CTAs at the default, at one (one CTA walks every tile), and mask_sample reading the ring
+TAILS = {
+    "memop-tail+index-select": dict(fold_inputs_seq=False, fold_step_tail=False, mask_gather_programs=0,
+                                    ring_mask_read=False),
+    "folded-tail+ring-read": dict(fold_inputs_seq=True, fold_step_tail=True, mask_gather_programs=8,
+                                  ring_mask_read=True),
+    "folded-tail+gather-1": dict(fold_inputs_seq=True, fold_step_tail=True, mask_gather_programs=1,
+                                 ring_mask_read=False),
+}
 
 
 @pytest.mark.parametrize("batch,bucket", [(3, 4), (20, 32)])  # below and above prefetch_min_bucket
@@ -117,7 +126,8 @@ def test_prefetch_and_serial_mask_reads_give_the_same_tokens(model, late, batch,
     try:
         with torch.no_grad():
             for use_graph, tail in [(False, name) for name in TAILS] + [(True, name) for name in TAILS]:
-                runner.fold_step_tail, runner.ring_mask_read = TAILS[tail]
+                for key, value in TAILS[tail].items():
+                    setattr(runner, key, value)
                 if use_graph:  # both settings are read at capture
                     runner.close()
                     runner.capture()
@@ -162,7 +172,7 @@ def test_prefetch_and_serial_mask_reads_give_the_same_tokens(model, late, batch,
         runner.close()
         mapped.close()
         chan.close()
-    reference = runs[(False, False, "memop-tail+gather")]  # eager, serial, gathered: the oldest body
+    reference = runs[(False, False, "memop-tail+index-select")]  # eager, serial, index_select: the oldest body
     for key, got in runs.items():
         assert np.array_equal(got, reference), f"{key}: {got.tolist()} != {reference.tolist()}"
     for i in range(num_steps):

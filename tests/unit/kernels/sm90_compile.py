@@ -15,7 +15,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from generation_service.kernels import (decode_attention, decode_fused, decode_prologue,
-                                        extend_attention, kv_write, mask_sample, philox,
+                                        extend_attention, kv_write, mask_gather, mask_sample, philox,
                                         prepare_inputs, rmsnorm, rotary, step_epilogue)
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -74,7 +74,15 @@ def check_publish_order(ptx: str) -> None:
     assert not late, f"stores between the fence and the seq store: {late}"
 
 
-CHECKS = {"step_epilogue_publish": check_publish_order}
+def check_inputs_publish(ptx: str) -> None:
+    """The prologue's inputs_seq: a system fence before the seq word's system-scope store."""
+    lines = [line.strip() for line in ptx.splitlines()]
+    fence = [i for i, line in enumerate(lines) if line.startswith("fence.sc.sys")]
+    seq = [i for i, line in enumerate(lines) if "st.relaxed.sys.global" in line]
+    assert fence and seq and max(fence) < min(seq), (fence, seq)
+
+
+CHECKS = {"step_epilogue_publish": check_publish_order, "decode_prologue_publish": check_inputs_publish}
 
 
 def main() -> int:
@@ -128,9 +136,16 @@ def main() -> int:
             rotary._rope_kernel, BF, BF, BF, BF, BF, BF, BF, BF, BF, *[N] * 11,
             NUM_HEADS=32, HALF=48, BLOCK_HALF=64, HAS_SLOTS=False, HAS_V=False, PDL=False, num_warps=1),
         "decode_prologue": lambda: compile_sm90(
-            decode_prologue._prologue_kernel, I64, I64, I32, BF, BF, BF, BF, BF, BF, I64, 131072,
-            4096, 131072, *[N] * 3, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=1024, PAGE_SIZE=16,
-            HAS_PAGES=True, PDL=True),
+            decode_prologue._prologue_kernel, I64, I64, I32, BF, BF, BF, BF, BF, BF, I64, I32, I32,
+            131072, 4096, 131072, *[N] * 3, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=1024, PAGE_SIZE=16,
+            HAS_PAGES=True, PUBLISH=False, SYS_FENCE=False, PDL=True),
+        "decode_prologue_publish": lambda: compile_sm90(
+            decode_prologue._prologue_kernel, I64, I64, I32, BF, BF, BF, BF, BF, BF, I64, I32, I32,
+            131072, 4096, 131072, *[N] * 3, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=1024, PAGE_SIZE=16,
+            HAS_PAGES=True, PUBLISH=True, SYS_FENCE=True, PDL=True),
+        "mask_gather": lambda: compile_sm90(
+            mask_gather._mask_gather_kernel, I32, I64, I32, 128, 4096, *[N] * 3,
+            BLOCK_R=mask_gather.BLOCK_R, BLOCK_W=mask_gather.BLOCK_W, NUM_PROGRAMS=8, num_warps=8),
         "step_epilogue": lambda: compile_sm90(
             step_epilogue._step_epilogue_kernel, I32, I64, I64, I64, I32, I64, I32, I32, I32, I32,
             *[N] * 4, 4, CHANNEL=True, PUBLISH=False, SYS_FENCE=False, BLOCK=128),

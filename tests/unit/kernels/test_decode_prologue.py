@@ -47,3 +47,18 @@ def test_prologue_without_pages_and_out_of_table_positions(tables):
                                                        cos_table, sin_table)
     assert slots is None and torch.equal(hidden, embed[[1, 9]])
     assert torch.equal(cos[0], cos_table[2]) and torch.equal(sin[1], sin_table[-1])
+
+
+def test_publishing_prologue_stores_the_step_counter_and_the_same_outputs(tables):
+    """A captured channel step's prologue also stores inputs_seq = N (the device step counter)."""
+    _, (cos_table, sin_table) = tables
+    embed = torch.randn(40, 1100).to(torch.bfloat16)  # two programs a token
+    ids, positions = torch.tensor([5, 9, 39]), torch.tensor([3, 0, 11])
+    page_table = torch.randint(1, 30, (3, MAX_PAGES), dtype=torch.int32)
+    step, seq = torch.tensor([41], dtype=torch.int32), torch.tensor([40], dtype=torch.int32)
+    got = prologue.decode_prologue(ids, positions, embed, cos_table, sin_table, page_table, PAGE,
+                                   publish=(step, seq))
+    want = prologue.decode_prologue(ids, positions, embed, cos_table, sin_table, page_table, PAGE)
+    assert seq.item() == 41 and step.item() == 41  # the counter is the epilogue's to advance
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
