@@ -68,6 +68,10 @@ VOCAB = 131072
 PAGE_SIZE = 16
 # GpuDecodeRunner switches the command line can set (each --flag of the same name; None: the
 # runner's default), read at capture: A/B of the step's channel work in one run
+# The host writes descriptor n once grammar_service is done with step n - D + 1; a sleeping host
+# (wait_seq's 1 ms steps) could launch step n after the GPU drained its queue, a bubble only the
+# waiting modes pay. Spinning keeps the harness out of the GPU's time.
+HOST_WAIT_SPIN_US = 20000.0
 RUNNER_SETTINGS = ("prefetch_min_bucket", "fold_step_tail", "ring_mask_read", "mask_gather_programs",
                    "fold_inputs_seq")
 SCHEMA = {  # a typical extraction schema: strings, numbers, enums, a nested array
@@ -165,7 +169,7 @@ class Bench:
         chan = self.chan
         oldest = n - self.depth + 1  # grammar_service must be done with it (it reads desc n-D)
         if oldest >= self.first_step:
-            if not chan.wait_seq("mask_seq", oldest, timeout_s=60):
+            if not chan.wait_seq("mask_seq", oldest, timeout_s=60, spin_s=self.args.host_wait_spin_us / 1e6):
                 raise TimeoutError(f"grammar_service stuck before step {oldest}")
         if oldest >= self.first_step and constrained:
             # rows whose document ended at step oldest-1 get a fresh matcher (results of free
@@ -420,11 +424,12 @@ def _engine_run(engine, preset: str, batch: int, mode: str, context: int, new_to
 
 
 def start_grammar_service(chan: StepChannel, tokenizer_dir: str, max_slots: int, tmp: pathlib.Path,
-                          fill_threads: int = 0):
+                          fill_threads: int = 0, config: dict | None = None):
     schema = tmp / "bench_schema.json"
     schema.write_text(json.dumps(SCHEMA))
     proc = subprocess.Popen([sys.executable, str(ROOT / "tests/gpu/grammar_proc.py"), chan.name, tokenizer_dir,
-                             str(VOCAB), str(max_slots), "1", str(schema), str(fill_threads)],
+                             str(VOCAB), str(max_slots), "1", str(schema), str(fill_threads),
+                             json.dumps(config or {})],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     ready = json.loads(proc.stdout.readline())
     return proc, ready["grammar_id"], ready.get("backend", "?")
@@ -449,6 +454,11 @@ def main() -> int:
         "STRUCTGEN_TEKKEN_DIR", str(pathlib.Path.home() / ".cache/structgen/tokenizers/tekken_131k")))
     ap.add_argument("--grammar-fill-threads", type=int, default=0,
                     help="grammar_service's mask-fill threads for the graph rows (0: its default)")
+    ap.add_argument("--grammar-config", type=json.loads, default={},
+                    help="further GrammarServiceConfig fields for grammar_service, as a JSON object")
+    ap.add_argument("--host-wait-spin-us", type=float, default=HOST_WAIT_SPIN_US,
+                    help="how long the host spins on mask_seq before it writes a descriptor D steps "
+                         "ahead, before sleeping up to 1 ms (50: the harness before run 11)")
     ap.add_argument("--prefetch-min-bucket", type=int, default=None,
                     help="GpuDecodeRunner.prefetch_min_bucket (default: the runner's): buckets below "
                          "it read masks after the forward; 1 = the side-stream prefetch everywhere")
@@ -481,9 +491,11 @@ def main() -> int:
     mapped = MappedChannel.register(chan)
     tmp = pathlib.Path(os.environ.get("TMPDIR", "/tmp"))
     proc, grammar_id, backend = start_grammar_service(chan, args.tokenizer_dir, max(args.batches), tmp,
-                                                      args.grammar_fill_threads)
+                                                      args.grammar_fill_threads, args.grammar_config)
     result["mask_source"] = result["mask_source"].replace("(xgrammar)", f"({backend})")
     result["grammar_fill_threads"] = args.grammar_fill_threads or "default (cores / 2)"
+    result["grammar_config"] = args.grammar_config
+    result["host_wait_spin_us"] = args.host_wait_spin_us
     bench = Bench(args, mapped, grammar_id)
     bench.bw, bench.first_step, bench.next_step, bench.num_rebinds, bench.num_errors = bw, 1, 1, 0, 0
     result["models"] = []
@@ -495,7 +507,9 @@ def main() -> int:
         proc.stdin.close()
         tail = proc.stdout.read().strip().splitlines()
         proc.wait(30)
-        result["grammar_service_stats"] = json.loads(tail[-1])["stats"] if tail else None
+        last = json.loads(tail[-1]) if tail else {}
+        result["grammar_service_stats"] = last.get("stats")
+        result["grammar_recent_step_us"] = last.get("recent_step_us")  # the last 1024 steps
         result["rebinds"], result["grammar_errors"] = bench.num_rebinds, bench.num_errors
         mapped.close()
         chan.close()

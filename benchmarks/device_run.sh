@@ -9,12 +9,12 @@
 #   (abi3, manylinux_2_31): grammar_service's auto backend then picks it, as in the GPU image.
 # .bench: the real tokenizers as tgz, made here from the converted copies:
 #   tar czf .bench/<name>.tgz -C ~/.cache/structgen/tokenizers <name>   (tekken_131k, mistral_32k)
-#   run: bash benchmarks/device_run.sh [tests|bench|verify|profile|gemv|grammar|all|a,b,...] [extra decode.py args...]
+#   run: bash benchmarks/device_run.sh [tests|bench|verify|profile|gemv|grammar|ab|all|a,b,...] [extra decode.py args...]
 #   (PROFILE_ARGS: extra profile_step.py args, e.g. "--variants gemv+pdl-torch-prologue gemv+pdl";
 #    GRAMMAR_ARGS: grammar_step.py's workload args instead of the default)
 # Writes under $OUT: env.txt, tests.log, junit.xml, bench.log, decode-h200.json,
 #   grammar_step.log, grammar_step-h200-host-16cpu.json, profile.log, profile-h200.json,
-#   kernels-gemv.log, kernels-gemv-h200.json, verify.log, verify-h200.json.
+#   kernels-gemv.log, kernels-gemv-h200.json, verify.log, verify-h200.json, decode-ab-<name>.json|.log.
 set -uo pipefail
 what=${1:-all}; shift || true   # one part, a comma-separated list, or all
 want() { [[ $what == all || ,$what, == *,$1,* ]]; }
@@ -71,5 +71,16 @@ if want grammar; then
   timeout ${GRAMMAR_TIMEOUT:-150} python3 benchmarks/grammar_step.py --machine h200-host-16cpu \
     ${GRAMMAR_ARGS:---backends llguidance xgrammar --vocabs tekken_131k --workloads random replay --batches 64 128 --repeats 3} \
     --out "$OUT/grammar_step-h200-host-16cpu.json" 2>&1 | tee "$OUT/grammar_step.log" | tail -30
+fi
+if want ab; then
+  # decode.py A/B, one process per run: AB_RUNS="name:args;name2:args2" (no spaces inside one
+  # argument), AB_ARGS common to every run; writes decode-ab-<name>.json|.log
+  IFS=';' read -ra runs <<< "${AB_RUNS:-}"
+  for run in "${runs[@]}"; do
+    name=${run%%:*}; extra=${run#*:}
+    timeout ${AB_TIMEOUT:-110} python3 benchmarks/decode.py ${AB_ARGS:-} $extra --out "$OUT/decode-ab-$name.json" \
+      > "$OUT/decode-ab-$name.log" 2>&1
+    echo "== $name: $extra"; tail -7 "$OUT/decode-ab-$name.log"
+  done
 fi
 exit $rc

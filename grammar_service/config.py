@@ -39,6 +39,10 @@ class GrammarServiceConfig:
     # 8 lanes against 1: fill x0.51 / x0.46, service step x0.60 / x0.61 at 64 / 128 rows
     # (grammar_step-h200-host-16cpu-lanes.json); 1B decode at 128 rows: mask wait 18% -> 1.4%.
     num_llguidance_lanes: int = 8
+    # a channel's loop spins this long on inputs_seq before sleeping in 10-100 us steps, whose
+    # wake-up (~60-150 us with the kernel's timer slack) adds to the mask's latency when the
+    # GPU's next step comes later than this; a spin holds a CPU while it lasts.
+    step_wait_spin_us: int = 100
     compile_timeout_s: float = 10.0     # a slower compile is refused and remembered
     negative_cache_ttl_s: float = 60.0  # how long a failed/timed-out spec is answered from memory
     max_grammar_bytes: int = 1 << 20    # grammar text (or all choices together) above this is refused
@@ -57,6 +61,8 @@ class GrammarServiceConfig:
             raise ValueError(f"num_fill_threads must be >= 0, got {self.num_fill_threads}")
         if self.min_parallel_advance_rows < 0:
             raise ValueError(f"min_parallel_advance_rows must be >= 0, got {self.min_parallel_advance_rows}")
+        if self.step_wait_spin_us < 0:
+            raise ValueError(f"step_wait_spin_us must be >= 0, got {self.step_wait_spin_us}")
         if self.num_llguidance_lanes < 0:
             raise ValueError(f"num_llguidance_lanes must be >= 0, got {self.num_llguidance_lanes}")
         if self.compile_timeout_s <= 0:

@@ -34,7 +34,7 @@ from step_channel import (
 
 log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.05     # wake up this often without inputs: heartbeat, stop flag
-WAIT_SPIN_S = 100e-6   # spin this long on inputs_seq, then sleep in steps of at most...
+WAIT_SPIN_S = 100e-6   # default: spin this long on inputs_seq, then sleep in steps of at most...
 WAIT_SLEEP_S = 100e-6  # ...this (the fill overlaps the forward; wake-up latency adds to it)
 
 
@@ -101,8 +101,10 @@ class StepLoop:
     """Owns a channel's slots and its loop thread; `start`, then `stop` from another thread."""
 
     def __init__(self, channel: StepChannel, max_slots: int, first_step: int,
-                 lookup_grammar: Callable[[int], tuple[GrammarBackend, Any] | None]):
+                 lookup_grammar: Callable[[int], tuple[GrammarBackend, Any] | None],
+                 wait_spin_s: float = WAIT_SPIN_S):
         self.channel = channel
+        self.wait_spin_s = wait_spin_s  # GrammarServiceConfig.step_wait_spin_us
         self.phases = StepPhases()
         self.slots = SlotTable(max_slots)
         self.next_step = first_step
@@ -136,13 +138,23 @@ class StepLoop:
         while not self._stop.is_set():
             chan.beat()
             if chan.wait_seq("inputs_seq", self.next_step, timeout_s=IDLE_WAIT_S,
-                             spin_s=WAIT_SPIN_S, max_sleep_s=WAIT_SLEEP_S):
+                             spin_s=self.wait_spin_s, max_sleep_s=WAIT_SLEEP_S):
                 self.run_step(self.next_step)
                 self.next_step += 1
 
     @property
     def mean_step_us(self) -> float:
         return sum(self._step_ns) / len(self._step_ns) / 1e3 if self._step_ns else 0.0
+
+    def recent_step_us(self) -> dict[str, float]:
+        """Percentiles (p50, p90, p99, max) of the last 1024 steps' times in us; {} before any."""
+        times = sorted(self._step_ns)
+        if not times:
+            return {}
+        at = {"p50": 0.50, "p90": 0.90, "p99": 0.99}
+        out = {name: times[min(len(times) - 1, int(q * len(times)))] / 1e3 for name, q in at.items()}
+        out["max"] = times[-1] / 1e3
+        return out
 
     # ---- one step ------------------------------------------------------------------------
     def run_step(self, step: int) -> None:

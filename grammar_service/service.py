@@ -110,7 +110,8 @@ class GrammarService:
                 channel = StepChannel.attach(name, geometry)
             except ChannelError as exc:
                 raise ServiceError("FAILED_PRECONDITION", str(exc)) from None
-            loop = StepLoop(channel, max_slots, first_step, self._lookup_grammar)
+            loop = StepLoop(channel, max_slots, first_step, self._lookup_grammar,
+                            wait_spin_s=self.config.step_wait_spin_us / 1e6)
             self._loops[name] = loop
             loop.start()
         log.info("channel %s open: %s, %d slots, first step %d", name, geometry, max_slots, first_step)
@@ -162,6 +163,10 @@ class GrammarService:
             "mean_step_us": (sum(loop.mean_step_us for loop in loops) / len(loops)) if loops else 0.0,
             "total_step_us": self._closed_step_us + sum(loop.total_step_ns for loop in loops) / 1e3,
         }
+
+    def recent_step_us(self) -> dict[str, dict[str, float]]:
+        """Per open channel: percentiles of its last 1024 step times (`StepLoop.recent_step_us`)."""
+        return {name: loop.recent_step_us() for name, loop in list(self._loops.items())}
 
     def close(self) -> None:
         for name in list(self._loops):

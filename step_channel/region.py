@@ -184,7 +184,9 @@ class StepChannel:
 
     def wait_seq(self, which: str, target: int, timeout_s: float | None = None,
                  spin_s: float = 50e-6, max_sleep_s: float = 1e-3) -> bool:
-        """Wait until seq >= target (wrap-safe): spin briefly, then back off. False on timeout."""
+        """Wait until seq >= target (wrap-safe): spin for spin_s, then back off in sleeps from
+        10 us up to max_sleep_s. The spin yields the CPU each round (and the GIL: the process's
+        other Python threads run meanwhile). False on timeout."""
         word = self._seq[which]
         target &= 0xFFFFFFFF
         start = time.perf_counter()
@@ -197,6 +199,8 @@ class StepChannel:
             if now - start > spin_s:
                 time.sleep(sleep)
                 sleep = min(sleep * 2, max_sleep_s)
+            else:
+                os.sched_yield()
         return True
 
     # ---- liveness --------------------------------------------------------------------------

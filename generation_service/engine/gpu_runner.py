@@ -77,8 +77,12 @@ log = logging.getLogger(__name__)
 
 PREFETCH_MIN_BUCKET = 16
 # CTAs of the side stream's mask gather (kernels/mask_gather.py): enough 32 KB tiles in flight
-# to keep the host link busy, few enough SMs that the forward beside it keeps the rest.
-MASK_GATHER_PROGRAMS = 8
+# to keep the host link busy, few enough SMs that the forward beside it keeps the rest. H200, 1B,
+# nowait step (benchmarks/results/profile-h200-gather.json) at 64 / 128 rows: free 1.499 / 1.918
+# ms; index_select 1.534 / 1.948; 2 CTAs 1.515 / 1.909, 4: 1.516 / 1.910, 8: 1.518 / 1.924,
+# 16: 1.519 / 1.927, 32: 1.530 / 1.932. 4, not 2: twice the loads in flight when a late mask
+# puts the gather on the critical path.
+MASK_GATHER_PROGRAMS = 4
 
 
 def publish_step_seq(mapped, fence: torch.Tensor, step_counter: torch.Tensor, which: str) -> None:

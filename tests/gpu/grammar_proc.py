@@ -1,10 +1,11 @@
 """grammar_service in its own process, for GPU tests and benchmarks: the real StepLoop.
 
-    python tests/gpu/grammar_proc.py CHANNEL TOKENIZER_DIR VOCAB_SIZE MAX_SLOTS FIRST_STEP SCHEMA_FILE [FILL_THREADS]
+    python tests/gpu/grammar_proc.py CHANNEL TOKENIZER_DIR VOCAB_SIZE MAX_SLOTS FIRST_STEP SCHEMA_FILE [FILL_THREADS [CONFIG]]
 
 Compiles the JSON schema in SCHEMA_FILE (compact: no free whitespace), opens the channel
 (the geometry is read from the region), prints one JSON line {"grammar_id": ...} when the
-loop runs, and stops when its stdin closes, printing {"stats": ...} last.
+loop runs, and stops when its stdin closes, printing {"stats": ..., "recent_step_us": ...} last.
+CONFIG: a JSON object of further GrammarServiceConfig fields (benchmark A/B).
 """
 from __future__ import annotations
 
@@ -25,8 +26,9 @@ def main(argv: list[str]) -> int:
     name, tokenizer_dir, vocab, max_slots, first_step, schema_path, *rest = argv
     vocab_size = int(vocab)
     fill_threads = int(rest[0]) if rest else 0  # 0: grammar_service's default
+    overrides = json.loads(rest[1]) if len(rest) > 1 else {}
     service = GrammarService(GrammarServiceConfig(tokenizer_dir=tokenizer_dir, vocab_size=vocab_size,
-                                                  num_fill_threads=fill_threads))
+                                                  num_fill_threads=fill_threads, **overrides))
     spec = GrammarSpec(kind="json_schema", text=pathlib.Path(schema_path).read_text(), any_whitespace=False)
     outcome = service.compile(spec).result(timeout=120)
     probe = StepChannel.attach(name)
@@ -37,9 +39,9 @@ def main(argv: list[str]) -> int:
                          tokenizer_fingerprint=fingerprint_tokenizer_json(tokenizer_dir, vocab_size))
     print(json.dumps({"grammar_id": outcome.entry.grammar_id, "backend": outcome.entry.backend}), flush=True)
     sys.stdin.read()  # until the parent closes our stdin
-    stats = service.stats()
+    stats, recent = service.stats(), service.recent_step_us()
     service.close()
-    print(json.dumps({"stats": stats}), flush=True)
+    print(json.dumps({"stats": stats, "recent_step_us": recent}), flush=True)
     return 0
 
 
