@@ -73,7 +73,7 @@ PAGE_SIZE = 16
 # waiting modes pay. Spinning keeps the harness out of the GPU's time.
 HOST_WAIT_SPIN_US = 20000.0
 RUNNER_SETTINGS = ("prefetch_min_bucket", "fold_step_tail", "ring_mask_read", "mask_gather_programs",
-                   "fold_inputs_seq")
+                   "fold_inputs_seq", "prefetch_at_head")
 SCHEMA = {  # a typical extraction schema: strings, numbers, enums, a nested array
     "type": "object",
     "properties": {
@@ -474,6 +474,9 @@ def main() -> int:
     ap.add_argument("--fold-inputs-seq", action=argparse.BooleanOptionalAction, default=None,
                     help="GpuDecodeRunner.fold_inputs_seq (default: the runner's): the forward's prologue "
                          "publishes inputs_seq; --no-fold-inputs-seq: a write memop + a copy kernel before it")
+    ap.add_argument("--prefetch-at-head", action=argparse.BooleanOptionalAction, default=None,
+                    help="GpuDecodeRunner.prefetch_at_head (default: the runner's): below prefetch_min_bucket "
+                         "the prefetch variants fork the mask wait + gather at the LM head")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/decode-h200.json"))
     args = ap.parse_args()
     args.batches = sorted(args.batches)

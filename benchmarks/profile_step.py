@@ -84,6 +84,9 @@ VARIANTS = {
     # ... below 16 rows, mask_sample reading the mapped ring in place, no gather kernel
     "gemv+pdl/prepublished-ring-read": dict(gemv_max_batch=8, pdl=True, graph="prepublished",
                                             ring_mask_read=True),
+    # below 16 rows, the mask wait + gather forked beside the LM head instead of after it
+    "gemv+pdl/prepublished-at-head": dict(gemv_max_batch=8, pdl=True, graph="prepublished", prefetch_at_head=True),
+    "gemv+pdl/nowait-at-head": dict(gemv_max_batch=8, pdl=True, graph="nowait", prefetch_at_head=True),
     # the side stream's mask gather (>= 16 rows) by torch.index_select, as before
     # kernels/mask_gather.py, or by that kernel over fewer or more CTAs than the default
     "gemv+pdl/nowait-index-select": dict(gemv_max_batch=8, pdl=True, graph="nowait", mask_gather_programs=0),

@@ -145,13 +145,15 @@ class DecodeForward:
         """Whether `__call__` can publish inputs_seq: its first launch is the fused prologue."""
         return self.fused_ops and self.fused_prologue
 
-    def __call__(self, bucket: int, publish: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def __call__(self, bucket: int, publish: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 before_head: Callable[[], None] | None = None) -> torch.Tensor:
         """(bucket, vocab) logits of one token per row; graph safe (no host reads). Fused: the
         prologue, then 7-10 launches per layer (see the module docstring), bf16 logits
         (mask_sample reads them as they are); else the model's own modules (the v1 path,
         ~36 launches per layer), float32 logits. publish (needs `publishes_inputs`): the
         prologue also stores the device step counter into the step channel's inputs_seq word
-        (`kernels/decode_prologue.py`)."""
+        (`kernels/decode_prologue.py`). before_head: called right before the LM head is launched
+        (the runner forks its mask read there)."""
         buf = self.buffers
         if publish is not None and not self.publishes_inputs:
             raise ValueError("publishing inputs_seq needs the fused prologue")
@@ -159,11 +161,11 @@ class DecodeForward:
             residual, cos, sin, slot_ids = self._prologue(buf.input_ids[:bucket], buf.positions[:bucket],
                                                           buf.page_table[:bucket], publish)
             return self.fused_layers(residual, cos, sin, slot_ids, self._decode_attend(bucket),
-                                     self._projections(bucket))
+                                     self._projections(bucket), before_head)
         ids = buf.input_ids[:bucket].clamp(0, self.config.vocab_size - 1)
         positions = buf.positions[:bucket]
         return self.torch_tokens(ids, positions, self._slot_ids(positions, buf.page_table[:bucket]),
-                                 self._decode_attend(bucket))
+                                 self._decode_attend(bucket), before_head)
 
     def _slot_ids(self, positions: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
         """(b,) int64 flattened cache slot of each row's new token (padding rows: dummy page)."""
@@ -244,7 +246,8 @@ class DecodeForward:
                                page_table, self.kv.page_size, publish)
 
     def fused_layers(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     slot_ids: torch.Tensor, attend: Callable, proj: Projections) -> torch.Tensor:
+                     slot_ids: torch.Tensor, attend: Callable, proj: Projections,
+                     before_head: Callable[[], None] | None = None) -> torch.Tensor:
         """The fused layer loop over T token slots (one per row for decode): residual (T, hidden)
         the embedded tokens, cos/sin (T, D) at their positions (`kernels/decode_prologue.py`).
         Each norm's input x comes with rms = None (x normalised by a kernel) or with the RowRms of
@@ -275,6 +278,8 @@ class DecodeForward:
         # the final norm keeps its weight: the LM head's weight may be the (tied) embedding
         x, _ = add_rmsnorm(proj.linear(act, down_proj.weight, down_proj.bias), residual,
                            m.model.norm.weight, eps)
+        if before_head is not None:
+            before_head()
         return proj.linear(x, m.output_weight, None)
 
     def _norm_weights(self, index: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -300,7 +305,7 @@ class DecodeForward:
         return normed, h, None
 
     def torch_tokens(self, ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
-                     attend: Callable) -> torch.Tensor:
+                     attend: Callable, before_head: Callable[[], None] | None = None) -> torch.Tensor:
         """The unfused layer loop over T token slots; float32 logits."""
         assert self.weights is None or not self.weights[0].norms_folded, "folded: for fused_layers"
         cfg, m, kv = self.config, self.model, self.kv
@@ -332,4 +337,6 @@ class DecodeForward:
             else:
                 hidden = hidden + layer.mlp(x)
         hidden = m.model.norm(hidden)
+        if before_head is not None:
+            before_head()
         return F.linear(hidden, m.output_weight).float()

@@ -62,6 +62,7 @@ graph. Without a step channel (`mapped=None`) only the free variant exists.
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import torch
 
@@ -83,6 +84,7 @@ PREFETCH_MIN_BUCKET = 16
 # 16: 1.519 / 1.927, 32: 1.530 / 1.932. 4, not 2: twice the loads in flight when a late mask
 # puts the gather on the critical path.
 MASK_GATHER_PROGRAMS = 4
+PREFETCH_AT_HEAD = False
 
 
 def publish_step_seq(mapped, fence: torch.Tensor, step_counter: torch.Tensor, which: str) -> None:
@@ -157,6 +159,10 @@ class GpuDecodeRunner:
         # Read at capture: the forward's prologue kernel publishes inputs_seq (fused path); False:
         # a write memop and a copy kernel before the forward (A/B).
         self.fold_inputs_seq = True
+        # Read at capture: below prefetch_min_bucket, prefetch variants fork the mask wait and
+        # gather at the LM head (the forward's last launch) instead of reading after the forward;
+        # False: they read after the forward like the +serial ones (A/B).
+        self.prefetch_at_head = PREFETCH_AT_HEAD
         if variants is None:
             variants = SERVING_VARIANTS if mapped is not None else (FREE,)
         self.variants = self._own_variants(variants)
@@ -214,10 +220,12 @@ class GpuDecodeRunner:
         self.capture()
 
     # ---- the forward -----------------------------------------------------------------
-    def decode_forward(self, bucket: int, publish: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def decode_forward(self, bucket: int, publish: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       before_head: Callable[[], None] | None = None) -> torch.Tensor:
         """(bucket, vocab) logits of one token per row from the persistent buffers; publish: the
-        prologue also stores inputs_seq (`DecodeForward.__call__`)."""
-        return self.forward(bucket, publish)
+        prologue also stores inputs_seq; before_head: called before the LM head's launch
+        (`DecodeForward.__call__`)."""
+        return self.forward(bucket, publish, before_head)
 
     # ---- the step body -----------------------------------------------------------------
     def _publish(self, which: str) -> None:
@@ -306,20 +314,26 @@ class GpuDecodeRunner:
                         and self.forward.publishes_inputs)
         if variant.waits and not folds_inputs:
             self._publish("inputs_seq")
-        # NOTE: below prefetch_min_bucket a prefetch variant reads its masks after the forward too
+        # NOTE: below prefetch_min_bucket a prefetch variant forks at the LM head, or reads its
+        # masks after the forward (prefetch_at_head False)
         prefetches = variant.prefetches and bucket >= self.prefetch_min_bucket
-        main = torch.cuda.current_stream() if prefetches else None
-        if prefetches:
+        at_head = variant.prefetches and not prefetches and self.prefetch_at_head
+        main = torch.cuda.current_stream()
+
+        def fork(programs: int | None) -> None:
             # NOTE: the side stream sees the host's row updates and the previous step's sampler
             # (so its gather never overwrites masks step N-1 still reads); its wait may be issued
             # before inputs_seq = N lands: mask_seq is still N-1 or N (module docstring).
             self._side.wait_stream(main)
             with torch.cuda.stream(self._side):
-                self._read_masks(bucket, variant, self.mask_gather_programs)
-        publish = (self.buffers.step, self.mapped.seq_view("inputs_seq")) if folds_inputs else None
-        logits = self.decode_forward(bucket, publish)
-        masks = mask_slot = None
+                self._read_masks(bucket, variant, programs)
         if prefetches:
+            fork(self.mask_gather_programs)
+        publish = (self.buffers.step, self.mapped.seq_view("inputs_seq")) if folds_inputs else None
+        # at the head nothing runs beside the gather but the LM head: every tile at once
+        logits = self.decode_forward(bucket, publish, (lambda: fork(None)) if at_head else None)
+        masks = mask_slot = None
+        if prefetches or at_head:
             main.wait_stream(self._side)  # NOTE: join before the sampler reads the buffer (and before capture ends)
             masks = self._mask_rows[:bucket]
         elif variant.uses_channel:

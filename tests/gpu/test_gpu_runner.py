@@ -83,14 +83,17 @@ def pack_bits(allowed: torch.Tensor) -> np.ndarray:
 POISON = 7  # the only token the stale masks allow, and one the real masks never do
 # GpuDecodeRunner switches read at capture: the step's channel work before the folds (memops
 # for inputs_seq and the tail, torch.index_select's gather) and after them, with the mask
-# gather's CTAs at the default, at one (one CTA walks every tile), and mask_sample reading the ring
+# gather's CTAs at the default, at one (one CTA walks every tile), mask_sample reading the ring, and
+# (below 16 rows) the prefetch forked at the LM head
 TAILS = {
     "memop-tail+index-select": dict(fold_inputs_seq=False, fold_step_tail=False, mask_gather_programs=0,
-                                    ring_mask_read=False),
+                                    ring_mask_read=False, prefetch_at_head=False),
     "folded-tail+ring-read": dict(fold_inputs_seq=True, fold_step_tail=True, mask_gather_programs=8,
-                                  ring_mask_read=True),
+                                  ring_mask_read=True, prefetch_at_head=False),
     "folded-tail+gather-1": dict(fold_inputs_seq=True, fold_step_tail=True, mask_gather_programs=1,
-                                 ring_mask_read=False),
+                                 ring_mask_read=False, prefetch_at_head=False),
+    "folded-tail+at-head": dict(fold_inputs_seq=True, fold_step_tail=True, mask_gather_programs=4,
+                                ring_mask_read=False, prefetch_at_head=True),
 }
 
 
