@@ -17,28 +17,32 @@ One decode step of bucket b (the body captured by `DecodeGraphs`), mask prefetch
       N += 1 and its ring slot on the device
 
 Captured nodes of a channel step besides the forward: 1 memop (the wait) and 4 kernels
-(gather, mask_sample's two, the epilogue); bucket >= 16 runs the wait and the gather on the
-side stream, below 16 after the forward on the main stream. A/B switches, read at capture:
+(gather, mask_sample's two, the epilogue); bucket >= 16 forks the wait and the gather onto the
+side stream at the start of the step, below 16 just before the LM head (`prefetch_at_head`), so
+there they run beside the head alone; the `+serial` variants run them after the forward on
+the main stream. A/B switches, read at capture:
 `fold_inputs_seq = False` publishes inputs_seq as before, a write memop (the fence) and a copy
 kernel ahead of the forward; `fold_step_tail = False` ends the step with the epilogue without
 the seq, then `publish_step_seq` + `advance_channel_step` (a write memop and 3 kernels);
 `mask_gather_programs = 0` gathers with torch.index_select, whose blocks fill every SM while
-their loads cross the bus; `ring_mask_read` (below 16, off by default) lets mask_sample read
-entry N % D in place: one kernel fewer.
+their loads cross the bus; `prefetch_at_head = False` reads below 16 after the forward as the
+`+serial` variants do; `ring_mask_read` (reads after the forward only, off by default) lets
+mask_sample read entry N % D in place: one kernel fewer.
 
 grammar_service publishes step N's masks usually long before the forward ends, so the
 wait and the PCIe read of the mask rows (~2 MB at b=128, vocab 131k) leave the critical
 path. The `+serial` variants (`mask_prefetch=False`) run the wait and the gather on the
 main stream after the forward instead: the same kernels, the same buffers, so the same tokens.
-Buckets below `prefetch_min_bucket` (16) do so in every variant: there the forward is a chain
-of PDL-linked kernels, the side-stream branch slowed it by more than the 3-6 us gather it hides
-(H200: 1B batch 8, +24 us for the branch alone), and grammar_service is rarely late for 8 rows.
+Buckets below `prefetch_min_bucket` (16) fork late, at the LM head: there the forward is a chain
+of PDL-linked kernels, and a branch forked at the start of the step slowed it by more than the
+3-6 us gather it hides (H200: 1B batch 8, +24 us for the branch alone); forked at the head it
+costs nothing measurable and hides the wait node too.
 
-Capture: the side stream forks at the start of the step and joins before the sampler reads
-the mask buffer; both are event edges, so in a graph the wait + gather become a branch
-parallel to the forward, and a replay ends only when both branches have. The mask buffer `(max_batch, mask_words)` is
-allocated per mapped channel in `_map_channel`, never in the capture pool; steps on one stream are
-ordered, and the fork waits for everything before it (the previous step's sampler
+Capture: the side stream forks at the start of the step (below 16: before the LM head) and
+joins before the sampler reads the mask buffer; both are event edges, so in a graph the wait +
+gather become a branch parallel to the forward, and a replay ends only when both branches have.
+The mask buffer `(max_batch, mask_words)` is allocated per mapped channel in `_map_channel`,
+never in the capture pool; steps on one stream are ordered, and the fork waits for everything before it (the previous step's sampler
 included), so the gather of step N+1 never overwrites masks step N still reads.
 
 Why a parity wait: a captured cuStreamWaitValue32 has its value baked in, but N changes
@@ -84,7 +88,13 @@ PREFETCH_MIN_BUCKET = 16
 # 16: 1.519 / 1.927, 32: 1.530 / 1.932. 4, not 2: twice the loads in flight when a late mask
 # puts the gather on the critical path.
 MASK_GATHER_PROGRAMS = 4
-PREFETCH_AT_HEAD = False
+# Below PREFETCH_MIN_BUCKET the prefetch variants fork the mask wait + gather beside the LM head
+# (the forward's last launch, ~120 us at 1B): it hides the wait node, the gather and up to the
+# head's time of a late grammar_service. H200 (profile-h200-at-head.json), 1B prepublished step
+# at 1 / 8 rows: 0.871 -> 0.866 / 1.112 -> 1.103 ms, nowait beside free: no branch cost; 8B
+# 4.308 -> 4.306 / 4.777 -> 4.768. decode.py, one call: 1B c/f 0.985 -> 0.990 (1 row),
+# 0.971 -> 0.977 (8 rows) (decode-h200-1b-at-head-on.json, -off.json).
+PREFETCH_AT_HEAD = True
 
 
 def publish_step_seq(mapped, fence: torch.Tensor, step_counter: torch.Tensor, which: str) -> None:
