@@ -285,3 +285,6 @@ def test_step_phases_add_up_to_the_step_time_and_reach_the_counter(service, comp
     assert p.advance_ns + p.fill_ns + p.bookkeeping_ns == loop.total_step_ns
     for name, ns in zip(phases, (p.advance_ns, p.fill_ns, p.bookkeeping_ns)):
         assert after[name] - before[name] == pytest.approx(ns / 1e9, rel=1e-6, abs=1e-9)
+    recent = loop.recent_step_us()  # the percentiles benchmarks read: ordered, within the steps' times
+    assert list(recent) == ["p50", "p90", "p99", "max"]
+    assert 0 < recent["p50"] <= recent["p90"] <= recent["p99"] <= recent["max"] <= loop.total_step_ns / 1e3

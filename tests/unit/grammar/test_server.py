@@ -37,6 +37,7 @@ def test_cli_defaults_are_the_config_defaults():
 
 def test_bad_configuration_exits_2():
     assert main(["--num-compile-threads", "0"]) == 2
+    assert main(["--step-wait-spin-us", "-1"]) == 2
 
 
 def _free_port() -> int:
