@@ -66,14 +66,26 @@ from hf_baseline import hf_baseline  # noqa: E402  (benchmarks/, the script's fo
 
 VOCAB = 131072
 PAGE_SIZE = 16
-# GpuDecodeRunner switches the command line can set (each --flag of the same name; None: the
-# runner's default), read at capture: A/B of the step's channel work in one run
 # The host writes descriptor n once grammar_service is done with step n - D + 1; a sleeping host
 # (wait_seq's 1 ms steps) could launch step n after the GPU drained its queue, a bubble only the
-# waiting modes pay. Spinning keeps the harness out of the GPU's time.
+# waiting modes would pay, so the harness spins (at 1B, 50 us of spin and then sleeps measured
+# the same: benchmarks/results/decode-h200-1b-b8wait-hostsleep.json vs -base.json).
 HOST_WAIT_SPIN_US = 20000.0
-RUNNER_SETTINGS = ("prefetch_min_bucket", "fold_step_tail", "ring_mask_read", "mask_gather_programs",
-                   "fold_inputs_seq", "prefetch_at_head")
+# GpuDecodeRunner switches the command line can set (each --flag of the same name; None: the
+# runner's default), read at capture: A/B of the step's channel work in one run. name: (type, help)
+RUNNER_SETTINGS = {
+    "prefetch_min_bucket": (int, "buckets below it fork the mask read at the LM head (or read after "
+                                 "the forward); 1 = the side-stream prefetch from the step's start everywhere"),
+    "fold_step_tail": (bool, "the epilogue publishes outputs_seq and advances N; --no-fold-step-tail: the "
+                             "write memop + 3 kernels after it"),
+    "ring_mask_read": (bool, "masks read after the forward: mask_sample reads the mapped ring entry in place "
+                             "instead of a gather kernel first"),
+    "mask_gather_programs": (int, "CTAs of the side stream's mask gather; 0: torch.index_select"),
+    "fold_inputs_seq": (bool, "the forward's prologue publishes inputs_seq; --no-fold-inputs-seq: a write "
+                              "memop + a copy kernel before it"),
+    "prefetch_at_head": (bool, "below prefetch_min_bucket the prefetch variants fork the mask wait + gather "
+                               "at the LM head"),
+}
 SCHEMA = {  # a typical extraction schema: strings, numbers, enums, a nested array
     "type": "object",
     "properties": {
@@ -459,24 +471,10 @@ def main() -> int:
     ap.add_argument("--host-wait-spin-us", type=float, default=HOST_WAIT_SPIN_US,
                     help="how long the host spins on mask_seq before it writes a descriptor D steps "
                          "ahead, before sleeping up to 1 ms (50: the harness before run 11)")
-    ap.add_argument("--prefetch-min-bucket", type=int, default=None,
-                    help="GpuDecodeRunner.prefetch_min_bucket (default: the runner's): buckets below "
-                         "it read masks after the forward; 1 = the side-stream prefetch everywhere")
-    ap.add_argument("--fold-step-tail", action=argparse.BooleanOptionalAction, default=None,
-                    help="GpuDecodeRunner.fold_step_tail (default: the runner's): the epilogue publishes "
-                         "outputs_seq and advances N; --no-fold-step-tail: the write memop + 3 kernels after it")
-    ap.add_argument("--ring-mask-read", action=argparse.BooleanOptionalAction, default=None,
-                    help="GpuDecodeRunner.ring_mask_read (default: the runner's): below prefetch_min_bucket "
-                         "mask_sample reads the mapped ring entry in place instead of a gather kernel first")
-    ap.add_argument("--mask-gather-programs", type=int, default=None,
-                    help="GpuDecodeRunner.mask_gather_programs (default: the runner's): CTAs of the side "
-                         "stream's mask gather; 0: torch.index_select")
-    ap.add_argument("--fold-inputs-seq", action=argparse.BooleanOptionalAction, default=None,
-                    help="GpuDecodeRunner.fold_inputs_seq (default: the runner's): the forward's prologue "
-                         "publishes inputs_seq; --no-fold-inputs-seq: a write memop + a copy kernel before it")
-    ap.add_argument("--prefetch-at-head", action=argparse.BooleanOptionalAction, default=None,
-                    help="GpuDecodeRunner.prefetch_at_head (default: the runner's): below prefetch_min_bucket "
-                         "the prefetch variants fork the mask wait + gather at the LM head")
+    for name, (kind, text) in RUNNER_SETTINGS.items():
+        kwargs = dict(action=argparse.BooleanOptionalAction) if kind is bool else dict(type=kind)
+        ap.add_argument("--" + name.replace("_", "-"), default=None,
+                        help=f"GpuDecodeRunner.{name} (default: the runner's): {text}", **kwargs)
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/decode-h200.json"))
     args = ap.parse_args()
     args.batches = sorted(args.batches)

@@ -42,8 +42,9 @@ Capture: the side stream forks at the start of the step (below 16: before the LM
 joins before the sampler reads the mask buffer; both are event edges, so in a graph the wait +
 gather become a branch parallel to the forward, and a replay ends only when both branches have.
 The mask buffer `(max_batch, mask_words)` is allocated per mapped channel in `_map_channel`,
-never in the capture pool; steps on one stream are ordered, and the fork waits for everything before it (the previous step's sampler
-included), so the gather of step N+1 never overwrites masks step N still reads.
+never in the capture pool; steps on one stream are ordered, and the fork waits for everything
+before it (the previous step's sampler included), so the gather of step N+1 never overwrites
+masks step N still reads.
 
 Why a parity wait: a captured cuStreamWaitValue32 has its value baked in, but N changes
 every replay. While step N waits, mask_seq is N-1 or N (grammar_service publishes M only
@@ -160,8 +161,9 @@ class GpuDecodeRunner:
         # gather it hides (docs/gpu.md, "Mask prefetch below 16 rows"). Read at capture.
         self.prefetch_min_bucket = PREFETCH_MIN_BUCKET
         # Read at capture: masks read after the forward (no prefetch) go straight from the mapped
-        # ring into the sampler, no gather kernel (`_masks_after_forward`). Off: unmeasured (A/B);
-        # the sampler's slice loop pays a PCIe latency per 1024 tokens where the gather pays one.
+        # ring into the sampler, no gather kernel (`_masks_after_forward`). Off: within noise at 1B
+        # (profile-h200-gather.json, prepublished B=8 1.111 vs 1.113 ms; the sampler's slice loop
+        # pays a PCIe latency per 1024 tokens where the gather pays one), and the head fork reads first.
         self.ring_mask_read = False
         # Read at capture: CTAs of the prefetching side stream's mask gather; 0: torch.index_select
         # everywhere (A/B: it fills every SM while its loads cross the bus).

@@ -74,7 +74,8 @@ def _prologue_kernel(ids_ptr, positions_ptr, page_table_ptr, embed_ptr, cos_tabl
 def decode_prologue(ids: torch.Tensor, positions: torch.Tensor, embed: torch.Tensor,
                     cos_table: torch.Tensor, sin_table: torch.Tensor,
                     page_table: torch.Tensor | None = None, page_size: int = 0,
-                    publish: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                    publish: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(hidden (T, H) in embed's dtype, cos (T, D), sin (T, D), slot_ids (T,) int64 or None).
     ids, positions (T,) integer; embed (vocab, H) rows contiguous; cos/sin tables (P, D)
     contiguous (row p: position p); page_table (T, max_pages), one row per token (decode), or
