@@ -120,6 +120,22 @@ def copy_bandwidth_gbs(nbytes: int = 4 << 30, reps: int = 10) -> float:
     return 2 * nbytes / sorted(times[2:])[len(times[2:]) // 2] / 1e9
 
 
+WAIT_STAMP_SLOTS = 8192  # --wait-stamps: steps of one mode's run the ring holds
+
+
+def wait_stamps_summary(stamps: torch.Tensor, first: int, end: int) -> dict:
+    """Channel steps [first, end): the GPU's time from before to after its mask wait, in us
+    (`GpuDecodeRunner.wait_stamps`; it includes the second stamp's launch): percentiles, mean,
+    and the share of steps over 10 us."""
+    assert 0 < end - first <= stamps.shape[0], "more steps than the stamp ring holds"
+    slots = torch.arange(first, end) % stamps.shape[0]
+    t = stamps.cpu()[slots]
+    us = sorted(((t[:, 1] - t[:, 0]).double() / 1e3).tolist())
+    at = lambda q: us[min(len(us) - 1, int(q * len(us)))]  # noqa: E731
+    return {"p50": at(0.5), "p90": at(0.9), "p99": at(0.99), "max": us[-1], "mean": sum(us) / len(us),
+            "over_10us": sum(u > 10 for u in us) / len(us)}
+
+
 def weight_bytes_read(model) -> int:
     cfg = model.config
     total = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -151,7 +167,7 @@ class Bench:
         for i in range(self.args.warmup + num_steps):
             if i == self.args.warmup:
                 torch.cuda.synchronize()
-                start = time.perf_counter()
+                start, first_step = time.perf_counter(), runner.next_channel_step
             if channel_step:
                 # prepublished: free rows (grammar_service fills all-ones masks, advances nothing)
                 self._describe(runner.next_channel_step, batch, fresh, constrained=mode != "prepublished")
@@ -170,8 +186,11 @@ class Bench:
             if not self.chan.wait_seq("mask_seq", last, timeout_s=60):
                 raise TimeoutError(f"grammar_service stuck before step {last}")
         step_ms = elapsed / num_steps * 1e3
-        return {"batch": batch, "mode": mode, "steps": num_steps, "ms_per_step": step_ms,
-                "tokens_per_s": batch * num_steps / elapsed}
+        out = {"batch": batch, "mode": mode, "steps": num_steps, "ms_per_step": step_ms,
+               "tokens_per_s": batch * num_steps / elapsed}
+        if runner.wait_stamps is not None and channel_step:
+            out["wait_stamps_us"] = wait_stamps_summary(runner.wait_stamps, first_step, runner.next_channel_step)
+        return out
 
     def _describe(self, n: int, batch: int, fresh: set[int], constrained: bool = True) -> None:
         """Descriptor of channel step n; throttled so entry n % D is free to rewrite (also when
@@ -256,6 +275,8 @@ class Bench:
         for key in RUNNER_SETTINGS:  # read at capture
             if getattr(self.args, key) is not None:
                 setattr(runner, key, getattr(self.args, key))
+        if self.args.wait_stamps:
+            runner.wait_stamps = torch.zeros(WAIT_STAMP_SLOTS, 2, dtype=torch.int64, device="cuda")
         with torch.no_grad():
             capture_s = runner.capture()
             log(f"{preset}: captured {len(runner.graphs.graphs)} graphs in {capture_s:.1f} s")
@@ -280,6 +301,10 @@ class Bench:
                     rows.append(res)
                     log(f"{preset} b={batch:3d} {mode:18s} {res['ms_per_step']:7.3f} ms/step "
                         f"{res['tokens_per_s']:9.1f} tok/s  x{res['over_weight_floor']:.2f} weight floor")
+                    if "wait_stamps_us" in res:
+                        log(f"{preset} b={batch:3d} {mode:18s} wait node (us): " + ", ".join(
+                            f"{k} {v:.3f}" if k == "over_10us" else f"{k} {v:.1f}"
+                            for k, v in res["wait_stamps_us"].items()))
                 by = {r["mode"]: r for r in rows if r["batch"] == batch}
                 c, c_ms = by["constrained"], by["constrained"]["ms_per_step"]
                 c["wait_fraction"] = max(0.0, 1 - by["prepublished"]["ms_per_step"] / c_ms)
@@ -475,6 +500,9 @@ def main() -> int:
         kwargs = dict(action=argparse.BooleanOptionalAction) if kind is bool else dict(type=kind)
         ap.add_argument("--" + name.replace("_", "-"), default=None,
                         help=f"GpuDecodeRunner.{name} (default: the runner's): {text}", **kwargs)
+    ap.add_argument("--wait-stamps", action="store_true",
+                    help="GPU timestamps around every channel step's mask wait (two kernels more a step): "
+                         "per-step wait percentiles in each channel mode's row (wait_stamps_us)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/decode-h200.json"))
     args = ap.parse_args()
     args.batches = sorted(args.batches)

@@ -175,6 +175,9 @@ class GpuDecodeRunner:
         # gather at the LM head (the forward's last launch) instead of reading after the forward;
         # False: they read after the forward like the +serial ones (A/B).
         self.prefetch_at_head = PREFETCH_AT_HEAD
+        # Read at capture (diagnostics, benchmarks/decode.py --wait-stamps): (R, 2) int64 on the
+        # device; a channel step N stores %globaltimer at [N % R] before (0) and after (1) its wait
+        self.wait_stamps: torch.Tensor | None = None
         if variants is None:
             variants = SERVING_VARIANTS if mapped is not None else (FREE,)
         self.variants = self._own_variants(variants)
@@ -261,8 +264,14 @@ class GpuDecodeRunner:
         [0, bucket) of entry N % D (index = the device ring slot) from mapped host memory
         into the persistent mask buffer. Returns its (bucket, W) rows. programs: the gather's
         CTAs (None: all its tiles at once, for the main stream)."""
+        stamps = self.wait_stamps is not None and variant.waits and self._capturing
+        if stamps:
+            from generation_service.kernels.stamp import stamp
+            stamp(self.wait_stamps, self.buffers.step, 0)
         if variant.waits:
             self._wait_masks(variant)
+        if stamps:
+            stamp(self.wait_stamps, self.buffers.step, 1)
         rows = self._mask_rows[:bucket]
         if self.mask_gather_programs and self.sampler == "triton":
             from generation_service.kernels.mask_gather import mask_gather

@@ -16,7 +16,7 @@ from triton.compiler import ASTSource
 
 from generation_service.kernels import (decode_attention, decode_fused, decode_prologue,
                                         extend_attention, kv_write, mask_gather, mask_sample, philox,
-                                        prepare_inputs, rmsnorm, rotary, step_epilogue)
+                                        prepare_inputs, rmsnorm, rotary, stamp, step_epilogue)
 
 TARGET = GPUTarget("cuda", 90, 32)
 TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int32: "i32",
@@ -152,6 +152,7 @@ def main() -> int:
         "step_epilogue_publish": lambda: compile_sm90(
             step_epilogue._step_epilogue_kernel, I32, I64, I64, I64, I32, I64, I32, I32, I32, I32,
             *[N] * 4, 4, CHANNEL=True, PUBLISH=True, SYS_FENCE=True, BLOCK=128),
+        "stamp": lambda: compile_sm90(stamp._stamp_kernel, I64, I32, N, WHICH=1, num_warps=1),
         "silu_mul": lambda: compile_sm90(
             decode_fused._silu_mul_kernel, BF, BF, 14336, BLOCK=1024, PDL=True),
     }
