@@ -9,7 +9,7 @@ decode_fused (the decode forward's element-wise set: those two plus silu*mul),
 decode_prologue (embedding, cos/sin and cache slots before the first layer; it can publish
 the step channel's inputs_seq), step_epilogue (the bookkeeping after sampling, outputs_seq),
 mask_gather (the step's masks from the mapped ring), sysmem (their system-scope fence and
-store), gemv
+store), stamp (GPU timestamps around a step's mask wait: diagnostics), gemv
 (skinny GEMMs for decode buckets <= 8 and the measured Triton/cuBLAS choice per projection),
 pdl (programmatic dependent launch: the decode forward's kernels overlap their launches).
 NOTES.md: floors and measurements.
