@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .pdl import pdl_launch, pdl_launch_dependents, pdl_wait
-from .sysmem import SYS_FENCE, fence_system, store_system
+from .sysmem import SYS_FENCE, fence_system, store_seq
 
 BLOCK_H = 1024  # hidden columns per program: the gather spreads over hidden / 1024 programs a token
 
@@ -63,12 +63,10 @@ def _prologue_kernel(ids_ptr, positions_ptr, page_table_ptr, embed_ptr, cos_tabl
     if PUBLISH:
         if (t == 0) & (block == 0):
             n = tl.load(step_ptr)
+            one = tl.arange(0, 1)
             if SYS_FENCE:
-                one = tl.arange(0, 1)
                 fence_system(one)
-                store_system(seq_ptr + one, n + one, (one == 0).to(tl.int32))
-            else:
-                tl.store(seq_ptr, n)
+            store_seq(seq_ptr, n, one, SYS_FENCE)
 
 
 def decode_prologue(ids: torch.Tensor, positions: torch.Tensor, embed: torch.Tensor,

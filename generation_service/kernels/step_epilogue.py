@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .sysmem import SYS_FENCE, fence_system, store_system
+from .sysmem import SYS_FENCE, fence_system, store_seq
 
 BLOCK = 128  # rows per program
 MAX_PUBLISH_ROWS = BLOCK  # a publishing epilogue runs one program
@@ -64,10 +64,7 @@ def _step_epilogue_kernel(sampled_ptr, out_tokens_ptr, input_ids_ptr, positions_
         if SYS_FENCE:
             fence_system(rows)  # each thread: its outputs visible system-wide ...
         tl.debug_barrier()  # ... before any thread passes (every thread has read step and ring_slot)
-        if SYS_FENCE:
-            store_system(seq_ptr + rows * 0, n + rows * 0, (rows == 0).to(tl.int32))
-        else:
-            tl.store(seq_ptr, n)
+        store_seq(seq_ptr, n, rows, SYS_FENCE)
         n_next = n + 1
         tl.store(step_ptr, n_next)
         tl.store(ring_slot_ptr, ((n_next % depth + depth) % depth).to(tl.int64))  # as torch.remainder
