@@ -186,13 +186,23 @@ def serve(config: GrammarServiceConfig) -> None:
     running.stop()
 
 
+def _on_off(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("true", "on", "yes", "1"):
+        return True
+    if lowered in ("false", "off", "no", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     defaults = GrammarServiceConfig()
     parser = argparse.ArgumentParser(prog="structgen grammar", description="Run grammar_service.")
     for f in dataclasses.fields(GrammarServiceConfig):
         flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
-        kind = int if f.type.startswith("int") else float if f.type.startswith("float") else str
+        kind = (int if f.type.startswith("int") else float if f.type.startswith("float") else
+                _on_off if f.type.startswith("bool") else str)
         parser.add_argument(flag, type=kind, default=default, help=f"(default: {default})")
     parser.add_argument("--log-level", default="INFO")
     return parser
