@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from generation_service.engine.errors import GrammarError, GrammarUnavailableError
+from generation_service.engine.errors import (DeadlineExceededError, GrammarError, GrammarUnavailableError,
+                                              QueueFullError)
 from generation_service.engine.events import UnenforcedKeyword
 from generation_service.engine.params import GrammarSpec
 from step_channel import ChannelError, Geometry
@@ -49,6 +50,10 @@ def _error_from_rpc(exc: grpc.RpcError) -> Exception:
     code, details = exc.code(), exc.details() or ""
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return GrammarError(details)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # the compiler is saturated: retry later
+        return QueueFullError(f"grammar_service: {details}")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return DeadlineExceededError(f"grammar compile: {details or 'deadline exceeded'}")
     return GrammarUnavailableError(f"grammar_service: {code.name}: {details}")
 
 
@@ -83,7 +88,10 @@ class GrammarControlClient:
 
     def compile(self, spec: GrammarSpec, *, trace_context: dict | None = None,
                 timeout_s: float | None = None) -> concurrent.futures.Future:
-        """Future[CompileResult]; raises GrammarError or GrammarUnavailableError through it."""
+        """Future[CompileResult]; raises GrammarError, QueueFullError (compiler saturated),
+        DeadlineExceededError or GrammarUnavailableError through it. `timeout_s`: the
+        request's remaining time (None: the call waits as long as grammar_service's own
+        compile timeout bounds it)."""
         result: concurrent.futures.Future = concurrent.futures.Future()
         call = self._stub.Compile.future(spec_to_proto(spec, trace_context), timeout=timeout_s)
 

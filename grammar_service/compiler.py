@@ -99,6 +99,7 @@ class GrammarCompiler:
         self._sandbox = sandbox
         self._max_jobs = config.num_compile_threads + config.max_queued_compiles
         self._num_jobs = 0                  # compiles running or waiting for a worker
+        self._threads = threading.BoundedSemaphore(config.num_compile_threads)  # in-process compiles
         # one thread per accepted compile: a waiting compile waits on a worker, not a thread
         self._pool = ThreadPoolExecutor(self._max_jobs, thread_name_prefix="compile")
         self._lock = threading.Lock()
@@ -212,9 +213,15 @@ class GrammarCompiler:
             timer.daemon = True
             timers.append(timer)
             timer.start()
-            started = time.perf_counter()
-            backend, compiled, unenforced = compile_with(spec, requested, self._backend_for)
-            return (time.perf_counter() - started) * 1e3, backend, compiled, unenforced
+            if not self._threads.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                raise SandboxError("RESOURCE_EXHAUSTED", "no compile thread became free before the compile timeout",
+                                   is_grammar_fault=False)
+            try:
+                started = time.perf_counter()
+                backend, compiled, unenforced = compile_with(spec, requested, self._backend_for)
+                return (time.perf_counter() - started) * 1e3, backend, compiled, unenforced
+            finally:
+                self._threads.release()
 
         def finished(done: Future) -> None:
             with self._lock:

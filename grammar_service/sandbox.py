@@ -186,7 +186,8 @@ class CompileSandbox:
                 return worker
         except (EOFError, OSError):
             pass
-        log.error("a compile worker did not start (exit code %s)", process.exitcode)
+        if not self._is_closed:
+            log.error("a compile worker did not start (exit code %s)", process.exitcode)
         _kill(worker)
         return None
 

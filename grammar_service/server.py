@@ -90,8 +90,11 @@ def spec_from_proto(req: grammar_pb2.CompileRequest) -> GrammarSpec:
 
 
 class GrammarServicer(grammar_pb2_grpc.GrammarServiceServicer):
-    def __init__(self, service: GrammarService):
+    def __init__(self, service: GrammarService, max_waiting_compiles: int):
         self.service = service
+        # Compile calls blocked on a future hold an rpc thread each; the rest stay free for
+        # health, OpenChannel and GetStats, whose delay would read as a stuck service.
+        self._compile_calls = threading.BoundedSemaphore(max_waiting_compiles)
 
     def OpenChannel(self, request, context):
         g = request.geometry
@@ -110,11 +113,17 @@ class GrammarServicer(grammar_pb2_grpc.GrammarServiceServicer):
 
     def Compile(self, request, context):
         spec = spec_from_proto(request)
-        # The caller's span (propagated in trace_context) is the parent of the compile span.
-        with _tracer.start_as_current_span("grammar.compile", context=telemetry.extract(request.trace_context)) as span:
-            span.set_attribute("grammar.kind", spec.kind)
-            outcome = self.service.compile(spec).result()
-            span.set_attribute("grammar.cache_hit", outcome.cache_hit)
+        if not self._compile_calls.acquire(blocking=False):
+            raise ServiceError("RESOURCE_EXHAUSTED", "grammar_service has too many compile calls waiting; retry later")
+        try:
+            # The caller's span (propagated in trace_context) is the parent of the compile span.
+            with _tracer.start_as_current_span("grammar.compile",
+                                               context=telemetry.extract(request.trace_context)) as span:
+                span.set_attribute("grammar.kind", spec.kind)
+                outcome = _wait(self.service.compile(spec), context.time_remaining())
+                span.set_attribute("grammar.cache_hit", outcome.cache_hit)
+        finally:
+            self._compile_calls.release()
         entry = outcome.entry
         return grammar_pb2.CompileResponse(
             grammar_id=entry.grammar_id, backend=entry.backend, cached=outcome.cache_hit,
@@ -126,6 +135,15 @@ class GrammarServicer(grammar_pb2_grpc.GrammarServiceServicer):
         return grammar_pb2.GetStatsResponse(**self.service.stats())
 
 
+def _wait(future, time_remaining: float | None):
+    """The compile outcome, or DEADLINE_EXCEEDED once the caller's deadline passes (the compile
+    itself goes on, bounded by the compile timeout, for later callers of the same grammar)."""
+    try:
+        return future.result(timeout=time_remaining)
+    except futures.TimeoutError:
+        raise ServiceError("DEADLINE_EXCEEDED", "the compile did not finish before the call's deadline") from None
+
+
 class RunningServer:
     """A started server; `stop()` drains RPCs, closes channels and removes the socket."""
 
@@ -135,7 +153,8 @@ class RunningServer:
         self.health = health.HealthServicer()
         self.server = grpc.server(futures.ThreadPoolExecutor(config.num_rpc_threads),
                                   interceptors=[_StatusInterceptor()])
-        grammar_pb2_grpc.add_GrammarServiceServicer_to_server(GrammarServicer(self.service), self.server)
+        grammar_pb2_grpc.add_GrammarServiceServicer_to_server(
+            GrammarServicer(self.service, max_waiting_compiles=config.num_rpc_threads - 3), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME),
                                             self.server)

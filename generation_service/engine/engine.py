@@ -215,7 +215,10 @@ class Engine:
             request.error = GrammarUnavailableError("constrained decoding is unavailable: no grammar_service")
             return
         try:
-            future = self.link.control.compile(request.spec.grammar, trace_context=request.spec.trace_context)
+            deadline = request.spec.deadline  # the wait for a compile counts against the request's deadline
+            future = self.link.control.compile(
+                request.spec.grammar, trace_context=request.spec.trace_context,
+                timeout_s=None if deadline is None else max(0.001, deadline - time.monotonic()))
         except Exception as error:  # noqa: BLE001
             request.error = GrammarUnavailableError(f"grammar compile failed to start: {error}")
             return

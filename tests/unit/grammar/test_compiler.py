@@ -86,12 +86,29 @@ def test_compile_timeout_is_reported_and_remembered_for_the_ttl():
     compiler.close()
 
 
-def test_the_timeout_counts_the_compile_not_the_wait_for_a_thread():
-    backend = _SlowBackend(delay_s=0.3)
-    config = GrammarServiceConfig(num_compile_threads=1, compile_timeout_s=0.5)
+def test_the_wait_for_a_thread_counts_against_the_timeout():
+    backend = _SlowBackend(delay_s=0.4)
+    config = GrammarServiceConfig(num_compile_threads=1, compile_timeout_s=0.6, isolate_compiles=False)
     compiler = GrammarCompiler(lambda name: backend, config)
-    futures = [compiler.compile(GrammarSpec("regex", r)) for r in ("a", "b", "c")]  # 0.9 s in all
-    assert [f.result(5).cache_hit for f in futures] == [False, False, False]
+    first, second = (compiler.compile(GrammarSpec("regex", r)) for r in ("a", "b"))
+    assert first.result(5).cache_hit is False
+    # "b" waited 0.4 s for the thread, then compiled past its 0.6 s from acceptance
+    assert "did not finish within the 0.6 s compile timeout" in _error(second).message
+    compiler.close()
+
+
+def test_a_saturated_compiler_answers_resource_exhausted_at_once():
+    backend = _SlowBackend(delay_s=0.5)
+    config = GrammarServiceConfig(num_compile_threads=1, max_queued_compiles=1, isolate_compiles=False)
+    compiler = GrammarCompiler(lambda name: backend, config)
+    running, queued = compiler.compile(GrammarSpec("regex", "a")), compiler.compile(GrammarSpec("regex", "b"))
+    started = time.monotonic()
+    err = _error(compiler.compile(GrammarSpec("regex", "c")))
+    assert time.monotonic() - started < 0.1
+    assert err.status == "RESOURCE_EXHAUSTED" and "max_queued_compiles 1" in err.message
+    assert compiler.compile(GrammarSpec("regex", "a")) is not None  # a spec in flight is shared, not refused
+    assert running.result(5) and queued.result(5)
+    assert compiler.compile(GrammarSpec("regex", "c")).result(5).cache_hit is False  # not remembered
     compiler.close()
 
 
