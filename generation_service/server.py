@@ -20,7 +20,8 @@ from generation_service.config import ServeConfig
 from generation_service.engine.errors import DeadlineExceededError, EngineError, LimitExceededError
 from generation_service.engine.events import FinishReason
 from generation_service.engine.params import GRAMMAR_KINDS
-from generation_service.interceptors import BearerTokenInterceptor, ErrorMappingInterceptor
+from generation_service.interceptors import (BearerTokenInterceptor, DecodeInHandlerInterceptor,
+                                             ErrorMappingInterceptor)
 from structgen import telemetry
 from structgen.schema_validation import validate_output
 from structgen.v1 import generation_pb2 as pb
@@ -44,6 +45,10 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         if request.stop.max_tokens > limit:  # named as the client wrote it
             raise LimitExceededError(f"stop.max_tokens {request.stop.max_tokens} exceeds the server's "
                                      f"max_new_tokens_limit {limit}")
+        max_drafts = self._engine.config.max_draft_tokens
+        if request.speculative.num_draft_tokens > max_drafts:
+            raise LimitExceededError(f"speculative.num_draft_tokens {request.speculative.num_draft_tokens} exceeds "
+                                     f"the server's max_draft_tokens {max_drafts}")
         remaining = context.time_remaining()
         domain = proto_convert.to_generation_request(
             request, self._engine.tokenizer, self._config,
@@ -132,10 +137,12 @@ def _credentials(config: ServeConfig) -> grpc.ServerCredentials:
 
 
 def _interceptors(config: ServeConfig) -> list[grpc.ServerInterceptor]:
-    # Outermost first: the server span and the status count see auth refusals too.
+    # Outermost first: the server span and the status count see undecodable requests and auth
+    # refusals too.
     interceptors: list[grpc.ServerInterceptor] = [metrics.get().interceptor()]
     if telemetry.is_enabled():
         interceptors.insert(0, tracing.TracingInterceptor())
+    interceptors.append(DecodeInHandlerInterceptor())
     if config.auth_token_file:
         with open(config.auth_token_file, encoding="utf-8") as file:
             interceptors.append(BearerTokenInterceptor(file.read().strip()))

@@ -167,6 +167,9 @@ class GrammarCompiler:
         now = self._clock()
         return sum(1 for n in list(self._negative.values()) if n.expires_at > now)
 
+    def wait_ready(self, timeout_s: float) -> bool:
+        return self._sandbox is None or self._sandbox.wait_ready(timeout_s)
+
     def close(self) -> None:
         if self._sandbox is not None:
             self._sandbox.close()

@@ -67,13 +67,21 @@ class CompileSandbox:
         self._idle: list[_Worker] = []
         self._busy: set[int] = set()   # pids of workers compiling now
         self._is_closed = False
+        self._num_workers = num_workers
+        self._has_started = threading.Event()  # a first worker is ready
         self.num_replaced = 0
         for _ in range(num_workers):
             self._start_worker()
 
     # ---- public --------------------------------------------------------------------------
     def probe(self, spec, requested: str, deadline: float) -> ProbeResult:
-        """Compile `spec` in a worker by `deadline` (time.monotonic()); raises SandboxError."""
+        """Compile `spec` in a worker by `deadline` (time.monotonic()); raises SandboxError.
+        The first workers' start-up (once per tokenizer) moves the deadline: it is not the
+        grammar's time; the wait for a busy worker is."""
+        if not self._has_started.is_set():
+            before = time.monotonic()
+            self._has_started.wait(_START_TIMEOUT_S)
+            deadline += time.monotonic() - before
         worker = self._acquire(deadline)
         try:
             worker.conn.send((spec, requested))
@@ -99,7 +107,19 @@ class CompileSandbox:
         with self._cond:
             return len(self._idle)
 
+    def wait_ready(self, timeout_s: float) -> bool:
+        """True once every worker has started (none busy yet), False after timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while len(self._idle) + len(self._busy) < self._num_workers:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._is_closed:
+                    return False
+                self._cond.wait(remaining)
+            return True
+
     def close(self) -> None:
+        self._has_started.set()  # nobody waits for a start any more
         with self._cond:
             self._is_closed = True
             workers, self._idle = self._idle, []
@@ -115,9 +135,10 @@ class CompileSandbox:
                 if self._is_closed:
                     raise SandboxError("UNAVAILABLE", "grammar_service is shutting down", is_grammar_fault=False)
                 if remaining <= 0:
-                    raise SandboxError("RESOURCE_EXHAUSTED", "no compile worker became free before the compile "
-                                       "timeout (every worker is busy with other grammars); retry later",
-                                       is_grammar_fault=False)
+                    why = ("every worker is busy with other grammars" if self._busy else
+                           "the compile workers are still starting")
+                    raise SandboxError("RESOURCE_EXHAUSTED", f"no compile worker became free before the compile "
+                                       f"timeout ({why}); retry later", is_grammar_fault=False)
                 self._cond.wait(remaining)
             worker = self._idle.pop()
             self._busy.add(worker.process.pid)
@@ -162,6 +183,7 @@ class CompileSandbox:
                 if worker is not None and not self._is_closed:
                     self._idle.append(worker)
                     self._cond.notify()
+                    self._has_started.set()
                     return
             if worker is not None:  # closed meanwhile
                 _kill(worker)

@@ -23,6 +23,7 @@ from grammar_service.backends import load_backend_class, resolve_backend_name
 from grammar_service.backends.base import GrammarCompileError
 from grammar_service.emptiness import empty_language_reason
 from grammar_service.tokenizer import load_tokenizer
+from structgen.json_limits import JsonDepthError, loads_limited
 
 _PR_SET_PDEATHSIG = 1
 
@@ -66,9 +67,22 @@ class _Backends:
         return self._built[name]
 
 
+def _check_depth(spec: GrammarSpec) -> None:
+    """JsonDepthError past MAX_JSON_DEPTH (the walkers after it recurse per level); malformed
+    JSON is left to the backend, whose message names the syntax error."""
+    try:
+        loads_limited(spec.text, spec.kind)
+    except JsonDepthError:
+        raise
+    except ValueError:
+        pass
+
+
 def compile_one(spec: GrammarSpec, requested: str, backends: _Backends) -> tuple:
     started = time.perf_counter()
     try:
+        if spec.kind in ("json_schema", "structural_tag"):
+            _check_depth(spec)
         name, compiled, unenforced = compile_with(spec, requested, backends)
         reason = empty_language_reason(spec, name, compiled)
     except (GrammarCompileError, ValueError) as exc:

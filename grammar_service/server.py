@@ -179,6 +179,9 @@ class RunningServer:
         if config.metrics_port:
             prometheus_client.start_http_server(config.metrics_port)
         freeze_heap()
+        # SERVING means a compile can start at once: a preloaded tokenizer's workers are up
+        if not self.service.wait_compile_ready(120.0):
+            log.warning("compile workers did not start within 120 s; compiles wait for them")
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("grammar_service listening on %s", config.listen)

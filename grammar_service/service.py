@@ -178,6 +178,12 @@ class GrammarService:
         """Per open channel: percentiles of its last 1024 step times (`StepLoop.recent_step_us`)."""
         return {name: loop.recent_step_us() for name, loop in list(self._loops.items())}
 
+    def wait_compile_ready(self, timeout_s: float) -> bool:
+        """True once the compile workers of the loaded tokenizer have started (or compiles are
+        not isolated, or no tokenizer is loaded yet)."""
+        compiler = self._compiler
+        return compiler is None or compiler.wait_ready(timeout_s)
+
     def close(self) -> None:
         for name in list(self._loops):
             self.close_channel(name)

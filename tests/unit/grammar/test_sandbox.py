@@ -33,6 +33,7 @@ def _error(future, timeout_s: float = 60) -> CompileError:
 def isolated(mistral_32k_dir):
     svc = GrammarService(GrammarServiceConfig(tokenizer_dir=mistral_32k_dir, vocab_size=VOCAB,
                                               compile_timeout_s=3.0, num_compile_threads=2))
+    assert svc.wait_compile_ready(120)
     yield svc
     svc.close()
 
@@ -62,6 +63,7 @@ def test_a_runaway_compile_is_killed_at_the_timeout_and_frees_its_worker(isolate
 def test_a_compile_over_the_memory_cap_fails_alone(mistral_32k_dir):
     svc = GrammarService(GrammarServiceConfig(tokenizer_dir=mistral_32k_dir, vocab_size=VOCAB,
                                               max_compile_memory_mb=16, num_compile_threads=1))
+    assert svc.wait_compile_ready(120)
     try:
         err = _error(svc.compile(GrammarSpec("choice", choices=tuple(f"word{i}" for i in range(20_000)))))
         assert err.status == "INVALID_ARGUMENT"
