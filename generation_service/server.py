@@ -7,6 +7,8 @@ per service) and server reflection are registered beside GenerationService.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 import uuid
 from concurrent import futures
 from dataclasses import dataclass
@@ -17,7 +19,8 @@ from grpc_reflection.v1alpha import reflection
 
 from generation_service import metrics, proto_convert, tracing
 from generation_service.config import ServeConfig
-from generation_service.engine.errors import DeadlineExceededError, EngineError, LimitExceededError
+from generation_service.engine.errors import (DeadlineExceededError, EngineError, LimitExceededError,
+                                              ShuttingDownError)
 from generation_service.engine.events import FinishReason
 from generation_service.engine.params import GRAMMAR_KINDS
 from generation_service.interceptors import (BearerTokenInterceptor, DecodeInHandlerInterceptor,
@@ -37,8 +40,22 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     def __init__(self, engine, config: ServeConfig):
         self._engine = engine
         self._config = config
+        self.is_draining = False
+        self._lock = threading.Lock()
+        self.num_open_streams = 0
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
+        if self.is_draining:  # health says NOT_SERVING; a client that still calls is told so
+            raise ShuttingDownError("the server is draining (shutting down); send the request to another replica")
+        with self._lock:
+            self.num_open_streams += 1
+        try:
+            yield from self._generate(request, context)
+        finally:
+            with self._lock:
+                self.num_open_streams -= 1
+
+    def _generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
         if not request.request_id:  # assigned here so error logs and the client see the same id
             request.request_id = uuid.uuid4().hex[:16]
         limit = self._engine.config.max_new_tokens_limit
@@ -111,6 +128,7 @@ class RunningServer:
     server: grpc.Server
     health: health.HealthServicer
     port: int
+    servicer: GenerationServicer
     health_server: grpc.Server | None = None
 
     def set_serving(self, is_serving: bool) -> None:
@@ -120,9 +138,16 @@ class RunningServer:
             self.health.set(service, status)
 
     def stop(self, grace_s: float) -> None:
-        """Drain: report NOT_SERVING, refuse new rpcs, let open streams finish for grace_s."""
+        """Drain, then close. For the whole drain the port stays open and health answers
+        NOT_SERVING (overall and per service), so a load balancer polling it moves traffic
+        away; new Generate calls get UNAVAILABLE while open streams finish. Once none is open,
+        or grace_s has passed, the server stops (cancelling what is left)."""
+        deadline = time.monotonic() + grace_s
         self.set_serving(False)
-        self.server.stop(grace_s).wait()
+        self.servicer.is_draining = True
+        while self.servicer.num_open_streams and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self.server.stop(max(0.0, deadline - time.monotonic())).wait()
         if self.health_server is not None:
             self.health_server.stop(0)
 
@@ -166,7 +191,8 @@ def start_server(engine, config: ServeConfig) -> RunningServer:
                                                     thread_name_prefix="rpc"),
                          interceptors=_interceptors(config), options=options,
                          maximum_concurrent_rpcs=config.max_concurrent_rpcs)
-    pb_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(engine, config), server)
+    servicer = GenerationServicer(engine, config)
+    pb_grpc.add_GenerationServiceServicer_to_server(servicer, server)
     metrics.get().watch(engine)  # engine gauges at scrape time
     engine.table.finish_listeners.append(tracing.RequestSpans())
     health_servicer = health.HealthServicer()
@@ -182,6 +208,6 @@ def start_server(engine, config: ServeConfig) -> RunningServer:
         raise OSError(f"cannot listen on {config.bind_address}")
     server.start()
     health_server = _start_health_server(config, health_servicer) if config.health_port else None
-    running = RunningServer(server, health_servicer, port, health_server)
+    running = RunningServer(server, health_servicer, port, servicer, health_server)
     running.set_serving(True)
     return running

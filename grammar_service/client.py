@@ -61,7 +61,11 @@ class GrammarControlClient:
     def __init__(self, address: str):
         """`address`: "unix:///path.sock" or "host:port"."""
         self.address = address
-        self._channel = grpc.insecure_channel(address)
+        # a local socket: reconnect within a tenth of a second once a restarted service listens
+        # (grpc's default backoff waits 1 s and more between attempts)
+        self._channel = grpc.insecure_channel(address, options=[
+            ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000)])
         self._stub = grammar_pb2_grpc.GrammarServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 

@@ -54,14 +54,23 @@ class _Worker:
     conn: multiprocessing.connection.Connection
 
 
+def start_forkserver() -> None:
+    """Start the forkserver now (idempotent). grammar_service calls it before its gRPC server
+    exists, so no later fork of grammar_service itself meets gRPC threads."""
+    ctx = multiprocessing.get_context("forkserver")
+    # imported once in the forkserver, so each worker forks with the backends loaded
+    ctx.set_forkserver_preload(["grammar_service.sandbox_worker"])
+    from multiprocessing import forkserver
+    forkserver.ensure_running()
+
+
 class CompileSandbox:
     """`num_workers` compile worker processes for one tokenizer; `probe` is thread-safe."""
 
     def __init__(self, tokenizer_dir: str, vocab_size: int, *, num_workers: int, backend_kwargs: dict,
                  max_compile_memory_mb: int):
         self._ctx = multiprocessing.get_context("forkserver")
-        # imported once in the forkserver, so each worker forks with the backends loaded
-        self._ctx.set_forkserver_preload(["grammar_service.sandbox_worker"])
+        start_forkserver()
         self._args = (os.getpid(), tokenizer_dir, vocab_size, dict(backend_kwargs), max_compile_memory_mb)
         self._cond = threading.Condition()
         self._idle: list[_Worker] = []

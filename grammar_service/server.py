@@ -11,9 +11,9 @@ import dataclasses
 import gc
 import logging
 import os
-import signal
 import sys
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -23,7 +23,9 @@ from grpc_reflection.v1alpha import reflection
 
 from generation_service.engine.params import GrammarSpec
 from structgen import telemetry
+from structgen.signals import StopSignals
 from grammar_service.config import GrammarServiceConfig
+from grammar_service.sandbox import start_forkserver
 from grammar_service.service import GrammarService, ServiceError
 from step_channel import Geometry
 from structgen.v1 import grammar_pb2, grammar_pb2_grpc
@@ -147,8 +149,12 @@ def _wait(future, time_remaining: float | None):
 class RunningServer:
     """A started server; `stop()` drains RPCs, closes channels and removes the socket."""
 
-    def __init__(self, config: GrammarServiceConfig):
+    def __init__(self, config: GrammarServiceConfig, should_stop=lambda: False):
+        """`should_stop`: polled while the compile workers start, so a stop signal then is not
+        held up by them."""
         self.config = config
+        if config.isolate_compiles:
+            start_forkserver()  # NOTE: before any gRPC object (sandbox.start_forkserver)
         self.service = GrammarService(config, after_tokenizer_load=freeze_heap)
         self.health = health.HealthServicer()
         self.server = grpc.server(futures.ThreadPoolExecutor(config.num_rpc_threads),
@@ -168,8 +174,11 @@ class RunningServer:
             self.server.start()
         finally:
             os.umask(old_umask)
+        self._socket_inode = None
         if path:
             os.chmod(path, 0o600)
+            # a supervisor may rename this socket (standby takeover) and put another at `path`
+            self._socket_inode = os.stat(path).st_ino
         self.health_server = None
         if config.health_port:  # kubelet grpc probes cannot reach a Unix socket
             self.health_server = grpc.server(futures.ThreadPoolExecutor(2))
@@ -180,8 +189,11 @@ class RunningServer:
             prometheus_client.start_http_server(config.metrics_port)
         freeze_heap()
         # SERVING means a compile can start at once: a preloaded tokenizer's workers are up
-        if not self.service.wait_compile_ready(120.0):
-            log.warning("compile workers did not start within 120 s; compiles wait for them")
+        deadline = time.monotonic() + 120.0
+        while not self.service.wait_compile_ready(0.1) and not should_stop():
+            if time.monotonic() > deadline:
+                log.warning("compile workers did not start within 120 s; compiles wait for them")
+                break
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("grammar_service listening on %s", config.listen)
@@ -193,17 +205,19 @@ class RunningServer:
             self.health_server.stop(0)
         self.service.close()
         path = self.config.socket_path
-        if path and os.path.exists(path):
-            os.unlink(path)
+        try:
+            if path and os.stat(path).st_ino == self._socket_inode:
+                os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
-def serve(config: GrammarServiceConfig) -> None:
-    """Run until SIGTERM or SIGINT, then drain and shut down cleanly."""
-    running = RunningServer(config)
-    done = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
-    done.wait()
+def serve(config: GrammarServiceConfig, stop: StopSignals | None = None) -> None:
+    """Run until SIGTERM or SIGINT, then drain and shut down cleanly. A signal that arrives
+    while the server starts stops it as soon as it is up."""
+    stop = stop or StopSignals()
+    running = RunningServer(config, should_stop=lambda: stop.is_set)
+    stop.wait()
     log.info("grammar_service shutting down")
     running.stop()
 
@@ -231,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    stop = StopSignals()  # NOTE: before the socket, the workers or any other resource exists
     args = vars(build_parser().parse_args(argv))
     logging.basicConfig(level=args.pop("log_level").upper(),
                         format="%(asctime)s %(levelname)s grammar_service %(name)s: %(message)s")
@@ -242,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     telemetry.setup("structgen-grammar")
     telemetry.install_log_correlation()
     try:
-        serve(config)
+        serve(config, stop)
     finally:
         telemetry.shutdown()
     # NOTE: all is released (socket unlinked, channels closed, spans flushed). Skip the

@@ -3,19 +3,21 @@ a supervised grammar_service child on a private Unix socket.
 
 Every flag has a STRUCTGEN_* environment variable (the Helm chart's ConfigMap sets them);
 a flag given on the command line wins, then the variable, then the ServeConfig /
-EngineConfig default. SIGTERM or SIGINT drains: NOT_SERVING, open streams get
---drain-seconds, then the engine and the grammar child stop.
+EngineConfig default. SIGTERM or SIGINT drains: health answers NOT_SERVING on the open port
+while open streams get --drain-seconds, then the server closes and the engine and the grammar
+child stop. A signal during start-up stops it between steps and cleans up the same way.
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import os
-import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
+
+from structgen.signals import StopSignals
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,7 @@ def resolve(args: argparse.Namespace, environ: dict[str, str], target: str) -> d
 
 
 def run(args: argparse.Namespace, _rest) -> int:
+    stop = StopSignals()  # NOTE: before anything that must be cleaned up exists
     level = (args.log_level or os.environ.get("STRUCTGEN_LOG_LEVEL") or "INFO").upper()
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from generation_service.config import ServeConfig
@@ -108,15 +111,14 @@ def run(args: argparse.Namespace, _rest) -> int:
     telemetry.setup("structgen")  # OTEL_* variables; off without an OTLP endpoint
     telemetry.install_log_correlation()
     config = ServeConfig(**resolve(args, os.environ, "serve"))
-    stop_requested = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop_requested.set())
     try:
-        with ServeStack(config, resolve(args, os.environ, "engine")) as stack:
+        with ServeStack(config, resolve(args, os.environ, "engine"), should_stop=lambda: stop.is_set) as stack:
             print(f"structgen serve: listening on {config.host}:{stack.port} "
                   f"(model {stack.model_name}, grammar_service at {stack.grammar_address})", flush=True)
-            stop_requested.wait()
+            stop.wait()
             log.info("stopping: draining for up to %.1f s", config.grace_s)
+    except StartupCancelled:
+        log.info("stopped during start-up")
     finally:
         telemetry.shutdown()  # flush the last spans (the drained streams')
     exit_now(0)
@@ -134,14 +136,26 @@ def exit_now(code: int) -> None:
     os._exit(code)
 
 
-class ServeStack:
-    """grammar_service child (optional) -> engine -> gRPC server, torn down in reverse order."""
+class StartupCancelled(Exception):
+    """A stop signal arrived during start-up; what was started has been stopped."""
 
-    def __init__(self, config, engine_overrides: dict):
+
+class ServeStack:
+    """grammar_service child (optional) -> engine -> gRPC server, torn down in reverse order.
+
+    `should_stop` is polled between start-up steps (and while the grammar child starts): when
+    it turns true, the steps done so far are undone and StartupCancelled is raised."""
+
+    def __init__(self, config, engine_overrides: dict, should_stop: Callable[[], bool] = lambda: False):
         self.config = config
         self._engine_overrides = engine_overrides
+        self._should_stop = should_stop
         self._supervisor = self._engine = self._server = None
         self.grammar_address = config.grammar_address
+
+    def _check_stop(self) -> None:
+        if self._should_stop():
+            raise StartupCancelled("stop signal during start-up")
 
     def __enter__(self) -> "ServeStack":
         from generation_service.engine.engine import Engine, EngineConfig
@@ -152,16 +166,20 @@ class ServeStack:
             if self.config.spawns_grammar_service:
                 self._supervisor = GrammarSupervisor(
                     ("--max-grammar-bytes", str(self.config.max_grammar_bytes)))
-                self._supervisor.start()
+                self._supervisor.start(should_stop=self._should_stop)
                 self.grammar_address = self._supervisor.address
+            self._check_stop()
             self._engine = Engine(EngineConfig(**self._engine_overrides),
                                   GrammarControlClient(self.grammar_address))
+            self._check_stop()
             self._engine.start()
+            self._check_stop()
             if self._supervisor is not None:
                 self._supervisor.set_restart_args(
                     ("--tokenizer-dir", self._engine.tokenizer.path,
                      "--vocab-size", str(self._engine.model_config.vocab_size)))
             self._server = start_server(self._engine, self.config)
+            self._check_stop()
             if self.config.metrics_port:
                 import prometheus_client
                 prometheus_client.start_http_server(self.config.metrics_port, addr=self.config.host)
