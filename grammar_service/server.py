@@ -32,6 +32,7 @@ from structgen.v1 import grammar_pb2, grammar_pb2_grpc
 
 log = logging.getLogger(__name__)
 _tracer = telemetry.tracer(__name__)
+_FAR_DEADLINE_S = 86400.0
 SERVICE_NAME = grammar_pb2.DESCRIPTOR.services_by_name["GrammarService"].full_name
 
 
@@ -140,6 +141,8 @@ class GrammarServicer(grammar_pb2_grpc.GrammarServiceServicer):
 def _wait(future, time_remaining: float | None):
     """The compile outcome, or DEADLINE_EXCEEDED once the caller's deadline passes (the compile
     itself goes on, bounded by the compile timeout, for later callers of the same grammar)."""
+    if time_remaining is not None and time_remaining > _FAR_DEADLINE_S:
+        time_remaining = None  # no deadline, as some clients spell it (overflows time_t below)
     try:
         return future.result(timeout=time_remaining)
     except futures.TimeoutError:
