@@ -215,8 +215,8 @@ def empty_language_reason(spec: Any, backend: str, compiled: Any) -> str:
         return ""
     listed = ", ".join(dead[:5]) + (" ..." if len(dead) > 5 else "")
     if dead[0] == "root":
-        return f"its start rule can never finish (rules that never reach a terminal: {listed})"
-    return f"rules that never reach a terminal can be entered from the start rule: {listed}"
+        return f"the grammar accepts no string: its start rule can never finish (rules that never reach a terminal: {listed})"
+    return f"the grammar can walk into rules that never finish (they never reach a terminal): {listed}"
 
 
 def _ebnf_of(spec: Any, backend: str, compiled: Any) -> str:

@@ -17,6 +17,8 @@ import resource
 import signal
 import time
 
+import numpy as np
+
 from generation_service.engine.params import GrammarSpec
 from grammar_service.backend_choice import compile_with
 from grammar_service.backends import load_backend_class, resolve_backend_name
@@ -67,6 +69,22 @@ class _Backends:
         return self._built[name]
 
 
+def first_step_reason(backend, compiled) -> str:
+    """Why a fresh matcher cannot take the first token its own mask allows ("" when it can):
+    a backend limit met at once (llguidance: "parser too complex" on a 5,000-way alternative)
+    would otherwise fail the request at its first decode step."""
+    matcher = backend.new_matcher(compiled)
+    masks = np.zeros((1, backend.tokenizer.mask_words), dtype=np.int32)
+    backend.batch_fill([matcher], masks, [0])
+    allowed = np.flatnonzero(np.unpackbits(masks.view(np.uint8), bitorder="little"))
+    if len(allowed) == 0 or backend.batch_accept([matcher], [int(allowed[0])])[0]:
+        return ""  # an empty first mask is emptiness's to explain (or a grammar of only EOS)
+    inner = getattr(matcher, "inner", None)
+    detail = inner.get_error().splitlines()[0] if hasattr(inner, "get_error") and inner.get_error() else ""
+    return (f"the {backend.name} matcher refuses the first token its own mask allows"
+            + (f" ({detail})" if detail else "") + "; simplify the grammar or try the other backend")
+
+
 def _check_depth(spec: GrammarSpec) -> None:
     """JsonDepthError past MAX_JSON_DEPTH (the walkers after it recurse per level); malformed
     JSON is left to the backend, whose message names the syntax error."""
@@ -84,7 +102,7 @@ def compile_one(spec: GrammarSpec, requested: str, backends: _Backends) -> tuple
         if spec.kind in ("json_schema", "structural_tag"):
             _check_depth(spec)
         name, compiled, unenforced = compile_with(spec, requested, backends)
-        reason = empty_language_reason(spec, name, compiled)
+        reason = empty_language_reason(spec, name, compiled) or first_step_reason(backends(name), compiled)
     except (GrammarCompileError, ValueError) as exc:
         return ("error", "INVALID_ARGUMENT", str(exc))
     except RecursionError:
@@ -93,7 +111,7 @@ def compile_one(spec: GrammarSpec, requested: str, backends: _Backends) -> tuple
         return ("error", "INVALID_ARGUMENT", f"{spec.kind}: compiling the grammar needs more memory than "
                 "the compile memory limit (max_compile_memory_mb)")
     if reason:
-        return ("error", "INVALID_ARGUMENT", f"{spec.kind}: the grammar accepts no string: {reason}")
+        return ("error", "INVALID_ARGUMENT", f"{spec.kind}: {reason}")
     return ("ok", name, tuple(unenforced), (time.perf_counter() - started) * 1e3)
 
 

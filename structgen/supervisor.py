@@ -112,6 +112,9 @@ class GrammarSupervisor:
         env = dict(os.environ)
         if env.get("OTEL_SERVICE_NAME"):  # its spans show as a second service, as in the chart
             env["OTEL_SERVICE_NAME"] += "-grammar"
+        # its temporary files (multiprocessing's forkserver folder) go where stop() cleans up:
+        # grammar_service leaves without the interpreter's finalization, which would remove them
+        env["TMPDIR"] = self._folder
         # NOTE: a session of its own: Ctrl-C in a terminal (SIGINT to the foreground group)
         # must not stop the child while serve still drains constrained streams through it.
         return subprocess.Popen(argv, preexec_fn=_die_with_parent(os.getpid()), env=env, start_new_session=True)

@@ -125,4 +125,5 @@ def test_sigterm_at_random_moments_exits_in_time_and_leaves_nothing(tmp_path):
 
     with ThreadPoolExecutor(2) as pool:
         list(pool.map(one, range(NUM_RUNS)))
-    assert not failures, f"{len(failures)} of {NUM_RUNS} runs failed:\n" + "\n\n".join(failures[:3])
+    headlines = "\n".join(f.split("\n", 1)[0] for f in failures)
+    assert not failures, f"{len(failures)} of {NUM_RUNS} runs failed:\n{headlines}\n\n" + "\n\n".join(failures[:2])
