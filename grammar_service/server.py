@@ -24,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from generation_service.engine.params import GrammarSpec
 from structgen import telemetry
 from structgen.signals import StopSignals
+from grammar_service.backends import available_backends, load_backend_class
 from grammar_service.config import GrammarServiceConfig
 from grammar_service.sandbox import start_forkserver
 from grammar_service.service import GrammarService, ServiceError
@@ -73,6 +74,16 @@ def freeze_heap() -> None:
     """
     gc.collect()
     gc.freeze()
+
+
+def preload_backends() -> None:
+    """Import every installed backend (xgrammar imports torch: seconds) before SERVING, so the
+    first OpenChannel waits only for the tokenizer: serve's start-up waits on that call."""
+    for name in available_backends():
+        try:
+            load_backend_class(name)
+        except ValueError:  # not installed here
+            pass
 
 
 def spec_from_proto(req: grammar_pb2.CompileRequest) -> GrammarSpec:
@@ -158,6 +169,7 @@ class RunningServer:
         self.config = config
         if config.isolate_compiles:
             start_forkserver()  # NOTE: before any gRPC object (sandbox.start_forkserver)
+        preload_backends()
         self.service = GrammarService(config, after_tokenizer_load=freeze_heap)
         self.health = health.HealthServicer()
         self.server = grpc.server(futures.ThreadPoolExecutor(config.num_rpc_threads),

@@ -120,9 +120,17 @@ class GrammarSupervisor:
         return subprocess.Popen(argv, preexec_fn=_die_with_parent(os.getpid()), env=env, start_new_session=True)
 
     def start(self, ready_timeout_s: float = 120.0, should_stop: Callable[[], bool] = lambda: False) -> None:
-        """Spawn the child and wait until it reports SERVING (or `should_stop()`: then the child
-        is stopped again and start returns; the caller checks its own stop condition)."""
+        """`spawn()` then `wait_ready()`."""
+        self.spawn()
+        self.wait_ready(ready_timeout_s, should_stop)
+
+    def spawn(self) -> None:
+        """Start the child without waiting for it (its start-up overlaps the caller's)."""
         self._process = self._spawn(self.socket_path)
+
+    def wait_ready(self, ready_timeout_s: float = 120.0, should_stop: Callable[[], bool] = lambda: False) -> None:
+        """Wait until the spawned child reports SERVING (or `should_stop()`: then the child is
+        stopped again and this returns; the caller checks its own stop condition)."""
         if not wait_healthy(self.address, ready_timeout_s, self._process, should_stop):
             code = self._process.poll()
             self.stop()

@@ -158,19 +158,21 @@ class ServeStack:
             raise StartupCancelled("stop signal during start-up")
 
     def __enter__(self) -> "ServeStack":
-        from generation_service.engine.engine import Engine, EngineConfig
-        from generation_service.server import start_server
-        from grammar_service.client import GrammarControlClient
         from structgen.supervisor import GrammarSupervisor
         try:
-            if self.config.spawns_grammar_service:
+            if self.config.spawns_grammar_service:  # its start-up overlaps ours (torch, the model)
                 self._supervisor = GrammarSupervisor(
                     ("--max-grammar-bytes", str(self.config.max_grammar_bytes)))
-                self._supervisor.start(should_stop=self._should_stop)
+                self._supervisor.spawn()
                 self.grammar_address = self._supervisor.address
+            from generation_service.engine.engine import Engine, EngineConfig
+            from generation_service.server import start_server
+            from grammar_service.client import GrammarControlClient
             self._check_stop()
             self._engine = Engine(EngineConfig(**self._engine_overrides),
                                   GrammarControlClient(self.grammar_address))
+            if self._supervisor is not None:
+                self._supervisor.wait_ready(should_stop=self._should_stop)
             self._check_stop()
             self._engine.start()
             self._check_stop()

@@ -2,8 +2,9 @@
 
 Each run starts a real `structgen serve` (default model, grammar child, its standby and
 compile workers) and sends SIGTERM after a random delay drawn from the start-up time measured
-first plus a second of steady state. Every run must exit 0 within the drain time and leave
-nothing behind: no process carrying the run's marker in its environment, nothing in its
+first plus a second of steady state. Every run must exit 0 within the drain time (or die by
+the signal's default action when it came before serve's handler, while nothing existed yet)
+and leave nothing behind: no process carrying the run's marker in its environment, nothing in its
 private TMPDIR (socket folders), no step-channel segment it created in /dev/shm.
 STRUCTGEN_SIGTERM_RUNS sets the number of runs (default 100); two run at a time.
 """
@@ -76,7 +77,9 @@ def _run(index: int, delay_s: float, folder: pathlib.Path) -> str:
         time.sleep(0.1)
     log = (folder / "serve.log").read_text(errors="replace")
     problems = []
-    if code != 0:
+    # -SIGTERM: the signal came before serve installed its handler (interpreter start-up and
+    # imports, the first tenths of a second), when nothing exists yet to clean up
+    if code != 0 and not (code == -signal.SIGTERM and "structgen" not in log):
         problems.append(f"exit code {code}")
     if took_s > DRAIN_S:
         problems.append(f"exited {took_s:.1f} s after SIGTERM (drain time {DRAIN_S:g} s)")
