@@ -79,6 +79,7 @@ class GrammarSupervisor:
         self._process: subprocess.Popen | None = None
         self._standby: subprocess.Popen | None = None
         self._is_standby_ready = False
+        self._is_ready = False  # the first child reported SERVING
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
         self.num_restarts = 0
@@ -131,7 +132,8 @@ class GrammarSupervisor:
     def wait_ready(self, ready_timeout_s: float = 120.0, should_stop: Callable[[], bool] = lambda: False) -> None:
         """Wait until the spawned child reports SERVING (or `should_stop()`: then the child is
         stopped again and this returns; the caller checks its own stop condition)."""
-        if not wait_healthy(self.address, ready_timeout_s, self._process, should_stop):
+        self._is_ready = wait_healthy(self.address, ready_timeout_s, self._process, should_stop)
+        if not self._is_ready:
             code = self._process.poll()
             self.stop()
             if should_stop():
@@ -208,11 +210,11 @@ class GrammarSupervisor:
         for process in (self._process, self._standby):
             if process is not None and process.poll() is None:
                 process.terminate()
-        for process in (self._process, self._standby):
+        for process, has_served in ((self._process, self._is_ready), (self._standby, self._is_standby_ready)):
             if process is None:
                 continue
-            try:
-                process.wait(timeout_s)
+            try:  # a child that never served has nothing to drain: a second to exit, then SIGKILL
+                process.wait(timeout_s if has_served else min(timeout_s, 1.0))
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()

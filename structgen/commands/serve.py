@@ -160,12 +160,14 @@ class ServeStack:
     def __enter__(self) -> "ServeStack":
         from structgen.supervisor import GrammarSupervisor
         try:
+            self._check_stop()
             if self.config.spawns_grammar_service:  # its start-up overlaps ours (torch, the model)
                 self._supervisor = GrammarSupervisor(
                     ("--max-grammar-bytes", str(self.config.max_grammar_bytes)))
                 self._supervisor.spawn()
                 self.grammar_address = self._supervisor.address
-            from generation_service.engine.engine import Engine, EngineConfig
+            self._check_stop()
+            from generation_service.engine.engine import Engine, EngineConfig  # torch: seconds
             from generation_service.server import start_server
             from grammar_service.client import GrammarControlClient
             self._check_stop()
