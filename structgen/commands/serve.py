@@ -13,9 +13,10 @@ import argparse
 import logging
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, TypeVar
 
 from structgen.signals import StopSignals
 
@@ -73,6 +74,7 @@ OPTIONS = (
 )
 
 log = logging.getLogger("structgen.serve")
+T = TypeVar("T")
 
 
 def add_parser(subparsers) -> None:
@@ -157,6 +159,33 @@ class ServeStack:
         if self._should_stop():
             raise StartupCancelled("stop signal during start-up")
 
+    def _interruptible(self, step: Callable[[], T]) -> T:
+        """step() in a helper thread, or StartupCancelled as soon as a stop arrives; the helper
+        is then abandoned (the process exits), so a step here creates nothing outside this
+        process: imports and the model, not the step channel."""
+        outcome: dict = {}
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                outcome["value"] = step()
+            except BaseException as error:  # noqa: BLE001 -- re-raised in the caller's thread
+                outcome["error"] = error
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="serve-start", daemon=True).start()
+        while not done.wait(0.05):
+            self._check_stop()
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]
+
+    def _build_engine(self):
+        from generation_service.engine.engine import Engine, EngineConfig  # torch: seconds
+        from grammar_service.client import GrammarControlClient
+        return Engine(EngineConfig(**self._engine_overrides), GrammarControlClient(self.grammar_address))
+
     def __enter__(self) -> "ServeStack":
         from structgen.supervisor import GrammarSupervisor
         try:
@@ -166,13 +195,8 @@ class ServeStack:
                     ("--max-grammar-bytes", str(self.config.max_grammar_bytes)))
                 self._supervisor.spawn()
                 self.grammar_address = self._supervisor.address
-            self._check_stop()
-            from generation_service.engine.engine import Engine, EngineConfig  # torch: seconds
+            self._engine = self._interruptible(self._build_engine)
             from generation_service.server import start_server
-            from grammar_service.client import GrammarControlClient
-            self._check_stop()
-            self._engine = Engine(EngineConfig(**self._engine_overrides),
-                                  GrammarControlClient(self.grammar_address))
             if self._supervisor is not None:
                 self._supervisor.wait_ready(should_stop=self._should_stop)
             self._check_stop()
