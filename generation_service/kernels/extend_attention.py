@@ -147,11 +147,12 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      max_extend_len: int | None = None, out: torch.Tensor | None = None,
                      block_m: int | None = None, block_n: int = 64,
                      sliding_window: int | None = None, num_warps: int | None = None,
-                     num_stages: int = 2) -> torch.Tensor:
+                     num_stages: int = 2, extend_start: torch.Tensor | None = None) -> torch.Tensor:
     """q (T, Hq, D) ragged new tokens -> out (T, Hq, D).
 
     Pass ``max_extend_len`` (an upper bound on extend_lens) under CUDA graphs; without it
-    the wrapper reads extend_lens.max() on the host.
+    the wrapper reads extend_lens.max() on the host. ``extend_start`` (B,) int64, the
+    exclusive cumsum of extend_lens, saves a launch per call when the caller has it.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
@@ -164,7 +165,8 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         out = torch.empty_like(q)
     if batch == 0 or max_extend_len == 0:
         return out
-    extend_start = torch.cumsum(extend_lens, 0, dtype=torch.int64) - extend_lens
+    if extend_start is None:
+        extend_start = torch.cumsum(extend_lens, 0, dtype=torch.int64) - extend_lens
     block_d = triton.next_power_of_2(head_dim)
     rows = max_extend_len * group  # (token, head) rows of the longest row
     if block_m is None:  # prefill: big tiles reuse K/V; verify: no idle rows
