@@ -318,7 +318,7 @@ class Engine:
             logits = self.runner.run(batch) if batch.rows else None
             masks = self.link.wait(step) if step is not None else None
             samples = self._sample(batch, logits, masks)
-            self.num_mixed_steps += 1
+            self.num_mixed_steps += bool(batch.rows)
             self.num_prefill_tokens += batch.num_prefill_tokens
         self._finish(batch, step, samples, masks, graphed, rows)
         self.step_s_total["graph" if graphed else "mixed"] += time.perf_counter() - start
