@@ -9,7 +9,7 @@ freeing the device, before the server starts):
 - the model's FLOPs per prompt: 2 x the linear parameters per token, the causal attention's
   4 x layers x heads x head_dim x (n^2 / 2), and one LM-head row.
 
-    python benchmarks/_roofline.py --preset llama-3.1-8b --batches 1 16 64 --contexts 576 --out r.json
+    python benchmarks/_roofline.py --config folder/config.json --points 1:1024 64:576 --out r.json
 """
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def ceilings() -> dict:
 
 
 @torch.no_grad()
-def decode_steps(config, batches: list[int], contexts: list[int]) -> list[dict]:
+def decode_steps(config, points: list[tuple[int, int]]) -> list[dict]:
     """Free decode-graph step time of each (batch, context)."""
     from generation_service.engine.cuda_graphs import FREE
     from generation_service.engine.gpu_runner import GpuDecodeRunner
@@ -69,24 +69,25 @@ def decode_steps(config, batches: list[int], contexts: list[int]) -> list[dict]:
     from generation_service.model.random_init import build_random_model
 
     model = build_random_model(config, torch.device("cuda"), torch.bfloat16, seed=0)
+    batches = sorted({b for b, _ in points})
     max_batch, reps = max(batches), 20
-    pages_per_row = -(-(max(contexts) + reps + 8) // PAGE_SIZE)
-    kv = KVCache(config.num_layers, 1 + max_batch * pages_per_row, PAGE_SIZE, config.num_kv_heads,
+    pages_per_row = [-(-(c + reps + 8) // PAGE_SIZE) for _, c in points]
+    num_pages = max(b * n for (b, _), n in zip(points, pages_per_row))  # one point at a time
+    kv = KVCache(config.num_layers, 1 + num_pages, PAGE_SIZE, config.num_kv_heads,
                  config.head_dim, torch.bfloat16, "cuda")
     for t in kv.k + kv.v:
         t.normal_(0.0, 1.0)
-    runner = GpuDecodeRunner(model, kv, max_batch=max_batch, buckets=tuple(sorted(batches)), variants=(FREE,))
+    runner = GpuDecodeRunner(model, kv, max_batch=max_batch, buckets=tuple(batches), variants=(FREE,))
     runner.capture()
-    table = (1 + torch.arange(max_batch * pages_per_row, dtype=torch.int32)).view(max_batch, pages_per_row)
     rows = []
-    for context in contexts:
-        for batch in batches:
-            ids = torch.randint(0, config.vocab_size, (batch,))
-            runner.load_rows(ids, torch.full((batch,), context, dtype=torch.int64),
-                             torch.full((batch,), context + 1, dtype=torch.int32), table[:batch])
-            ms = median_ms(lambda: runner.step(batch), reps)
-            rows.append({"batch": batch, "context": context, "step_ms": ms})
-            print(f"decode graph b={batch:3d} ctx={context:5d}: {ms:.3f} ms", flush=True)
+    for (batch, context), per_row in sorted(zip(points, pages_per_row)):
+        table = (1 + torch.arange(batch * per_row, dtype=torch.int32)).view(batch, per_row)
+        ids = torch.randint(0, config.vocab_size, (batch,))
+        runner.load_rows(ids, torch.full((batch,), context, dtype=torch.int64),
+                         torch.full((batch,), context + 1, dtype=torch.int32), table)
+        ms = median_ms(lambda: runner.step(batch), reps)
+        rows.append({"batch": batch, "context": context, "step_ms": ms})
+        print(f"decode graph b={batch:3d} ctx={context:5d}: {ms:.3f} ms", flush=True)
     runner.close()
     return rows
 
@@ -95,14 +96,14 @@ def main() -> int:
     from generation_service.model.loader import read_config
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="the served model's config.json")
-    parser.add_argument("--batches", type=int, nargs="+", required=True)
-    parser.add_argument("--contexts", type=int, nargs="+", required=True)
+    parser.add_argument("--points", nargs="+", required=True, help="BATCH:CONTEXT pairs to time")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     config = read_config(pathlib.Path(args.config))
     result = ceilings()
     print(f"bf16 matmul {result['matmul_tflops']:.0f} TFLOP/s, copy {result['copy_bandwidth_GBps']:.0f} GB/s", flush=True)
-    result["decode_steps"] = decode_steps(config, sorted(set(args.batches)), sorted(set(args.contexts)))
+    points = sorted({tuple(int(x) for x in point.split(":")) for point in args.points})
+    result["decode_steps"] = decode_steps(config, points)
     pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
     return 0
 

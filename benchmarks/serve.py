@@ -254,12 +254,12 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
     max_batch = max(concurrencies + [args.min_max_batch])
     roofline = None
     if args.device == "cuda":
-        contexts = sorted({int(pl + n / 2) for pl, n, _ in p["closed"]} | set(p["idle"]))
+        points = sorted({f"{c}:{int(pl + n / 2)}" for pl, n, cs in p["closed"] for c in cs}
+                        | {f"1:{pl}" for pl in p["idle"]})  # idle TTFT: one decode step after the prompt
         out = tmp / f"roofline-{shape}.json"
-        log(f"{shape}: roofline (decode graph at batches {concurrencies}, contexts {contexts})")
+        log(f"{shape}: roofline (decode graph at batch:context {points})")
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "_roofline.py"), "--config",
-                        str(folder / "config.json"), "--batches", *map(str, concurrencies), "--contexts",
-                        *map(str, contexts), "--out", str(out)], check=True, cwd=ROOT)
+                        str(folder / "config.json"), "--points", *points, "--out", str(out)], check=True, cwd=ROOT)
         roofline = json.loads(out.read_text())
     log(f"{shape}: starting the server")
     server = Server(model, args, tmp / f"server-{shape}.log", max_batch)

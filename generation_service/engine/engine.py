@@ -93,7 +93,9 @@ class Engine:
         self.proposers = {name: make_proposer(name) for name in PROPOSERS}
         self.runner = make_runner(self.runner_name, loaded.model, kv_cache, mc.vocab_size,
                                   max_batch=config.max_batch,
-                                  verify_width=1 + config.max_draft_tokens if config.verify_graphs else 0)
+                                  verify_width=1 + config.max_draft_tokens if config.verify_graphs else 0,
+                                  max_context_tokens=config.max_prompt_tokens + config.max_new_tokens_limit
+                                  + config.max_draft_tokens)
         self.token_budget = self._token_budget()
         self.config = config = replace(config, prefill_chunk_tokens=self.token_budget.with_decode,
                                        max_prefill_tokens=self.token_budget.alone)

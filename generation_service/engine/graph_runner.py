@@ -38,6 +38,7 @@ from generation_service.engine.cuda_graphs import DEFAULT_BUCKETS, FREE, SERVING
 from generation_service.engine.gpu_runner import GpuDecodeRunner
 from generation_service.engine.kv_cache import DUMMY_PAGE, KVCache
 from generation_service.engine.mixed_forward import MixedForward
+from generation_service.engine.mixed_graphs import MixedGraphs
 from generation_service.engine.runner import ModelRunner
 from generation_service.engine.sampler import SampleResult, device_seed
 from generation_service.engine.scheduler import ScheduledBatch, ScheduledRow
@@ -89,13 +90,21 @@ class CudaGraphRunner(ModelRunner):
     are rewritten from the scheduler before every replay."""
 
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, vocab_size: int, *,
-                 max_batch: int, filters: bool = True, verify_width: int = 0) -> None:
+                 max_batch: int, filters: bool = True, verify_width: int = 0,
+                 max_context_tokens: int = 0) -> None:
         super().__init__(model, kv_cache, vocab_size)
         self.filters = filters
         self.gpu = GpuDecodeRunner(model, kv_cache, max_batch=max_batch, buckets=graph_buckets(max_batch),
                                    variants=self._variants((FREE,)))
         self.gpu.capture()
-        self.mixed = MixedForward(self.gpu.forward)  # every batch the graphs do not run
+        self.mixed = MixedForward(self.gpu.forward)  # every batch no graph runs
+        # Mixed steps of rows up to max_context_tokens long as graphs per token bucket (0: eager only)
+        self.mixed_graphs: MixedGraphs | None = None
+        if max_context_tokens:
+            pages = -(-max_context_tokens // kv_cache.page_size)
+            self.mixed_graphs = MixedGraphs(self.gpu.forward, self.gpu.max_batch, pages)
+            self.mixed_graphs.capture()
+        self._warm_eager_mixed()
         self.channel = None     # the StepChannel the graphs are captured over
         self._mapped = None
         # Free steps' tokens: two pinned buffers + events, so that a step launched while the
@@ -139,7 +148,24 @@ class CudaGraphRunner(ModelRunner):
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         """(L, vocab) logits of the sampling positions of a batch no graph runs (a mixed step)."""
         self.num_mixed_steps += 1
-        return self.mixed(batch.rows)
+        return self._mixed_logits(batch.rows)
+
+    def _mixed_logits(self, rows: list[ScheduledRow]) -> torch.Tensor:
+        if self.mixed_graphs is not None and self.mixed_graphs.can_run(rows):
+            return self.mixed_graphs(rows)
+        return self.mixed(rows)
+
+    @torch.no_grad()
+    def _warm_eager_mixed(self) -> None:
+        """Compile the eager mixed step's kernels now (a long prompt beside a decode row, verify
+        rows), not in the first step that needs them; every write lands in the dummy page."""
+        def row(num_tokens: int, num_drafts: int = 0) -> ScheduledRow:
+            ids = [0] * (num_tokens + num_drafts)
+            pages = [DUMMY_PAGE] * -(-len(ids) // self.kv_cache.page_size)
+            return ScheduledRow(_ProbeRequest(pages), 0, ids, ids[num_tokens:], is_sampling=True)
+        self.mixed([row(1), row(2304)])
+        self.mixed([row(1), row(1, 4)])
+        torch.cuda.synchronize()
 
     @torch.no_grad()
     def measure_prefill_chunk(self, max_batch: int, max_tokens: int) -> int:
@@ -153,7 +179,7 @@ class CudaGraphRunner(ModelRunner):
         def probe(num_tokens: int) -> float:
             row = ScheduledRow(_ProbeRequest([DUMMY_PAGE] * -(-num_tokens // self.kv_cache.page_size)), 0,
                                [0] * num_tokens, is_sampling=True)
-            return _median_s(lambda: self.mixed([row]))
+            return _median_s(lambda: self._mixed_logits([row]))
         short_s, long_s = probe(256), probe(1024)
         per_token_s = max((long_s - short_s) / 768, 1e-9)
         chunk = int(min(max(decode_s / per_token_s // 64 * 64, 64), max_tokens))
@@ -312,6 +338,8 @@ class CudaGraphRunner(ModelRunner):
 
     def close(self) -> None:
         """Engine stop, after the loop ended and before the link closes its region."""
+        if self.mixed_graphs is not None:
+            self.mixed_graphs.close()
         if self.channel is not None:
             self.release_channel(self.channel, recapture=False)
         self.gpu.close()

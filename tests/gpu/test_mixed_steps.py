@@ -75,7 +75,9 @@ def test_staggered_mixed_steps_give_the_eager_engines_greedy_tokens(model_spec):
     _, eager, _, _ = staggered(engine_config(model_spec, "eager", **extra))
     engine, graph, stats, log = staggered(engine_config(model_spec, "cuda_graph", **extra))
     assert log.num_mixed >= 10, log.steps  # the long prompts' chunks shared steps with decode rows
-    assert engine.runner.num_graph_steps > 40 and engine.runner.num_mixed_steps == stats.num_mixed_steps
+    runner = engine.runner
+    assert runner.num_graph_steps > 0 and runner.num_mixed_steps == stats.num_mixed_steps
+    assert runner.mixed_graphs.num_steps >= log.num_mixed  # the mixed steps replayed captured graphs
     for r in eager + graph:
         assert r.error is None and r.finish_reason is FinishReason.MAX_TOKENS, r.error
     prompts = PROMPTS[:2] + [LONG, PROMPTS[2], LONG[::-1], PROMPTS[3]]

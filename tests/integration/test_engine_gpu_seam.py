@@ -107,7 +107,8 @@ def graph_engine(monkeypatch, grammar_address, **config):
     from generation_service.engine import graph_runner, runner
     from generation_service.engine.graph_runner import CudaGraphRunner
 
-    def fake_init(self, model, kv_cache, vocab_size, *, max_batch, filters=True, verify_width=0):  # no verify graphs
+    def fake_init(self, model, kv_cache, vocab_size, *, max_batch, filters=True, verify_width=0,
+                  max_context_tokens=0):  # no verify or mixed graphs
         runner.ModelRunner.__init__(self, model, kv_cache, vocab_size)
         self.filters, self.gpu, self.channel, self._mapped = filters, FakeGpu(model, kv_cache, max_batch), None, None
         self._host_tokens = [torch.zeros(max_batch, dtype=torch.int64) for _ in range(2)]
@@ -116,7 +117,7 @@ def graph_engine(monkeypatch, grammar_address, **config):
         self.num_graph_steps = self.num_chained_steps = self.num_mixed_steps = self.num_verify_steps = 0
         # mixed steps through the eager runner's model forward (the fused MixedForward needs CUDA)
         self.mixed = lambda rows: runner.ModelRunner.run(self, ScheduledBatch(rows))
-        self.verify = None
+        self.verify = self.mixed_graphs = None
 
     class FakeMapped:
         def __init__(self, channel):

@@ -2,6 +2,8 @@
 forward over decode rows, prefill chunks (first, middle, last) and a verify row together gives
 the reference forward's logits at every sampling position (the model's own modules with the
 per-row reference attention, `ModelRunner`'s path) and writes the same K/V into the same slots.
+The captured form (engine/mixed_graphs.py: padded token bucket, tile list) runs its body eagerly
+here, step after step over the same persistent inputs, and gives the same.
 bf16 on the real shapes: tests/gpu/test_mixed_steps.py."""
 import dataclasses
 from types import SimpleNamespace
@@ -15,6 +17,7 @@ from generation_service.engine.cuda_graphs import DecodeBuffers  # noqa: E402
 from generation_service.engine.decode_forward import DecodeForward  # noqa: E402
 from generation_service.engine.kv_cache import KVCache  # noqa: E402
 from generation_service.engine.mixed_forward import MixedForward, pack_mixed  # noqa: E402
+from generation_service.engine.mixed_graphs import MixedGraphs  # noqa: E402
 from generation_service.engine.runner import prepare  # noqa: E402
 from generation_service.engine.scheduler import ScheduledBatch, ScheduledRow  # noqa: E402
 from generation_service.model.presets import PRESETS  # noqa: E402
@@ -93,3 +96,21 @@ def test_pack_puts_decode_rows_first_and_indexes_logits_in_batch_order():
         row = int(torch.searchsorted(torch.tensor([0, 1, 2, 9, 13, 16]), t, right=True)) - 1
         pages = layout.page_table[row]
         assert slot == pages[position // PAGE] * PAGE + position % PAGE
+
+
+def test_the_bucketed_body_gives_the_reference_step_after_step(model, rel_err):
+    forward_kv = random_cache(model, 1)
+    forward = DecodeForward(model, forward_kv, DecodeBuffers.allocate(4, 8, "cpu"), gemv_max_batch=0)
+    graphs = MixedGraphs(forward, max_rows=8, max_pages=8, buckets=(16, 32))
+    ref_kv = random_cache(model, 1)
+    gen = torch.Generator().manual_seed(6)
+    for step in range(3):  # a full step, then smaller ones over the stale buffers
+        rows = [row for row in make_rows(gen) if not row.drafts][:6 - 2 * step]
+        assert graphs.can_run(rows)
+        with torch.inference_mode():
+            want = model(prepare(ScheduledBatch(rows), torch.device("cpu")), ref_kv).float()
+        got = graphs(rows, use_graph=False).float()
+        assert got.shape == want.shape and rel_err(got, want) < 1e-4, step
+    for layer in range(model.config.num_layers):
+        assert rel_err(forward_kv.k[layer][1:], ref_kv.k[layer][1:]) < 1e-5
+        assert rel_err(forward_kv.v[layer][1:], ref_kv.v[layer][1:]) < 1e-5
