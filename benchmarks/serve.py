@@ -234,7 +234,7 @@ def plan(shape: str, name: str, duration: float, warmup: float) -> dict:
         return {"idle": [1024], "closed": [(512, 128, [128])], "poisson": [], "poisson_at": None}
     return {"idle": [1024, 4096, 8192], "closed": [(512, 128, [1, 16, 64, 128, 256]), (2048, 128, [64]),
                                                    (512, 256, [64])],
-            "poisson": [0.25, 0.5, 0.75, 1.0], "poisson_at": (512, 128, 128)}
+            "poisson": [0.5, 1.0], "poisson_at": (512, 128, 128)}
 
 
 def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, save) -> dict:
