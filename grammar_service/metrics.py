@@ -1,7 +1,14 @@
-"""Prometheus metrics of grammar_service (served on --metrics-port when set)."""
+"""Prometheus metrics of grammar_service (served on --metrics-port when set).
+
+docs/operations.md's table of families is written from these objects (tools/gen_docs_tables.py).
+"""
 from __future__ import annotations
 
+import prometheus_client
 from prometheus_client import Counter, Histogram
+
+# As in generation_service: no *_created series beside every counter and histogram.
+prometheus_client.disable_created_metrics()
 
 COMPILE_SECONDS = Histogram(
     "structgen_grammar_compile_seconds", "Wall time of grammar compiles (cache misses)", ["kind"],
