@@ -11,6 +11,8 @@ from typing import Callable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
+from structgen.metrics_docs import FamilyDoc
+
 
 @dataclass(frozen=True)
 class StatsFamily:
@@ -77,3 +79,9 @@ class EngineCollector:
             if stats is not None:
                 metric.add_metric([self._model_name], family.value(stats))
             yield metric
+
+
+def stats_family_docs() -> list[FamilyDoc]:
+    info = FamilyDoc("structgen_model_info", "info", INFO_LABELS, "The served model and how it runs (value 1)")
+    return [info] + [FamilyDoc(f"structgen_{f.name}" + ("_total" if f.kind == "counter" else ""), f.kind,
+                               ("model_name",), f.help) for f in STATS_FAMILIES]

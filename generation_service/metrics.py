@@ -26,8 +26,9 @@ import prometheus_client
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 
 from generation_service import tracing
-from generation_service.engine_metrics import EngineCollector
+from generation_service.engine_metrics import EngineCollector, stats_family_docs
 from generation_service.interceptors import rewrap_handler
+from structgen.metrics_docs import FamilyDoc, describe_metrics
 
 # The *_created series double every counter and histogram for a start time Prometheus
 # does not use (it detects resets itself).
@@ -162,6 +163,11 @@ class GenerationMetrics:
 
     def interceptor(self) -> grpc.ServerInterceptor:
         return StatusInterceptor(self)
+
+    def families(self) -> list[FamilyDoc]:
+        """Every structgen_ family this process exports, edge and engine."""
+        edge = [m for m in vars(self).values() if isinstance(m, (Counter, Histogram))]
+        return describe_metrics(edge) + stats_family_docs()
 
 
 class StatusInterceptor(grpc.ServerInterceptor):

@@ -24,3 +24,9 @@ ROWS_REJECTED = Counter(
 STEP_PHASE_SECONDS = Counter(
     "structgen_grammar_step_phase_seconds", "Time of grammar steps by phase (loop.py: StepPhases)",
     ["phase"])  # advance, fill, bookkeeping; the three add up to the step time
+
+
+def families():
+    """Every structgen_ family grammar_service exports (docs/operations.md)."""
+    from structgen.metrics_docs import describe_metrics
+    return describe_metrics([COMPILE_SECONDS, COMPILE_REQUESTS, STEP_SECONDS, ROWS_REJECTED, STEP_PHASE_SECONDS])
