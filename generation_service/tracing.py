@@ -6,7 +6,7 @@ The trace of one constrained Generate, in the OpenTelemetry GenAI semantic conve
     │                          gen_ai.* request, response, usage and latency attributes)
     ├── structgen.queue      arrival -> admitted by the scheduler
     ├── grammar.compile      in grammar_service (context sent in CompileRequest.trace_context)
-    ├── structgen.prefill    admitted -> first token sampled (only if a prefill ran)
+    ├── structgen.prefill    admitted -> first token sampled (none if it failed before one)
     └── structgen.decode     first token -> finish (tokens, drafts, finish reason)
 
 The operation is `chat` for chat input, `text_completion` for a prompt or token ids. The
@@ -195,9 +195,11 @@ class RequestSpans:
         parent = telemetry.extract(request.spec.trace_context)
         end_s = time.monotonic()
         admitted_s, first_token_s = request.admitted_s, request.first_token_s
-        # A prefill ran if a token came out of it or K/V was computed before the request ended
-        # (a compiling request prefills all but its last token).
-        prefilled = admitted_s is not None and (first_token_s is not None or request.num_cached > 0)
+        # A prefill span only for a prefill that produced a token, or was cut short by the client
+        # (cancel, deadline) after K/V was computed: a request that failed before its first
+        # token (a grammar that did not compile, ...) shows the error on the rpc span alone.
+        prefilled = admitted_s is not None and (
+            first_token_s is not None or (request.error is None and request.num_cached > 0))
         common = {"structgen.request_id": request.request_id}
         self._span("structgen.queue", parent, request.arrival_s, admitted_s or end_s,
                    {**common, "structgen.admitted": admitted_s is not None})
@@ -206,8 +208,7 @@ class RequestSpans:
             if request.guarantee is not None:
                 prefill["structgen.grammar.cache_hit"] = request.guarantee.cache_hit
                 prefill["structgen.grammar.backend"] = request.guarantee.backend
-            self._span("structgen.prefill", parent, admitted_s, first_token_s or end_s, prefill,
-                       is_error=first_token_s is None and request.error is not None)
+            self._span("structgen.prefill", parent, admitted_s, first_token_s or end_s, prefill)
         if first_token_s is not None:
             reason = request.finish_reason.value if request.finish_reason else "unknown"
             self._span("structgen.decode", parent, first_token_s, end_s, {
