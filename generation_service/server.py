@@ -165,12 +165,13 @@ def server_options(config: ServeConfig) -> list[tuple[str, int]]:
     ms = lambda seconds: int(seconds * 1000)  # noqa: E731
     options = [("grpc.max_receive_message_length", config.max_message_bytes),
                ("grpc.so_reuseport", 0),
-               ("grpc.keepalive_time_ms", ms(config.keepalive_time_s)),
-               ("grpc.keepalive_timeout_ms", ms(config.keepalive_timeout_s)),
                # clients may ping between calls too, as often as this (else GOAWAY too_many_pings)
                ("grpc.keepalive_permit_without_calls", 1),
                ("grpc.http2.min_ping_interval_without_data_ms", ms(config.min_client_ping_interval_s)),
                ("grpc.http2.max_pings_without_data", 0)]
+    if config.keepalive_time_s > 0:  # 0: gRPC's own default (2 h)
+        options += [("grpc.keepalive_time_ms", ms(config.keepalive_time_s)),
+                    ("grpc.keepalive_timeout_ms", ms(config.keepalive_timeout_s))]
     if config.max_connection_age_s > 0:
         options.append(("grpc.max_connection_age_ms", ms(config.max_connection_age_s)))
         if config.max_connection_age_grace_s > 0:  # unset: gRPC lets open streams run to the end

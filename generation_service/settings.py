@@ -62,7 +62,8 @@ SERVE_SETTINGS = SettingsTable("structgen serve", (
         Setting("default-top-k", "top_k of requests that leave it unset (0 = off)", minimum=0),
         Setting("num-workers", "server threads = most concurrent streams", minimum=1),
         Setting("max-concurrent-rpcs", "open RPCs beyond which gRPC answers RESOURCE_EXHAUSTED", minimum=1),
-        Setting("keepalive-time-s", "seconds between server pings of a connection (finds dead clients)",
+        Setting("keepalive-time-s", "seconds between server pings of a connection, which find dead "
+                "clients (0 = gRPC's default, 2 h)",
                 minimum=0),
         Setting("keepalive-timeout-s", "seconds a ping may go unanswered before the connection is closed",
                 minimum=0),
