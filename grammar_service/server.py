@@ -7,8 +7,8 @@ gRPC status with their message; anything else is INTERNAL and logged.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
+import json
 import logging
 import os
 import sys
@@ -19,16 +19,19 @@ from concurrent import futures
 import grpc
 import prometheus_client
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from generation_service.engine.params import GrammarSpec
 from structgen import telemetry
 from structgen.signals import StopSignals
 from grammar_service.backends import available_backends, load_backend_class
+from grammar_service.compiler import spec_key
 from grammar_service.config import GrammarServiceConfig
 from grammar_service.sandbox import start_forkserver
+from grammar_service.settings import GRAMMAR_SETTINGS
 from grammar_service.service import GrammarService, ServiceError
 from step_channel import Geometry
+from structgen.reflection import enable_reflection
+from structgen.settings import ProcessConfig, SettingsError, print_config
 from structgen.v1 import grammar_pb2, grammar_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -134,8 +137,11 @@ class GrammarServicer(grammar_pb2_grpc.GrammarServiceServicer):
             with _tracer.start_as_current_span("grammar.compile",
                                                context=telemetry.extract(request.trace_context)) as span:
                 span.set_attribute("grammar.kind", spec.kind)
+                span.set_attribute("structgen.grammar.hash", spec_key(spec, spec.backend))  # the cache key
                 outcome = _wait(self.service.compile(spec), context.time_remaining())
                 span.set_attribute("grammar.cache_hit", outcome.cache_hit)
+                span.set_attribute("structgen.grammar.backend", outcome.entry.backend)
+                span.set_attribute("structgen.grammar.compile_ms", outcome.entry.compile_ms)  # of the first compile
         finally:
             self._compile_calls.release()
         entry = outcome.entry
@@ -177,8 +183,7 @@ class RunningServer:
         grammar_pb2_grpc.add_GrammarServiceServicer_to_server(
             GrammarServicer(self.service, max_waiting_compiles=config.num_rpc_threads - 3), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME),
-                                            self.server)
+        enable_reflection((SERVICE_NAME, health.SERVICE_NAME), self.server)
         path = config.socket_path
         if path and os.path.exists(path):
             os.unlink(path)  # a stale socket of a previous run
@@ -245,38 +250,29 @@ def serve(config: GrammarServiceConfig, stop: StopSignals | None = None) -> None
     running.stop()
 
 
-def _on_off(text: str) -> bool:
-    lowered = text.strip().lower()
-    if lowered in ("true", "on", "yes", "1"):
-        return True
-    if lowered in ("false", "off", "no", "0"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    defaults = GrammarServiceConfig()
     parser = argparse.ArgumentParser(prog="structgen grammar", description="Run grammar_service.")
-    for f in dataclasses.fields(GrammarServiceConfig):
-        flag = "--" + f.name.replace("_", "-")
-        default = getattr(defaults, f.name)
-        kind = (int if f.type.startswith("int") else float if f.type.startswith("float") else
-                _on_off if f.type.startswith("bool") else str)
-        parser.add_argument(flag, type=kind, default=default, help=f"(default: {default})")
-    parser.add_argument("--log-level", default="INFO")
+    GRAMMAR_SETTINGS.add_arguments(parser)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, environ=None) -> int:
     stop = StopSignals()  # NOTE: before the socket, the workers or any other resource exists
-    args = vars(build_parser().parse_args(argv))
-    logging.basicConfig(level=args.pop("log_level").upper(),
-                        format="%(asctime)s %(levelname)s grammar_service %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
     try:
-        config = GrammarServiceConfig(**args)
-    except ValueError as exc:
-        log.error("bad configuration: %s", exc)
+        resolved = GRAMMAR_SETTINGS.resolve(args, os.environ if environ is None else environ)
+    except SettingsError as exc:
+        print(f"structgen grammar: {exc}", file=sys.stderr)
         return 2
+    if args.print_config:
+        print_config(resolved)
+        return 0
+    logging.basicConfig(level=resolved[ProcessConfig].log_level.upper(),
+                        format="%(asctime)s %(levelname)s grammar_service %(name)s: %(message)s")
+    for warning in resolved.warnings:
+        log.warning("%s", warning)
+    log.info("settings: %s", json.dumps(resolved.as_dict(), sort_keys=True))
+    config = resolved[GrammarServiceConfig]
     telemetry.setup("structgen-grammar")
     telemetry.install_log_correlation()
     try:
