@@ -212,13 +212,14 @@ class GrammarCompiler:
                 started = time.perf_counter()
                 compiled = self._backend_for(probe.backend).compile(spec)
                 return probe.compile_ms + (time.perf_counter() - started) * 1e3, probe.backend, compiled, probe.unenforced
+            if not self._threads.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                raise SandboxError("RESOURCE_EXHAUSTED", "no compile thread became free before the compile timeout "
+                                   "(every thread is busy with other grammars); retry later", is_grammar_fault=False)
+            # what the wait left of the timeout is the compile's
             timer = threading.Timer(max(0.0, deadline - time.monotonic()), self._on_timeout, (key, spec, result))
             timer.daemon = True
             timers.append(timer)
             timer.start()
-            if not self._threads.acquire(timeout=max(0.0, deadline - time.monotonic())):
-                raise SandboxError("RESOURCE_EXHAUSTED", "no compile thread became free before the compile timeout",
-                                   is_grammar_fault=False)
             try:
                 started = time.perf_counter()
                 backend, compiled, unenforced = compile_with(spec, requested, self._backend_for)
