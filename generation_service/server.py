@@ -225,6 +225,8 @@ def start_server(engine, config: ServeConfig) -> RunningServer:
     metrics.get().watch(engine, structgen.__version__)  # engine gauges at scrape time
     engine.table.finish_listeners.append(tracing.RequestSpans())
     health_servicer = health.HealthServicer()
+    for service in ("", SERVICE_NAME):  # grpc's servicer starts at SERVING for "": not before we are
+        health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     enable_reflection((SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), server)
     if config.uses_tls:

@@ -178,6 +178,8 @@ class RunningServer:
         preload_backends()
         self.service = GrammarService(config, after_tokenizer_load=freeze_heap)
         self.health = health.HealthServicer()
+        for name in ("", SERVICE_NAME):  # grpc's servicer starts at SERVING for "": not before we are
+            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.server = grpc.server(futures.ThreadPoolExecutor(config.num_rpc_threads),
                                   interceptors=[_StatusInterceptor()])
         grammar_pb2_grpc.add_GrammarServiceServicer_to_server(

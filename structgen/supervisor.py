@@ -153,7 +153,7 @@ class GrammarSupervisor:
                    ("grpc.max_reconnect_backoff_ms", 500)]
         with grpc.insecure_channel(f"unix://{self._standby_path}", options=options) as channel:
             standby_health = health_pb2_grpc.HealthStub(channel)
-            while not self._stopping.wait(0.05):
+            while not self._stopping.wait(0.02):  # a poll() is one waitpid: the takeover waits on it
                 if self._use_standby and self._restart_args:
                     standby_after = self._tend_standby(standby_health, standby_after, backoff_s)
                 code = self._process.poll()
