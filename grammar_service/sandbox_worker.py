@@ -21,7 +21,7 @@ import numpy as np
 
 from generation_service.engine.params import GrammarSpec
 from grammar_service.backend_choice import compile_with
-from grammar_service.backends import load_backend_class, resolve_backend_name
+from grammar_service.backends import available_backends, load_backend_class, resolve_backend_name
 from grammar_service.backends.base import GrammarCompileError
 from grammar_service.emptiness import empty_language_reason
 from grammar_service.tokenizer import load_tokenizer
@@ -121,7 +121,11 @@ def worker_main(conn, service_pid: int, tokenizer_dir: str, vocab_size: int, bac
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches grammar_service, which stops us
     tokenizer, _ = load_tokenizer(tokenizer_dir, vocab_size)
     backends = _Backends(tokenizer, backend_kwargs)
-    backends("xgrammar")  # the default backend is built before "ready", as in grammar_service
+    for name in available_backends():  # before "ready": a first use would count against a compile's timeout
+        try:
+            backends(name)
+        except ValueError:  # not installed here
+            pass
     _cap_memory(max_compile_memory_mb)
     try:
         conn.send(("ready",))
