@@ -120,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
                     with lock:
                         counts["errors"] += 1
                         errors.append(f"{type(error).__name__}: {error}"[:300])
+                        if counts["errors"] <= 5:
+                            print(f"error: {errors[-1]}", flush=True)
 
     threads = [threading.Thread(target=client_loop, args=(i,), daemon=True) for i in range(args.streams)]
     for thread in threads:

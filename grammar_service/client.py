@@ -9,6 +9,7 @@ tokenizer (the message says what differs).
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 from dataclasses import dataclass
 
 import grpc
@@ -68,6 +69,8 @@ class GrammarControlClient:
             ("grpc.max_reconnect_backoff_ms", 1000)])
         self._stub = grammar_pb2_grpc.GrammarServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._lock = threading.Lock()
+        self._in_flight: dict[GrammarSpec, concurrent.futures.Future] = {}
 
     def open_channel(self, name: str, geometry: Geometry, *, max_slots: int, first_step: int,
                      tokenizer_dir: str, tokenizer_fingerprint: str, timeout_s: float = 30) -> None:
@@ -93,13 +96,25 @@ class GrammarControlClient:
     def compile(self, spec: GrammarSpec, *, trace_context: dict | None = None,
                 timeout_s: float | None = None) -> concurrent.futures.Future:
         """Future[CompileResult]; raises GrammarError, QueueFullError (compiler saturated),
-        DeadlineExceededError or GrammarUnavailableError through it. `timeout_s`: the
-        request's remaining time (None: the call waits as long as grammar_service's own
-        compile timeout bounds it)."""
-        result: concurrent.futures.Future = concurrent.futures.Future()
+        DeadlineExceededError or GrammarUnavailableError through it. `timeout_s`: a deadline
+        for this call alone (None: grammar_service's compile timeout bounds it).
+
+        Calls without a timeout for a spec whose compile is in flight share that call: a burst
+        of requests on one new schema is one RPC, not one grammar_service handler thread held
+        per request (grammar_service refuses waiting calls beyond its threads)."""
+        with self._lock:
+            shared = self._in_flight.get(spec) if timeout_s is None else None
+            if shared is not None:
+                return shared
+            result: concurrent.futures.Future = concurrent.futures.Future()
+            if timeout_s is None:
+                self._in_flight[spec] = result
         call = self._stub.Compile.future(spec_to_proto(spec, trace_context), timeout=timeout_s)
 
         def done(call_future) -> None:
+            with self._lock:
+                if self._in_flight.get(spec) is result:
+                    del self._in_flight[spec]
             try:
                 reply = call_future.result()
             except grpc.RpcError as exc:

@@ -240,10 +240,7 @@ class Engine:
             request.error = GrammarUnavailableError("constrained decoding is unavailable: no grammar_service")
             return
         try:
-            deadline = request.spec.deadline  # the wait for a compile counts against the request's deadline
-            future = self.link.control.compile(
-                request.spec.grammar, trace_context=request.spec.trace_context,
-                timeout_s=None if deadline is None else min(3600.0, max(0.001, deadline - time.monotonic())))
+            future = self.link.control.compile(request.spec.grammar, trace_context=request.spec.trace_context)
         except Exception as error:  # noqa: BLE001
             request.error = GrammarUnavailableError(f"grammar compile failed to start: {error}")
             return
