@@ -1,8 +1,9 @@
 """Soak: many streams against a real `structgen serve` for minutes; errors and memory growth.
 
 Starts `structgen serve` (default model unless --model), then keeps --streams concurrent
-clients busy for --minutes with a mix of free, JSON-Schema, regex and choice requests (a new
-schema now and then, so compiles keep happening). Samples the RSS of serve and of every
+clients busy for --minutes with a mix of free, JSON-Schema, regex and choice requests (a schema from a
+pool of 256 now and then, with the grammar child's cache at 64, so compiles and evictions
+keep happening and memory can settle). Samples the RSS of serve and of every
 grammar_service process below it (serving child, standby, compile workers) every
 --sample-s. Pass: 0 errors, and after --warmup-minutes the RSS of serve and of the serving
 grammar child grows by less than 5 %. Writes benchmarks/results/soak-<label>.json.
@@ -25,6 +26,8 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGE = os.sysconf("SC_PAGE_SIZE")
+NUM_SCHEMAS = 256         # distinct "new" schemas, beyond...
+MAX_CACHED_GRAMMARS = 64  # ...the grammar child's cache, so memory reaches a steady state
 
 
 def _rss_mib(pid: int) -> float | None:
@@ -62,7 +65,9 @@ def _start(model: str | None, log_path: pathlib.Path) -> tuple[subprocess.Popen,
     argv = [sys.executable, "-m", "structgen.cli", "serve", "--port", "0", "--max-batch", "64"]
     if model:
         argv += ["--model", model]
-    process = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=open(log_path, "w"), text=True)
+    env = {**os.environ, "STRUCTGEN_GRAMMAR_MAX_CACHED_GRAMMARS": str(MAX_CACHED_GRAMMARS)}
+    process = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=open(log_path, "w"), text=True,
+                               env=env)
     for line in process.stdout:
         if "listening on " in line:
             threading.Thread(target=lambda: [None for _ in process.stdout], daemon=True).start()
@@ -77,8 +82,8 @@ def _requests(rng: random.Random) -> dict:
     if kind == "schema":
         return {"max_tokens": 48, "json_schema": {"type": "object", "properties": {
             "name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}}, "required": ["name", "age"]}}
-    if kind == "new-schema":
-        field = f"f{rng.randint(0, 10**6)}"
+    if kind == "new-schema":  # from a pool larger than the grammar cache: compiles and evictions go on
+        field = f"f{rng.randrange(NUM_SCHEMAS)}"
         return {"max_tokens": 32, "json_schema": {"type": "object", "properties": {field: {"type": "boolean"}},
                                                   "required": [field]}}
     if kind == "regex":
