@@ -179,10 +179,10 @@ def main() -> int:
     parser.add_argument("--out", type=pathlib.Path, default=None)
     args = parser.parse_args()
 
-    from generation_service.model.default_model import ensure_default_model
+    from generation_service.model.tiny_random_model import ensure_tiny_random_model
     from generation_service.model.tokenizer import Tokenizer
 
-    tokenizer = Tokenizer(ensure_default_model())
+    tokenizer = Tokenizer(ensure_tiny_random_model())
     corpus_ids = tokenizer.encode(corpus_text(), add_special_tokens=False)
     assert any(i in tokenizer.byte_fallback_ids for i in corpus_ids)
     prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}])
