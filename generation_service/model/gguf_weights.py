@@ -46,7 +46,9 @@ def _read_tensor(tensor) -> torch.Tensor:
     import gguf
 
     values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)  # float32, numpy (rows, cols)
-    return torch.tensor(values)  # a copy: the memory map is read-only
+    if not values.flags.writeable:  # F32 is a view of the read-only memory map
+        values = values.copy()
+    return torch.from_numpy(values)
 
 
 def gguf_name_map(config: ModelConfig):

@@ -83,7 +83,11 @@ def load_gguf(path: pathlib.Path, device: torch.device, dtype: torch.dtype | str
     else:
         torch_dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     config = dataclasses.replace(config, dtype=dtype_name(torch_dtype))
-    tokenizer = Tokenizer(ensure_gguf_tokenizer(file), config.vocab_size)
+    tokenizer = None
+    if file.has("tokenizer.ggml.tokens"):
+        tokenizer = Tokenizer(ensure_gguf_tokenizer(file), config.vocab_size)
+    else:
+        log.warning("%s: no tokenizer in the GGUF metadata; requests must carry token ids", path)
     model = build_on_meta(config)
     load_gguf_weights(model, file, config, device, torch_dtype)
     log.info("loaded %s (GGUF, %.1fM parameters) on %s in %s", path, config.num_parameters / 1e6, device,
