@@ -28,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     health.set_defaults(run=_run_grammar_health)
     generate.add_parser(subparsers)
     demo.add_parser(subparsers)
+    for subparser in subparsers.choices.values():  # so a bad flag is reported with its usage
+        subparser.set_defaults(parser=subparser)
     return parser
 
 
@@ -46,7 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     if argv[:1] == ["grammar"]:  # everything after `grammar` belongs to grammar_service
         return _run_grammar(argparse.Namespace(), argv[1:])
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the subcommand's usage, not the top level's
+        getattr(args, "parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     return args.run(args, [])
 
 

@@ -39,7 +39,7 @@ def on_off(text: str) -> bool:
 
 
 OPTIONS = (
-    Option("--model", "MODEL", str, "engine", "model", "built-in model name, checkpoint folder or random:<preset> (default: the built-in default model)"),
+    Option("--model", "MODEL", str, "engine", "model", "checkpoint folder, .gguf file, random:<preset>, or a built-in name: default (SmolLM2-135M-Instruct, fetched once) or tiny-random (default: default)"),
     Option("--device", "DEVICE", str, "engine", "device", "torch device: cpu, cuda, cuda:1 (default cpu)"),
     Option("--dtype", "DTYPE", str, "engine", "dtype", "float32, bfloat16, float16 or auto (the checkpoint's)"),
     Option("--max-batch", "MAX_BATCH_SIZE", int, "engine", "max_batch", "most requests decoded together"),
@@ -76,11 +76,13 @@ log = logging.getLogger("structgen.serve")
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("serve", help="serve a model over gRPC", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    from structgen.option_defaults import help_with_default
     for option in OPTIONS:
         parser.add_argument(option.flag, type=option.kind, default=None, dest=option.field,
-                            help=f"{option.help} [$STRUCTGEN_{option.env}]")
+                            help=f"{help_with_default(option.help, option.target, option.field)} "
+                                 f"[$STRUCTGEN_{option.env}]")
     parser.add_argument("--grace-s", type=float, dest="grace_s", help=argparse.SUPPRESS)  # old name
-    parser.add_argument("--log-level", default=None, help="DEBUG, INFO, ... [$STRUCTGEN_LOG_LEVEL]")
+    parser.add_argument("--log-level", default=None, help="DEBUG, INFO, ... (default INFO) [$STRUCTGEN_LOG_LEVEL]")
     parser.set_defaults(run=run)
 
 
@@ -104,19 +106,30 @@ def run(args: argparse.Namespace, _rest) -> int:
     level = (args.log_level or os.environ.get("STRUCTGEN_LOG_LEVEL") or "INFO").upper()
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from generation_service.config import ServeConfig
+    from generation_service.model.config import ModelLoadError
     from structgen import telemetry
+    from structgen.serve_preflight import check_before_loading
+    try:  # one line, before anything heavy: bad values, a busy port, a missing model, no GPU
+        config = ServeConfig(**resolve(args, os.environ, "serve"))
+        engine_overrides = resolve(args, os.environ, "engine")
+        check_before_loading(config, engine_overrides)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     telemetry.setup("structgen")  # OTEL_* variables; off without an OTLP endpoint
     telemetry.install_log_correlation()
-    config = ServeConfig(**resolve(args, os.environ, "serve"))
     stop_requested = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop_requested.set())
     try:
-        with ServeStack(config, resolve(args, os.environ, "engine")) as stack:
+        with ServeStack(config, engine_overrides) as stack:
             print(f"structgen serve: listening on {config.host}:{stack.port} "
                   f"(model {stack.model_name}, grammar_service at {stack.grammar_address})", flush=True)
             stop_requested.wait()
             log.info("stopping: draining for up to %.1f s", config.grace_s)
+    except ModelLoadError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     finally:
         telemetry.shutdown()  # flush the last spans (the drained streams')
     exit_now(0)
