@@ -4,6 +4,7 @@
     structgen grammar   grammar_service alone (the Kubernetes sidecar); grammar-health probes it
     structgen generate  stream one completion from a running server to stdout
     structgen demo      start a server, run a JSON-Schema request, validate it, stop
+    structgen fetch-model  fetch a built-in model into the cache now (make setup runs it)
 
 Each subcommand lives in structgen/commands/ and imports heavy modules (torch) only when run.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from structgen.commands import demo, generate, serve
+from structgen.commands import demo, fetch_model, generate, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     health.set_defaults(run=_run_grammar_health)
     generate.add_parser(subparsers)
     demo.add_parser(subparsers)
+    fetch_model.add_parser(subparsers)
     for subparser in subparsers.choices.values():  # so a bad flag is reported with its usage
         subparser.set_defaults(parser=subparser)
     return parser

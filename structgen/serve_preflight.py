@@ -31,7 +31,7 @@ def check_port_free(host: str, port: int, flag: str) -> None:
 
 
 def check_model(model: str) -> None:
-    from generation_service.model.builtin_models import BUILTIN_MODELS
+    from structgen.builtin_models import BUILTIN_MODELS
 
     if model in BUILTIN_MODELS or model.startswith("random:"):
         return

@@ -19,7 +19,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import pathlib
+import tempfile
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
@@ -173,14 +175,23 @@ def tokenizer_digest(file: GgufFile) -> str:
 
 
 def ensure_gguf_tokenizer(file: GgufFile) -> pathlib.Path:
-    """The tokenizer folder converted from ``file``'s metadata (created on first use)."""
+    """The tokenizer folder converted from ``file``'s metadata (created on first use).
+
+    In the cache; where the cache cannot be written (a read-only root filesystem) and holds
+    no conversion yet, in the temporary folder instead, for this process's lifetime and
+    its grammar_service child's."""
     if not file.has("tokenizer.ggml.tokens"):
         raise ModelLoadError(f"{file.path}: the GGUF file has no tokenizer (tokenizer.ggml.tokens)")
-    folder = cache_root() / "gguf-tokenizers" / tokenizer_digest(file)
+    digest = tokenizer_digest(file)
 
     def write(staging: pathlib.Path) -> None:
-        log.info("converting the tokenizer of %s into %s (once)", file.path, folder)
+        log.info("converting the tokenizer of %s (once)", file.path)
         for name, text in tokenizer_files(file).items():
             (staging / name).write_text(text, encoding="utf-8")
 
-    return ensure_folder(folder, "tokenizer.json", write)
+    try:
+        return ensure_folder(cache_root() / "gguf-tokenizers" / digest, "tokenizer.json", write)
+    except OSError as error:
+        fallback = pathlib.Path(tempfile.gettempdir()) / f"structgen-{os.getuid()}" / "gguf-tokenizers" / digest
+        log.warning("cannot write the tokenizer cache (%s); converting into %s", error, fallback)
+        return ensure_folder(fallback, "tokenizer.json", write)

@@ -2,7 +2,7 @@
 
     load_model("/models/Llama-3.1-8B-Instruct")   # config.json + *.safetensors + tokenizer.json
     load_model("/models/smollm2.Q4_K_M.gguf")      # GGUF (or a folder holding one), dequantized at load
-    load_model("default")                          # built-in (builtin_models.py), fetched once, then as above
+    load_model("default")                          # built-in (structgen/builtin_models.py), fetched once, then as above
     load_model("random:llama-3.1-8b", device="cuda")  # preset shape, seeded random weights
     load_model("random:/path/config.json")         # any supported config.json, random weights
 """
@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from generation_service.model.architectures import parse_hf_config
-from generation_service.model.builtin_models import BUILTIN_MODELS, resolve_builtin
+from structgen.builtin_models import BUILTIN_MODELS, resolve_builtin
 from generation_service.model.config import ModelConfig, ModelLoadError, dtype_from_name, dtype_name
 from generation_service.model.gguf_reader import find_gguf_file
 from generation_service.model.presets import PRESETS

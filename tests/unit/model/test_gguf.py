@@ -216,3 +216,17 @@ def load_model_tokenizer(path):
     from generation_service.model.tokenizer import Tokenizer
 
     return Tokenizer(ensure_gguf_tokenizer(GgufFile.open(path)))
+
+
+def test_an_unwritable_cache_falls_back_to_the_temporary_folder(tmp_path, monkeypatch):
+    """A cache under a regular file cannot be created, even by root (as a read-only root
+    filesystem refuses it): the conversion goes to the temporary folder instead."""
+    import os
+    import tempfile
+
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("STRUCTGEN_CACHE", str(tmp_path / "file" / "cache"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    loaded = load_model(str(write_llama_gguf(tmp_path / "model.gguf")))
+    assert loaded.tokenizer.path.startswith(str(tmp_path / "tmp" / f"structgen-{os.getuid()}" / "gguf-tokenizers"))
+    assert [loaded.tokenizer.id_to_token(i) for i in loaded.tokenizer.encode(" the")] == ["Ġthe"]

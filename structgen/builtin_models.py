@@ -1,7 +1,8 @@
-"""Names of the models structgen brings along, each resolved to local files on first use.
+"""Names of the models structgen brings along, each resolved to local files on first use
+(no torch here: the command line lists them without loading anything).
 
-    default / smollm2-135m-instruct   SmolLM2-135M-Instruct, GGUF Q4_1 (default_model.py)
-    tiny-random                       4 random layers, a real 32k tokenizer (tiny_random_model.py),
+    default / smollm2-135m-instruct   SmolLM2-135M-Instruct, GGUF Q4_1 (generation_service/model/default_model.py)
+    tiny-random                       4 random layers, a real 32k tokenizer (model/tiny_random_model.py),
                                       for fast tests and CPU benchmarks
 """
 
