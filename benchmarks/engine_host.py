@@ -2,7 +2,7 @@
 
 On the GPU the engine overlaps step N+1 with the host work of step N (engine.py
 `_step_chained`); for a small model at a large batch that host work is the bound. This
-times it alone: N running requests (default 128) with the default model's tokenizer, each
+times it alone: N running requests (default 128) with the tiny-random model's tokenizer, each
 step one ScheduledBatch of N decode rows with one sampled token each. The tokens replay the
 tokenization of real text (prose, JSON documents, accents, CJK, emoji, byte-fallback runs),
 each request from its own offset, so the detokenizer sees real pieces. Six cases:
@@ -209,7 +209,7 @@ def main() -> int:
               flush=True)
     if args.out is not None:
         result = {"benchmark": "engine_host", "machine": args.machine, "python": platform.python_version(),
-                  "tokenizer": "default (Mistral 32k SentencePiece)", "rows": rows}
+                  "tokenizer": "tiny-random (Mistral 32k SentencePiece)", "rows": rows}
         args.out.write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
