@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
-# The one script a device call runs (issue 6): GPU tests, the decode benchmark, the verify-graphs
-# benchmark, and the grammar-step benchmark on the device host's CPUs.
+# The one script a device call runs: GPU tests, the serving benchmark (benchmarks/serve.py), the
+# decode benchmark, the verify-graphs benchmark, and the grammar-step benchmark on the host's CPUs.
 # Carry (all ignored paths): structgen/v1 (generated protos: `make protos`), .whl and .bench.
-# .whl: xgrammar 0.2.9 + deps, and for grammar_service over gRPC grpcio 1.85.3,
-#   grpcio-health-checking/-reflection 1.85.1, protobuf 7.36.2, jsonschema 4.26.0 (+ -specifications,
-#   referencing, rpds-py), opentelemetry-api/-sdk 1.45.2 + semantic-conventions 0.66b2 (pip download
-#   as in /work/.library/device/README.md; the device image lacks these), and llguidance 1.9.1
-#   (abi3, manylinux_2_31): grammar_service's auto backend then picks it, as in the GPU image.
+# .whl (../shared/device/wheels.sh .whl NAME==VERSION ...): xgrammar 0.2.9 + apache-tvm-ffi, pydantic,
+#   pydantic-core, annotated-types, typing-inspection, typing-extensions, attrs; for grammar_service over
+#   gRPC grpcio 1.85.3, grpcio-health-checking/-reflection 1.85.1, protobuf 7.36.2, jsonschema 4.26.0
+#   (+ -specifications, referencing, rpds-py), opentelemetry-api/-sdk 1.45.2 + semantic-conventions
+#   0.66b2 (the device image lacks these), and llguidance 1.9.1 (abi3, manylinux_2_31):
+#   grammar_service's auto backend then picks it, as in the GPU image.
 # .bench: the real tokenizers as tgz, made here from the converted copies:
 #   tar czf .bench/<name>.tgz -C ~/.cache/structgen/tokenizers <name>   (tekken_131k, mistral_32k)
-#   run: bash benchmarks/device_run.sh [tests|bench|verify|profile|gemv|grammar|ab|all|a,b,...] [extra decode.py args...]
+#   run: bash benchmarks/device_run.sh [tests|serve|bench|verify|profile|gemv|grammar|ab|all|a,b,...] [extra decode.py args...]
+#   (TESTS: the test paths, default tests/gpu; SERVE_ARGS: serve.py's arguments, default the full plan)
 #   (PROFILE_ARGS: extra profile_step.py args, e.g. "--variants gemv+pdl-torch-prologue gemv+pdl";
 #    GRAMMAR_ARGS: grammar_step.py's workload args instead of the default)
-# Writes under $OUT: env.txt, tests.log, junit.xml, bench.log, decode-h200.json,
+# Writes under $OUT: env.txt, tests.log, junit.xml, serve.log, serve-h200.json, bench.log, decode-h200.json,
 #   grammar_step.log, grammar_step-h200-host-16cpu.json, profile.log, profile-h200.json,
 #   kernels-gemv.log, kernels-gemv-h200.json, verify.log, verify-h200.json, decode-ab-<name>.json|.log.
 set -uo pipefail
@@ -48,6 +50,10 @@ if want tests; then
   timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -p no:cacheprovider -m gpu ${TESTS:-tests/gpu} -v -s --timeout=120 \
     --junitxml="$OUT/junit.xml" 2>&1 | tee "$OUT/tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|round trip|graph ==|diverged|passed|failed|Error|error" | tail -40
   rc=$?
+fi
+if want serve; then
+  timeout ${SERVE_TIMEOUT:-540} python3 benchmarks/serve.py --out "$OUT/serve-h200.json" ${SERVE_ARGS:-} 2>&1 \
+    | tee "$OUT/serve.log" | tail -70
 fi
 if want bench; then
   timeout ${BENCH_TIMEOUT:-180} python3 benchmarks/decode.py --out "$OUT/decode-h200.json" "$@" 2>&1 | tee "$OUT/bench.log" | tail -45

@@ -87,7 +87,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             default_max_tokens=config.default_max_tokens,
             max_grammar_bytes=config.max_grammar_bytes, max_message_bytes=config.max_message_bytes,
             max_batch=engine_config.max_batch, max_draft_tokens=engine_config.max_draft_tokens,
-            constraint_kinds=list(GRAMMAR_KINDS))
+            constraint_kinds=list(GRAMMAR_KINDS), prefill_chunk_tokens=engine_config.prefill_chunk_tokens,
+            max_prefill_tokens=engine_config.max_prefill_tokens)
 
     def GetEngineStats(self, request: pb.GetEngineStatsRequest, context: grpc.ServicerContext):
         stats = self._engine.stats()
@@ -98,7 +99,9 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             num_kv_pages_total=stats.num_kv_pages_total, num_finished=stats.num_finished,
             num_tokens_generated=stats.tokens_generated,
             num_draft_tokens_proposed=stats.draft_proposed,
-            num_draft_tokens_accepted=stats.draft_accepted)
+            num_draft_tokens_accepted=stats.draft_accepted, num_steps=stats.steps,
+            num_mixed_steps=stats.num_mixed_steps, num_prefill_tokens=stats.num_prefill_tokens,
+            graph_step_seconds=stats.graph_step_s_total, mixed_step_seconds=stats.mixed_step_s_total)
 
 
 @dataclass

@@ -15,7 +15,13 @@ class EngineConfig:
     num_pages: int | None = None       # None: sized from a memory budget
     max_prompt_tokens: int = 4096
     max_new_tokens_limit: int = 2048
-    prefill_chunk_tokens: int = 512    # prefill tokens per step (chunked prefill)
+    # Prefill tokens per step while decode rows share it (chunked prefill: each decode row waits
+    # for the whole step). None: measured at start on a GPU (the prefill whose compute costs about
+    # one decode step of the largest batch, `CudaGraphRunner.measure_prefill_chunk`), 512 on the CPU.
+    prefill_chunk_tokens: int | None = None
+    # Prefill tokens of a step that no decode row shares (an idle server's long prompt). None: 8192
+    # on a GPU, prefill_chunk_tokens on the CPU (whose reference attention holds n x L fp32 scores).
+    max_prefill_tokens: int | None = None
     max_draft_tokens: int = 4          # speculative drafts per row and step (channel positions - 1)
     grammar_wait_timeout_s: float = 5.0  # watchdog deadline for grammar_service's masks
     channel_depth: int = 4             # step-channel ring depth (>= 3)
@@ -31,9 +37,13 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_waiting", "page_size", "max_prompt_tokens",
-                     "max_new_tokens_limit", "prefill_chunk_tokens"):
-            if getattr(self, name) < 1:
+                     "max_new_tokens_limit", "prefill_chunk_tokens", "max_prefill_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if (self.prefill_chunk_tokens is not None and self.max_prefill_tokens is not None
+                and self.prefill_chunk_tokens > self.max_prefill_tokens):
+            raise ValueError(f"prefill_chunk_tokens ({self.prefill_chunk_tokens}) must not exceed "
+                             f"max_prefill_tokens ({self.max_prefill_tokens})")
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is the dummy page), got {self.num_pages}")
         if self.max_draft_tokens < 0:
@@ -65,6 +75,10 @@ class EngineStats:
     num_preemptions: int
     num_finished: int
     tokens_generated: int
+    num_mixed_steps: int = 0         # steps outside the decode/verify graphs (prefill chunks, ...)
+    num_prefill_tokens: int = 0      # prompt (and recomputed) tokens whose K/V a step computed
+    graph_step_s_total: float = 0.0  # engine-loop wall time in graph steps (launch to postprocessed)
+    mixed_step_s_total: float = 0.0  # engine-loop wall time in the other steps
 
     @property
     def draft_acceptance_rate(self) -> float:

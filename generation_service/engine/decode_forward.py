@@ -223,15 +223,18 @@ class DecodeForward:
         return attend
 
     def tokens(self, ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
-               attend: Callable, proj: Projections | None = None) -> torch.Tensor:
-        """(T, vocab) logits of T token slots (the verify graphs, verify_graphs.py): ids (T,)
+               attend: Callable, proj: Projections | None = None,
+               logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """(T, vocab) logits of T token slots (the verify graphs, verify_graphs.py; the mixed
+        steps, mixed_forward.py, with `logits_indices`: (L, vocab) of those slots): ids (T,)
         already clamped, positions and flat cache slots (T,), `attend(q (T, Hq, D), layer)`
         the attention over the cache once the slots' K/V are written; cuBLAS GEMMs unless
         `proj` says otherwise. Graph safe."""
         if self.fused_ops:
             residual, cos, sin, _ = self._prologue(ids, positions)
-            return self.fused_layers(residual, cos, sin, slot_ids, attend, proj or CUBLAS)
-        return self.torch_tokens(ids, positions, slot_ids, attend)
+            return self.fused_layers(residual, cos, sin, slot_ids, attend, proj or CUBLAS,
+                                     logits_indices=logits_indices)
+        return self.torch_tokens(ids, positions, slot_ids, attend, logits_indices=logits_indices)
 
     def _prologue(self, ids: torch.Tensor, positions: torch.Tensor, page_table: torch.Tensor | None = None,
                   publish: tuple[torch.Tensor, torch.Tensor] | None = None):
@@ -247,11 +250,14 @@ class DecodeForward:
 
     def fused_layers(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      slot_ids: torch.Tensor, attend: Callable, proj: Projections,
-                     before_head: Callable[[], None] | None = None) -> torch.Tensor:
+                     before_head: Callable[[], None] | None = None,
+                     logits_indices: torch.Tensor | None = None) -> torch.Tensor:
         """The fused layer loop over T token slots (one per row for decode): residual (T, hidden)
         the embedded tokens, cos/sin (T, D) at their positions (`kernels/decode_prologue.py`).
         Each norm's input x comes with rms = None (x normalised by a kernel) or with the RowRms of
-        the raw residual stream x (a folded norm: the consumer GEMM normalises)."""
+        the raw residual stream x (a folded norm: the consumer GEMM normalises).
+        logits_indices (L,) int64: logits of those token slots only (a prefill chunk needs none
+        but its last); the last down projection, the final norm and the LM head run on L rows."""
         from generation_service.kernels.decode_fused import add_rmsnorm, rope_write_kv
         cfg, m, kv = self.config, self.model, self.kv
         layers = m.model.layers
@@ -275,6 +281,8 @@ class DecodeForward:
             x, residual, rms = self._add_norm(proj, proj.fold_input_norm, act, layer.mlp.down_proj,
                                               residual, input_norm)
         down_proj = layers[-1].mlp.down_proj
+        if logits_indices is not None:  # per token from here on: only the rows that sample
+            act, residual = act[logits_indices], residual[logits_indices]
         # the final norm keeps its weight: the LM head's weight may be the (tied) embedding
         x, _ = add_rmsnorm(proj.linear(act, down_proj.weight, down_proj.bias), residual,
                            m.model.norm.weight, eps)
@@ -305,8 +313,10 @@ class DecodeForward:
         return normed, h, None
 
     def torch_tokens(self, ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
-                     attend: Callable, before_head: Callable[[], None] | None = None) -> torch.Tensor:
-        """The unfused layer loop over T token slots; float32 logits."""
+                     attend: Callable, before_head: Callable[[], None] | None = None,
+                     logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """The unfused layer loop over T token slots; float32 logits (of `logits_indices` only,
+        if given, as in `fused_layers`)."""
         assert self.weights is None or not self.weights[0].norms_folded, "folded: for fused_layers"
         cfg, m, kv = self.config, self.model, self.kv
         num_tokens = ids.shape[0]
@@ -336,6 +346,8 @@ class DecodeForward:
                 hidden = hidden + layer.mlp.down_proj(F.silu(gate) * up)
             else:
                 hidden = hidden + layer.mlp(x)
+        if logits_indices is not None:
+            hidden = hidden[logits_indices]
         hidden = m.model.norm(hidden)
         if before_head is not None:
             before_head()

@@ -32,7 +32,7 @@ import logging
 import secrets
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -48,7 +48,7 @@ from generation_service.engine.params import GenerationRequest
 from generation_service.engine.request import Request, RequestStatus
 from generation_service.engine.runner import make_runner, resolve_runner
 from generation_service.engine.sampler import SampleResult, Sampler, SampleRow
-from generation_service.engine.scheduler import ScheduledBatch, ScheduledRow, Scheduler, SlotPool
+from generation_service.engine.scheduler import ScheduledBatch, ScheduledRow, Scheduler, SlotPool, TokenBudget
 from generation_service.engine.speculative import PROPOSERS, make_proposer
 from generation_service.engine.stream import RequestStream
 from generation_service.engine.validation import validate_request
@@ -56,6 +56,8 @@ from step_channel import Geometry
 
 log = logging.getLogger(__name__)
 CPU_KV_BUDGET_BYTES = 256 << 20
+CPU_PREFILL_CHUNK_TOKENS = 512   # the CPU's reference attention holds chunk x context fp32 scores
+GPU_MAX_PREFILL_TOKENS = 8192    # a step no decode row shares: an idle server's long prompt in few steps
 
 FED_BACK_TOKEN = -1  # a chained step's input: the previous step's token, fed back on the GPU
 
@@ -89,13 +91,18 @@ class Engine:
         self.allocator = PageAllocator(num_pages)
         self.slots = SlotPool(2 * config.max_batch)  # admitted requests + pending matcher releases
         self.proposers = {name: make_proposer(name) for name in PROPOSERS}
-        self.scheduler = Scheduler(
-            self.allocator, config.page_size, self.slots, max_batch=config.max_batch,
-            max_waiting=config.max_waiting, prefill_chunk_tokens=config.prefill_chunk_tokens,
-            propose_drafts=lambda r, k: self.proposers[r.spec.speculative.proposer].propose(r, k))
         self.runner = make_runner(self.runner_name, loaded.model, kv_cache, mc.vocab_size,
                                   max_batch=config.max_batch,
-                                  verify_width=1 + config.max_draft_tokens if config.verify_graphs else 0)
+                                  verify_width=1 + config.max_draft_tokens if config.verify_graphs else 0,
+                                  max_context_tokens=config.max_prompt_tokens + config.max_new_tokens_limit
+                                  + config.max_draft_tokens)
+        self.token_budget = self._token_budget()
+        self.config = config = replace(config, prefill_chunk_tokens=self.token_budget.with_decode,
+                                       max_prefill_tokens=self.token_budget.alone)
+        self.scheduler = Scheduler(
+            self.allocator, config.page_size, self.slots, max_batch=config.max_batch,
+            max_waiting=config.max_waiting, budget=self.token_budget,
+            propose_drafts=lambda r, k: self.proposers[r.spec.speculative.proposer].propose(r, k))
         self.sampler = Sampler(config.mask_backend)
         eos = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids if self.tokenizer else ())
         self.eos_token_ids = tuple(sorted(eos))
@@ -113,6 +120,24 @@ class Engine:
         if config.overlap and not self._overlap:
             log.warning("overlap needs the cuda_graph runner; runner %s steps one at a time", self.runner_name)
         self._in_flight: InFlight | None = None   # a launched decode step not yet read
+        self.num_mixed_steps = 0
+        self.num_prefill_tokens = 0
+        self.step_s_total = {"graph": 0.0, "mixed": 0.0}  # engine-loop wall time per step kind
+
+    def _token_budget(self) -> TokenBudget:
+        """Prefill tokens per step (with decode rows / without): the config's, else measured on
+        the GPU (`measure_prefill_chunk`) and 8192 alone, else 512 on the CPU."""
+        config, on_gpu = self.config, self.runner_name == "cuda_graph"
+        alone = config.max_prefill_tokens or max(
+            GPU_MAX_PREFILL_TOKENS if on_gpu else CPU_PREFILL_CHUNK_TOKENS, config.prefill_chunk_tokens or 1)
+        chunk = config.prefill_chunk_tokens
+        if chunk is None:
+            chunk = self.runner.measure_prefill_chunk(config.max_batch, alone) or CPU_PREFILL_CHUNK_TOKENS
+        budget = TokenBudget(min(chunk, alone), alone)
+        log.info("prefill budget: %d tokens per step beside decode rows, %d without (%s)", budget.with_decode,
+                 budget.alone, "configured" if config.prefill_chunk_tokens else
+                 "measured" if on_gpu else "the CPU default")
+        return budget
 
     def _num_pages_from_budget(self, mc, dtype: torch.dtype, model) -> int:
         per_page = KVCache.bytes_per_page(mc.num_layers, self.config.page_size, mc.num_kv_heads,
@@ -244,7 +269,9 @@ class Engine:
                 grammar_wait_s_total=self.link.wait_s_total if self.link else 0.0,
                 grammar_disconnects=self.link.num_disconnects if self.link else 0,
                 num_preemptions=self.scheduler.num_preemptions,
-                num_finished=self.table.num_finished, tokens_generated=self.table.tokens_generated)
+                num_finished=self.table.num_finished, tokens_generated=self.table.tokens_generated,
+                num_mixed_steps=self.num_mixed_steps, num_prefill_tokens=self.num_prefill_tokens,
+                graph_step_s_total=self.step_s_total["graph"], mixed_step_s_total=self.step_s_total["mixed"])
 
     # ---- the loop ----------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -268,8 +295,11 @@ class Engine:
 
     def step(self) -> bool:
         """One engine step; False when there was nothing to do."""
+        start = time.perf_counter()
         if self._in_flight is not None:
-            return self._step_chained()
+            self._step_chained()
+            self.step_s_total["graph"] += time.perf_counter() - start
+            return True
         with self._lock:
             self._apply_inbox()
             self.table.poll(self.link)  # compiles, deadlines, grammar reconnect
@@ -283,13 +313,17 @@ class Engine:
             launch = self.runner.launch(batch, step, self.link)
             if self._overlap:
                 self._in_flight = InFlight(batch, step, launch)
+                self.step_s_total["graph"] += time.perf_counter() - start
                 return True
             samples, masks = self.runner.collect(launch, self.link)
         else:
             logits = self.runner.run(batch) if batch.rows else None
             masks = self.link.wait(step) if step is not None else None
             samples = self._sample(batch, logits, masks)
+            self.num_mixed_steps += bool(batch.rows)
+            self.num_prefill_tokens += batch.num_prefill_tokens
         self._finish(batch, step, samples, masks, graphed, rows)
+        self.step_s_total["graph" if graphed else "mixed"] += time.perf_counter() - start
         return True
 
     def _finish(self, batch: ScheduledBatch, step: int | None, samples: list[SampleResult],

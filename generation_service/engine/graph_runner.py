@@ -6,9 +6,12 @@ the graph, and for a grammar step so do the channel's inputs_seq, the wait for m
 the mask apply and the outputs + outputs_seq. With `verify_width` (EngineConfig.verify_graphs)
 batches whose rows carry speculative drafts replay a captured verify step instead
 (`VerifyGraphs`, verify_graphs.py: rows x 1 + max drafts tokens, verify on the device, the
-channel inside the graph alike). Every other batch (prefill chunks, logprobs, filtered or
-too wide verify rows) takes the eager path of `ModelRunner` with the CPU sampler and the
-host side of the step channel, so the engine mixes both step kinds on one channel.
+channel inside the graph alike). Every other batch (prefill chunks with or without decode
+rows, logprobs, filtered or too wide verify rows) is a mixed step (`MixedForward`,
+mixed_forward.py: one eager forward of all the step's tokens through the same fused weights
+and kernels, varlen attention over the paged cache), sampled by the engine's Sampler (on the
+device for one-position rows) with the host side of the step channel, so the engine mixes
+both step kinds on one channel.
 
 Per graph step the host (`launch`): writes rows [0, B) of the persistent buffers (the
 scheduler's view is the truth; the graph's own feed-back is overwritten) and replays; then
@@ -26,13 +29,16 @@ the free variants and unregisters it (docs/gpu.md teardown order).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
 
 from generation_service.engine.cuda_graphs import DEFAULT_BUCKETS, FREE, SERVING_VARIANTS, with_filters
 from generation_service.engine.gpu_runner import GpuDecodeRunner
-from generation_service.engine.kv_cache import KVCache
+from generation_service.engine.kv_cache import DUMMY_PAGE, KVCache
+from generation_service.engine.mixed_forward import MixedForward
+from generation_service.engine.mixed_graphs import MixedGraphs
 from generation_service.engine.runner import ModelRunner
 from generation_service.engine.sampler import SampleResult, device_seed
 from generation_service.engine.scheduler import ScheduledBatch, ScheduledRow
@@ -53,6 +59,26 @@ class Launch:
     verify: bool = False          # a verify step: rows of accepted drafts + one token
 
 
+@dataclass
+class _ProbeRequest:
+    """What `MixedForward` reads of a request: its pages (the probes': the dummy page)."""
+
+    pages: list[int]
+
+
+def _median_s(run, repeats: int = 5) -> float:
+    """Median wall seconds of `run()` to a synchronized device, after one warm-up call."""
+    times = []
+    for i in range(repeats + 1):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        if i:
+            times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
 def graph_buckets(max_batch: int) -> tuple[int, ...]:
     return tuple(b for b in DEFAULT_BUCKETS if b < max_batch) + (max_batch,)
 
@@ -64,12 +90,21 @@ class CudaGraphRunner(ModelRunner):
     are rewritten from the scheduler before every replay."""
 
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, vocab_size: int, *,
-                 max_batch: int, filters: bool = True, verify_width: int = 0) -> None:
+                 max_batch: int, filters: bool = True, verify_width: int = 0,
+                 max_context_tokens: int = 0) -> None:
         super().__init__(model, kv_cache, vocab_size)
         self.filters = filters
         self.gpu = GpuDecodeRunner(model, kv_cache, max_batch=max_batch, buckets=graph_buckets(max_batch),
                                    variants=self._variants((FREE,)))
         self.gpu.capture()
+        self.mixed = MixedForward(self.gpu.forward)  # every batch no graph runs
+        # Mixed steps of rows up to max_context_tokens long as graphs per token bucket (0: eager only)
+        self.mixed_graphs: MixedGraphs | None = None
+        if max_context_tokens:
+            pages = -(-max_context_tokens // kv_cache.page_size)
+            self.mixed_graphs = MixedGraphs(self.gpu.forward, self.gpu.max_batch, pages)
+            self.mixed_graphs.capture()
+        self._warm_eager_mixed()
         self.channel = None     # the StepChannel the graphs are captured over
         self._mapped = None
         # Free steps' tokens: two pinned buffers + events, so that a step launched while the
@@ -80,7 +115,7 @@ class CudaGraphRunner(ModelRunner):
         self._num_loaded_pages: list[int] = []  # per row: page-table entries written
         self.num_graph_steps = 0
         self.num_chained_steps = 0  # launched before the previous step was read (overlap)
-        self.num_eager_steps = 0
+        self.num_mixed_steps = 0  # batches run by `mixed` (prefill chunks, logprobs, ...)
         # Verify steps as graphs of rows x verify_width (= 1 + max drafts) token slots, free
         # variant now; a channel's variants are captured with its decode graphs. Else eager.
         self.verify: VerifyGraphs | None = None
@@ -111,8 +146,46 @@ class CudaGraphRunner(ModelRunner):
         return self.verify is not None and self.verify.can_run(rows)
 
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
-        self.num_eager_steps += 1
-        return super().run(batch)
+        """(L, vocab) logits of the sampling positions of a batch no graph runs (a mixed step)."""
+        self.num_mixed_steps += 1
+        return self._mixed_logits(batch.rows)
+
+    def _mixed_logits(self, rows: list[ScheduledRow]) -> torch.Tensor:
+        if self.mixed_graphs is not None and self.mixed_graphs.can_run(rows):
+            return self.mixed_graphs(rows)
+        return self.mixed(rows)
+
+    @torch.no_grad()
+    def _warm_eager_mixed(self) -> None:
+        """Compile the eager mixed step's kernels now (a long prompt beside a decode row, verify
+        rows), not in the first step that needs them; every write lands in the dummy page."""
+        def row(num_tokens: int, num_drafts: int = 0) -> ScheduledRow:
+            ids = [0] * (num_tokens + num_drafts)
+            pages = [DUMMY_PAGE] * -(-len(ids) // self.kv_cache.page_size)
+            return ScheduledRow(_ProbeRequest(pages), 0, ids, ids[num_tokens:], is_sampling=True)
+        self.mixed([row(1), row(2304)])
+        self.mixed([row(1), row(1, 4)])
+        torch.cuda.synchronize()
+
+    @torch.no_grad()
+    def measure_prefill_chunk(self, max_batch: int, max_tokens: int) -> int:
+        """The prefill chunk whose compute in a mixed step costs about one decode step of the
+        largest bucket, so a decode row's step beside a chunk takes about twice a plain one: the
+        free decode graph's replay time (padding rows: the weight read) over the marginal time
+        per token of mixed steps of one row of 256 and 1,024 tokens, in whole pages of 64
+        tokens, within [64, max_tokens]. Every K/V write of the probes lands in the dummy page."""
+        decode_s = _median_s(lambda: self.gpu.step(self.gpu.max_batch))
+
+        def probe(num_tokens: int) -> float:
+            row = ScheduledRow(_ProbeRequest([DUMMY_PAGE] * -(-num_tokens // self.kv_cache.page_size)), 0,
+                               [0] * num_tokens, is_sampling=True)
+            return _median_s(lambda: self._mixed_logits([row]))
+        short_s, long_s = probe(256), probe(1024)
+        per_token_s = max((long_s - short_s) / 768, 1e-9)
+        chunk = int(min(max(decode_s / per_token_s // 64 * 64, 64), max_tokens))
+        log.info("prefill chunk %d tokens: decode step of %d rows %.2f ms, mixed step %.3f ms + %.1f us a token",
+                 chunk, self.gpu.max_batch, decode_s * 1e3, (short_s - 256 * per_token_s) * 1e3, per_token_s * 1e6)
+        return chunk
 
     # ---- one graph step ----------------------------------------------------------------------
     @torch.no_grad()
@@ -265,6 +338,8 @@ class CudaGraphRunner(ModelRunner):
 
     def close(self) -> None:
         """Engine stop, after the loop ended and before the link closes its region."""
+        if self.mixed_graphs is not None:
+            self.mixed_graphs.close()
         if self.channel is not None:
             self.release_channel(self.channel, recapture=False)
         self.gpu.close()

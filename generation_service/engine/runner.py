@@ -65,6 +65,11 @@ class ModelRunner:
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
         return self.model(forward_batch, self.kv_cache)
 
+    def measure_prefill_chunk(self, max_batch: int, max_tokens: int) -> int | None:
+        """Prefill tokens per step beside decode rows, measured on this runner's device; None:
+        nothing to measure here (the engine takes its CPU default)."""
+        return None
+
     def attach(self, link) -> None:
         """The engine started with a connected grammar link: prepare what its steps need
         (nothing here; the graph runner captures the channel's graphs)."""

@@ -155,7 +155,10 @@ class Sampler:
             if not picked:
                 continue
             index = [starts[i] + p for i in picked for p in range(rows[i].num_positions)]
-            part = logits[torch.tensor(index, device=logits.device)]
+            if len(index) == logits.shape[0]:  # every row here (a mixed step's usual case): no gather
+                part = logits
+            else:
+                part = logits[torch.tensor(index, device=logits.device)]
             sample = self._sample_one_position if on_device else self._sample_cpu
             masks = bitmask[index] if bitmask is not None else None
             for i, result in zip(picked, sample(part if on_device else part.cpu(),
@@ -252,15 +255,13 @@ def sample_on_device(logits: torch.Tensor, rows: list[SampleRow],
         words = bitmask.to(device=device, dtype=torch.int32)
         masks = torch.where(constrained.unsqueeze(1), words, -1)  # -1: every token allowed
     params = [row.params for row in rows]
-
-    def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(device)
-
+    # two host->device copies, not five: each pageable copy waits for the stream on the host
+    ints = torch.tensor([[device_seed(row.seed) for row in rows], [row.position for row in rows],
+                         [p.top_k for p in params]], dtype=torch.int64).to(device)
+    floats = torch.tensor([[p.temperature for p in params], [p.top_p for p in params]],
+                          dtype=torch.float32).to(device)
     ids, _ = mask_sample(
-        x, masks, tensor([p.temperature for p in params], torch.float32),
-        tensor([p.top_k for p in params], torch.int32), tensor([p.top_p for p in params], torch.float32),
-        tensor([device_seed(row.seed) for row in rows], torch.int64),
-        tensor([row.position for row in rows], torch.int64),
+        x, masks, floats[0], ints[2].int(), floats[1], ints[0], ints[1],
         mask_vocab_size=x.shape[1] if masks is not None else None,
         enable_filters=any(row.params.uses_filters for row in rows))
     return ids.tolist()

@@ -2,7 +2,10 @@
 
 Each step it builds one mixed batch: running requests first (oldest first: a decode row of
 1 + drafts tokens, or the next prefill chunk), then admits waiting requests while rows,
-slots, the prefill token budget and pages allow. When a running request needs a page and
+slots, the step's prefill token budget and pages allow. The budget (`TokenBudget`) is small
+while decode rows share the step (each of them waits for the whole step, so a long prompt
+delays them by at most one budget's worth of prefill) and large when none does (an idle
+server prefills a long prompt in few steps). Decode rows never count against it. When a running request needs a page and
 none is free, the newest running request is preempted: its pages are freed and it goes back
 to the head of the queue, keeping its slot (and so its grammar matcher); it later re-prefills
 prompt + output and continues with the same tokens. Admission is FIFO and stops at the first
@@ -57,8 +60,30 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return sum(len(row.input_ids) for row in self.rows)
 
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Tokens of the rows that compute more than their one uncached token (prefill chunks)."""
+        return sum(n for n in (len(row.input_ids) - len(row.drafts) for row in self.rows) if n > 1)
+
 
 DraftFn = Callable[[Request, int], list[int]]  # (request, max drafts) -> draft tokens
+
+
+@dataclass(frozen=True)
+class TokenBudget:
+    """Prefill tokens per step: `with_decode` while decode rows share the step, `alone` when
+    none does. Both >= 1; `alone` >= `with_decode`."""
+
+    with_decode: int
+    alone: int
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.with_decode <= self.alone:
+            raise ValueError(f"token budgets must satisfy 1 <= with_decode <= alone, got {self}")
+
+    @classmethod
+    def fixed(cls, tokens: int) -> "TokenBudget":
+        return cls(tokens, tokens)
 
 
 class SlotPool:
@@ -85,14 +110,14 @@ class SlotPool:
 
 class Scheduler:
     def __init__(self, allocator: PageAllocator, page_size: int, slots: SlotPool, *,
-                 max_batch: int, max_waiting: int, prefill_chunk_tokens: int,
+                 max_batch: int, max_waiting: int, budget: TokenBudget,
                  propose_drafts: DraftFn | None = None) -> None:
         self.allocator = allocator
         self.page_size = page_size
         self.slots = slots
         self.max_batch = max_batch
         self.max_waiting = max_waiting
-        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.budget = budget
         self.propose_drafts = propose_drafts or (lambda request, k: [])
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -114,7 +139,8 @@ class Scheduler:
     # ---- one step ----------------------------------------------------------------------
     def schedule(self, max_drafts: int = 0) -> ScheduledBatch:
         rows: list[ScheduledRow] = []
-        budget = self.prefill_chunk_tokens
+        has_decode_rows = any(r.is_decoding and r.can_sample for r in self.running)
+        budget = self.budget.with_decode if has_decode_rows else self.budget.alone
         for request in list(self.running):
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop

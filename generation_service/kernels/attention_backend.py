@@ -33,16 +33,19 @@ class AttentionBackend(ABC):
     @abstractmethod
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                batch: AttentionMetadata, sm_scale: float,
-               sliding_window: int | None = None) -> torch.Tensor:
-        """One query token per row: q (B, Hq, D) -> (B, Hq, D)."""
+               sliding_window: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """One query token per row: q (B, Hq, D) -> (B, Hq, D), written into ``out`` if given."""
 
     @abstractmethod
     def extend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                batch: AttentionMetadata, sm_scale: float, max_extend_len: int | None = None,
-               sliding_window: int | None = None) -> torch.Tensor:
-        """Ragged new tokens q (T, Hq, D), causal over cached prefix + themselves.
+               sliding_window: int | None = None, out: torch.Tensor | None = None,
+               extend_start: torch.Tensor | None = None) -> torch.Tensor:
+        """Ragged new tokens q (T, Hq, D), causal over cached prefix + themselves; written
+        into ``out`` if given.
 
-        ``max_extend_len`` bounds extend_lens without a host read (needed under graphs).
+        ``max_extend_len`` bounds extend_lens without a host read (needed under graphs);
+        ``extend_start`` (B,) int64, the exclusive cumsum of extend_lens, if the caller has it.
         """
 
     @abstractmethod
@@ -56,21 +59,28 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
 
-    def decode(self, q, k_cache, v_cache, batch, sm_scale, sliding_window=None):
+    def decode(self, q, k_cache, v_cache, batch, sm_scale, sliding_window=None, out=None):
         from .decode_attention import decode_attention_torch
-        return decode_attention_torch(q, k_cache, v_cache, batch.page_table, batch.seq_lens,
-                                      sm_scale, sliding_window=sliding_window)
+        return _into(out, decode_attention_torch(q, k_cache, v_cache, batch.page_table, batch.seq_lens,
+                                                 sm_scale, sliding_window=sliding_window))
 
     def extend(self, q, k_cache, v_cache, batch, sm_scale, max_extend_len=None,
-               sliding_window=None):
+               sliding_window=None, out=None, extend_start=None):
         from .extend_attention import extend_attention_torch
-        return extend_attention_torch(q, k_cache, v_cache, batch.page_table, batch.seq_lens,
-                                      batch.extend_lens, sm_scale,
-                                      sliding_window=sliding_window)
+        return _into(out, extend_attention_torch(q, k_cache, v_cache, batch.page_table, batch.seq_lens,
+                                                 batch.extend_lens, sm_scale,
+                                                 sliding_window=sliding_window))
 
     def write_kv(self, k, v, k_cache, v_cache, slot_ids):
         from .kv_write import write_kv_torch
         write_kv_torch(k, v, k_cache, v_cache, slot_ids)
+
+
+def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -78,17 +88,18 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "triton"
 
-    def decode(self, q, k_cache, v_cache, batch, sm_scale, sliding_window=None):
+    def decode(self, q, k_cache, v_cache, batch, sm_scale, sliding_window=None, out=None):
         from .decode_attention import decode_attention
         return decode_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens,
-                                sm_scale, sliding_window=sliding_window)
+                                sm_scale, sliding_window=sliding_window, out=out)
 
     def extend(self, q, k_cache, v_cache, batch, sm_scale, max_extend_len=None,
-               sliding_window=None):
+               sliding_window=None, out=None, extend_start=None):
         from .extend_attention import extend_attention
         return extend_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens,
                                 batch.extend_lens, sm_scale, max_extend_len=max_extend_len,
-                                sliding_window=sliding_window)
+                                sliding_window=sliding_window, out=out,
+                                extend_start=extend_start)
 
     def write_kv(self, k, v, k_cache, v_cache, slot_ids):
         from .kv_write import write_kv

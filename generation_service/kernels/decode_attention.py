@@ -29,7 +29,9 @@ from .pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 _NUM_SMS_FALLBACK = 132  # H200; used when no CUDA device is visible (interpreter)
 
 
-@triton.jit
+# NOTE: the page table's width changes from one eager (mixed) step to the next; specialising on
+# it (== 1, % 16) would recompile mid-serving.
+@triton.jit(do_not_specialize=["stride_ptb", "max_pages"])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr, out_ptr,
     sm_scale, window,

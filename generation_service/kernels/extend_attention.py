@@ -13,7 +13,10 @@ GQA: a program owns one kv head and packs (token, group head) pairs into the M r
 its tile (row r -> token r // GROUP, head r % GROUP), so each K/V tile is loaded once
 for the whole group; for verify (k+1 tokens) this fills the tile with few tokens.
 Grid (B, num_kv_heads, cdiv(max_extend_len * GROUP, BLOCK_M)); ``max_extend_len`` is a
-host int so the launch is graph safe (programs past a row's extent return at once).
+host int so the launch is graph safe (programs past a row's extent return at once). The
+captured mixed steps (engine/mixed_graphs.py) cannot bound a row's length below the whole step's
+tokens, which would launch B x T x GROUP / BLOCK_M programs mostly to return: they launch
+`extend_attention_tiles` instead, one program per (tile of a host-made list, kv head).
 """
 from __future__ import annotations
 
@@ -73,25 +76,33 @@ def _attend_block(q, m_i, l_i, acc, k_ptr, v_ptr, pt_row, n0, kv_end, q_pos, fir
     return m_new, l_i, acc
 
 
-@triton.jit
+# NOTE: rows, tokens and the page table's width change from one eager (mixed) step to the next;
+# specialising on them (== 1, % 16) would recompile mid-serving.
+@triton.jit(do_not_specialize=["batch", "num_tokens", "stride_ptb", "max_pages"])
 def _extend_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, page_table_ptr, seq_lens_ptr, extend_lens_ptr,
     extend_start_ptr, sm_scale, window, batch, num_tokens,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kp, stride_ks, stride_kh,
     stride_vp, stride_vs, stride_vh,
-    stride_ptb, max_pages,
+    stride_ptb, max_pages, tile_rows_ptr, tile_blocks_ptr,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_G: tl.constexpr,
+    BLOCK_G: tl.constexpr, TILED: tl.constexpr,
 ):
-    b = tl.program_id(0)
     kvh = tl.program_id(1)
-    m_block = tl.program_id(2)
-    if b == batch:  # the extra row of programs: the padding tail
-        _zero_tail(o_ptr, extend_lens_ptr, extend_start_ptr, batch, num_tokens, kvh, m_block,
-                   stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_D, BLOCK_G)
-        return
+    if TILED:  # program 0-axis index = a tile of the host's list: (row, m block), row -1 = padding
+        b = tl.load(tile_rows_ptr + tl.program_id(0))
+        if b < 0:
+            return
+        m_block = tl.load(tile_blocks_ptr + tl.program_id(0))
+    else:
+        b = tl.program_id(0)
+        m_block = tl.program_id(2)
+        if b == batch:  # the extra row of programs: the padding tail
+            _zero_tail(o_ptr, extend_lens_ptr, extend_start_ptr, batch, num_tokens, kvh, m_block,
+                       stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_D, BLOCK_G)
+            return
     extend_len = tl.load(extend_lens_ptr + b)
     if m_block * BLOCK_M >= extend_len * GROUP:
         return
@@ -147,11 +158,12 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      max_extend_len: int | None = None, out: torch.Tensor | None = None,
                      block_m: int | None = None, block_n: int = 64,
                      sliding_window: int | None = None, num_warps: int | None = None,
-                     num_stages: int = 2) -> torch.Tensor:
+                     num_stages: int = 2, extend_start: torch.Tensor | None = None) -> torch.Tensor:
     """q (T, Hq, D) ragged new tokens -> out (T, Hq, D).
 
     Pass ``max_extend_len`` (an upper bound on extend_lens) under CUDA graphs; without it
-    the wrapper reads extend_lens.max() on the host.
+    the wrapper reads extend_lens.max() on the host. ``extend_start`` (B,) int64, the
+    exclusive cumsum of extend_lens, saves a launch per call when the caller has it.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
@@ -164,7 +176,8 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         out = torch.empty_like(q)
     if batch == 0 or max_extend_len == 0:
         return out
-    extend_start = torch.cumsum(extend_lens, 0, dtype=torch.int64) - extend_lens
+    if extend_start is None:
+        extend_start = torch.cumsum(extend_lens, 0, dtype=torch.int64) - extend_lens
     block_d = triton.next_power_of_2(head_dim)
     rows = max_extend_len * group  # (token, head) rows of the longest row
     if block_m is None:  # prefill: big tiles reuse K/V; verify: no idle rows
@@ -177,10 +190,55 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         sliding_window or 0, batch, num_tokens, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        page_table.stride(0), page_table.shape[1],
+        page_table.stride(0), page_table.shape[1], extend_lens, extend_lens,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-        PAGE_SIZE=page_size, BLOCK_G=triton.next_power_of_2(group), num_warps=num_warps,
+        PAGE_SIZE=page_size, BLOCK_G=triton.next_power_of_2(group), TILED=False, num_warps=num_warps,
         num_stages=num_stages,
+    )
+    return out
+
+
+def tile_list(extend_lens: list[int], group: int, block_m: int) -> tuple[list[int], list[int]]:
+    """(rows, m blocks) of every tile `extend_attention_tiles` must run: cdiv(n * group, block_m)
+    tiles for a row of n new tokens, none for a row of 0."""
+    rows, blocks = [], []
+    for row, n in enumerate(extend_lens):
+        count = -(-n * group // block_m)
+        rows += [row] * count
+        blocks += range(count)
+    return rows, blocks
+
+
+def max_tiles(num_tokens: int, num_rows: int, group: int, block_m: int) -> int:
+    """An upper bound of len(tile_list(...)) for num_tokens new tokens over num_rows rows."""
+    return -(-num_tokens * group // block_m) + num_rows
+
+
+def extend_attention_tiles(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           page_table: torch.Tensor, seq_lens: torch.Tensor, extend_lens: torch.Tensor,
+                           extend_start: torch.Tensor, tile_rows: torch.Tensor, tile_blocks: torch.Tensor,
+                           sm_scale: float, block_m: int, out: torch.Tensor, block_n: int = 64,
+                           sliding_window: int | None = None, num_warps: int | None = None,
+                           num_stages: int = 2) -> torch.Tensor:
+    """`extend_attention` over a host-made tile list (`tile_list`, padded with row -1): one
+    program per (tile, kv head), so the grid is fixed by the list's length, not by the rows'
+    lengths -- graph safe for any mix of rows up to that many tiles. extend_start (B,) int64:
+    each row's first token in q. Tokens no tile covers are left as they are in `out`."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_cache.shape
+    assert num_q_heads % num_kv_heads == 0 and k_cache.stride(-1) == 1 and q.stride(-1) == 1
+    group = num_q_heads // num_kv_heads
+    if num_warps is None:
+        num_warps = 8 if block_m >= 128 else 4
+    _extend_kernel[(tile_rows.shape[0], num_kv_heads, 1)](
+        q, k_cache, v_cache, out, page_table, seq_lens, extend_lens, extend_start, sm_scale,
+        sliding_window or 0, seq_lens.shape[0], num_tokens, q.stride(0), q.stride(1), out.stride(0),
+        out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        page_table.stride(0), page_table.shape[1], tile_rows, tile_blocks,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=block_m,
+        BLOCK_N=block_n, PAGE_SIZE=page_size, BLOCK_G=triton.next_power_of_2(group), TILED=True,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out
 

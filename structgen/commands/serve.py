@@ -71,6 +71,10 @@ OPTIONS = (
 )
 
 log = logging.getLogger("structgen.serve")
+# The engine loop is the serving path's one critical thread, and every streaming RPC has a thread
+# of its own: with Python's default 5 ms switch interval, each time the loop gives up the GIL (a
+# device sync, a sleep while it waits for masks) it could wait up to 5 ms to get it back.
+GIL_SWITCH_INTERVAL_S = 0.0002
 
 
 def add_parser(subparsers) -> None:
@@ -118,6 +122,7 @@ def run(args: argparse.Namespace, _rest) -> int:
         return 2
     telemetry.setup("structgen")  # OTEL_* variables; off without an OTLP endpoint
     telemetry.install_log_correlation()
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     stop_requested = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop_requested.set())

@@ -74,8 +74,9 @@ def write_random_checkpoint(folder: pathlib.Path, *, tied: bool = False, with_to
 
 def engine_config(model_spec: str, runner: str, **extra):
     from generation_service.engine.config import EngineConfig
-    return EngineConfig(model=model_spec, device="cuda", dtype="bfloat16", runner=runner, max_batch=8,
-                        num_pages=512, max_prompt_tokens=256, max_new_tokens_limit=256, seed=0, **extra)
+    fields = dict(model=model_spec, device="cuda", dtype="bfloat16", runner=runner, max_batch=8,
+                  num_pages=512, max_prompt_tokens=256, max_new_tokens_limit=256, seed=0)
+    return EngineConfig(**fields | extra)
 
 
 def run_engine(config, requests, grammar=None):

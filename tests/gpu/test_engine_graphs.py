@@ -26,13 +26,13 @@ def test_graph_engine_greedy_equals_eager_and_filters_run_in_graphs(model_spec):
     runner = graph_engine.runner
     assert type(eager_engine.runner).__name__ == "ModelRunner"
     assert type(runner).__name__ == "CudaGraphRunner"
-    assert runner.num_graph_steps >= NEW_TOKENS - 1, (runner.num_graph_steps, runner.num_eager_steps)
+    assert runner.num_graph_steps >= NEW_TOKENS - 1, (runner.num_graph_steps, runner.num_mixed_steps)
     for r in eager + graph:
         assert r.error is None and r.finish_reason is FinishReason.MAX_TOKENS and len(r.token_ids) == NEW_TOKENS
     prompts = PROMPTS + [PROMPTS[0], PROMPTS[2]]
     num_identical = check_greedy_rows(graph_engine, prompts, eager, graph)
     print(f"graph == eager on {num_identical}/{len(prompts)} requests; graph steps {runner.num_graph_steps},"
-          f" eager steps {runner.num_eager_steps}")
+          f" mixed steps {runner.num_mixed_steps}")
     # rows 5 and 6 (temperature 1) passed the near-argmax check above only because top-k/top-p
     # cut them to the argmax inside the graph: plain temperature-1 draws over 131k tokens
     # would land far from it. (Not compared with rows 0/2 token by token: a bf16 tie is

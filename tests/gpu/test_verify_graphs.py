@@ -48,13 +48,13 @@ def test_verify_graphs_give_the_eager_verify_tokens(model_spec, tied_model_spec,
     eager_engine, eager, eager_stats = run_engine(engine_config(spec, "cuda_graph", verify_graphs=False), requests)
     engine, graph, stats = run_engine(engine_config(spec, "cuda_graph", verify_graphs=True), requests)
     runner = engine.runner
-    assert eager_engine.runner.num_verify_steps == 0 and eager_engine.runner.num_eager_steps > 0
+    assert eager_engine.runner.num_verify_steps == 0 and eager_engine.runner.num_mixed_steps > 0
     for r in eager + graph:
         assert r.error is None and r.finish_reason is FinishReason.MAX_TOKENS and len(r.token_ids) == NEW_TOKENS
     num_identical = check_greedy_rows(engine, REPEATING + [PROMPTS[2]], eager[:-1], graph[:-1])
     print(f"{'tied' if tied else 'untied'}: verify graphs == eager verify on {num_identical}/{len(REPEATING) + 1}"
           f" rows; verify graph steps {runner.num_verify_steps} of {runner.num_graph_steps} graph steps,"
-          f" eager steps {runner.num_eager_steps} (eager verify engine: {eager_engine.runner.num_eager_steps});"
+          f" mixed steps {runner.num_mixed_steps} (eager verify engine: {eager_engine.runner.num_mixed_steps});"
           f" drafts accepted {stats.draft_accepted}/{stats.draft_proposed}"
           f" (eager verify: {eager_stats.draft_accepted}/{eager_stats.draft_proposed})")
     assert runner.num_verify_steps > 0 and runner.verify.num_steps == runner.num_verify_steps

@@ -14,6 +14,7 @@ import torch
 from generation_service.engine.events import FinishReason
 from generation_service.engine.params import GenerationRequest, GrammarSpec, SamplingParams
 from generation_service.engine.sampler import unpack_bitmask
+from generation_service.engine.scheduler import ScheduledBatch
 from generation_service.model.forward_batch import build_forward_batch
 from tests.integration.test_engine_support import (
     collect, make_engine, run_all, shared_grammar_service, shared_model, start_grammar_service, wait_settled,
@@ -106,14 +107,17 @@ def graph_engine(monkeypatch, grammar_address, **config):
     from generation_service.engine import graph_runner, runner
     from generation_service.engine.graph_runner import CudaGraphRunner
 
-    def fake_init(self, model, kv_cache, vocab_size, *, max_batch, filters=True, verify_width=0):  # no verify graphs
+    def fake_init(self, model, kv_cache, vocab_size, *, max_batch, filters=True, verify_width=0,
+                  max_context_tokens=0):  # no verify or mixed graphs
         runner.ModelRunner.__init__(self, model, kv_cache, vocab_size)
         self.filters, self.gpu, self.channel, self._mapped = filters, FakeGpu(model, kv_cache, max_batch), None, None
         self._host_tokens = [torch.zeros(max_batch, dtype=torch.int64) for _ in range(2)]
         self._copy_ready = [types.SimpleNamespace(record=lambda: None, synchronize=lambda: None)] * 2
         self._next_copy, self._num_loaded_pages = 0, []
-        self.num_graph_steps = self.num_chained_steps = self.num_eager_steps = self.num_verify_steps = 0
-        self.verify = None
+        self.num_graph_steps = self.num_chained_steps = self.num_mixed_steps = self.num_verify_steps = 0
+        # mixed steps through the eager runner's model forward (the fused MixedForward needs CUDA)
+        self.mixed = lambda rows: runner.ModelRunner.run(self, ScheduledBatch(rows))
+        self.verify = self.mixed_graphs = None
 
     class FakeMapped:
         def __init__(self, channel):
@@ -130,6 +134,7 @@ def graph_engine(monkeypatch, grammar_address, **config):
     monkeypatch.setattr("step_channel.cuda.MappedChannel", FakeMapped)
     monkeypatch.setitem(runner.RUNNERS, "cuda_graph", CudaGraphRunner)
     assert graph_runner.CudaGraphRunner is CudaGraphRunner
+    config.setdefault("prefill_chunk_tokens", 512)  # not measured: FakeGpu has no device to time
     return make_engine(grammar_address, model=shared_model(), runner="cuda_graph", max_draft_tokens=0, **config)
 
 

@@ -3,16 +3,16 @@ import pytest
 from generation_service.engine.errors import QueueFullError
 from generation_service.engine.kv_cache import PageAllocator
 from generation_service.engine.request import RequestStatus
-from generation_service.engine.scheduler import Scheduler, SlotPool
+from generation_service.engine.scheduler import Scheduler, SlotPool, TokenBudget
 
 from tests.unit.engine.conftest import make_request
 
 PAGE = 4
 
 
-def make_scheduler(num_pages=64, max_batch=4, max_waiting=8, chunk=8, drafts=None):
+def make_scheduler(num_pages=64, max_batch=4, max_waiting=8, chunk=8, alone=None, drafts=None):
     return Scheduler(PageAllocator(num_pages), PAGE, SlotPool(2 * max_batch), max_batch=max_batch,
-                     max_waiting=max_waiting, prefill_chunk_tokens=chunk, propose_drafts=drafts)
+                     max_waiting=max_waiting, budget=TokenBudget(chunk, alone or chunk), propose_drafts=drafts)
 
 
 def complete(batch, token=7, accepted=0):
@@ -51,6 +51,28 @@ def test_budget_is_shared_and_decodes_do_not_wait_for_prefills():
     s.add(b)
     batch = s.schedule()
     assert [(row.request.request_id, len(row.input_ids)) for row in batch.rows] == [("a", 1), ("b", 8)]
+
+
+def test_a_step_without_decode_rows_takes_the_larger_budget():
+    s = make_scheduler(max_batch=4, chunk=8, alone=24)
+    a, b = make_request("a", 40), make_request("b", 5)
+    s.add(a)
+    s.add(b)
+    first = s.schedule()  # nothing decodes yet: a long prompt goes in large chunks
+    assert [(row.request.request_id, len(row.input_ids)) for row in first.rows] == [("a", 24)]
+    complete(first)
+    second = s.schedule()  # still no decode row: a's rest, then b, up to 24 tokens
+    assert [(row.request.request_id, len(row.input_ids)) for row in second.rows] == [("a", 16), ("b", 5)]
+    complete(second)
+    c = make_request("c", 30)
+    s.add(c)
+    third = s.schedule()  # a and b decode now: c's prefill shares the step within the small budget
+    assert [(row.request.request_id, len(row.input_ids)) for row in third.rows] == [("a", 1), ("b", 1), ("c", 8)]
+
+
+def test_token_budgets_must_be_ordered():
+    with pytest.raises(ValueError, match="with_decode <= alone"):
+        TokenBudget(16, 8)
 
 
 def test_queue_limit_raises_queue_full():

@@ -96,13 +96,17 @@ def main() -> int:
             da._decode_reduce_kernel, F32, F32, BF, *[N] * 7, NUM_SPLITS=8, BLOCK_S=8,
             HEAD_DIM=128, BLOCK_D=128, PDL=True),
         "extend": lambda: compile_sm90(
-            ea._extend_kernel, BF, BF, BF, BF, I32, I32, I32, I64, 0.1, 0, 7, N, *[N] * 12,
+            ea._extend_kernel, BF, BF, BF, BF, I32, I32, I32, I64, 0.1, 0, 7, N, *[N] * 12, I32, I32,
             GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, PAGE_SIZE=16,
-            BLOCK_G=4),
+            BLOCK_G=4, TILED=False),
         "extend_prefill_tile": lambda: compile_sm90(
-            ea._extend_kernel, BF, BF, BF, BF, I32, I32, I32, I64, 0.1, 0, 7, N, *[N] * 12,
+            ea._extend_kernel, BF, BF, BF, BF, I32, I32, I32, I64, 0.1, 0, 7, N, *[N] * 12, I32, I32,
             GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=128, BLOCK_N=64, PAGE_SIZE=16,
-            BLOCK_G=4, num_warps=8),
+            BLOCK_G=4, TILED=False, num_warps=8),
+        "extend_tiled": lambda: compile_sm90(
+            ea._extend_kernel, BF, BF, BF, BF, I32, I32, I32, I64, 0.1, 0, 7, N, *[N] * 12, I64, I64,
+            GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=128, BLOCK_N=64, PAGE_SIZE=16,
+            BLOCK_G=4, TILED=True, num_warps=8),
         "prepare_inputs": lambda: compile_sm90(
             prepare_inputs._prepare_kernel, I64, I32, I32, I32, I32, I64, I64, I32, I32, I64,
             *[N] * 5, PAGE_SIZE=16, BLOCK_R=256, BLOCK_W=4, BLOCK_T=1024),

@@ -1,0 +1,112 @@
+"""The roofline side of benchmarks/serve.py, measured on the GPU in its own process (it exits,
+freeing the device, before the server starts):
+
+- the bf16 matmul rate (an 8192^3 product on random data, median of 10) and the device copy
+  bandwidth: the ceilings prefill is held to;
+- the decode graph's step time per batch and context: the free decode graph of the serving
+  runner (`GpuDecodeRunner`, the buckets the server captures) over a KV cache of random values
+  with every row at that context, median replay time;
+- the model's FLOPs per prompt: 2 x the linear parameters per token, the causal attention's
+  4 x layers x heads x head_dim x (n^2 / 2), and one LM-head row.
+
+    python benchmarks/_roofline.py --config folder/config.json --points 1:1024 64:576 --out r.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+PAGE_SIZE = 16
+
+
+def prefill_flops(config, num_tokens: int) -> float:
+    """FLOPs of one prompt of `num_tokens` tokens (linear layers, causal attention, one LM-head row)."""
+    c = config
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    per_layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+    linear = 2.0 * num_tokens * per_layer * c.num_layers
+    attention = 4.0 * c.num_layers * c.num_heads * c.head_dim * num_tokens * (num_tokens + 1) / 2
+    return linear + attention + 2.0 * c.hidden_size * c.vocab_size
+
+
+def median_ms(run, reps: int) -> float:
+    times = []
+    for _ in range(reps + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times[3:])[reps // 2]
+
+
+def ceilings() -> dict:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    matmul_ms = median_ms(lambda: a @ b, 10)
+    src = torch.randn(1 << 31, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    copy_ms = median_ms(lambda: dst.copy_(src), 10)
+    del a, b, src, dst
+    torch.cuda.empty_cache()
+    return {"matmul_tflops": 2 * 8192 ** 3 / matmul_ms / 1e9, "copy_bandwidth_GBps": 2 * (2 << 31) / copy_ms / 1e6}
+
+
+@torch.no_grad()
+def decode_steps(config, points: list[tuple[int, int]]) -> list[dict]:
+    """Free decode-graph step time of each (batch, context)."""
+    from generation_service.engine.cuda_graphs import FREE
+    from generation_service.engine.gpu_runner import GpuDecodeRunner
+    from generation_service.engine.kv_cache import KVCache
+    from generation_service.model.random_init import build_random_model
+
+    model = build_random_model(config, torch.device("cuda"), torch.bfloat16, seed=0)
+    batches = sorted({b for b, _ in points})
+    max_batch, reps = max(batches), 20
+    pages_per_row = [-(-(c + reps + 8) // PAGE_SIZE) for _, c in points]
+    num_pages = max(b * n for (b, _), n in zip(points, pages_per_row))  # one point at a time
+    kv = KVCache(config.num_layers, 1 + num_pages, PAGE_SIZE, config.num_kv_heads,
+                 config.head_dim, torch.bfloat16, "cuda")
+    for t in kv.k + kv.v:
+        t.normal_(0.0, 1.0)
+    runner = GpuDecodeRunner(model, kv, max_batch=max_batch, buckets=tuple(batches), variants=(FREE,))
+    runner.capture()
+    rows = []
+    for (batch, context), per_row in sorted(zip(points, pages_per_row)):
+        table = (1 + torch.arange(batch * per_row, dtype=torch.int32)).view(batch, per_row)
+        ids = torch.randint(0, config.vocab_size, (batch,))
+        runner.load_rows(ids, torch.full((batch,), context, dtype=torch.int64),
+                         torch.full((batch,), context + 1, dtype=torch.int32), table)
+        ms = median_ms(lambda: runner.step(batch), reps)
+        rows.append({"batch": batch, "context": context, "step_ms": ms})
+        print(f"decode graph b={batch:3d} ctx={context:5d}: {ms:.3f} ms", flush=True)
+    runner.close()
+    return rows
+
+
+def main() -> int:
+    from generation_service.model.loader import read_config
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="the served model's config.json")
+    parser.add_argument("--points", nargs="+", required=True, help="BATCH:CONTEXT pairs to time")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    config = read_config(pathlib.Path(args.config))
+    result = ceilings()
+    print(f"bf16 matmul {result['matmul_tflops']:.0f} TFLOP/s, copy {result['copy_bandwidth_GBps']:.0f} GB/s", flush=True)
+    points = sorted({tuple(int(x) for x in point.split(":")) for point in args.points})
+    result["decode_steps"] = decode_steps(config, points)
+    pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

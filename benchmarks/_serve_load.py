@@ -1,0 +1,195 @@
+"""The load side of benchmarks/serve.py: gRPC clients in several processes.
+
+Each client process runs one asyncio loop with grpc.aio (one channel) and, for a closed-loop
+workload, `concurrency / processes` users that send their next request as soon as the last one
+ended; for an open-loop workload, Poisson arrivals at `rate / processes` per second, each request
+its own task. Every request records its send time, the arrival time and token count of each
+streamed message, and how it ended (finish reason, validation status, gRPC code). Requests are
+token ids (`prompts`: slices of real text tokenized with the server's tokenizer, exact lengths),
+so the prompt length is the workload's and no server-side tokenization varies between runs.
+"""
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import random
+import time
+from dataclasses import dataclass, field
+
+
+CANCELLED_AT_END = "CANCELLED_AT_END"  # not an error: the client stopped it when the window closed
+
+
+@dataclass
+class Workload:
+    """What one workload sends. max_tokens_list: per request, cycled (matched lengths)."""
+
+    name: str
+    prompt_len: int
+    max_tokens: int
+    concurrency: int = 0            # closed loop: users; 0 = open loop
+    rate: float = 0.0               # open loop: requests per second
+    json_schema: str | None = None  # constrained (compact whitespace)
+    ignore_eos: bool = True
+    max_tokens_list: list[int] = field(default_factory=list)
+    duration_s: float = 10.0
+    warmup_s: float = 3.0
+    num_requests: int = 0           # > 0: exactly this many requests one after another (idle TTFT)
+
+
+@dataclass
+class Record:
+    """One request as its client saw it; times in seconds since the workload's start."""
+
+    start: float
+    message_times: list[float]
+    message_tokens: list[int]
+    end: float
+    finish_reason: str = ""
+    validation: str = ""
+    code: str = "OK"
+    prompt_len: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.message_tokens)
+
+    @property
+    def ttft(self) -> float | None:
+        return self.message_times[0] - self.start if self.message_times else None
+
+
+def make_prompts(tokenizer_json: str, lengths: set[int], count: int, seed: int) -> dict[int, list[list[int]]]:
+    """`count` prompts per length: windows of the tokenized benchmark documents and prose at
+    random offsets (repeated until long enough)."""
+    import json as json_lib
+
+    from tokenizers import Tokenizer
+
+    from benchmarks._documents import DOCUMENTS
+
+    text = "\n".join(json_lib.dumps(doc) + "\nDescribe the record above in one sentence. " for _, doc in DOCUMENTS)
+    ids = Tokenizer.from_file(tokenizer_json).encode(text, add_special_tokens=False).ids
+    rng = random.Random(seed)
+    out = {}
+    for length in lengths:
+        source = ids * (length // len(ids) + 2)
+        out[length] = [source[(o := rng.randrange(len(ids))):o + length] for _ in range(count)]
+    return out
+
+
+async def _one_request(stub, pb, workload: Workload, prompt: list[int], max_tokens: int, t0: float,
+                       records: list[Record], seed: int) -> None:
+    request = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=prompt),
+        sampling=pb.SamplingParams(temperature=0.0, seed=seed),
+        stop=pb.StopConditions(max_tokens=max_tokens, ignore_eos=workload.ignore_eos))
+    if workload.json_schema is not None:
+        request.json_schema = workload.json_schema
+        request.constraint_options.compact = True
+    record = Record(time.perf_counter() - t0, [], [], 0.0, prompt_len=len(prompt))
+    try:
+        async for message in stub.Generate(request):
+            if message.token_ids:
+                record.message_times.append(time.perf_counter() - t0)
+                record.message_tokens.append(len(message.token_ids))
+            if message.finish_reason:
+                record.finish_reason = pb.FinishReason.Name(message.finish_reason)
+                if message.HasField("validation"):
+                    record.validation = pb.ValidationStatus.Name(message.validation.status)
+    except asyncio.CancelledError:  # the window ended with this request streaming: its tokens count
+        record.code = CANCELLED_AT_END
+    except Exception as error:  # noqa: BLE001 -- a failed call is a result (its code), never a crash
+        code = getattr(error, "code", None)
+        record.code = code().name if callable(code) else type(error).__name__
+    record.end = time.perf_counter() - t0
+    records.append(record)
+
+
+async def _drive(address: str, workload: Workload, prompts: list[list[int]], share: float, seed: int,
+                 start_at: float) -> list[Record]:
+    import grpc
+
+    from structgen.v1 import generation_pb2 as pb
+    from structgen.v1 import generation_pb2_grpc as pb_grpc
+
+    rng = random.Random(seed)
+    records: list[Record] = []
+    counter = iter(range(1 << 30))
+
+    def next_args() -> tuple[list[int], int]:
+        n = next(counter)
+        lengths = workload.max_tokens_list
+        return prompts[rng.randrange(len(prompts))], lengths[(seed * 7919 + n) % len(lengths)] if lengths else workload.max_tokens
+
+    options = [("grpc.max_receive_message_length", 64 << 20)]
+    async with grpc.aio.insecure_channel(address, options=options) as channel:
+        stub = pb_grpc.GenerationServiceStub(channel)
+        await channel.channel_ready()
+        while time.time() < start_at:  # every process starts at once
+            await asyncio.sleep(0.001)
+        t0 = time.perf_counter()
+        end = workload.warmup_s + workload.duration_s
+
+        async def user() -> None:
+            while time.perf_counter() - t0 < end:
+                prompt, max_tokens = next_args()
+                await _one_request(stub, pb, workload, prompt, max_tokens, t0, records, rng.randrange(1 << 30))
+
+        if workload.num_requests:
+            for _ in range(workload.num_requests):
+                prompt, max_tokens = next_args()
+                await _one_request(stub, pb, workload, prompt, max_tokens, t0, records, 0)
+        elif workload.concurrency:
+            users = round(workload.concurrency * share)
+            tasks = [asyncio.create_task(user()) for _ in range(users)]
+            await _wait_until(t0, end, tasks)
+        else:
+            tasks = []
+            rate = workload.rate * share
+            next_at = rng.expovariate(rate) if rate > 0 else end
+            while next_at < end:
+                now = time.perf_counter() - t0
+                if now < next_at:
+                    await asyncio.sleep(min(next_at - now, 0.01))
+                    continue
+                prompt, max_tokens = next_args()
+                tasks.append(asyncio.create_task(_one_request(stub, pb, workload, prompt, max_tokens, t0, records,
+                                                              rng.randrange(1 << 30))))
+                next_at += rng.expovariate(rate)
+            await _wait_until(t0, end, tasks)
+    return records
+
+
+async def _wait_until(t0: float, end: float, tasks: list) -> None:
+    """Let the window end, then cancel what is still streaming (its tokens so far count)."""
+    while time.perf_counter() - t0 < end and not all(t.done() for t in tasks):
+        await asyncio.sleep(0.05)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _process_main(address, workload, prompts, share, seed, start_at, queue) -> None:
+    records = asyncio.run(_drive(address, workload, prompts, share, seed, start_at))
+    queue.put([(r.start, r.message_times, r.message_tokens, r.end, r.finish_reason, r.validation, r.code,
+                r.prompt_len) for r in records])
+
+
+def run_workload(address: str, workload: Workload, prompts: list[list[int]], num_procs: int,
+                 seed: int = 0) -> list[Record]:
+    """Run `workload` from `num_procs` client processes (one for a fixed request count)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    num_procs = 1 if workload.num_requests else max(1, min(num_procs, workload.concurrency or num_procs))
+    start_at = time.time() + 2.0 + 0.3 * num_procs  # spawn + imports + channel ready
+    procs = [ctx.Process(target=_process_main, args=(address, workload, prompts, 1 / num_procs, seed + i,
+                                                     start_at, queue), daemon=True) for i in range(num_procs)]
+    for p in procs:
+        p.start()
+    records = []
+    for _ in procs:
+        records += [Record(*fields) for fields in queue.get(timeout=workload.warmup_s + workload.duration_s + 600)]
+    for p in procs:
+        p.join(timeout=30)
+    return records

@@ -1,0 +1,382 @@
+"""The serving benchmark: the real `structgen serve` on the GPU, driven over gRPC from several
+client processes, each result next to the same run's roofline (issue 16).
+
+    python benchmarks/serve.py --out benchmarks/results/serve-h200.json            # every workload
+    python benchmarks/serve.py --plan quick --out /tmp/serve.json                   # a short subset
+    python benchmarks/serve.py --device cpu --shapes default --plan smoke ...       # CPU: the harness only
+
+Per model shape (random weights of a preset shape, the real 131k Tekken tokenizer beside them):
+1. roofline (its own process, `_roofline.py`): bf16 matmul rate, copy bandwidth, and the free
+   decode graph's step time at every batch and mean context the workloads use;
+2. `structgen serve --device cuda` with that model (grammar_service as its child), then the
+   workloads one after another, each from `--client-procs` processes (`_serve_load.py`):
+   - idle TTFT: one request at a time, prompts of 1k, 4k and 8k tokens;
+   - closed loop at each concurrency: free (`ignore_eos`, max_tokens new tokens), constrained
+     (a JSON Schema with bounded fields, compact, capped at max_tokens) and free-matched (free
+     requests capped at the constrained run's output lengths, cycled: the same length mix);
+   - open loop: Poisson arrivals at fractions of the closed-loop rate at the largest concurrency.
+   Per workload: output tok/s over the measured window, TTFT p50/p99, inter-token (gap between
+   streamed messages) p50/p99, tokens per message, errors by code, finish reasons, validation
+   statuses, and the engine's step counters over the window (GetEngineStats).
+3. Each closed-loop result over its roofline: C requests of P prompt tokens and N new tokens take
+   C x prefill_flops(P) / matmul rate + N x decode step(C, context P + N/2), so
+   roofline tok/s = C x N / that; idle TTFT over prefill_flops(P) / rate + one decode step.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks._serve_load import CANCELLED_AT_END, Record, Workload, make_prompts, run_workload  # noqa: E402
+
+VOCAB = 131072
+# Bounded fields: every document completes well inside 128 tokens of the Tekken vocabulary.
+SCHEMA = {"type": "object", "properties": {
+    "id": {"type": "integer", "minimum": 0, "maximum": 99999},
+    "name": {"type": "string", "minLength": 3, "maxLength": 24},
+    "status": {"enum": ["new", "open", "blocked", "done"]},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "minItems": 1, "maxItems": 4},
+    "scores": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 100}, "maxItems": 6},
+    "active": {"type": "boolean"}},
+    "required": ["id", "name", "status", "tags", "scores", "active"], "additionalProperties": False}
+PLANS = ("full", "quick", "smoke")
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+# ---- the model folder and the server -------------------------------------------------------
+def model_folder(shape: str, tokenizer_dir: pathlib.Path, folder: pathlib.Path) -> pathlib.Path:
+    """config.json of the preset with the Tekken vocabulary (and room for 8k prompts), the
+    tokenizer beside it: `--model random:<folder>/config.json`."""
+    from generation_service.model.presets import PRESETS
+    c = PRESETS[shape]
+    config = {"architectures": [c.architecture], "model_type": "llama", "vocab_size": VOCAB,
+              "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+              "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads,
+              "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim, "hidden_act": "silu",
+              "max_position_embeddings": 16384, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
+              "tie_word_embeddings": c.tie_word_embeddings, "bos_token_id": 1, "eos_token_id": 2,
+              "dtype": "bfloat16"}
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, folder / name)
+    return folder
+
+
+class Server:
+    """`structgen serve` in its own process; its log in a file."""
+
+    def __init__(self, model: str, args, log_path: pathlib.Path, max_batch: int) -> None:
+        self.log_path = log_path
+        command = [sys.executable, "-c", "import sys; from structgen.cli import main; sys.exit(main())",
+                   "serve", "--model", model, "--device", args.device,
+                   "--port", "0", "--max-batch", str(max_batch), "--max-waiting", "4096",
+                   "--max-prompt-tokens", "8192", "--max-new-tokens-limit", "1024",
+                   "--num-workers", str(max_batch + 64), *args.server_args]
+        if args.device == "cpu":
+            command += ["--dtype", "float32"]
+        self.command = command
+        started = time.monotonic()
+        self.process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=open(log_path, "w"),
+                                        text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        line = self.process.stdout.readline()  # "structgen serve: listening on HOST:PORT ..."
+        match = re.search(r"listening on ([^ ]+):(\d+)", line)
+        if not match:
+            self.process.kill()
+            raise RuntimeError(f"server did not start: {line!r}\n{log_path.read_text()[-3000:]}")
+        self.address = f"{match.group(1)}:{match.group(2)}"
+        self.startup_s = time.monotonic() - started
+        import grpc
+
+        from structgen.v1 import generation_pb2 as pb
+        from structgen.v1 import generation_pb2_grpc as pb_grpc
+        self.pb, self.stub = pb, pb_grpc.GenerationServiceStub(grpc.insecure_channel(self.address))
+
+    def model_info(self) -> dict:
+        from google.protobuf.json_format import MessageToDict
+        return MessageToDict(self.stub.GetModelInfo(self.pb.GetModelInfoRequest()), preserving_proto_field_name=True)
+
+    def stats(self) -> dict:
+        from google.protobuf.json_format import MessageToDict
+        return MessageToDict(self.stub.GetEngineStats(self.pb.GetEngineStatsRequest()),
+                             preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+    def wait_idle(self, timeout_s: float = 120) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            stats = self.stats()
+            if int(stats["num_running"]) == int(stats["num_waiting"]) == 0 or time.monotonic() > deadline:
+                return stats
+            time.sleep(0.1)
+
+    def log_lines(self, pattern: str) -> list[str]:
+        return [line.strip() for line in self.log_path.read_text().splitlines() if re.search(pattern, line)]
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+# ---- results ------------------------------------------------------------------------------------
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def summarize(workload: Workload, records: list[Record]) -> dict:
+    """Figures over the measured window [warmup, warmup + duration] (idle runs: every request)."""
+    lo, hi = (0.0, float("inf")) if workload.num_requests else (workload.warmup_s, workload.warmup_s + workload.duration_s)
+    tokens = sum(n for r in records for t, n in zip(r.message_times, r.message_tokens) if lo <= t < hi)
+    started = [r for r in records if lo <= r.start < hi]
+    ttft = [r.ttft for r in started if r.ttft is not None]
+    gaps = [b - a for r in records for a, b in zip(r.message_times, r.message_times[1:]) if lo <= b < hi]
+    messages = sum(1 for r in records for t in r.message_times if lo <= t < hi)
+    finished = [r for r in records if r.code == "OK"]
+    count = lambda values: {k: values.count(k) for k in sorted(set(values))}  # noqa: E731
+    window = (hi - lo) if not workload.num_requests else None
+    out = {
+        "name": workload.name, "prompt_len": workload.prompt_len, "max_tokens": workload.max_tokens,
+        "concurrency": workload.concurrency, "rate_rps": workload.rate, "constrained": workload.json_schema is not None,
+        "matched_lengths": bool(workload.max_tokens_list), "num_requests": len(records),
+        "num_finished": len(finished),
+        "output_tokens_per_s": tokens / window if window else None,
+        "requests_per_s": sum(1 for r in finished if lo <= r.end < hi) / window if window else None,
+        "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
+        "itl_p50_ms": _ms(percentile(gaps, 0.5)), "itl_p99_ms": _ms(percentile(gaps, 0.99)),
+        "tokens_per_message": tokens / messages if messages else None,
+        "errors": count([r.code for r in records if r.code not in ("OK", CANCELLED_AT_END)]),
+        "finish_reasons": count([r.finish_reason for r in finished]),
+        "validation": count([r.validation for r in finished if r.validation]),
+        "mean_output_len": statistics.mean([r.num_tokens for r in finished]) if finished else None,
+    }
+    if workload.num_requests:
+        out["ttft_s"] = ttft
+    return out
+
+
+def output_lengths(records: list[Record]) -> list[int]:
+    """Tokens of each finished request: the lengths the free-matched run replays."""
+    return [r.num_tokens for r in records if r.code == "OK" and r.num_tokens]
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
+
+
+def step_delta(before: dict, after: dict, seconds: float) -> dict:
+    """The engine's step counters over a workload: where the engine loop's time went."""
+    d = {k: float(after[k]) - float(before[k]) for k in (
+        "num_steps", "num_mixed_steps", "num_prefill_tokens", "graph_step_seconds", "mixed_step_seconds",
+        "num_tokens_generated")}
+    d["graph_steps"] = d["num_steps"] - d["num_mixed_steps"]
+    d["busy_fraction"] = (d["graph_step_seconds"] + d["mixed_step_seconds"]) / seconds if seconds else None
+    d["ms_per_graph_step"] = 1e3 * d["graph_step_seconds"] / d["graph_steps"] if d["graph_steps"] else None
+    d["ms_per_mixed_step"] = 1e3 * d["mixed_step_seconds"] / d["num_mixed_steps"] if d["num_mixed_steps"] else None
+    d["prefill_tokens_per_mixed_step"] = d["num_prefill_tokens"] / d["num_mixed_steps"] if d["num_mixed_steps"] else None
+    return d
+
+
+def roofline_tok_s(roofline: dict, config, concurrency: int, prompt_len: int, new_tokens: float) -> float | None:
+    """C x N output tokens over C prefills at the matmul rate + N decode steps at batch C."""
+    from benchmarks._roofline import prefill_flops
+    step = decode_step_ms(roofline, concurrency, prompt_len + new_tokens / 2)
+    if step is None:
+        return None
+    seconds = (concurrency * prefill_flops(config, prompt_len) / (roofline["matmul_tflops"] * 1e12)
+               + new_tokens * step / 1e3)
+    return concurrency * new_tokens / seconds
+
+
+def decode_step_ms(roofline: dict, batch: int, context: float) -> float | None:
+    """The measured step at this batch, linear in context between the measured ones."""
+    rows = sorted((r["context"], r["step_ms"]) for r in roofline["decode_steps"] if r["batch"] == batch)
+    if not rows:
+        return None
+    if context <= rows[0][0] or len(rows) == 1:
+        return rows[0][1]
+    for (c0, t0), (c1, t1) in zip(rows, rows[1:]):
+        if context <= c1:
+            return t0 + (t1 - t0) * (context - c0) / (c1 - c0)
+    return rows[-1][1]
+
+
+# ---- the plan -----------------------------------------------------------------------------------
+def plan(shape: str, name: str, duration: float, warmup: float) -> dict:
+    """idle TTFT prompt lengths, closed-loop (prompt, new tokens, concurrencies), Poisson fractions."""
+    if name == "smoke":
+        return {"idle": [64], "closed": [(48, 16, [1, 4])], "poisson": [0.5], "poisson_at": (48, 16, 4)}
+    if name == "quick" and shape != "llama-3.2-1b":
+        return {"idle": [1024, 8192], "closed": [(512, 128, [1, 64, 128])], "poisson": [],
+                "poisson_at": None}
+    if shape == "llama-3.2-1b":
+        return {"idle": [1024], "closed": [(512, 128, [128])], "poisson": [], "poisson_at": None}
+    return {"idle": [1024, 4096, 8192], "closed": [(512, 128, [1, 16, 64, 128, 256]), (2048, 128, [64]),
+                                                   (512, 256, [64])],
+            "poisson": [0.5, 1.0], "poisson_at": (512, 128, 128)}
+
+
+def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, save) -> dict:
+    """Roofline, server, workloads of one shape; `save(result)` after every workload (a run cut
+    short keeps what it measured)."""
+    from generation_service.model.loader import read_config
+    p = plan(shape, args.plan, args.duration, args.warmup)
+    if shape == "default":  # CPU harness check: the built-in model, its own tokenizer
+        from generation_service.model.default_model import ensure_default_model
+        folder = pathlib.Path(ensure_default_model())
+        model = str(folder)
+    else:
+        folder = model_folder(shape, tokenizer_dir, tmp / shape)
+        model = f"random:{folder / 'config.json'}"
+    config = read_config(folder / "config.json")
+    concurrencies = sorted({c for _, _, cs in p["closed"] for c in cs} | {1})
+    max_batch = max(concurrencies + [args.min_max_batch])
+    roofline = None
+    if args.device == "cuda":
+        points = sorted({f"{c}:{int(pl + n / 2)}" for pl, n, cs in p["closed"] for c in cs}
+                        | {f"1:{pl}" for pl in p["idle"]})  # idle TTFT: one decode step after the prompt
+        out = tmp / f"roofline-{shape}.json"
+        log(f"{shape}: roofline (decode graph at batch:context {points})")
+        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "_roofline.py"), "--config",
+                        str(folder / "config.json"), "--points", *points, "--out", str(out)], check=True, cwd=ROOT)
+        roofline = json.loads(out.read_text())
+    log(f"{shape}: starting the server")
+    server = Server(model, args, tmp / f"server-{shape}.log", max_batch)
+    log(f"{shape}: listening at {server.address} after {server.startup_s:.1f} s")
+    result = {"shape": shape, "model": model, "server_command": server.command, "server_startup_s": server.startup_s,
+              "model_info": server.model_info(), "roofline": roofline, "workloads": []}
+    lengths = set(p["idle"]) | {pl for pl, _, _ in p["closed"]}
+    prompts = make_prompts(str(folder / "tokenizer.json"), lengths, 64, seed=1)
+    schema = json.dumps(SCHEMA)
+    try:
+        lengths: dict[str, list[int]] = {}
+
+        def run(workload: Workload, roof: float | None = None) -> dict:
+            server.wait_idle()
+            before = server.stats()
+            records = run_workload(server.address, workload, prompts[workload.prompt_len], args.client_procs)
+            summary = summarize(workload, records)
+            lengths[workload.name] = output_lengths(records)
+            summary["engine"] = step_delta(before, server.wait_idle(), workload.warmup_s + workload.duration_s
+                                           if not workload.num_requests else 0)
+            if roof:
+                summary["roofline_tokens_per_s"] = roof
+                summary["over_roofline"] = summary["output_tokens_per_s"] / roof if summary["output_tokens_per_s"] else None
+            result["workloads"].append(summary)
+            save(result)
+            log(line(summary))
+            return summary
+
+        for prompt_len in p["idle"]:
+            s = run(Workload(f"idle-ttft-{prompt_len}", prompt_len, 2, num_requests=3, ignore_eos=True))
+            if roofline:
+                from benchmarks._roofline import prefill_flops
+                floor_s = (prefill_flops(config, prompt_len) / (roofline["matmul_tflops"] * 1e12)
+                           + decode_step_ms(roofline, 1, prompt_len) / 1e3)
+                s["ttft_floor_s"] = floor_s
+                s["ttft_over_floor"] = statistics.median(s["ttft_s"]) / floor_s
+                log(f"  idle TTFT {prompt_len}: median {statistics.median(s['ttft_s']) * 1e3:.1f} ms, "
+                    f"floor {floor_s * 1e3:.1f} ms, x{s['ttft_over_floor']:.2f}")
+        common = dict(duration_s=args.duration, warmup_s=args.warmup)
+        for prompt_len, new_tokens, concurrencies_here in p["closed"]:
+            for c in concurrencies_here:
+                tag = f"{prompt_len}/{new_tokens} c={c}"
+                roof = roofline_tok_s(roofline, config, c, prompt_len, new_tokens) if roofline else None
+                free = run(Workload(f"free {tag}", prompt_len, new_tokens, concurrency=c, **common), roof)
+                constrained = run(Workload(f"constrained {tag}", prompt_len, new_tokens, concurrency=c,
+                                           json_schema=schema, ignore_eos=False, **common))
+                if roofline and constrained["mean_output_len"]:
+                    n = constrained["mean_output_len"]
+                    constrained["roofline_tokens_per_s"] = roofline_tok_s(roofline, config, c, prompt_len, n)
+                    constrained["over_roofline"] = constrained["output_tokens_per_s"] / constrained["roofline_tokens_per_s"]
+                matched = run(Workload(f"free-matched {tag}", prompt_len, new_tokens, concurrency=c,
+                                       max_tokens_list=lengths[constrained["name"]] or [new_tokens], **common),
+                              constrained.get("roofline_tokens_per_s"))
+                matched["constrained_over_matched_free"] = (
+                    constrained["output_tokens_per_s"] / matched["output_tokens_per_s"]
+                    if matched["output_tokens_per_s"] else None)
+                log(f"  constrained / free at matched lengths: {matched['constrained_over_matched_free']:.3f}"
+                    f" (free at {new_tokens}: {free['output_tokens_per_s']:.1f} tok/s)")
+        if p["poisson"] and p["poisson_at"]:
+            prompt_len, new_tokens, c = p["poisson_at"]
+            ref = next(w for w in result["workloads"] if w["name"] == f"free {prompt_len}/{new_tokens} c={c}")
+            for fraction in p["poisson"]:
+                rate = fraction * ref["requests_per_s"]
+                s = run(Workload(f"poisson {prompt_len}/{new_tokens} {fraction:.2f}x ({rate:.1f} req/s)", prompt_len,
+                                 new_tokens, rate=rate, **common))
+                s["offered_tokens_per_s"] = rate * new_tokens
+    finally:
+        result["server_log"] = server.log_lines(r"prefill budget|prefill chunk|captured|ERROR|Traceback|error")[-40:]
+        server.stop()
+    return result
+
+
+def line(s: dict) -> str:
+    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+    return (f"{s['name']:40s} {fmt(s['output_tokens_per_s'], '9.1f')} tok/s  TTFT p50 {fmt(s['ttft_p50_s'], '.3f')}"
+            f" p99 {fmt(s['ttft_p99_s'], '.3f')} s  ITL p50 {fmt(s['itl_p50_ms'], '.1f')} p99 {fmt(s['itl_p99_ms'], '.1f')} ms"
+            f"  x{fmt(s.get('over_roofline'), '.2f')} roofline  err {s['errors']} fin {s['finish_reasons']}"
+            f" val {s['validation']}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=["llama-3.1-8b", "llama-3.2-1b"],
+                        help="preset shapes (random weights), or 'default' (the built-in model, CPU smoke)")
+    parser.add_argument("--plan", choices=PLANS, default="full")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--duration", type=float, default=8.0, help="measured seconds per workload")
+    parser.add_argument("--warmup", type=float, default=2.0, help="seconds before the window opens")
+    parser.add_argument("--client-procs", type=int, default=4)
+    parser.add_argument("--min-max-batch", type=int, default=1, help="the server's --max-batch at least this")
+    parser.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="more `structgen serve` flags")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    from tests.real_tokenizers import tokenizer_dir
+    tok = pathlib.Path(os.environ.get("STRUCTGEN_TEKKEN_DIR") or tokenizer_dir("tekken_131k"))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    result = {"benchmark": "serve", "command": " ".join([pathlib.Path(sys.argv[0]).name] + sys.argv[1:]),
+              "code_commit": commit, "python": platform.python_version(), "client_procs": args.client_procs,
+              "plan": args.plan, "duration_s": args.duration, "warmup_s": args.warmup, "shapes": []}
+    if args.device == "cuda":
+        import torch
+        result.update(device=torch.cuda.get_device_name(), torch=torch.__version__, cpus=os.cpu_count())
+    with tempfile.TemporaryDirectory(prefix="structgen-serve-bench-") as tmp:
+        for shape in args.shapes:
+            done = list(result["shapes"])
+
+            def save(partial: dict) -> None:
+                result["shapes"] = done + [partial]
+                pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
+            save(run_shape(shape, args, tok, pathlib.Path(tmp), save))
+    log("done: " + args.out)
+    for shape in result["shapes"]:
+        print(f"== {shape['shape']}")
+        for s in shape["workloads"]:
+            print(line(s))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

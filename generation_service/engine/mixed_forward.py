@@ -1,0 +1,194 @@
+"""The mixed step on the GPU: prefill chunks of several requests and decode rows in one forward.
+
+Every batch the captured graphs cannot run (a prefill chunk anywhere in it, logprobs, drafts too
+wide for the verify graphs) comes here. The rows' new tokens are packed into one flat layout on
+the host (`pack_mixed`: numpy, no per-token Python), uploaded in two copies, and the fused layer
+loop of `DecodeForward` runs over all T tokens at once: cuBLAS GEMMs of T rows, the Triton RoPE +
+K/V write of every token into its page slot, and per layer two attention launches over the paged
+cache (`MixedAttention`):
+
+    tokens [0, D)   decode rows, one new token each   -> the split-K decode kernel
+    tokens [D, T)   prefill chunks and verify rows    -> the varlen extend kernel (causal, GQA)
+
+so a decode row costs in a mixed step what it costs in a decode graph (the extend kernel's
+prefill tiles would spend 128 query rows of tensor-core work on its 4). Nothing in the forward
+reads the host; the logits are those of the sampling positions only (L rows, in batch order:
+the contract of `ModelRunner.run`), so a 2,048-token chunk pays for one LM-head row, not 2,048.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+from typing import Callable
+
+import numpy as np
+import torch
+
+from generation_service.engine.decode_forward import CUBLAS, DecodeForward, DecodeMeta
+from generation_service.engine.scheduler import ScheduledRow
+
+
+@dataclass
+class MixedLayout:
+    """One mixed step on the host. Rows are reordered: decode rows (one new token) first."""
+
+    input_ids: np.ndarray       # (T,) int64, clamped into the vocabulary
+    positions: np.ndarray       # (T,) int64 absolute position of each token
+    slot_ids: np.ndarray        # (T,) int64 flat cache slot (page * page_size + offset)
+    logits_indices: np.ndarray  # (L,) int64 token of each sampling position, in batch order
+    page_table: np.ndarray      # (B, W) int32, packed row order; unused entries 0 (dummy page)
+    seq_lens: np.ndarray        # (B,) int32 cached + new tokens after the step
+    extend_lens: np.ndarray     # (B,) int32 new tokens of each row
+    extend_start: np.ndarray    # (B - D,) int64 first token of each extend row, from token D
+    num_decode_rows: int        # D
+    max_extend_len: int         # longest extend row (0: there is none)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def pack_mixed(rows: list[ScheduledRow], page_size: int, vocab_size: int) -> MixedLayout:
+    """The packed layout of `rows` (each with >= 1 new token: its uncached tokens, then drafts)."""
+    order = ([i for i, row in enumerate(rows) if len(row.input_ids) == 1]
+             + [i for i, row in enumerate(rows) if len(row.input_ids) > 1])
+    packed = [rows[i] for i in order]
+    num_decode = sum(1 for row in packed if len(row.input_ids) == 1)
+    lens = np.fromiter((len(row.input_ids) for row in packed), dtype=np.int64, count=len(packed))
+    starts = np.cumsum(lens) - lens
+    num_tokens = int(lens.sum())
+    input_ids = np.fromiter(chain.from_iterable(row.input_ids for row in packed), dtype=np.int64,
+                            count=num_tokens)
+    np.clip(input_ids, 0, vocab_size - 1, out=input_ids)  # a bad id never indexes past the table
+    cached = np.fromiter((row.num_cached for row in packed), dtype=np.int64, count=len(packed))
+    token_rows = np.repeat(np.arange(len(packed)), lens)
+    positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(cached - starts, lens)
+    width = max(len(row.request.pages) for row in packed)
+    page_table = np.zeros((len(packed), width), dtype=np.int32)
+    for r, row in enumerate(packed):
+        page_table[r, :len(row.request.pages)] = row.request.pages
+    columns = np.minimum(positions // page_size, width - 1)
+    slot_ids = page_table[token_rows, columns].astype(np.int64) * page_size + positions % page_size
+    where = np.empty(len(rows), dtype=np.int64)  # batch index -> packed row
+    where[order] = np.arange(len(rows))
+    logits_indices = [int(starts[where[i]] + lens[where[i]]) - rows[i].num_positions + p
+                      for i in range(len(rows)) for p in range(rows[i].num_positions)]
+    extend_lens = lens.astype(np.int32)
+    return MixedLayout(
+        input_ids=input_ids, positions=positions, slot_ids=slot_ids,
+        logits_indices=np.asarray(logits_indices, dtype=np.int64), page_table=page_table,
+        seq_lens=(cached + lens).astype(np.int32), extend_lens=extend_lens,
+        extend_start=starts[num_decode:] - num_decode, num_decode_rows=num_decode,
+        max_extend_len=int(lens[num_decode:].max()) if len(packed) > num_decode else 0)
+
+
+@dataclass
+class MixedInputs:
+    """A MixedLayout on the device."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_ids: torch.Tensor
+    logits_indices: torch.Tensor
+    extend_start: torch.Tensor
+    page_table: torch.Tensor
+    seq_lens: torch.Tensor
+    extend_lens: torch.Tensor
+
+
+class HostStaging:
+    """Pinned host memory that a step's inputs pass through: one H2D copy per dtype, async.
+
+    NOTE: the buffer is rewritten only after the previous step's copies completed (`ready`);
+    a pageable copy would instead synchronise the host with the whole stream."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._host: dict[torch.dtype, torch.Tensor] = {}
+        self._ready: torch.cuda.Event | None = None
+
+    def upload(self, dtype: torch.dtype, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        """Device tensors holding `arrays` (flattened), copied through one pinned buffer."""
+        sizes = [a.size for a in arrays]
+        total = sum(sizes)
+        host = self._host.get(dtype)
+        if host is None or host.numel() < total:
+            host = self._host[dtype] = torch.empty(max(total, 2 * (host.numel() if host is not None else 4096)),
+                                                   dtype=dtype, pin_memory=self.device.type == "cuda")
+        view = host[:total].numpy()
+        offset = 0
+        for array, size in zip(arrays, sizes):
+            view[offset:offset + size] = array.ravel()
+            offset += size
+        flat = host[:total].to(self.device, non_blocking=True)
+        return list(flat.split(sizes))
+
+    def wait_reusable(self) -> None:
+        if self._ready is not None:
+            self._ready.synchronize()
+
+    def mark_used(self) -> None:
+        if self.device.type == "cuda":
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+
+class MixedAttention:
+    """Attention of one mixed step over the paged cache: decode rows [0, D) through the
+    decode kernel, extend rows [D, T) through the varlen extend kernel, into one output."""
+
+    def __init__(self, forward: DecodeForward, inputs: MixedInputs, layout: MixedLayout) -> None:
+        d = layout.num_decode_rows
+        self.attention, self.kv, config = forward.attention, forward.kv, forward.config
+        self.scale, self.window = config.head_dim ** -0.5, config.sliding_window
+        self.num_decode, self.num_rows = d, layout.seq_lens.shape[0]
+        self.max_extend_len, self.extend_start = layout.max_extend_len, inputs.extend_start
+        self.decode_meta = DecodeMeta(inputs.page_table[:d], inputs.seq_lens[:d], inputs.extend_lens[:d])
+        self.extend_meta = DecodeMeta(inputs.page_table[d:], inputs.seq_lens[d:], inputs.extend_lens[d:])
+
+    def __call__(self, q: torch.Tensor, index: int) -> torch.Tensor:
+        """q (T, Hq, D) of every new token, rotated, its K/V in the cache -> (T, Hq, D)."""
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        k, v, d = self.kv.k[index], self.kv.v[index], self.num_decode
+        if d:
+            self.attention.decode(q[:d], k, v, self.decode_meta, self.scale, sliding_window=self.window,
+                                  out=out[:d])
+        if self.num_rows > d:
+            self.attention.extend(q[d:], k, v, self.extend_meta, self.scale, max_extend_len=self.max_extend_len,
+                                  sliding_window=self.window, out=out[d:], extend_start=self.extend_start)
+        return out
+
+
+class MixedForward:
+    """Callable: the rows of a step -> (L, vocab) logits of their sampling positions (batch
+    order), through `forward`'s weights and layer loop (fused path: bf16 logits, as the
+    decode graphs sample them)."""
+
+    def __init__(self, forward: DecodeForward) -> None:
+        self.forward = forward
+        self.page_size = forward.kv.page_size
+        self.vocab_size = forward.config.vocab_size
+        self.staging = HostStaging(forward.kv.device)
+        self.num_steps = 0
+        self.num_tokens = 0
+
+    def upload(self, layout: MixedLayout) -> MixedInputs:
+        self.staging.wait_reusable()
+        ids, positions, slots, logits_indices, extend_start = self.staging.upload(torch.int64, [
+            layout.input_ids, layout.positions, layout.slot_ids, layout.logits_indices, layout.extend_start])
+        table, seq_lens, extend_lens = self.staging.upload(torch.int32, [
+            layout.page_table, layout.seq_lens, layout.extend_lens])
+        self.staging.mark_used()
+        return MixedInputs(ids, positions, slots, logits_indices, extend_start,
+                           table.view(layout.page_table.shape), seq_lens, extend_lens)
+
+    @torch.inference_mode()
+    def __call__(self, rows: list[ScheduledRow]) -> torch.Tensor:
+        layout = pack_mixed(rows, self.page_size, self.vocab_size)
+        inputs = self.upload(layout)
+        attend: Callable = MixedAttention(self.forward, inputs, layout)
+        self.num_steps += 1
+        self.num_tokens += layout.num_tokens
+        return self.forward.tokens(inputs.input_ids, inputs.positions, inputs.slot_ids, attend, CUBLAS,
+                                   logits_indices=inputs.logits_indices)
