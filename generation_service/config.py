@@ -1,7 +1,7 @@
 """ServeConfig: what the gRPC edge of generation_service needs (the engine has EngineConfig).
 
-`structgen serve` takes its defaults from here and from EngineConfig; its flags and their
-STRUCTGEN_* environment variables are read in one place, structgen/commands/serve.py.
+`structgen serve` takes its defaults from here and from EngineConfig; which fields are flags
+and STRUCTGEN_* variables is listed in one table, generation_service/settings.py.
 """
 from __future__ import annotations
 
@@ -30,6 +30,16 @@ class ServeConfig:
     tls_key: str | None = None
     tls_client_ca: str | None = None       # also require client certificates signed by this CA
     auth_token_file: str | None = None     # require "authorization: Bearer <token>" (health exempt)
+    # HTTP/2 connection management. Server pings find dead clients (their streams hold rows);
+    # clients may ping every min_client_ping_interval_s (gRPC refuses more than one per 5 min
+    # by default); max_connection_age_s > 0 sends GOAWAY so that long-lived clients reconnect
+    # and reach pods added since (an HPA's); open streams then get max_connection_age_grace_s
+    # to finish (0 = as long as they take).
+    keepalive_time_s: float = 60.0
+    keepalive_timeout_s: float = 20.0
+    min_client_ping_interval_s: float = 10.0
+    max_connection_age_s: float = 0.0      # 0 = connections live as long as the client keeps them
+    max_connection_age_grace_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("port", "health_port", "metrics_port"):
@@ -39,8 +49,16 @@ class ServeConfig:
                      "max_concurrent_rpcs", "num_workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.grace_s < 0:
-            raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+        for name in ("grace_s", "keepalive_time_s", "keepalive_timeout_s", "min_client_ping_interval_s",
+                     "max_connection_age_s", "max_connection_age_grace_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.default_temperature < 0:
+            raise ValueError(f"default_temperature must be >= 0, got {self.default_temperature}")
+        if not 0 < self.default_top_p <= 1:
+            raise ValueError(f"default_top_p must be in (0, 1], got {self.default_top_p}")
+        if self.default_top_k < 0:
+            raise ValueError(f"default_top_k must be >= 0, got {self.default_top_k}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together")
         if self.tls_client_ca and not self.tls_cert:

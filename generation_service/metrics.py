@@ -2,14 +2,18 @@
 
 Three sources, none of them on the engine's step path:
 - `observe(stream, request)` wraps the events of one Generate at the gRPC edge: time to
-  first token, inter-token latency, tokens, request duration and finish reasons, grammar
-  compile time and cache hits (from the guarantee event) -- what a client experiences.
-- `EngineCollector` reads `Engine.stats()` at scrape time: queue depth, running requests,
-  KV pages, draft tokens proposed/accepted, time the engine waited on grammar masks.
+  first token, inter-token latency, request duration, prompt and generated tokens per
+  request, finish reasons, grammar compile time and cache hits -- what a client experiences.
+- `record_finished(request)`, an engine finish listener: time in queue, in prefill and in
+  decode per request, from the engine's own stamps.
+- `engine_metrics.EngineCollector` reads `Engine.stats()` at scrape time (queue depth, KV
+  cache use, drafts, ...) and exports `structgen_model_info`.
 - `StatusInterceptor` counts every rpc by method and final status code.
 
-All families are prefixed `structgen_`; `get()` returns the process's one set, registered
-in prometheus_client's default registry (which also has the process_* and python_* ones).
+All families are prefixed `structgen_` and carry `model_name`; `get()` returns the process's
+one set, registered in prometheus_client's default registry (which also has the process_*
+and python_* ones). No counter exports a `_created` series. docs/operations.md's table of
+families is written from `families()` (tools/gen_docs_tables.py).
 """
 from __future__ import annotations
 
@@ -18,143 +22,152 @@ import time
 from typing import Iterable, Iterator
 
 import grpc
+import prometheus_client
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from generation_service import tracing
+from generation_service.engine_metrics import EngineCollector, stats_family_docs
 from generation_service.interceptors import rewrap_handler
+from structgen.metrics_docs import FamilyDoc, describe_metrics
+
+# The *_created series double every counter and histogram for a start time Prometheus
+# does not use (it detects resets itself).
+prometheus_client.disable_created_metrics()
 
 # Seconds: a small CPU model answers in ms; a 70B model behind a long queue in tens of s.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 TOKEN_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 5)
 DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+MODEL = "model_name"
 
 
 class GenerationMetrics:
     def __init__(self, registry: CollectorRegistry = REGISTRY):
         self.registry = registry
-        self.time_to_first_token = Histogram(
+        self.model_name = ""  # set by watch(engine)
+
+        def histogram(name, doc, labels=(), buckets=LATENCY_BUCKETS):
+            return Histogram(name, doc, [MODEL, *labels], buckets=buckets, registry=registry)
+
+        def counter(name, doc, labels=()):
+            return Counter(name, doc, [MODEL, *labels], registry=registry)
+
+        self.time_to_first_token = histogram(
             "structgen_time_to_first_token_seconds",
             "Generate: request received -> first token sent (queueing, grammar compile, prefill)",
-            ["constrained"], buckets=LATENCY_BUCKETS, registry=registry)
-        self.inter_token_latency = Histogram(
+            ["constrained"])
+        self.inter_token_latency = histogram(
             "structgen_inter_token_latency_seconds",
             "Generate: time between consecutive output tokens (a message of n tokens counts n "
-            "times its gap / n)", ["constrained"], buckets=TOKEN_LATENCY_BUCKETS, registry=registry)
-        self.request_duration = Histogram(
+            "times its gap / n)", ["constrained"], TOKEN_LATENCY_BUCKETS)
+        self.request_duration = histogram(
             "structgen_request_duration_seconds", "Generate: request received -> final message",
-            ["constrained"], buckets=DURATION_BUCKETS, registry=registry)
-        self.generated_tokens = Counter(
-            "structgen_generated_tokens", "Output tokens sent (rate() = tokens/s)",
-            ["constrained"], registry=registry)
-        self.prompt_tokens = Counter(
-            "structgen_prompt_tokens", "Prompt tokens of Generate requests", registry=registry)
-        self.finished_requests = Counter(
-            "structgen_finished_requests", "Generate requests by finish reason",
-            ["finish_reason"], registry=registry)
-        self.grammar_compile_time = Histogram(
+            ["constrained"], DURATION_BUCKETS)
+        self.queue_time = histogram(
+            "structgen_request_queue_time_seconds", "Engine: request queued -> first admitted to a batch",
+            buckets=DURATION_BUCKETS)
+        self.prefill_time = histogram(
+            "structgen_request_prefill_time_seconds", "Engine: admitted -> first token sampled",
+            buckets=DURATION_BUCKETS)
+        self.decode_time = histogram(
+            "structgen_request_decode_time_seconds", "Engine: first token -> finished",
+            buckets=DURATION_BUCKETS)
+        self.request_prompt_tokens = histogram(
+            "structgen_request_prompt_tokens", "Prompt tokens per finished Generate request",
+            buckets=TOKEN_COUNT_BUCKETS)
+        self.request_generation_tokens = histogram(
+            "structgen_request_generation_tokens", "Generated tokens per finished Generate request",
+            ["constrained"], TOKEN_COUNT_BUCKETS)
+        self.generated_tokens = counter(
+            "structgen_generated_tokens", "Output tokens sent (rate() = tokens/s)", ["constrained"])
+        self.prompt_tokens = counter("structgen_prompt_tokens", "Prompt tokens of Generate requests")
+        self.finished_requests = counter(
+            "structgen_finished_requests", "Generate requests by finish reason", ["finish_reason"])
+        self.grammar_compile_time = histogram(
             "structgen_request_grammar_compile_seconds",
-            "Compile time grammar_service reported for a request's grammar (cache misses only)",
-            ["kind"], buckets=LATENCY_BUCKETS, registry=registry)
-        self.grammar_compiles = Counter(
+            "Compile time grammar_service reported for a request's grammar (cache misses only)", ["kind"])
+        self.grammar_compiles = counter(
             "structgen_constrained_requests", "Constrained requests, by kind and grammar cache result",
-            ["kind", "cache"], registry=registry)
-        self.rpcs = Counter(
-            "structgen_rpcs", "RPCs handled, by method and final status code",
-            ["method", "code"], registry=registry)
-        self.rpc_errors = Counter(
-            "structgen_rpc_errors", "RPCs that ended with a status other than OK",
-            ["method", "code"], registry=registry)
+            ["kind", "cache"])
+        self.rpcs = counter("structgen_rpcs", "RPCs handled, by method and final status code "
+                            "(errors: code!=\"OK\")", ["method", "code"])
         self._collector: EngineCollector | None = None
 
-    def watch(self, engine) -> None:
-        """Export `engine.stats()` at every scrape (replacing an engine watched before)."""
+    def watch(self, engine, version: str = "") -> None:
+        """Export `engine.stats()` at every scrape and label everything with its model
+        (replacing an engine watched before); time its requests as they finish."""
         self.unwatch()
-        self._collector = EngineCollector(engine)
+        self.model_name = engine.model_name
+        config = engine.config
+        self._collector = EngineCollector(engine, {
+            "model_name": engine.model_name, "device": str(config.device),
+            "dtype": config.dtype or "checkpoint", "version": version,
+            "runner": str(getattr(engine, "runner_name", config.runner))})
         self.registry.register(self._collector)
+        engine.table.finish_listeners.append(self.record_finished)
 
     def unwatch(self) -> None:
         if self._collector is not None:
             self.registry.unregister(self._collector)
             self._collector = None
 
+    def record_finished(self, request) -> None:
+        """Engine finish listener (engine thread, lock held): where the request's time went."""
+        end_s = time.monotonic()
+        admitted_s, first_token_s = request.admitted_s, request.first_token_s
+        if admitted_s is not None:
+            self.queue_time.labels(self.model_name).observe(admitted_s - request.arrival_s)
+            if first_token_s is not None:
+                self.prefill_time.labels(self.model_name).observe(first_token_s - admitted_s)
+        if first_token_s is not None:
+            self.decode_time.labels(self.model_name).observe(end_s - first_token_s)
+
     def observe(self, events: Iterable, request) -> Iterator:
         """Pass the events of one Generate through, recording what the client experiences."""
+        model = self.model_name
         constrained = "true" if request.grammar is not None else "false"
         kind = request.grammar.kind if request.grammar is not None else ""
-        self.prompt_tokens.inc(len(request.prompt_ids))
+        self.prompt_tokens.labels(model).inc(len(request.prompt_ids))
         received_s = last_token_s = time.monotonic()
         num_tokens = 0
         for event in events:
             now = time.monotonic()
             if event.guarantee is not None:
                 hit = event.guarantee.cache_hit
-                self.grammar_compiles.labels(kind, "hit" if hit else "miss").inc()
+                self.grammar_compiles.labels(model, kind, "hit" if hit else "miss").inc()
                 if not hit:
-                    self.grammar_compile_time.labels(kind).observe(event.guarantee.compile_ms / 1e3)
+                    self.grammar_compile_time.labels(model, kind).observe(event.guarantee.compile_ms / 1e3)
             if event.token_ids:
                 n = len(event.token_ids)
                 if num_tokens == 0:
-                    self.time_to_first_token.labels(constrained).observe(now - received_s)
+                    self.time_to_first_token.labels(model, constrained).observe(now - received_s)
                     n_gaps = n - 1  # the first token's wait is TTFT, not an inter-token gap
                 else:
                     n_gaps = n
                 if n_gaps:
                     gap = (now - last_token_s) / n
-                    histogram = self.inter_token_latency.labels(constrained)
+                    histogram = self.inter_token_latency.labels(model, constrained)
                     for _ in range(n_gaps):  # speculative steps deliver several tokens at once
                         histogram.observe(gap)
                 num_tokens += n
                 last_token_s = now
-                self.generated_tokens.labels(constrained).inc(n)
+                self.generated_tokens.labels(model, constrained).inc(n)
             if event.finish_reason is not None:
-                self.finished_requests.labels(event.finish_reason.value).inc()
-                self.request_duration.labels(constrained).observe(now - received_s)
+                self.finished_requests.labels(model, event.finish_reason.value).inc()
+                self.request_duration.labels(model, constrained).observe(now - received_s)
+                self.request_prompt_tokens.labels(model).observe(len(request.prompt_ids))
+                self.request_generation_tokens.labels(model, constrained).observe(num_tokens)
                 tracing.annotate_final(event)
             yield event
 
     def interceptor(self) -> grpc.ServerInterceptor:
         return StatusInterceptor(self)
 
-
-class EngineCollector:
-    """Engine gauges and counters, read from one `Engine.stats()` snapshot per scrape."""
-
-    def __init__(self, engine):
-        self._engine = engine
-
-    def describe(self):
-        return []  # collected lazily: registering must not call into the engine
-
-    def collect(self):
-        stats = self._engine.stats()
-        gauges = (
-            ("structgen_queue_depth", "Requests waiting to be admitted (new and preempted)", stats.num_waiting),
-            ("structgen_running_requests", "Requests admitted: prefilling or decoding", stats.num_running),
-            ("structgen_preempted_requests", "Requests preempted, waiting to resume", stats.num_preempted),
-            ("structgen_kv_pages_used", "KV-cache pages held by requests", stats.num_kv_pages_used),
-            ("structgen_kv_pages_total", "Allocatable KV-cache pages", stats.num_kv_pages_total),
-            ("structgen_grammar_matchers", "Grammar matchers bound in grammar_service", stats.num_grammar_matchers),
-            ("structgen_grammar_available", "1 while the step channel to grammar_service is open",
-             int(stats.grammar_available)),
-        )
-        for name, doc, value in gauges:
-            yield GaugeMetricFamily(name, doc, value=value)
-        counters = (
-            ("structgen_draft_tokens_proposed", "Speculative draft tokens proposed", stats.draft_proposed),
-            ("structgen_draft_tokens_accepted", "Speculative draft tokens accepted by verification",
-             stats.draft_accepted),
-            ("structgen_engine_steps", "Engine steps (forwards or grammar-only steps)", stats.steps),
-            ("structgen_grammar_steps", "Engine steps that waited on grammar masks", stats.grammar_steps),
-            ("structgen_grammar_mask_wait_seconds",
-             "Time the engine (GPU stream or host) waited for grammar masks after its forward",
-             stats.grammar_wait_s_total),
-            ("structgen_grammar_disconnects", "Times the watchdog found grammar_service gone or stuck",
-             stats.grammar_disconnects),
-            ("structgen_preemptions", "Requests preempted for lack of KV pages", stats.num_preemptions),
-        )
-        for name, doc, value in counters:
-            yield CounterMetricFamily(name, doc, value=value)
+    def families(self) -> list[FamilyDoc]:
+        """Every structgen_ family this process exports, edge and engine."""
+        edge = [m for m in vars(self).values() if isinstance(m, (Counter, Histogram))]
+        return describe_metrics(edge) + stats_family_docs()
 
 
 class StatusInterceptor(grpc.ServerInterceptor):
@@ -174,9 +187,7 @@ class StatusInterceptor(grpc.ServerInterceptor):
         if code is None:
             code = (grpc.StatusCode.UNKNOWN if failed
                     else grpc.StatusCode.OK if context.is_active() else grpc.StatusCode.CANCELLED)
-        self._metrics.rpcs.labels(method, code.name).inc()
-        if code is not grpc.StatusCode.OK:
-            self._metrics.rpc_errors.labels(method, code.name).inc()
+        self._metrics.rpcs.labels(self._metrics.model_name, method, code.name).inc()
 
     def _unary(self, behavior, method):
         def wrapped(request, context):

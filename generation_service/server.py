@@ -2,7 +2,7 @@
 
 No torch here: the engine is handed in. Errors are raised as domain exceptions and mapped
 to statuses by `interceptors.ErrorMappingInterceptor`. Health (grpc.health.v1, overall and
-per service) and server reflection are registered beside GenerationService.
+per service) and server reflection (v1 and v1alpha) are registered beside GenerationService.
 """
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from generation_service import metrics, proto_convert, tracing
 from generation_service.config import ServeConfig
@@ -21,7 +20,9 @@ from generation_service.engine.errors import DeadlineExceededError, EngineError,
 from generation_service.engine.events import FinishReason
 from generation_service.engine.params import GRAMMAR_KINDS
 from generation_service.interceptors import BearerTokenInterceptor, ErrorMappingInterceptor
+import structgen
 from structgen import telemetry
+from structgen.reflection import enable_reflection
 from structgen.schema_validation import validate_output
 from structgen.v1 import generation_pb2 as pb
 from structgen.v1 import generation_pb2_grpc as pb_grpc
@@ -48,7 +49,15 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         domain = proto_convert.to_generation_request(
             request, self._engine.tokenizer, self._config,
             None if remaining is None or remaining > _NO_DEADLINE_S else remaining)
-        domain = tracing.with_trace_context(domain)  # compile and engine spans join this rpc's trace
+        operation = "chat" if request.WhichOneof("input") == "chat" else "text_completion"
+        # the rpc span becomes "{operation} {model}"; compile and engine spans join its trace
+        domain = tracing.start_request(domain, operation, self._engine.model_name)
+        try:
+            yield from self._stream(domain, context)
+        finally:
+            tracing.end_request(domain.request_id)
+
+    def _stream(self, domain, context: grpc.ServicerContext):
         stream = self._engine.submit(domain)
         # Client disconnect, deadline or normal end: the callback runs once the rpc is over;
         # cancelling a finished stream is a no-op, so freeing resources never waits on us.
@@ -154,22 +163,37 @@ def _start_health_server(config: ServeConfig, health_servicer) -> grpc.Server:
     return server
 
 
+def server_options(config: ServeConfig) -> list[tuple[str, int]]:
+    """gRPC core channel arguments of the public server: message limit and HTTP/2 keepalive."""
+    ms = lambda seconds: int(seconds * 1000)  # noqa: E731
+    options = [("grpc.max_receive_message_length", config.max_message_bytes),
+               ("grpc.so_reuseport", 0),
+               # clients may ping between calls too, as often as this (else GOAWAY too_many_pings)
+               ("grpc.keepalive_permit_without_calls", 1),
+               ("grpc.http2.min_ping_interval_without_data_ms", ms(config.min_client_ping_interval_s)),
+               ("grpc.http2.max_pings_without_data", 0)]
+    if config.keepalive_time_s > 0:  # 0: gRPC's own default (2 h)
+        options += [("grpc.keepalive_time_ms", ms(config.keepalive_time_s)),
+                    ("grpc.keepalive_timeout_ms", ms(config.keepalive_timeout_s))]
+    if config.max_connection_age_s > 0:
+        options.append(("grpc.max_connection_age_ms", ms(config.max_connection_age_s)))
+        if config.max_connection_age_grace_s > 0:  # unset: gRPC lets open streams run to the end
+            options.append(("grpc.max_connection_age_grace_ms", ms(config.max_connection_age_grace_s)))
+    return options
+
+
 def start_server(engine, config: ServeConfig) -> RunningServer:
     """Bind, register services, start; SERVING once this returns. Port 0 picks a free one."""
-    options = [("grpc.max_receive_message_length", config.max_message_bytes),
-               ("grpc.so_reuseport", 0)]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.num_workers,
                                                     thread_name_prefix="rpc"),
-                         interceptors=_interceptors(config), options=options,
+                         interceptors=_interceptors(config), options=server_options(config),
                          maximum_concurrent_rpcs=config.max_concurrent_rpcs)
     pb_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(engine, config), server)
-    metrics.get().watch(engine)  # engine gauges at scrape time
+    metrics.get().watch(engine, structgen.__version__)  # engine gauges at scrape time
     engine.table.finish_listeners.append(tracing.RequestSpans())
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME), server)
+    enable_reflection((SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), server)
     if config.uses_tls:
         port = server.add_secure_port(config.bind_address, _credentials(config))
     else:

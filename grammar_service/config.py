@@ -1,4 +1,5 @@
-"""The one configuration of grammar_service; CLI defaults come from here (server.main)."""
+"""The one configuration of grammar_service; CLI defaults come from here, and which fields are
+flags and variables is listed in grammar_service/settings.py."""
 from __future__ import annotations
 
 import os
@@ -67,8 +68,12 @@ class GrammarServiceConfig:
             raise ValueError(f"num_llguidance_lanes must be >= 0, got {self.num_llguidance_lanes}")
         if self.compile_timeout_s <= 0:
             raise ValueError(f"compile_timeout_s must be > 0, got {self.compile_timeout_s}")
-        if self.max_grammar_bytes < 1:
-            raise ValueError(f"max_grammar_bytes must be >= 1, got {self.max_grammar_bytes}")
+        for name in ("max_grammar_bytes", "max_cached_grammars", "num_rpc_threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("negative_cache_ttl_s", "shutdown_grace_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if (self.tokenizer_dir is None) != (self.vocab_size is None):
             raise ValueError("tokenizer_dir and vocab_size are given together or not at all")
 

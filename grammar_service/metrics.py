@@ -1,7 +1,14 @@
-"""Prometheus metrics of grammar_service (served on --metrics-port when set)."""
+"""Prometheus metrics of grammar_service (served on --metrics-port when set).
+
+docs/operations.md's table of families is written from these objects (tools/gen_docs_tables.py).
+"""
 from __future__ import annotations
 
+import prometheus_client
 from prometheus_client import Counter, Histogram
+
+# As in generation_service: no *_created series beside every counter and histogram.
+prometheus_client.disable_created_metrics()
 
 COMPILE_SECONDS = Histogram(
     "structgen_grammar_compile_seconds", "Wall time of grammar compiles (cache misses)", ["kind"],
@@ -17,3 +24,9 @@ ROWS_REJECTED = Counter(
 STEP_PHASE_SECONDS = Counter(
     "structgen_grammar_step_phase_seconds", "Time of grammar steps by phase (loop.py: StepPhases)",
     ["phase"])  # advance, fill, bookkeeping; the three add up to the step time
+
+
+def families():
+    """Every structgen_ family grammar_service exports (docs/operations.md)."""
+    from structgen.metrics_docs import describe_metrics
+    return describe_metrics([COMPILE_SECONDS, COMPILE_REQUESTS, STEP_SECONDS, ROWS_REJECTED, STEP_PHASE_SECONDS])

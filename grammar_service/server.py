@@ -7,8 +7,8 @@ gRPC status with their message; anything else is INTERNAL and logged.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
+import json
 import logging
 import os
 import signal
@@ -19,13 +19,16 @@ from concurrent import futures
 import grpc
 import prometheus_client
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from generation_service.engine.params import GrammarSpec
 from structgen import telemetry
+from grammar_service.compiler import spec_key
 from grammar_service.config import GrammarServiceConfig
+from grammar_service.settings import GRAMMAR_SETTINGS
 from grammar_service.service import GrammarService, ServiceError
 from step_channel import Geometry
+from structgen.reflection import enable_reflection
+from structgen.settings import ProcessConfig, SettingsError, print_config
 from structgen.v1 import grammar_pb2, grammar_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -113,8 +116,11 @@ class GrammarServicer(grammar_pb2_grpc.GrammarServiceServicer):
         # The caller's span (propagated in trace_context) is the parent of the compile span.
         with _tracer.start_as_current_span("grammar.compile", context=telemetry.extract(request.trace_context)) as span:
             span.set_attribute("grammar.kind", spec.kind)
+            span.set_attribute("structgen.grammar.hash", spec_key(spec, spec.backend))  # the cache key
             outcome = self.service.compile(spec).result()
             span.set_attribute("grammar.cache_hit", outcome.cache_hit)
+            span.set_attribute("structgen.grammar.backend", outcome.entry.backend)
+            span.set_attribute("structgen.grammar.compile_ms", outcome.entry.compile_ms)  # of the first compile
         entry = outcome.entry
         return grammar_pb2.CompileResponse(
             grammar_id=entry.grammar_id, backend=entry.backend, cached=outcome.cache_hit,
@@ -137,8 +143,7 @@ class RunningServer:
                                   interceptors=[_StatusInterceptor()])
         grammar_pb2_grpc.add_GrammarServiceServicer_to_server(GrammarServicer(self.service), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME),
-                                            self.server)
+        enable_reflection((SERVICE_NAME, health.SERVICE_NAME), self.server)
         path = config.socket_path
         if path and os.path.exists(path):
             os.unlink(path)  # a stale socket of a previous run
@@ -187,26 +192,27 @@ def serve(config: GrammarServiceConfig) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    defaults = GrammarServiceConfig()
     parser = argparse.ArgumentParser(prog="structgen grammar", description="Run grammar_service.")
-    for f in dataclasses.fields(GrammarServiceConfig):
-        flag = "--" + f.name.replace("_", "-")
-        default = getattr(defaults, f.name)
-        kind = int if f.type.startswith("int") else float if f.type.startswith("float") else str
-        parser.add_argument(flag, type=kind, default=default, help=f"(default: {default})")
-    parser.add_argument("--log-level", default="INFO")
+    GRAMMAR_SETTINGS.add_arguments(parser)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = vars(build_parser().parse_args(argv))
-    logging.basicConfig(level=args.pop("log_level").upper(),
-                        format="%(asctime)s %(levelname)s grammar_service %(name)s: %(message)s")
+def main(argv: list[str] | None = None, environ=None) -> int:
+    args = build_parser().parse_args(argv)
     try:
-        config = GrammarServiceConfig(**args)
-    except ValueError as exc:
-        log.error("bad configuration: %s", exc)
+        resolved = GRAMMAR_SETTINGS.resolve(args, os.environ if environ is None else environ)
+    except SettingsError as exc:
+        print(f"structgen grammar: {exc}", file=sys.stderr)
         return 2
+    if args.print_config:
+        print_config(resolved)
+        return 0
+    logging.basicConfig(level=resolved[ProcessConfig].log_level.upper(),
+                        format="%(asctime)s %(levelname)s grammar_service %(name)s: %(message)s")
+    for warning in resolved.warnings:
+        log.warning("%s", warning)
+    log.info("settings: %s", json.dumps(resolved.as_dict(), sort_keys=True))
+    config = resolved[GrammarServiceConfig]
     telemetry.setup("structgen-grammar")
     telemetry.install_log_correlation()
     try:

@@ -1,7 +1,8 @@
 """`structgen`: one command line for serving, the grammar sidecar, generating and the demo.
 
     structgen serve     generation_service (+ a supervised grammar_service child)
-    structgen grammar   grammar_service alone (the Kubernetes sidecar); grammar-health probes it
+    structgen grammar   grammar_service alone (the Kubernetes sidecar)
+    structgen health    exit 0 if a server (either process) reports SERVING; alias grammar-health
     structgen generate  stream one completion from a running server to stdout
     structgen demo      start a server, run a JSON-Schema request, validate it, stop
     structgen fetch-model  fetch a built-in model into the cache now (make setup runs it)
@@ -23,7 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     grammar = subparsers.add_parser(
         "grammar", add_help=False, help="run grammar_service alone (flags go to it; --help lists them)")
     grammar.set_defaults(run=_run_grammar)
-    health = subparsers.add_parser("grammar-health", help="exit 0 if a grammar_service answers SERVING")
+    health = subparsers.add_parser("health", aliases=["grammar-health"],
+                                   help="exit 0 if the server at --address answers grpc.health.v1 SERVING")
     health.add_argument("--address", required=True, help="e.g. unix:///run/structgen/grammar.sock")
     health.add_argument("--timeout-s", type=float, default=3.0)
     health.set_defaults(run=_run_grammar_health)
@@ -41,7 +43,14 @@ def _run_grammar_health(args: argparse.Namespace, _rest) -> int:
 
 
 def _run_grammar(args: argparse.Namespace, rest: list[str]) -> int:
+    import os
+
+    from generation_service.settings import SERVE_SETTINGS
     from grammar_service.server import main as grammar_main
+    from grammar_service.settings import GRAMMAR_SETTINGS
+    from structgen.settings import unknown_variables
+    for name in unknown_variables(os.environ, SERVE_SETTINGS, GRAMMAR_SETTINGS):
+        print(f"structgen grammar: warning: {name} is set but no structgen setting reads it", file=sys.stderr)
     return grammar_main(rest) or 0
 
 

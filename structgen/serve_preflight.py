@@ -53,13 +53,11 @@ def check_device(device: str) -> None:
         raise PreflightError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) are visible")
 
 
-def check_before_loading(config, engine_overrides: dict) -> None:
-    """Raise ValueError (PreflightError) for the first serve setting that cannot work."""
-    from generation_service.engine.config import EngineConfig
-
-    EngineConfig(**engine_overrides)  # its own range checks (--max-batch 0, ...)
+def check_before_loading(config, engine_config) -> None:
+    """Raise PreflightError for the first setting of ServeConfig / EngineConfig that cannot work
+    (the settings table has already checked each value's type and range)."""
     for flag, port in (("--port", config.port), ("--health-port", config.health_port),
                        ("--metrics-port", config.metrics_port)):
         check_port_free(config.host, port, flag)
-    check_model(str(engine_overrides.get("model", "default")))
-    check_device(str(engine_overrides.get("device", "cpu")))
+    check_model(engine_config.model)
+    check_device(engine_config.device)

@@ -8,7 +8,8 @@ the exporter (`OTEL_EXPORTER_OTLP_INSECURE`, `_HEADERS`, `_CERTIFICATE`, ...) an
 processor (`OTEL_BSP_*`). Spans go over OTLP/gRPC, which Jaeger ingests natively.
 
 Trace context crosses process boundaries as W3C `traceparent`/`tracestate` carriers:
-`inject()` gives one for the current span, `extract()` turns one back into a parent.
+`inject()` gives one for the current span, `extract()` turns one back into a parent. The
+resource carries `service.version` (the structgen package's) unless the variables set one.
 `install_log_correlation()` appends `trace_id=… span_id=…` to log lines written inside a
 span, so an INTERNAL error in the log can be found in Jaeger and vice versa.
 """
@@ -62,7 +63,9 @@ def setup(default_service_name: str, environ: Mapping[str, str] | None = None) -
     if not settings.is_enabled or _provider is not None:
         return _provider is not None
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+    from opentelemetry.sdk.resources import SERVICE_NAME, SERVICE_VERSION, Resource
+
+    from structgen import __version__
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
@@ -71,6 +74,8 @@ def setup(default_service_name: str, environ: Mapping[str, str] | None = None) -
     resource = Resource.create({})
     if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
         resource = resource.merge(Resource({SERVICE_NAME: default_service_name}))
+    if SERVICE_VERSION not in resource.attributes:  # OTEL_RESOURCE_ATTRIBUTES may name another
+        resource = resource.merge(Resource({SERVICE_VERSION: __version__}))
     provider = TracerProvider(resource=resource, shutdown_on_exit=False)
     # The exporter reads endpoint, insecure, headers, certificate and timeout from OTEL_*.
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))

@@ -25,6 +25,7 @@ class ReceivedSpan:
     end_ns: int
     attributes: dict
     status_code: int      # 0 unset, 1 ok, 2 error
+    resource: dict        # all resource attributes of the exporting process
 
 
 def _value(any_value):
@@ -50,7 +51,7 @@ class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
                         parent_span_id=span.parent_span_id.hex(), kind=span.kind,
                         start_ns=span.start_time_unix_nano, end_ns=span.end_time_unix_nano,
                         attributes={a.key: _value(a.value) for a in span.attributes},
-                        status_code=span.status.code))
+                        status_code=span.status.code, resource=resource))
         self._receiver._add(spans)
         return trace_service_pb2.ExportTraceServiceResponse()
 

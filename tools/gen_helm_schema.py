@@ -1,16 +1,31 @@
 #!/usr/bin/env python3
-"""Writes helm/structgen/values.schema.json: the strict schema of the chart's values.
+"""Writes helm/structgen/values.schema.json (the strict schema of the chart's values) and the
+`config:` block of values.yaml (the process settings) from the settings tables.
 
-Edit the schema here, not in the JSON: `python3 tools/gen_helm_schema.py` rewrites it, and
-tests/unit/ops/test_helm.py fails when the two disagree. Every object of the chart's own
-values is closed (additionalProperties: false), so a misspelt key fails `helm install`.
-Kubernetes objects passed through (resources, affinity, ...) are only type-checked here;
-kubernetes-validate checks them after rendering (tools/check_helm.sh).
+Edit the schema here and the settings in generation_service/settings.py and
+grammar_service/settings.py, not the outputs: `.venv/bin/python tools/gen_helm_schema.py`
+rewrites both, and tests/unit/ops/test_helm.py fails when they disagree. Every object of the
+chart's own values is closed (additionalProperties: false), so a misspelt key fails `helm
+install`. Kubernetes objects passed through (resources, affinity, ...) are only type-checked
+here; kubernetes-validate checks them after rendering (tools/check_helm.sh).
 """
 import json
+import sys
+import textwrap
 from pathlib import Path
 
-OUT = Path(__file__).resolve().parent.parent / "helm" / "structgen" / "values.schema.json"
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from generation_service.settings import SERVE_SETTINGS  # noqa: E402
+from grammar_service.settings import GRAMMAR_SETTINGS  # noqa: E402
+from structgen.settings import format_value, to_json_schema  # noqa: E402
+
+OUT = ROOT / "helm" / "structgen" / "values.schema.json"
+VALUES = ROOT / "helm" / "structgen" / "values.yaml"
+# config.<group> -> the table whose chart settings it holds
+CHART_GROUPS = {"engine": SERVE_SETTINGS, "server": SERVE_SETTINGS, "grammar": GRAMMAR_SETTINGS}
+BEGIN = "# BEGIN settings: written by tools/gen_helm_schema.py from generation_service/settings.py"
+END = "# END settings"
 
 def obj(props, required=None, **kw):
     """A closed object; every property required unless `required` says otherwise."""
@@ -80,18 +95,12 @@ schema = obj({
     }),
     "config": obj({
         "logLevel": {"enum": ["debug", "info", "warning", "error", "DEBUG", "INFO", "WARNING", "ERROR"]},
-        "engine": obj({
-            "dtype": opt({"enum": ["float32", "bfloat16", "float16"]}),
-            **{k: opt(i(1)) for k in ["maxBatch", "maxWaiting", "maxPromptTokens", "maxNewTokensLimit",
-                                      "numPages", "pageSize"]},
-            "maxDraftTokens": opt(i(0)),
-            "grammarWaitTimeoutS": opt({"type": "number", "exclusiveMinimum": 0}),
-        }, required=[]),
-        "server": obj({k: i(1) for k in ["maxMessageBytes", "maxGrammarBytes", "defaultMaxTokens",
-                                          "numWorkers", "maxConcurrentRpcs"]}),
+        **{group: obj({b.setting.chart_key: to_json_schema(b) for b in table.chart_settings(group)},
+                      required=[])
+           for group, table in CHART_GROUPS.items()},
         "extraEnv": {"type": "object", "propertyNames": {"pattern": env_name},
                      "additionalProperties": {"type": "string"}},
-    }),
+    }, required=["logLevel", *CHART_GROUPS, "extraEnv"]),
     "otel": obj({
         "enabled": b,
         "endpoint": s(pattern=r"^(https?://[^\s]+)?$"),
@@ -117,7 +126,6 @@ schema = obj({
     "grammar": obj({
         "image": obj({"repository": {"anyOf": [{"const": ""}, image_repo]}, "tag": image_tag}),
         "drainDelaySeconds": i(0),
-        "numCompileThreads": opt(i(1)), "numFillThreads": opt(i(1)), "llguidanceLanes": opt(i(1)),
         "healthProbe": obj({"type": {"enum": ["exec", "grpc"]}, "port": port,
                             "periodSeconds": i(1), "timeoutSeconds": i(1), "failureThreshold": i(1)}),
         "metrics": obj({"enabled": b, "port": port}),
@@ -156,7 +164,18 @@ schema = obj({
         "runAsNonRoot": {"const": True},
         "runAsUser": i(1, desc="Non-root: the step channel and socket are owner-only files."),
     }, "required": ["runAsNonRoot", "runAsUser"]},
-    "securityContext": k8s_obj,
+    "securityContext": k8s_obj | {"properties": {
+        "runAsNonRoot": {"const": True},
+        "runAsUser": i(1, desc="Non-root, as in podSecurityContext."),
+    }},
+    "networkPolicy": obj({
+        "enabled": b,
+        "apiFrom": {"type": "array", "items": {"type": "object"},
+                    "description": "NetworkPolicyPeers allowed to call the gRPC port; empty = any."},
+        "metricsFrom": {"type": "array", "items": {"type": "object"},
+                        "description": "NetworkPolicyPeers allowed to scrape /metrics; empty = any."},
+    }),
+    "tests": obj({"enabled": b, "prompt": s(minLength=1), "maxTokens": i(1)}),
     "strategy": k8s_obj,
     "priorityClassName": s(),
     "nodeSelector": str_map,
@@ -172,6 +191,37 @@ def render() -> str:
     return json.dumps(schema, indent=2) + "\n"
 
 
+def _yaml_scalar(value) -> str:
+    return "null" if value is None else format_value(value)
+
+
+def render_config_block() -> str:
+    """The values.yaml block of the settings: one commented key per chart setting."""
+    lines = [BEGIN,
+             "# Settings of both processes -> the ConfigMap's STRUCTGEN_* variables, which both",
+             "# containers read (envFrom). null = the process default: `structgen serve --help`,",
+             "# `structgen grammar --help`, docs/operations.md. Edit the settings tables, then rerun it.",
+             "config:",
+             "  # STRUCTGEN_LOG_LEVEL, both containers",
+             "  logLevel: info"]
+    headers = {"engine": "EngineConfig (--max-batch, ...) -> STRUCTGEN_<FLAG>",
+               "server": "ServeConfig, the gRPC edge -> STRUCTGEN_<FLAG>",
+               "grammar": "grammar_service (`structgen grammar`) -> STRUCTGEN_GRAMMAR_<FLAG>"}
+    for group, table in CHART_GROUPS.items():
+        lines += [f"  # {headers[group]}", f"  {group}:"]
+        for b in table.chart_settings(group):
+            lines += [f"    # {line}" for line in textwrap.wrap(b.setting.help, 88)]
+            lines.append(f"    {b.setting.chart_key}: {_yaml_scalar(b.setting.chart_default)}")
+    lines += ["  # Extra variables added verbatim to the ConfigMap (string values).", "  extraEnv: {}", END]
+    return "\n".join(lines) + "\n"
+
+
+def values_with_config_block(text: str) -> str:
+    start, end = text.index(BEGIN), text.index(END) + len(END) + 1
+    return text[:start] + render_config_block() + text[end:]
+
+
 if __name__ == "__main__":
     OUT.write_text(render())
-    print(f"wrote {OUT}")
+    VALUES.write_text(values_with_config_block(VALUES.read_text()))
+    print(f"wrote {OUT} and the settings block of {VALUES}")

@@ -40,7 +40,7 @@ from generation_service.engine.kv_cache import DUMMY_PAGE, KVCache
 from generation_service.engine.mixed_forward import MixedForward
 from generation_service.engine.mixed_graphs import MixedGraphs
 from generation_service.engine.runner import ModelRunner
-from generation_service.engine.sampler import SampleResult, device_seed
+from generation_service.engine.sampler import SampleResult, device_seed, warm_device_sampler
 from generation_service.engine.scheduler import ScheduledBatch, ScheduledRow
 from generation_service.engine.verify_graphs import VerifyGraphs
 from step_channel.layout import seq_reached
@@ -165,6 +165,7 @@ class CudaGraphRunner(ModelRunner):
             return ScheduledRow(_ProbeRequest(pages), 0, ids, ids[num_tokens:], is_sampling=True)
         self.mixed([row(1), row(2304)])
         self.mixed([row(1), row(1, 4)])
+        warm_device_sampler(self.vocab_size, self.device)  # the mixed steps' sampler
         torch.cuda.synchronize()
 
     @torch.no_grad()

@@ -229,10 +229,12 @@ class RequestTable:
         del self._requests[request.request_id]
         self.num_finished += 1
         self.tokens_generated += request.num_generated
-        stream.put(OutputEvent(tuple(token_ids), text, tuple(logprobs), finish_reason=reason,
-                               usage=usage, error=error))
+        # NOTE: listeners before the final event: a client holding its final message finds the
+        # request's histograms recorded and its spans annotated (the rpc span is still open).
         for listener in self.finish_listeners:
             try:
                 listener(request)
             except Exception:  # noqa: BLE001 -- observers must never fail the engine
                 log.exception("finish listener %r failed for request %s", listener, request.request_id)
+        stream.put(OutputEvent(tuple(token_ids), text, tuple(logprobs), finish_reason=reason,
+                               usage=usage, error=error))

@@ -263,8 +263,29 @@ def sample_on_device(logits: torch.Tensor, rows: list[SampleRow],
     ids, _ = mask_sample(
         x, masks, floats[0], ints[2].int(), floats[1], ints[0], ints[1],
         mask_vocab_size=x.shape[1] if masks is not None else None,
-        enable_filters=any(row.params.uses_filters for row in rows))
+        enable_filters=any(row.params.uses_filters for row in rows), num_splits=eager_num_splits(x))
     return ids.tolist()
+
+
+def eager_num_splits(logits: torch.Tensor) -> int:
+    """mask_sample's vocab slices for rows sampled outside the graphs: one value whatever the row
+    count. NOTE: the slices are a compile-time constant of its kernels, and the default (by rows)
+    takes a dozen values between 1 and 256 rows: each new one compiled mid-serving, for seconds.
+    The draw does not depend on them (exact max over slices of per-token noise)."""
+    from generation_service.kernels.mask_sample import default_num_splits
+    return default_num_splits(1, logits.shape[1], logits.device, 1024)
+
+
+def warm_device_sampler(vocab_size: int, device: torch.device) -> None:
+    """Compile `sample_on_device`'s kernels (unmasked and masked rows) before serving."""
+    from generation_service.kernels.mask_sample import mask_sample
+    logits = torch.zeros(2, vocab_size, dtype=torch.bfloat16, device=device)
+    masks = torch.full((2, -(-vocab_size // 32)), -1, dtype=torch.int32, device=device)
+    floats, ints = torch.zeros(2, dtype=torch.float32, device=device), torch.zeros(2, dtype=torch.int64, device=device)
+    for bitmask in (None, masks):
+        mask_sample(logits, bitmask, floats, ints.int(), floats + 1, ints, ints,
+                    mask_vocab_size=vocab_size if bitmask is not None else None, enable_filters=False,
+                    num_splits=eager_num_splits(logits))
 
 
 def _starts(rows: list[SampleRow]) -> list[int]:

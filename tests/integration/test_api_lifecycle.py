@@ -4,7 +4,8 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from google.protobuf import descriptor_pb2
+from grpc_reflection.v1alpha import reflection_pb2
 
 from structgen_client import Client, DeadlineExceededError
 
@@ -55,15 +56,27 @@ def test_health_is_serving_overall_and_per_service(live_server):
         assert caught.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-def test_reflection_lists_and_describes_the_api(live_server):
+@pytest.mark.parametrize("version", ["v1", "v1alpha"])
+def test_reflection_lists_and_describes_the_api(live_server, version):
+    """Both reflection services answer (grpcurl and current clients ask v1 first)."""
     with grpc.insecure_channel(live_server.address) as channel:
-        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        call = channel.stream_stream(
+            f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+            request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
         requests = [reflection_pb2.ServerReflectionRequest(list_services=""),
-                    reflection_pb2.ServerReflectionRequest(file_containing_symbol=SERVICE)]
-        replies = list(stub.ServerReflectionInfo(iter(requests), timeout=10))
+                    reflection_pb2.ServerReflectionRequest(file_containing_symbol=SERVICE),
+                    reflection_pb2.ServerReflectionRequest(
+                        file_containing_symbol="grpc.reflection.v1.ServerReflection")]
+        replies = list(call(iter(requests), timeout=10))
     names = {s.name for s in replies[0].list_services_response.service}
-    assert {SERVICE, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= names
+    assert {SERVICE, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection",
+            "grpc.reflection.v1.ServerReflection"} <= names
     assert replies[1].file_descriptor_response.file_descriptor_proto
+    v1_file = descriptor_pb2.FileDescriptorProto.FromString(
+        replies[2].file_descriptor_response.file_descriptor_proto[0])
+    assert v1_file.package == "grpc.reflection.v1"
+    assert v1_file.service[0].method[0].input_type == ".grpc.reflection.v1.ServerReflectionRequest"
 
 
 def test_engine_stats_count_finished_requests(client):

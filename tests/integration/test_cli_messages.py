@@ -24,6 +24,12 @@ def error_lines(result) -> list[str]:
     return [line for line in result.stderr.splitlines() if "error" in line]
 
 
+def serve_lines(result) -> list[str]:
+    """What `structgen serve` said of itself (its log lines carry a timestamp instead)."""
+    assert "Traceback" not in result.stderr, result.stderr
+    return [line for line in result.stderr.splitlines() if line.startswith("structgen serve: ")]
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--max-tokens", "-5"], "argument --max-tokens: must be >= 0, got -5"),
     (["--top-p", "0"], "argument --top-p: must be > 0 and <= 1, got 0"),
@@ -56,12 +62,12 @@ def test_generate_help_documents_every_flag():
 
 
 def test_serve_help_shows_every_default():
-    from structgen.commands.serve import OPTIONS
+    from generation_service.settings import SERVE_SETTINGS
 
     text = " ".join(structgen("serve", "--help").stdout.split())
-    for option in OPTIONS:
-        entry = text.split(f" {option.flag} ", 1)[1].split("[$STRUCTGEN_", 1)[0]
-        assert "default" in entry, (option.flag, entry)
+    for bound in SERVE_SETTINGS:
+        entry = text.split(f" --{bound.setting.flag} ", 1)[1].split("[$STRUCTGEN_", 1)[0]
+        assert "default" in entry, (bound.setting.flag, entry)
 
 
 def test_empty_prompt_is_invalid_argument_without_a_blank_line(live_server):
@@ -90,8 +96,8 @@ def test_serve_on_a_busy_port_says_so_before_loading():
         started = time.monotonic()
         result = structgen("serve", "--port", str(port))
     assert result.returncode == 2 and result.stdout == ""
-    assert error_lines(result) == [f"error: --port {port}: 127.0.0.1:{port} is not free (Address already in use); "
-                                   "stop what listens there or choose another --port (0 = any free port)"]
+    assert serve_lines(result) == [f"structgen serve: --port {port}: 127.0.0.1:{port} is not free (Address already "
+                                   "in use); stop what listens there or choose another --port (0 = any free port)"]
     assert "grammar_service" not in result.stderr and "loaded" not in result.stderr  # nothing started
     assert time.monotonic() - started < 60
 
@@ -99,7 +105,7 @@ def test_serve_on_a_busy_port_says_so_before_loading():
 def test_serve_with_a_missing_model_folder_says_so(tmp_path):
     result = structgen("serve", "--port", "0", "--model", str(tmp_path / "nope"))
     assert result.returncode == 2
-    assert error_lines(result) == [f"error: --model {tmp_path / 'nope'}: not found (give a checkpoint folder, "
+    assert serve_lines(result) == [f"structgen serve: --model {tmp_path / 'nope'}: not found (give a checkpoint folder, "
                                    "a .gguf file, random:<preset> or a built-in name: default, "
                                    "smollm2-135m-instruct, tiny-random)"]
 
@@ -108,9 +114,8 @@ def test_serve_with_a_broken_model_says_so_in_one_line(tmp_path):
     (tmp_path / "model.gguf").write_bytes(b"not a gguf file")
     result = structgen("serve", "--port", "0", "--model", str(tmp_path / "model.gguf"))
     assert result.returncode == 1
-    assert [line for line in result.stderr.splitlines() if line.startswith("error:")] == [
-        f"error: {tmp_path / 'model.gguf'}: cannot be read as GGUF (ValueError: GGUF magic invalid)"]
-    assert "Traceback" not in result.stderr
+    assert serve_lines(result) == [
+        f"structgen serve: {tmp_path / 'model.gguf'}: cannot be read as GGUF (ValueError: GGUF magic invalid)"]
 
 
 def test_serve_on_cuda_without_a_gpu_says_so():
@@ -120,11 +125,11 @@ def test_serve_on_cuda_without_a_gpu_says_so():
         pytest.skip("a GPU is visible here")
     result = structgen("serve", "--port", "0", "--device", "cuda")
     assert result.returncode == 2
-    assert error_lines(result) == [f"error: --device cuda: no CUDA GPU is visible to torch (torch {torch.__version__}); "
-                                   "serve on --device cpu or check the driver"]
+    assert serve_lines(result) == [f"structgen serve: --device cuda: no CUDA GPU is visible to torch "
+                                   f"(torch {torch.__version__}); serve on --device cpu or check the driver"]
 
 
 def test_serve_setting_out_of_range_is_one_line():
     result = structgen("serve", "--port", "70000")
     assert result.returncode == 2
-    assert error_lines(result) == ["error: port must be in [0, 65535], got 70000"]
+    assert serve_lines(result) == ["structgen serve: port must be in [0, 65535], got 70000 (from --port)"]

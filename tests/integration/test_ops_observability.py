@@ -1,4 +1,4 @@
-"""Traces, metrics and graceful drain of a real `structgen serve` (issue 7).
+"""Traces, metrics and graceful drain of a real `structgen serve` (issues 7 and 22).
 
 One server for the module, started with OTEL_* pointing at an in-test OTLP receiver and with
 `--metrics-port`. The drain test runs last: it SIGTERMs that server while streams are open.
@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import secrets
 import socket
+import subprocess
 import threading
 import time
 import urllib.request
@@ -18,10 +20,14 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+import structgen
 from otlp_receiver import OtlpReceiver
 from live_server import LIMITS, start_serve, stop_serve
 from structgen.v1 import generation_pb2 as pb
 from structgen.v1 import generation_pb2_grpc as pb_grpc
+from structgen_client import Client
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 GENERATE = "structgen.v1.GenerationService/Generate"
 SCHEMA = json.dumps({"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
@@ -71,6 +77,19 @@ def stub(server):
         yield pb_grpc.GenerationServiceStub(channel)
 
 
+@pytest.fixture(scope="module")
+def model(stub) -> str:
+    return stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30).model_name
+
+
+def _spans_of(receiver, trace_id: str, names: set[str], timeout_s: float = 30) -> dict:
+    spans = receiver.wait_for(
+        lambda spans: names <= {s.name for s in spans if s.trace_id == trace_id}, timeout_s=timeout_s)
+    ours = {s.name: s for s in spans if s.trace_id == trace_id}
+    assert names <= set(ours), f"missing spans {names - set(ours)}; got {sorted(ours)}"
+    return ours
+
+
 def _generate(stub, metadata=(), **fields) -> list[pb.GenerateResponse]:
     return list(stub.Generate(pb.GenerateRequest(**fields), metadata=metadata, timeout=120))
 
@@ -94,36 +113,53 @@ def _total(samples: dict[str, float], name: str, **labels) -> float:
 
 
 # ---- traces ------------------------------------------------------------------------------------
-def test_constrained_request_is_one_trace_across_both_processes(stub, receiver):
+def test_constrained_request_is_one_trace_across_both_processes(stub, receiver, model):
     trace_id, caller_span_id = secrets.token_hex(16), secrets.token_hex(8)
     traceparent = f"00-{trace_id}-{caller_span_id}-01"
-    responses = _generate(stub, metadata=(("traceparent", traceparent),),
+    responses = _generate(stub, metadata=(("traceparent", traceparent),), request_id="traced-1",
                           prompt="A person as JSON:", json_schema=SCHEMA,
+                          sampling=pb.SamplingParams(temperature=0.5, top_p=0.9, seed=7),
                           stop=pb.StopConditions(max_tokens=48))
     assert responses[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED
+    server_name = f"text_completion {model}"  # {gen_ai.operation.name} {gen_ai.request.model}
+    ours = _spans_of(receiver, trace_id, {"structgen.queue", "structgen.prefill", "structgen.decode",
+                                          "grammar.compile", server_name})
 
-    names = {"structgen.queue", "structgen.prefill", "structgen.decode", "grammar.compile", GENERATE}
-    spans = receiver.wait_for(
-        lambda spans: names <= {s.name for s in spans if s.trace_id == trace_id}, timeout_s=30)
-    ours = {s.name: s for s in spans if s.trace_id == trace_id}
-    assert names <= set(ours), f"missing spans {names - set(ours)}; got {sorted(ours)}"
-
-    server_span = ours[GENERATE]
+    server_span = ours[server_name]
     assert server_span.parent_span_id == caller_span_id  # joined the caller's trace
     assert server_span.service == "structgen"
-    assert server_span.attributes["rpc.grpc.status_code"] == 0
-    assert server_span.attributes["gen_ai.usage.output_tokens"] == responses[-1].usage.completion_tokens
+    assert server_span.resource["service.version"] == structgen.__version__
+    attributes = server_span.attributes
+    assert attributes["rpc.grpc.status_code"] == 0 and attributes["rpc.method"] == "Generate"
+    assert {k: attributes[k] for k in ("gen_ai.operation.name", "gen_ai.provider.name", "gen_ai.request.model",
+                                       "gen_ai.response.id", "gen_ai.request.max_tokens", "gen_ai.request.seed")} == {
+        "gen_ai.operation.name": "text_completion", "gen_ai.provider.name": "structgen",
+        "gen_ai.request.model": model, "gen_ai.response.id": "traced-1", "gen_ai.request.max_tokens": 48,
+        "gen_ai.request.seed": 7}
+    assert abs(attributes["gen_ai.request.temperature"] - 0.5) < 1e-6
+    assert abs(attributes["gen_ai.request.top_p"] - 0.9) < 1e-6
+    assert attributes["gen_ai.usage.output_tokens"] == responses[-1].usage.completion_tokens
+    assert attributes["gen_ai.usage.input_tokens"] == responses[-1].usage.prompt_tokens
+    latency = {k: attributes[f"gen_ai.latency.{k}"] for k in (
+        "time_in_queue", "time_to_first_token", "time_in_model_prefill", "time_in_model_decode", "e2e")}
+    assert 0 <= latency["time_in_queue"] <= latency["time_to_first_token"] <= latency["e2e"]
+    assert latency["e2e"] * 1e9 <= server_span.end_ns - server_span.start_ns
     for name in ("structgen.queue", "structgen.prefill", "structgen.decode"):
         assert ours[name].parent_span_id == server_span.span_id, name
         assert ours[name].service == "structgen"
         assert server_span.start_ns <= ours[name].start_ns <= ours[name].end_ns <= server_span.end_ns
-    # queue -> prefill -> decode follow each other
+    # queue -> prefill -> decode follow each other, and their lengths are the latencies above
     assert ours["structgen.queue"].end_ns <= ours["structgen.prefill"].start_ns + 1000
     assert ours["structgen.prefill"].end_ns <= ours["structgen.decode"].start_ns + 1000
+    queue_ns = ours["structgen.queue"].end_ns - ours["structgen.queue"].start_ns
+    assert abs(queue_ns / 1e9 - latency["time_in_queue"]) < 1e-3
 
     compile_span = ours["grammar.compile"]
     assert compile_span.service == "structgen-grammar"  # exported by the other process
     assert compile_span.parent_span_id == server_span.span_id
+    assert len(compile_span.attributes["structgen.grammar.hash"]) == 64
+    assert compile_span.attributes["structgen.grammar.backend"] in ("xgrammar", "llguidance")
+    assert compile_span.attributes["structgen.grammar.compile_ms"] >= 0
     assert "grammar.cache_hit" in compile_span.attributes
 
     decode = ours["structgen.decode"].attributes
@@ -133,14 +169,50 @@ def test_constrained_request_is_one_trace_across_both_processes(stub, receiver):
     assert "structgen.grammar.cache_hit" in ours["structgen.prefill"].attributes
 
 
+def test_chat_spans_are_chat_and_the_python_client_sends_its_trace(server, receiver, model):
+    """structgen_client sends the current OpenTelemetry span's traceparent by itself."""
+    from opentelemetry.sdk.trace import TracerProvider
+    tracer = TracerProvider().get_tracer("test-client")
+    with Client(server.address, timeout=120) as client, tracer.start_as_current_span("caller") as caller:
+        client.generate_text(messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    context = caller.get_span_context()
+    name = f"chat {model}"
+    span = _spans_of(receiver, format(context.trace_id, "032x"), {name})[name]
+    assert span.parent_span_id == format(context.span_id, "016x")
+    assert span.attributes["gen_ai.operation.name"] == "chat"
+
+
+@pytest.mark.parametrize("one_token", [True, False], ids=["unadmitted", "admitted"])
+def test_no_prefill_span_for_a_request_that_failed_before_its_first_token(stub, receiver, model, one_token):
+    """A grammar that cannot compile fails the request before any token: a one-token prompt
+    waits unadmitted for its grammar; a longer one may prefill all but its last token first."""
+    trace_id = secrets.token_hex(16)
+    ids = list(stub.Tokenize(pb.TokenizeRequest(text="Write a long answer about the sea"), timeout=30).token_ids)
+    with pytest.raises(grpc.RpcError) as error:
+        _generate(stub, metadata=(("traceparent", f"00-{trace_id}-{secrets.token_hex(8)}-01"),),
+                  token_ids=pb.TokenIds(ids=ids[-1:] if one_token else ids), lark="start: (",
+                  stop=pb.StopConditions(max_tokens=4))
+    assert error.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    ours = _spans_of(receiver, trace_id, {f"text_completion {model}", "structgen.queue", "grammar.compile"})
+    time.sleep(1)  # the batch processor exports every 100 ms: a prefill span would be here by now
+    names = {s.name for s in receiver.spans if s.trace_id == trace_id}
+    assert "structgen.prefill" not in names and "structgen.decode" not in names
+    if one_token:
+        assert ours["structgen.queue"].attributes["structgen.admitted"] is False
+    assert ours["grammar.compile"].status_code == 2
+    assert ours[f"text_completion {model}"].status_code == 2
+
+
 def test_failed_rpc_span_has_its_status(stub, receiver):
     trace_id = secrets.token_hex(16)
     with pytest.raises(grpc.RpcError) as error:
         _generate(stub, metadata=(("traceparent", f"00-{trace_id}-{secrets.token_hex(8)}-01"),),
                   prompt="x", json_schema="{not json")
     assert error.value.code() is grpc.StatusCode.INVALID_ARGUMENT
-    spans = receiver.wait_for(lambda s: any(x.trace_id == trace_id and x.name == GENERATE for x in s))
-    span = next(s for s in spans if s.trace_id == trace_id and s.name == GENERATE)
+
+    def server_span(spans):
+        return next((x for x in spans if x.trace_id == trace_id and x.kind == 2), None)  # SERVER
+    span = server_span(receiver.wait_for(server_span))
     assert span.attributes["rpc.grpc.status_code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert span.status_code == 2  # ERROR
 
@@ -149,23 +221,26 @@ def test_failed_rpc_span_has_its_status(stub, receiver):
 FAMILIES = (
     "structgen_time_to_first_token_seconds_bucket", "structgen_inter_token_latency_seconds_bucket",
     "structgen_request_duration_seconds_bucket", "structgen_generated_tokens_total",
+    "structgen_request_queue_time_seconds_bucket", "structgen_request_prefill_time_seconds_bucket",
+    "structgen_request_decode_time_seconds_bucket", "structgen_request_prompt_tokens_bucket",
+    "structgen_request_generation_tokens_bucket", "structgen_model_info",
     "structgen_queue_depth", "structgen_running_requests", "structgen_kv_pages_used",
-    "structgen_kv_pages_total", "structgen_request_grammar_compile_seconds_bucket",
+    "structgen_kv_pages_capacity", "structgen_kv_cache_usage_ratio",
+    "structgen_request_grammar_compile_seconds_bucket",
     "structgen_constrained_requests_total", "structgen_grammar_mask_wait_seconds_total",
     "structgen_grammar_steps_total", "structgen_draft_tokens_proposed_total",
-    "structgen_draft_tokens_accepted_total", "structgen_rpcs_total", "structgen_rpc_errors_total",
-    "structgen_finished_requests_total",
+    "structgen_draft_tokens_accepted_total", "structgen_rpcs_total", "structgen_finished_requests_total",
 )
 
 
-def test_metrics_expose_the_families_and_move(server, stub):
+def test_metrics_expose_the_families_and_move(server, stub, model):
     before = _scrape(server.metrics_url)
     # A constrained request with a fresh schema (a compile, not a cache hit), a speculative
     # free one, and one refused with OUT_OF_RANGE.
     schema = json.dumps({"type": "object", "properties": {f"k{secrets.token_hex(3)}": {"type": "boolean"}}})
     _generate(stub, prompt="JSON:", json_schema=schema, stop=pb.StopConditions(max_tokens=24))
-    _generate(stub, prompt="one two three one two three one two", stop=pb.StopConditions(max_tokens=24, ignore_eos=True),
-              speculative=pb.SpeculativeOptions(num_draft_tokens=3))
+    free = _generate(stub, prompt="one two three one two three one two", stop=pb.StopConditions(max_tokens=24, ignore_eos=True),
+                     speculative=pb.SpeculativeOptions(num_draft_tokens=3))
     with pytest.raises(grpc.RpcError) as error:
         _generate(stub, prompt="x", stop=pb.StopConditions(max_tokens=MAX_TOKENS_LIMIT + 1))
     refused = error.value.code().name
@@ -173,6 +248,7 @@ def test_metrics_expose_the_families_and_move(server, stub):
 
     missing = [f for f in FAMILIES if not any(key.startswith(f + "{") for key in after)]
     assert not missing, f"families missing from /metrics: {missing}"
+    assert all(f"model_name={model}" in key for key in after if key.startswith("structgen_"))
 
     def moved(name, **labels):
         return _total(after, name, **labels) - _total(before, name, **labels)
@@ -181,14 +257,39 @@ def test_metrics_expose_the_families_and_move(server, stub):
     assert moved("structgen_time_to_first_token_seconds_count", constrained="true") == 1
     assert moved("structgen_inter_token_latency_seconds_count") > 0
     assert moved("structgen_generated_tokens_total", constrained="false") == 24
+    assert moved("structgen_request_generation_tokens_sum", constrained="false") == 24
+    assert moved("structgen_request_prompt_tokens_sum") == moved("structgen_prompt_tokens_total")
+    assert moved("structgen_request_prompt_tokens_sum") > free[-1].usage.prompt_tokens
+    # the engine's own stamps, recorded before each final message went out
+    for name in ("queue_time", "prefill_time", "decode_time"):
+        assert moved(f"structgen_request_{name}_seconds_count") == 2, name
     assert moved("structgen_request_grammar_compile_seconds_count") == 1
     assert moved("structgen_constrained_requests_total", cache="miss") == 1
     assert moved("structgen_grammar_steps_total") > 0
     assert moved("structgen_grammar_mask_wait_seconds_total") >= 0
     assert moved("structgen_draft_tokens_proposed_total") > 0
     assert moved("structgen_rpcs_total", method=f"/{GENERATE}", code="OK") == 2
-    assert moved("structgen_rpc_errors_total", method=f"/{GENERATE}", code=refused) == 1
-    assert _total(after, "structgen_kv_pages_total") > 0
+    assert moved("structgen_rpcs_total", method=f"/{GENERATE}", code=refused) == 1
+    assert _total(after, "structgen_kv_pages_capacity") > 0
+    assert 0 <= _total(after, "structgen_kv_cache_usage_ratio") <= 1
+    assert _total(after, "structgen_model_info", device="cpu") == 1
+
+
+def test_live_exposition_passes_promtool_and_matches_the_docs(server, stub):
+    """What Prometheus would scrape: promtool's lint, no *_created, the documented families."""
+    from generation_service.metrics import GenerationMetrics
+    from prometheus_client import CollectorRegistry
+    _generate(stub, prompt="hello", stop=pb.StopConditions(max_tokens=2))
+    text = urllib.request.urlopen(server.metrics_url, timeout=10).read()
+    promtool = subprocess.run([str(ROOT / "tools" / "install_promtool.sh")], capture_output=True, text=True)
+    assert promtool.returncode == 0, promtool.stderr
+    check = subprocess.run([promtool.stdout.strip().splitlines()[-1], "check", "metrics"], input=text,
+                           capture_output=True)
+    assert check.returncode == 0, (check.stdout + check.stderr).decode()
+    families = list(text_string_to_metric_families(text.decode()))
+    assert not [f.name for f in families if f.name.endswith("_created")]
+    scraped = {f.name + ("_total" if f.type == "counter" else "") for f in families if f.name.startswith("structgen_")}
+    assert scraped == {f.name for f in GenerationMetrics(CollectorRegistry()).families()}
 
 
 def test_engine_gauges_move_while_a_stream_runs(server, stub):
@@ -260,4 +361,5 @@ def test_sigterm_drains_open_streams_refuses_new_calls_and_exits_0(server, stub,
     assert any(still_running), "every stream ended before the refused call: the drain was not tested"
     assert results[1][-1].usage.completion_tokens == max_tokens
     # The drained streams' spans were flushed on the way out.
-    assert receiver.wait_for(lambda s: sum(x.name == GENERATE for x in s) >= 5, timeout_s=5)
+    assert receiver.wait_for(lambda s: sum(x.attributes.get("rpc.method") == "Generate" for x in s) >= 5,
+                             timeout_s=5)

@@ -131,6 +131,7 @@ class _StandInEngine:
     def __init__(self):
         from generation_service.engine.config import EngineConfig
         self.config = EngineConfig()
+        self.model_name = "stand-in"  # the metrics' model_name label
         self.table = SimpleNamespace(finish_listeners=[])
 
     def stats(self):

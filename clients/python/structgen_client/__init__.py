@@ -6,11 +6,12 @@
             print(chunk.text, end="")
 
 `AsyncClient` is the asyncio twin. Failed calls raise `StructgenError` subclasses carrying
-the gRPC status code (`error.code`) and the server's message (`error.details`).
+the gRPC status code (`error.code`) and the server's message (`error.details`). Calls made
+inside an OpenTelemetry span send its `traceparent` (`propagate_trace=False` turns it off).
 """
 from structgen_client._convert import build_request
 from structgen_client.aio import AsyncClient, AsyncGenerationStream
-from structgen_client.client import Client, GenerationStream
+from structgen_client.client import Client, GenerationStream, trace_metadata
 from structgen_client.errors import (CancelledError, DeadlineExceededError, InternalError,
                                      InvalidArgumentError, OutOfRangeError, ResourceExhaustedError,
                                      StructgenError, UnauthenticatedError, UnavailableError,
@@ -23,5 +24,5 @@ __all__ = [
     "DeadlineExceededError", "EngineStats", "GenerationStream", "Guarantee", "InternalError",
     "InvalidArgumentError", "ModelInfo", "OutOfRangeError", "ResourceExhaustedError",
     "StructgenError", "TokenLogprob", "UnauthenticatedError", "UnavailableError",
-    "UnenforcedKeyword", "Usage", "Validation", "build_request", "from_rpc_error",
+    "UnenforcedKeyword", "Usage", "Validation", "build_request", "from_rpc_error", "trace_metadata",
 ]

@@ -11,7 +11,7 @@ from structgen.v1 import generation_pb2_grpc as pb_grpc
 
 from structgen_client._convert import (build_request, build_tokenize_request, to_chunk,
                                        to_engine_stats, to_model_info)
-from structgen_client.client import auth_metadata, make_channel
+from structgen_client.client import auth_metadata, call_metadata, make_channel
 from structgen_client.errors import from_rpc_error
 from structgen_client.types import Chunk, Completion, EngineStats, ModelInfo
 
@@ -44,17 +44,20 @@ class AsyncClient:
     """asyncio twin of `Client`; create it inside a running event loop."""
 
     def __init__(self, address: str = "localhost:50051", *, timeout: float | None = None,
-                 token: str | None = None, root_certificates: bytes | None = None, options=()):
+                 token: str | None = None, root_certificates: bytes | None = None, options=(),
+                 propagate_trace: bool = True):
         self._channel = make_channel(address, root_certificates, list(options), aio=True)
         self._stub = pb_grpc.GenerationServiceStub(self._channel)
         self._timeout = timeout
         self._metadata = auth_metadata(token)
+        self._propagate_trace = propagate_trace
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None,
-                 **options: Any) -> AsyncGenerationStream:
+                 metadata: Sequence[tuple[str, str]] = (), **options: Any) -> AsyncGenerationStream:
         request = build_request(prompt, **options)
-        return AsyncGenerationStream(self._stub.Generate(request, timeout=timeout or self._timeout,
-                                                         metadata=self._metadata))
+        return AsyncGenerationStream(self._stub.Generate(
+            request, timeout=timeout or self._timeout,
+            metadata=call_metadata(self._metadata, self._propagate_trace, metadata)))
 
     async def generate_text(self, prompt: str | None = None, *, timeout: float | None = None,
                             **options: Any) -> Completion:
@@ -72,7 +75,8 @@ class AsyncClient:
 
     async def _unary(self, method, request):
         try:
-            return await method(request, timeout=self._timeout, metadata=self._metadata)
+            return await method(request, timeout=self._timeout,
+                                metadata=call_metadata(self._metadata, self._propagate_trace, ()))
         except grpc.RpcError as error:
             raise from_rpc_error(error) from None
 

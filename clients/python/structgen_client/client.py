@@ -54,33 +54,54 @@ def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
 
 
+def trace_metadata() -> tuple[tuple[str, str], ...]:
+    """W3C `traceparent` / `tracestate` of the caller's current OpenTelemetry span (nothing
+    outside a span, or without opentelemetry-api), so the server's spans join its trace."""
+    try:
+        from opentelemetry import propagate
+    except ImportError:
+        return ()
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return tuple((k, v) for k, v in carrier.items() if k in ("traceparent", "tracestate"))
+
+
+def call_metadata(base, propagate_trace: bool, extra) -> tuple[tuple[str, str], ...]:
+    """Metadata of one call: the client's (token), the trace context, then the caller's own."""
+    return (*base, *(trace_metadata() if propagate_trace else ()), *(extra or ()))
+
+
 class Client:
     """A connection to a structgen server.
 
     `timeout` (seconds) is the default call deadline; `token` is sent as
     "authorization: Bearer <token>" (servers started with --auth-token-file);
-    `root_certificates` (PEM bytes) switches to TLS.
+    `root_certificates` (PEM bytes) switches to TLS. With `propagate_trace` (default) each
+    call sends the current OpenTelemetry span's `traceparent`, so the server's spans are
+    children of the caller's; `metadata=` on a call adds gRPC metadata of its own.
     """
 
     def __init__(self, address: str = "localhost:50051", *, timeout: float | None = None,
                  token: str | None = None, root_certificates: bytes | None = None,
-                 channel: grpc.Channel | None = None, options=()):
+                 channel: grpc.Channel | None = None, options=(), propagate_trace: bool = True):
         self._channel = channel or make_channel(address, root_certificates, list(options))
         self._stub = pb_grpc.GenerationServiceStub(self._channel)
         self._timeout = timeout
         self._metadata = auth_metadata(token)
+        self._propagate_trace = propagate_trace
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None,
-                 **options: Any) -> GenerationStream:
+                 metadata: Sequence[tuple[str, str]] = (), **options: Any) -> GenerationStream:
         """Stream a completion. Options: see `structgen_client.build_request`."""
         request = build_request(prompt, **options)
-        return GenerationStream(self._stub.Generate(request, timeout=timeout or self._timeout,
-                                                    metadata=self._metadata))
+        return GenerationStream(self._stub.Generate(
+            request, timeout=timeout or self._timeout,
+            metadata=call_metadata(self._metadata, self._propagate_trace, metadata)))
 
     def generate_text(self, prompt: str | None = None, *, timeout: float | None = None,
-                      **options: Any) -> Completion:
+                      metadata: Sequence[tuple[str, str]] = (), **options: Any) -> Completion:
         """The whole completion at once (unary-style use of the stream)."""
-        return Completion.from_chunks(self.generate(prompt, timeout=timeout, **options))
+        return Completion.from_chunks(self.generate(prompt, timeout=timeout, metadata=metadata, **options))
 
     def tokenize(self, text: str | None = None, *, messages: Sequence[dict] | None = None) -> list[int]:
         return list(self._unary(self._stub.Tokenize, build_tokenize_request(text, messages)).token_ids)
@@ -107,7 +128,8 @@ class Client:
 
     def _unary(self, method, request):
         try:
-            return method(request, timeout=self._timeout, metadata=self._metadata)
+            return method(request, timeout=self._timeout,
+                          metadata=call_metadata(self._metadata, self._propagate_trace, ()))
         except grpc.RpcError as error:
             raise from_rpc_error(error) from None
 

@@ -27,6 +27,12 @@ app.kubernetes.io/name: {{ include "structgen.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 
+{{/* The `helm test` pod: the NetworkPolicy lets it reach the gRPC port. */}}
+{{- define "structgen.testSelectorLabels" -}}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: test
+{{- end }}
+
 {{- define "structgen.labels" -}}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
 {{ include "structgen.selectorLabels" . }}
@@ -113,20 +119,10 @@ unix:///run/structgen/grammar.sock
   value: /tmp/.triton
 {{- end }}
 
-{{/* Engine flags of `structgen serve` for the config.engine values that are set. */}}
-{{- define "structgen.engineArgs" -}}
-{{- $flags := list
-      (list "dtype" "--dtype") (list "maxBatch" "--max-batch") (list "maxWaiting" "--max-waiting")
-      (list "maxPromptTokens" "--max-prompt-tokens") (list "maxNewTokensLimit" "--max-new-tokens-limit")
-      (list "numPages" "--num-pages") (list "pageSize" "--page-size")
-      (list "maxDraftTokens" "--max-draft-tokens") (list "grammarWaitTimeoutS" "--grammar-wait-timeout-s") }}
-{{- range $flags }}
-{{- $v := index $.Values.config.engine (index . 0) }}
-{{- if not (kindIs "invalid" $v) }}
-{{- if kindIs "float64" $v }}{{- if eq $v (floor $v) }}{{- $v = int64 $v }}{{- end }}{{- end }}
-- {{ printf "%s=%v" (index . 1) $v }}
-{{- end }}
-{{- end }}
+{{/* A value as an environment variable's text: integers without an exponent (a values.yaml
+     number is a float64: 262144 would print as 2.62144e+05), booleans as true/false. */}}
+{{- define "structgen.envValue" -}}
+{{- if and (kindIs "float64" .) (eq . (floor .)) }}{{ int64 . }}{{ else }}{{ . }}{{ end }}
 {{- end }}
 
 {{/* Cross-field rules the JSON schema cannot express; called from the Deployment. */}}

@@ -1,11 +1,10 @@
-"""The Python client's request building and `structgen serve`'s flag/env resolution."""
-import argparse
+"""The Python client's request building and ServeConfig's validation (flag/env resolution:
+tests/unit/ops/test_settings.py)."""
 import json
 
 import pytest
 
 from generation_service.config import ServeConfig
-from structgen.commands.serve import OPTIONS, resolve
 from structgen_client import build_request
 
 
@@ -25,32 +24,6 @@ def test_build_request_sets_only_what_is_given():
 def test_build_request_refuses_ambiguous_requests(kwargs, message):
     with pytest.raises(ValueError, match=message):
         build_request(**kwargs)
-
-
-def _args(**given):
-    namespace = argparse.Namespace(**{option.field: None for option in OPTIONS})
-    for key, value in given.items():
-        setattr(namespace, key, value)
-    return namespace
-
-
-def test_serve_flag_beats_environment_beats_default():
-    environ = {"STRUCTGEN_PORT": "6000", "STRUCTGEN_MAX_BATCH_SIZE": "8", "STRUCTGEN_DTYPE": "auto",
-               "STRUCTGEN_MAX_NEW_TOKENS": "99"}
-    serve = resolve(_args(port=7000), environ, "serve")
-    engine = resolve(_args(), environ, "engine")
-    assert serve == {"port": 7000}
-    assert engine == {"max_batch": 8, "max_new_tokens_limit": 99}  # dtype "auto" = the checkpoint's
-    assert ServeConfig(**serve).bind_address == "127.0.0.1:7000"
-
-
-def test_runner_and_overlap_reach_the_engine_config():
-    from generation_service.engine.config import EngineConfig
-    engine = resolve(_args(runner="eager"), {"STRUCTGEN_OVERLAP": "off", "STRUCTGEN_VERIFY_GRAPHS": "yes"}, "engine")
-    assert engine == {"runner": "eager", "overlap": False, "verify_graphs": True}
-    assert EngineConfig(**engine).overlap is False
-    with pytest.raises(argparse.ArgumentTypeError, match="true or false"):
-        resolve(_args(), {"STRUCTGEN_OVERLAP": "sometimes"}, "engine")
 
 
 def test_serve_config_validates():

@@ -14,6 +14,7 @@ from generation_service.engine.params import GrammarSpec
 from grammar_service.client import GrammarControlClient, spec_to_proto
 from grammar_service.config import GrammarServiceConfig
 from grammar_service.server import RunningServer, build_parser, main, spec_from_proto
+from grammar_service.settings import GRAMMAR_SETTINGS
 from step_channel import Geometry, StepChannel
 
 
@@ -28,16 +29,19 @@ def test_grammar_spec_survives_the_proto(spec):
 
 
 def test_cli_defaults_are_the_config_defaults():
-    args = vars(build_parser().parse_args([]))
-    args.pop("log_level")
-    assert GrammarServiceConfig(**args) == GrammarServiceConfig()
-    args = vars(build_parser().parse_args(["--vocab-size", "32768", "--tokenizer-dir", "/x", "--compile-timeout-s", "2.5"]))
-    assert (args["vocab_size"], args["compile_timeout_s"]) == (32768, 2.5)
+    resolved = GRAMMAR_SETTINGS.resolve(build_parser().parse_args([]), {})
+    assert resolved[GrammarServiceConfig] == GrammarServiceConfig()
+    args = build_parser().parse_args(["--vocab-size", "32768", "--tokenizer-dir", "/x", "--compile-timeout-s", "2.5"])
+    config = GRAMMAR_SETTINGS.resolve(args, {})[GrammarServiceConfig]
+    assert (config.vocab_size, config.compile_timeout_s) == (32768, 2.5)
 
 
-def test_bad_configuration_exits_2():
-    assert main(["--num-compile-threads", "0"]) == 2
-    assert main(["--step-wait-spin-us", "-1"]) == 2
+def test_bad_configuration_exits_2(capsys):
+    assert main(["--num-compile-threads", "0"], environ={}) == 2
+    assert "num_compile_threads must be >= 1" in capsys.readouterr().err
+    assert main(["--step-wait-spin-us", "-1"], environ={}) == 2
+    assert main([], environ={"STRUCTGEN_GRAMMAR_NUM_FILL_THREADS": "many"}) == 2
+    assert "STRUCTGEN_GRAMMAR_NUM_FILL_THREADS: expected an integer, got 'many'" in capsys.readouterr().err
 
 
 def _free_port() -> int:

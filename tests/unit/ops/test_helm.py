@@ -79,11 +79,16 @@ def full(helm):
     return render(helm, FULL)
 
 
+def _load_tool(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_values_schema_is_generated_from_its_source():
-    spec = importlib.util.spec_from_file_location("gen_helm_schema", ROOT / "tools" / "gen_helm_schema.py")
-    gen = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gen)
-    assert (CHART / "values.schema.json").read_text() == gen.render(), "run: python3 tools/gen_helm_schema.py"
+    gen = _load_tool("gen_helm_schema")
+    assert (CHART / "values.schema.json").read_text() == gen.render(), "run: .venv/bin/python tools/gen_helm_schema.py"
 
 
 def test_check_helm_script_lints_renders_and_validates(helm):
@@ -142,6 +147,8 @@ def test_nothing_runs_as_root_and_root_filesystem_is_read_only(helm, values):
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["runAsUser"] > 0 and pod["securityContext"]["fsGroup"] > 0
     assert pod["automountServiceAccountToken"] is False
+    for c in pod["containers"]:
+        assert c["securityContext"]["runAsNonRoot"] is True
     for c in pod["containers"] + pod.get("initContainers", []):
         sc = c["securityContext"]
         assert sc["allowPrivilegeEscalation"] is False
@@ -172,7 +179,7 @@ def test_grammar_sidecar_outlives_generation_drain(helm, values):
     gen, grammar = container(manifests, "generation"), container(manifests, "grammar")
     gen_delay = int(gen["lifecycle"]["preStop"]["exec"]["command"][1])
     grammar_delay = int(grammar["lifecycle"]["preStop"]["exec"]["command"][1])
-    drain = int(arg(gen, "--grace-s"))
+    drain = int(arg(gen, "--drain-seconds"))
     assert gen_delay + drain <= grammar_delay < pod["terminationGracePeriodSeconds"]
 
 
@@ -234,30 +241,127 @@ def test_otel_and_config_reach_both_containers(default, full):
     assert names == {"structgen", "structgen-grammar"}
 
 
-def test_engine_flags_only_when_set(default, full):
-    """Unset engine values leave the engine's defaults alone; set ones become flags."""
-    flags = lambda c: {a.split("=", 1)[0] for a in c["args"]}
-    gen = container(default, "generation")
-    assert not flags(gen) & {"--model", "--dtype", "--max-batch", "--num-pages", "--max-draft-tokens"}
+def test_settings_only_when_set(default, full):
+    """null values leave the process defaults alone; set ones become ConfigMap variables."""
+    data = default[("ConfigMap", "sg-structgen")]["data"]
+    settings = {k for k in data if k.startswith("STRUCTGEN_")}
+    # the chart's own defaults: the log level and the connection age that lets HPA pods get traffic
+    assert settings == {"STRUCTGEN_LOG_LEVEL", "STRUCTGEN_MAX_CONNECTION_AGE_S"}
+    assert data["STRUCTGEN_MAX_CONNECTION_AGE_S"] == "300"
+    full_data = full[("ConfigMap", "sg-structgen")]["data"]
+    assert full_data["STRUCTGEN_MAX_BATCH"] == "8"  # an integer, not 8.0
+    assert full_data["STRUCTGEN_GRAMMAR_WAIT_TIMEOUT_S"] == "2.5"
+    assert full_data["STRUCTGEN_GRAMMAR_NUM_FILL_THREADS"] == "2"
+    assert full_data["STRUCTGEN_LOG_LEVEL"] == "DEBUG"
     cpu = container(full, "generation")
     assert arg(cpu, "--model") == "/models/Qwen2.5-0.5B-Instruct"
-    assert arg(cpu, "--dtype") == "float32"
-    assert arg(cpu, "--max-batch") == "8"  # an integer, not 8.0
-    assert arg(cpu, "--grammar-wait-timeout-s") == "2.5"
-    assert arg(cpu, "--log-level") == "debug"
     # every flag appears once: a value and an extraArg never fight over one flag silently
     names = [a.split("=", 1)[0] for a in cpu["args"][1:]]
     assert len(names) == len(set(names))
 
 
-def test_grammar_flags_only_when_set(default, full):
-    """Unset grammar values leave grammar_service's defaults (fill threads, llguidance lanes)."""
-    flags = lambda c: {a.split("=", 1)[0] for a in c["args"]}
-    assert not flags(container(default, "grammar")) & {
-        "--num-compile-threads", "--num-fill-threads", "--num-llguidance-lanes"}
-    grammar = container(full, "grammar")
-    assert arg(grammar, "--num-fill-threads") == "2"
-    assert arg(grammar, "--num-llguidance-lanes") == "2"
+def test_values_config_block_is_generated_from_the_settings_tables():
+    gen = _load_tool("gen_helm_schema")
+    values = (CHART / "values.yaml").read_text()
+    assert gen.values_with_config_block(values) == values, "run: .venv/bin/python tools/gen_helm_schema.py"
+    config = yaml.safe_load(values)["config"]
+    for group, table in gen.CHART_GROUPS.items():
+        assert list(config[group]) == [b.setting.chart_key for b in table.chart_settings(group)]
+
+
+def _sample(bound):
+    """A valid value other than the default, for every kind of setting."""
+    s, kind, default = bound.setting, bound.type.kind, bound.default
+    if s.choices:
+        return next(c for c in reversed(s.choices) if c != default and c != s.none_word)
+    if kind is bool:
+        return not default if default is not None else False
+    base = max(s.minimum or 0, s.greater_than or 0)
+    value = (default if isinstance(default, (int, float)) and not isinstance(default, bool) else base) + 3
+    if s.maximum is not None:
+        value = min(value, s.maximum)
+        if value == default:
+            value = s.maximum / 2
+    return kind(value) if kind is int else float(value) + (0.5 if s.maximum is None else 0)
+
+
+def _container_env(manifests: dict, c: dict) -> dict[str, str]:
+    """What the process sees: the ConfigMap (envFrom), then the container's own env."""
+    environ = dict(manifests[("ConfigMap", "sg-structgen")]["data"])
+    environ.update({e["name"]: e["value"] for e in c.get("env", []) if "value" in e})
+    return environ
+
+
+def test_every_chart_setting_reaches_the_process_it_names(helm, tmp_path):
+    """Each config.* value, rendered by helm, resolves through the processes' own tables (the
+    same code `serve` / `grammar` run) to the field it names, with no warning."""
+    from generation_service.settings import SERVE_SETTINGS
+    from grammar_service.server import build_parser as grammar_parser
+    from grammar_service.settings import GRAMMAR_SETTINGS
+    from structgen.cli import build_parser
+    from structgen.commands.serve import resolve
+    gen = _load_tool("gen_helm_schema")
+    samples = {group: {b.setting.chart_key: _sample(b) for b in table.chart_settings(group)}
+               for group, table in gen.CHART_GROUPS.items()}
+    values = tmp_path / "every-setting.yaml"
+    values.write_text(yaml.safe_dump({"gpu": {"enabled": False}, "config": {"logLevel": "warning", **samples}}))
+    manifests = render(helm, values)
+
+    generation, grammar = container(manifests, "generation"), container(manifests, "grammar")
+    serve = resolve(build_parser().parse_args(generation["args"]), _container_env(manifests, generation))
+    sidecar = GRAMMAR_SETTINGS.resolve(grammar_parser().parse_args(grammar["args"][1:]),
+                                       _container_env(manifests, grammar))
+    assert serve.warnings == [] and sidecar.warnings == []
+    for group, table in gen.CHART_GROUPS.items():
+        resolved = serve if table is SERVE_SETTINGS else sidecar
+        for bound in table.chart_settings(group):
+            got = getattr(resolved[bound.config], bound.setting.dest)
+            want = bound.parse(str(samples[group][bound.setting.chart_key]).lower()
+                               if isinstance(samples[group][bound.setting.chart_key], bool)
+                               else str(samples[group][bound.setting.chart_key]))
+            assert got == want, f"config.{group}.{bound.setting.chart_key} -> {bound.env}: {got!r} != {want!r}"
+            assert resolved.sources[bound.setting.flag].name == bound.env
+    # the shared ones reach both processes from one value
+    assert sidecar[GRAMMAR_SETTINGS.get("max-grammar-bytes").config].max_grammar_bytes == \
+        samples["server"]["maxGrammarBytes"]
+    assert serve.as_dict()["ProcessConfig"] == sidecar.as_dict()["ProcessConfig"] == {"log_level": "WARNING"}
+    # and what the chart derives: ports, the sidecar's socket, drain time, device
+    config = serve.as_dict()["ServeConfig"]
+    assert (config["port"], config["metrics_port"], config["grace_s"]) == (50051, 9400, 45)
+    assert config["grammar_address"] == SOCKET == sidecar.as_dict()["GrammarServiceConfig"]["listen"]
+    assert serve.as_dict()["EngineConfig"]["device"] == "cpu"
+
+
+def test_network_policy_opens_only_the_api_and_metrics_ports(default, full):
+    assert ("NetworkPolicy", "sg-structgen") not in default
+    policy = full[("NetworkPolicy", "sg-structgen")]["spec"]
+    pod_labels = full[("Deployment", "sg-structgen")]["spec"]["template"]["metadata"]["labels"]
+    assert policy["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert policy["policyTypes"] == ["Ingress"]
+    ports = [{p["port"] for p in rule["ports"]} for rule in policy["ingress"]]
+    assert ports == [{"grpc"}, {"http-metrics", "grammar-metrics"}]  # not grpc-health / grammar-health
+    api_from = policy["ingress"][0]["from"]
+    assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway"}}} in api_from
+    assert any(p.get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/component") == "test"
+               for p in api_from)  # the helm test pod gets through
+
+
+def test_helm_test_pod_checks_health_then_generates(helm, default, full):
+    pod = default[("Pod", "sg-structgen-test")]
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    assert pod["spec"]["restartPolicy"] == "Never"
+    service = default[("Service", "sg-structgen")]
+    assert not service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()  # not an endpoint
+    (health,) = pod["spec"]["initContainers"]
+    (generate,) = pod["spec"]["containers"]
+    assert health["args"][:2] == ["health", "--address=sg-structgen:50051"]
+    assert generate["args"][:2] == ["generate", "--server=sg-structgen:50051"]
+    for c in (health, generate):
+        assert c["securityContext"]["runAsNonRoot"] is True and c["securityContext"]["readOnlyRootFilesystem"]
+    token = render(helm, sets=("auth.enabled=true", "auth.secretName=tok"))[("Pod", "sg-structgen-test")]
+    assert token["spec"]["containers"][0]["env"] == [{"name": "STRUCTGEN_TOKEN", "valueFrom": {
+        "secretKeyRef": {"name": "tok", "key": "token"}}}]
+    assert ("Pod", "sg-structgen-test") not in full  # TLS: the client would need the CA
 
 
 def test_tls_client_ca_and_token_files_come_from_secrets(full):
@@ -288,11 +392,17 @@ def test_tls_client_ca_and_token_files_come_from_secrets(full):
     (("model.volume.type=nfs",), "/model/volume/type"),
     (("model.volume.type=pvc",), "/model/volume/pvc/claimName"),
     (("podSecurityContext.runAsUser=0",), "/podSecurityContext/runAsUser"),
+    (("securityContext.runAsUser=0",), "/securityContext/runAsUser"),
+    (("securityContext.runAsNonRoot=false",), "/securityContext/runAsNonRoot"),
+    (("config.server.maxConcurrentRpc=8",), "additional properties 'maxConcurrentRpc' not allowed"),
+    (("config.grammar.numFillThreads=-1",), "/config/grammar/numFillThreads"),
+    (("config.engine.runner=fast",), "/config/engine/runner"),
     (("grammar.drainDelaySeconds=10",), "must cover generation.preStopDelaySeconds + generation.drainSeconds"),
     (("generation.drainSeconds=70", "grammar.drainDelaySeconds=80"), "must be below terminationGracePeriodSeconds"),
     (("ports.metrics=50051",), "container ports must be distinct"),
     (("config.engine.maxBatch=0",), "/config/engine/maxBatch"),
     (("config.engine.dtype=fp8",), "/config/engine/dtype"),
+    (("networkPolicy.enable=true",), "additional properties 'enable' not allowed"),
     (("autoscaling.enabled=true",), "autoscaling.enabled needs"),
 ])
 def test_bad_values_are_refused_with_a_reason(helm, sets, message):

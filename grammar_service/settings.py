@@ -1,0 +1,43 @@
+"""The settings of `structgen grammar`: every flag, STRUCTGEN_GRAMMAR_* variable and chart
+value of grammar_service comes from a row here (structgen/settings.py derives them).
+
+Its variables are STRUCTGEN_GRAMMAR_<FLAG>, apart from the two it shares with `structgen
+serve` (STRUCTGEN_MAX_GRAMMAR_BYTES, STRUCTGEN_LOG_LEVEL): one ConfigMap key sets both
+processes, and a grammar child that serve spawns inherits them.
+"""
+from __future__ import annotations
+
+from grammar_service.config import GrammarServiceConfig
+from structgen.settings import ENV_PREFIX, Group, ProcessConfig, Setting, SettingsTable
+
+GRAMMAR_SETTINGS = SettingsTable("structgen grammar", env_prefix=f"{ENV_PREFIX}GRAMMAR_", groups=(
+    Group(ProcessConfig, chart=None, settings=(
+        Setting("log-level", "DEBUG, INFO, WARNING or ERROR", chart=False, shared=True),
+    )),
+    Group(GrammarServiceConfig, chart="grammar", settings=(
+        Setting("listen", "unix:///path.sock (socket mode 0600) or host:port", chart=False),
+        Setting("num-compile-threads", "concurrent grammar compiles", minimum=1),
+        Setting("num-fill-threads", "mask-fill threads per backend (0 = each library's default: "
+                "half the CPUs for xgrammar, 80% for llguidance; set it to the container's CPU request)",
+                minimum=0),
+        Setting("min-parallel-advance-rows", "llguidance: rows from which batch_advance runs in the "
+                "fill threads (0 = never)", minimum=0),
+        Setting("num-llguidance-lanes", "llguidance: matchers built apart per compiled grammar, so rows "
+                "of one schema fill in parallel (capped at the fill threads; 1 when nearly every request "
+                "brings a new schema)", minimum=0),
+        Setting("step-wait-spin-us", "microseconds a channel's loop spins for the next step before it "
+                "sleeps", minimum=0),
+        Setting("compile-timeout-s", "a slower compile is refused and remembered", greater_than=0),
+        Setting("negative-cache-ttl-s", "seconds a failed grammar is answered from memory", minimum=0),
+        Setting("max-grammar-bytes", "largest grammar text (serve's limit too)", minimum=1,
+                chart=False, shared=True),
+        Setting("max-cached-grammars", "compiled grammars kept (least recently used evicted)", minimum=1),
+        Setting("num-rpc-threads", "gRPC handler threads", minimum=1),
+        Setting("tokenizer-dir", "preload this tokenizer (else the first OpenChannel's)", chart=False),
+        Setting("vocab-size", "logits width of --tokenizer-dir", chart=False),
+        Setting("shutdown-grace-s", "seconds open RPCs get on SIGTERM", minimum=0, chart=False),
+        Setting("health-port", "plaintext TCP port serving only grpc.health.v1 (kubelet probes; 0 = off)",
+                chart=False),
+        Setting("metrics-port", "Prometheus /metrics port (0 = off)", chart=False),
+    )),
+))
