@@ -357,7 +357,9 @@ def main() -> int:
     args = parser.parse_args()
     from tests.real_tokenizers import tokenizer_dir
     tok = pathlib.Path(os.environ.get("STRUCTGEN_TEKKEN_DIR") or tokenizer_dir("tekken_131k"))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    # NOTE: the device tool's copy of the tree may carry a stale .git: pass the commit there
+    commit = os.environ.get("STRUCTGEN_CODE_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     result = {"benchmark": "serve", "command": " ".join([pathlib.Path(sys.argv[0]).name] + sys.argv[1:]),
               "code_commit": commit, "python": platform.python_version(), "client_procs": args.client_procs,
               "plan": args.plan, "duration_s": args.duration, "warmup_s": args.warmup, "shapes": []}
