@@ -1,5 +1,5 @@
 """benchmarks/serve.py's harness on CPU (the GPU run is the benchmark): the real `structgen serve`
-with the built-in model, client processes over gRPC, every workload of the smoke plan measured,
+with the built-in tiny-random model, client processes over gRPC, every workload of the smoke plan measured,
 no call failed, and the free-matched run replays the constrained run's output lengths."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 def test_serve_benchmark_runs_every_workload_on_cpu(tmp_path):
     out = tmp_path / "serve.json"
-    subprocess.run([sys.executable, "benchmarks/serve.py", "--device", "cpu", "--shapes", "default", "--plan", "smoke",
+    subprocess.run([sys.executable, "benchmarks/serve.py", "--device", "cpu", "--shapes", "tiny-random", "--plan", "smoke",
                     "--duration", "1.5", "--warmup", "0.5", "--client-procs", "2", "--out", str(out)],
                    cwd=ROOT, check=True, timeout=600, capture_output=True)
     shape = json.loads(out.read_text())["shapes"][0]
