@@ -30,6 +30,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 log = logging.getLogger("structgen.supervisor")
+# short reconnect backoff: a standby's socket appears only once it listens
+_FAST_RECONNECT = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", 500)]
 
 
 def _die_with_parent(parent_pid: int) -> Callable[[], None]:
@@ -79,6 +82,7 @@ class GrammarSupervisor:
         self._process: subprocess.Popen | None = None
         self._standby: subprocess.Popen | None = None
         self._is_standby_ready = False
+        self._standby_channel: grpc.Channel | None = None  # health checks of the standby
         self._is_ready = False  # the first child reported SERVING
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -148,14 +152,10 @@ class GrammarSupervisor:
         backoff_s = self._min_backoff_s
         started = time.monotonic()
         standby_after = 0.0  # monotonic time before which no standby is spawned
-        # short reconnect backoff: the socket appears only once the standby listens
-        options = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-                   ("grpc.max_reconnect_backoff_ms", 500)]
-        with grpc.insecure_channel(f"unix://{self._standby_path}", options=options) as channel:
-            standby_health = health_pb2_grpc.HealthStub(channel)
+        try:
             while not self._stopping.wait(0.02):  # a poll() is one waitpid: the takeover waits on it
                 if self._use_standby and self._restart_args:
-                    standby_after = self._tend_standby(standby_health, standby_after, backoff_s)
+                    standby_after = self._tend_standby(standby_after, backoff_s)
                 code = self._process.poll()
                 if code is None:
                     continue
@@ -174,23 +174,34 @@ class GrammarSupervisor:
                 self.num_restarts += 1
                 started = time.monotonic()
                 backoff_s = min(backoff_s * 2, self._max_backoff_s)
+        finally:
+            self._close_standby_channel()
 
-    def _tend_standby(self, health_stub, standby_after: float, backoff_s: float) -> float:
+    def _tend_standby(self, standby_after: float, backoff_s: float) -> float:
         """Spawn a standby when there is none, and mark it ready once it serves."""
         standby = self._standby
         if standby is None:
             if time.monotonic() >= standby_after:
                 self._standby, self._is_standby_ready = self._spawn(self._standby_path, self._restart_args), False
+                # NOTE: a channel of its own: one opened before a takeover stays connected to the
+                # process that moved to the serving path, and would call that one ready
+                self._standby_channel = grpc.insecure_channel(f"unix://{self._standby_path}", options=_FAST_RECONNECT)
             return standby_after
         if standby.poll() is not None:
             log.warning("grammar_service standby exited with %s; another starts in %.1f s",
                         standby.returncode, backoff_s)
             self._standby, self._is_standby_ready = None, False
+            self._close_standby_channel()
             return time.monotonic() + backoff_s
-        if not self._is_standby_ready and _is_serving(health_stub, 0.2):
+        if not self._is_standby_ready and _is_serving(health_pb2_grpc.HealthStub(self._standby_channel), 0.2):
             self._is_standby_ready = True
             log.info("grammar_service standby (pid %d) is ready to take over", standby.pid)
         return standby_after
+
+    def _close_standby_channel(self) -> None:
+        if self._standby_channel is not None:
+            self._standby_channel.close()
+            self._standby_channel = None
 
     def _take_over(self) -> bool:
         """Move a ready standby onto the serving socket; False when there is none."""
@@ -199,6 +210,7 @@ class GrammarSupervisor:
             return False
         os.replace(self._standby_path, self.socket_path)  # the listening socket follows its file
         self._process, self._standby, self._is_standby_ready = standby, None, False
+        self._close_standby_channel()
         self.num_takeovers += 1
         return True
 
