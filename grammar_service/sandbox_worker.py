@@ -28,6 +28,7 @@ from grammar_service.tokenizer import load_tokenizer
 from structgen.json_limits import JsonDepthError, loads_limited
 
 _PR_SET_PDEATHSIG = 1
+WORKER_NICENESS = 5
 
 
 def _die_with_parent(service_pid: int) -> None:
@@ -119,6 +120,9 @@ def worker_main(conn, service_pid: int, tokenizer_dir: str, vocab_size: int, bac
                 max_compile_memory_mb: int) -> None:
     _die_with_parent(service_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches grammar_service, which stops us
+    # a slow compile here yields the CPUs to the serving path (the engine, the step loops);
+    # the threads a backend starts inherit this
+    os.nice(WORKER_NICENESS)
     tokenizer, _ = load_tokenizer(tokenizer_dir, vocab_size)
     backends = _Backends(tokenizer, backend_kwargs)
     for name in available_backends():  # before "ready": a first use would count against a compile's timeout
