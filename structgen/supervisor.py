@@ -230,4 +230,8 @@ class GrammarSupervisor:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+            try:  # its session's stragglers (a forkserver still importing, compile workers)
+                os.killpg(process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         shutil.rmtree(self._folder, ignore_errors=True)

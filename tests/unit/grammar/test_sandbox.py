@@ -50,6 +50,7 @@ def test_a_grammar_that_crashes_its_backend_fails_alone(isolated):
 
 
 def test_a_runaway_compile_is_killed_at_the_timeout_and_frees_its_worker(isolated):
+    assert isolated.wait_compile_ready(120)  # the worker replaced after the crash is back
     huge = GrammarSpec("choice", choices=tuple(f"option {i}" for i in range(50_000)))
     err = _error(isolated.compile(huge))
     assert err.status == "INVALID_ARGUMENT" and "3 s compile timeout" in err.message
