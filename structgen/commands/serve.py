@@ -72,6 +72,8 @@ def run(args: argparse.Namespace, _rest) -> int:
         signal.signal(signum, lambda *_: stop_requested.set())
     try:
         with ServeStack(config, resolved[EngineConfig]) as stack:
+            if stack.http_url:
+                print(f"structgen serve: OpenAI-compatible HTTP API on {stack.http_url}", flush=True)
             print(f"structgen serve: listening on {config.host}:{stack.port} "
                   f"(model {stack.model_name}, grammar_service at {stack.grammar_address})", flush=True)
             stop_requested.wait()
@@ -94,12 +96,13 @@ def exit_now(code: int) -> None:
 
 
 class ServeStack:
-    """grammar_service child (optional) -> engine -> gRPC server, torn down in reverse order."""
+    """grammar_service child (optional) -> engine -> gRPC server (and the HTTP API when
+    --http-port is set), torn down in reverse order."""
 
     def __init__(self, config, engine_config):
         self.config = config
         self._engine_config = engine_config
-        self._supervisor = self._engine = self._server = None
+        self._supervisor = self._engine = self._server = self._http = None
         self.grammar_address = config.grammar_address
 
     def __enter__(self) -> "ServeStack":
@@ -120,6 +123,9 @@ class ServeStack:
                     ("--tokenizer-dir", self._engine.tokenizer.path,
                      "--vocab-size", str(self._engine.model_config.vocab_size)))
             self._server = start_server(self._engine, self.config)
+            if self.config.http_port:
+                from generation_service.openai_http.front import start_http_front
+                self._http = start_http_front(self._engine, self.config)
             if self.config.metrics_port:
                 import prometheus_client
                 prometheus_client.start_http_server(self.config.metrics_port, addr=self.config.host)
@@ -133,14 +139,22 @@ class ServeStack:
         return self._server.port
 
     @property
+    def http_url(self) -> str | None:
+        return None if self._http is None else self._http.url
+
+    @property
     def model_name(self) -> str:
         return self._engine.model_name
 
     def __exit__(self, *exc) -> None:
         # One grace period for the whole drain: the engine gets what the server left over.
         deadline_s = time.monotonic() + self.config.grace_s
+        if self._http is not None:  # both fronts drain at once
+            self._http.begin_stop()
         if self._server is not None:
             self._server.stop(self.config.grace_s)
+        if self._http is not None:
+            self._http.stop(max(0.0, deadline_s - time.monotonic()))
         if self._engine is not None:
             self._engine.stop(max(0.0, deadline_s - time.monotonic()))
         if self._supervisor is not None:
