@@ -78,6 +78,9 @@ class ApiError(Exception):
         log.error("internal error %s", error_id, exc_info=error)
         return cls(500, f"internal error {error_id}; see the server log", "server_error", None, "internal")
 
+    def __str__(self) -> str:
+        return self.message
+
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 

@@ -52,8 +52,7 @@ def tools_grammar(request: ChatCompletionRequest) -> str | None:
     if len(set(names)) != len(names):
         raise InvalidRequestError(f"tools: function names must be unique, got {names}")
     single = not request.parallel_tool_calls
-    options = request.structgen
-    max_whitespace = 0 if options.compact else options.max_whitespace
+    max_whitespace = _max_whitespace(request)
     if choice is None or choice == "auto":
         format_ = {"type": "triggered_tags", "triggers": [BEGIN], "tags": [_tag(t, max_whitespace) for t in tools],
                    "at_least_one": False, "stop_after_first": single}
@@ -72,14 +71,25 @@ def tools_grammar(request: ChatCompletionRequest) -> str | None:
     return json.dumps({"type": "structural_tag", "format": format_})
 
 
+def _max_whitespace(request: ChatCompletionRequest) -> int | None:
+    """The cap on whitespace runs in arguments. A structural tag's JSON content takes a cap of
+    at least 1 and has no compact mode, so those two are refused rather than weakened."""
+    options = request.structgen
+    if options.compact:
+        raise InvalidRequestError("structgen.compact does not apply to tool-call arguments; "
+                                  "use structgen.max_whitespace (>= 1)")
+    if options.max_whitespace == 0:
+        raise InvalidRequestError("structgen.max_whitespace must be >= 1 with tools")
+    return options.max_whitespace
+
+
 def forces_calls(request: ChatCompletionRequest) -> bool:
     """tool_choice "required" or a named function: the output is calls only."""
     return request.tool_choice not in (None, "none", "auto")
 
 
 def _tag(tool: Tool, max_whitespace: int | None) -> dict:
-    """One tool's call; `max_whitespace` caps whitespace runs in its arguments (structgen's
-    compact / max_whitespace options, which the structural tag takes per JSON content)."""
+    """One tool's call; `max_whitespace` caps whitespace runs in its arguments."""
     schema = tool.function.parameters if tool.function.parameters is not None else _ANY_OBJECT
     content = {"type": "json_schema", "json_schema": schema}
     if max_whitespace is not None:
