@@ -25,6 +25,7 @@ from structgen.schema_validation import ValidationResult, validate_output
 @dataclass
 class Piece:
     text: str = ""
+    token_ids: tuple[int, ...] = ()  # only when the request asked for them (return_token_ids)
     tool_calls: list[ToolCall] = field(default_factory=list)
     logprobs: tuple[TokenLogprob, ...] = ()
     guarantee: GuaranteeReport | None = None
@@ -32,16 +33,19 @@ class Piece:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.text or self.tool_calls or self.logprobs or self.guarantee or self.is_final)
+        return not (self.text or self.token_ids or self.tool_calls or self.logprobs or self.guarantee
+                    or self.is_final)
 
 
 class ChoiceOutput:
     def __init__(self, index: int, spec: GenerationRequest, parser: ToolCallParser | None = None,
-                 tool_schemas: dict[str, dict] | None = None) -> None:
+                 tool_schemas: dict[str, dict] | None = None, return_token_ids: bool = False) -> None:
         self.index = index
         self.spec = spec
         self._parser = parser
         self._tool_schemas = tool_schemas or {}
+        self._returns_token_ids = return_token_ids
+        self.token_ids: list[int] = []
         self.texts: list[str] = []
         self.tool_calls: list[ToolCall] = []
         self.logprobs: list[TokenLogprob] = []
@@ -66,6 +70,9 @@ class ChoiceOutput:
             if event.is_final:
                 text += self._parser.finish()
         piece.text = text
+        if self._returns_token_ids:
+            piece.token_ids = event.token_ids
+        self.token_ids += event.token_ids
         self.texts.append(text)
         self.tool_calls += piece.tool_calls
         self.logprobs += event.logprobs
@@ -92,12 +99,16 @@ class ChoiceOutput:
 
     def extension(self, piece: Piece | None = None) -> dict | None:
         """The `structgen` field of a choice: the guarantee report with the first piece that has
-        it, validation and engine finish reason with the final one (all of them without `piece`)."""
+        it, validation and engine finish reason with the final one, each piece's token ids when
+        asked for (all of them without `piece`)."""
         guarantee = self.guarantee if piece is None else piece.guarantee
         is_final = piece is None or piece.is_final
-        if guarantee is None and not (is_final and self.spec.is_constrained):
+        token_ids = (self.token_ids if piece is None else piece.token_ids) if self._returns_token_ids else ()
+        if guarantee is None and not token_ids and not (is_final and self.spec.is_constrained):
             return None
         extension = {}
+        if token_ids:
+            extension["token_ids"] = list(token_ids)
         if guarantee is not None:
             extension["guarantee"] = _message_dict(proto_convert.guarantee_to_proto(guarantee))
         if is_final and self.engine_reason is not None:

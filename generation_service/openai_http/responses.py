@@ -81,6 +81,7 @@ class ToolCallDelta(Model):
 class Extension(Model):
     """What structgen adds to a choice (the gRPC API's GuaranteeReport / ValidationResult)."""
 
+    token_ids: list[int] | None = None
     guarantee: dict[str, Any] | None = None
     validation: dict[str, Any] | None = None
     tool_call_validations: list[dict[str, Any]] | None = None

@@ -126,7 +126,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     uses_tools = specs[0].grammar is not None and specs[0].grammar.kind == "structural_tag"
     schemas = {tool.function.name: tool.function.parameters for tool in body.tools or []}
     outputs = [ChoiceOutput(i, spec, ToolCallParser(only_calls=tools.forces_calls(body)) if uses_tools else None,
-                            schemas) for i, spec in enumerate(specs)]
+                            schemas, body.structgen.return_token_ids) for i, spec in enumerate(specs)]
     exchange = Exchange(request, ChoiceStreams(state.engine, specs), outputs, _meta(state, response_id, body),
                         ChatFormat(body.includes_usage), body.includes_usage)
     return await exchange.respond(body.stream)
@@ -137,7 +137,8 @@ async def completions(body: CompletionRequest, request: Request):
     _accepting(state, body)
     response_id = convert.new_id("cmpl")
     specs = convert.completion_requests(body, response_id, state.engine, state.config)
-    outputs = [ChoiceOutput(i, spec) for i, spec in enumerate(specs)]
+    outputs = [ChoiceOutput(i, spec, return_token_ids=body.structgen.return_token_ids)
+               for i, spec in enumerate(specs)]
     exchange = Exchange(request, ChoiceStreams(state.engine, specs), outputs, _meta(state, response_id, body),
                         CompletionFormat(body.includes_usage, {}), body.includes_usage)
     return await exchange.respond(body.stream)

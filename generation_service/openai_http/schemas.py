@@ -98,6 +98,7 @@ class StructgenOptions(Body):
     ignore_eos: bool = False
     num_draft_tokens: int = Field(default=0, ge=0)
     draft_proposer: Literal["ngram", "grammar"] = "ngram"
+    return_token_ids: bool = False       # each choice's token ids in its structgen extension
 
 
 class SamplingBody(Body):
