@@ -332,3 +332,14 @@ def test_client_disconnect_cancels_the_requests(live_server, model, client, wait
     wait_idle()
     generated = client.engine_stats().num_tokens_generated - before
     assert generated < 4 * 64, "the requests ran to the end after the client had gone"
+
+
+def test_return_token_ids_gives_the_engine_tokens(api, model, client):
+    ids = client.tokenize("Hello")
+    chunks = list(api.completions.create(model=model, prompt=ids, max_tokens=6, stream=True,
+                                         extra_body={"structgen": {"return_token_ids": True}}))
+    streamed = [t for c in chunks for t in (c.choices[0].model_extra.get("structgen") or {}).get("token_ids", [])]
+    whole = api.completions.create(model=model, prompt=ids, max_tokens=6,
+                                   extra_body={"structgen": {"return_token_ids": True}})
+    grpc_ids = [t for chunk in client.generate(token_ids=ids, max_tokens=6) for t in chunk.token_ids]
+    assert streamed == whole.choices[0].model_extra["structgen"]["token_ids"] == grpc_ids
