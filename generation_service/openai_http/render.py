@@ -1,4 +1,5 @@
-"""ChoiceOutputs and Pieces -> OpenAI response bodies and stream chunks (responses.py)."""
+"""ChoiceOutputs and Pieces -> OpenAI response bodies and stream chunks (responses.py), and the
+two Formats (exchange.Format) that chat and text completions stream with."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -135,3 +136,42 @@ def completion_chunk(meta: ResponseMeta, choices: list[r.CompletionChoice], with
     extra = {"usage": usage_} if with_usage else {}
     return r.Completion(id=meta.id, created=meta.created, model=meta.model, choices=choices,
                         system_fingerprint=None, **extra)
+
+
+# ---- the formats an Exchange streams with --------------------------------------------------
+@dataclass(frozen=True)
+class ChatFormat:
+    include_usage: bool
+
+    def whole(self, meta, outputs):
+        return chat_completion(meta, outputs)
+
+    def opening(self, meta, outputs):
+        return [chat_chunk(meta, [chat_role_choice(o.index)], self.include_usage) for o in outputs]
+
+    def chunk(self, meta, output: ChoiceOutput, piece: Piece):
+        choice = chat_choice_delta(meta, output, piece)
+        return None if choice is None else chat_chunk(meta, [choice], self.include_usage)
+
+    def usage_chunk(self, meta, outputs):
+        return chat_chunk(meta, [], True, usage(meta, outputs))
+
+
+@dataclass
+class CompletionFormat:
+    include_usage: bool
+    offsets: dict[int, int]  # characters streamed per choice (logprobs' text_offset)
+
+    def whole(self, meta, outputs):
+        return completion(meta, outputs)
+
+    def opening(self, meta, outputs):
+        return []
+
+    def chunk(self, meta, output: ChoiceOutput, piece: Piece):
+        choice = completion_choice_delta(meta, output, piece, self.offsets.get(output.index, 0))
+        self.offsets[output.index] = self.offsets.get(output.index, 0) + len(piece.text)
+        return None if choice is None else completion_chunk(meta, [choice], self.include_usage)
+
+    def usage_chunk(self, meta, outputs):
+        return completion_chunk(meta, [], True, usage(meta, outputs))

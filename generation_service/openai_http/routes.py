@@ -1,8 +1,8 @@
 """The FastAPI app: routes, bearer-token auth, and one handler per endpoint.
 
 Each handler checks the body, converts it to domain requests (convert.py) and hands them to
-an Exchange with the chat or text-completion Format. The engine and ServeConfig come from
-`create_app`; nothing here is transport-independent logic.
+an Exchange with the chat or text-completion Format (render.py). The engine and ServeConfig
+come from `create_app`'s FrontState.
 """
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from generation_service.config import ServeConfig
-from generation_service.openai_http import convert, errors, render, tools
+from generation_service.openai_http import convert, errors, tools
 from generation_service.openai_http import responses as r
 from generation_service.openai_http.choices import ChoiceStreams
 from generation_service.openai_http.errors import ApiError
 from generation_service.openai_http.exchange import Exchange
-from generation_service.openai_http.outputs import ChoiceOutput, Piece
-from generation_service.openai_http.render import ResponseMeta
+from generation_service.openai_http.outputs import ChoiceOutput
+from generation_service.openai_http.render import ChatFormat, CompletionFormat, ResponseMeta
 from generation_service.openai_http.schemas import ChatCompletionRequest, CompletionRequest, SamplingBody
 from generation_service.openai_http.token_text import TokenTexts
 from generation_service.openai_http.tools import ToolCallParser
@@ -39,44 +39,6 @@ class FrontState:
         if self.token_texts is None:
             self.token_texts = TokenTexts(self.engine.tokenizer)
         return self.token_texts
-
-
-@dataclass(frozen=True)
-class ChatFormat:
-    include_usage: bool
-
-    def whole(self, meta, outputs):
-        return render.chat_completion(meta, outputs)
-
-    def opening(self, meta, outputs):
-        return [render.chat_chunk(meta, [render.chat_role_choice(o.index)], self.include_usage) for o in outputs]
-
-    def chunk(self, meta, output: ChoiceOutput, piece: Piece):
-        choice = render.chat_choice_delta(meta, output, piece)
-        return None if choice is None else render.chat_chunk(meta, [choice], self.include_usage)
-
-    def usage_chunk(self, meta, outputs):
-        return render.chat_chunk(meta, [], True, render.usage(meta, outputs))
-
-
-@dataclass
-class CompletionFormat:
-    include_usage: bool
-    offsets: dict[int, int]  # characters streamed per choice (logprobs' text_offset)
-
-    def whole(self, meta, outputs):
-        return render.completion(meta, outputs)
-
-    def opening(self, meta, outputs):
-        return []
-
-    def chunk(self, meta, output: ChoiceOutput, piece: Piece):
-        choice = render.completion_choice_delta(meta, output, piece, self.offsets.get(output.index, 0))
-        self.offsets[output.index] = self.offsets.get(output.index, 0) + len(piece.text)
-        return None if choice is None else render.completion_chunk(meta, [choice], self.include_usage)
-
-    def usage_chunk(self, meta, outputs):
-        return render.completion_chunk(meta, [], True, render.usage(meta, outputs))
 
 
 def _state(request: Request) -> FrontState:
@@ -112,6 +74,9 @@ def _accepting(state: FrontState, body: SamplingBody) -> None:
 
 def _meta(state: FrontState, response_id: str, body: SamplingBody) -> ResponseMeta:
     wants_logprobs = body.num_logprobs > 0
+    if wants_logprobs and state.engine.tokenizer is None:
+        raise ApiError(400, "logprobs need the model's tokenizer (to spell the tokens); this model has none",
+                       param="logprobs")
     top = (body.top_logprobs or 0) if isinstance(body, ChatCompletionRequest) else (body.logprobs or 0)
     return ResponseMeta(id=response_id, created=int(time.time()), model=state.engine.model_name, n=body.n,
                         num_top_logprobs=top if wants_logprobs else None,
