@@ -3,7 +3,7 @@ client processes, each result next to the same run's roofline (issue 16).
 
     python benchmarks/serve.py --out benchmarks/results/serve-h200.json            # every workload
     python benchmarks/serve.py --plan quick --out /tmp/serve.json                   # a short subset
-    python benchmarks/serve.py --device cpu --shapes default --plan smoke ...       # CPU: the harness only
+    python benchmarks/serve.py --device cpu --shapes tiny-random --plan smoke ...       # CPU: the harness only
     python benchmarks/serve.py --plan http --shapes llama-3.1-8b --out ...          # HTTP vs gRPC, same server
 
 Per model shape (random weights of a preset shape, the real 131k Tekken tokenizer beside them):
@@ -260,9 +260,9 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
     short keeps what it measured)."""
     from generation_service.model.loader import read_config
     p = plan(shape, args.plan, args.duration, args.warmup)
-    if shape == "default":  # CPU harness check: the built-in model, its own tokenizer
-        from generation_service.model.default_model import ensure_default_model
-        folder = pathlib.Path(ensure_default_model())
+    if shape == "tiny-random":  # CPU harness check: the built-in random-weight model, its own tokenizer
+        from generation_service.model.tiny_random_model import ensure_tiny_random_model
+        folder = ensure_tiny_random_model()
         model = str(folder)
     else:
         folder = model_folder(shape, tokenizer_dir, tmp / shape)
@@ -374,7 +374,7 @@ def line(s: dict) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["llama-3.1-8b", "llama-3.2-1b"],
-                        help="preset shapes (random weights), or 'default' (the built-in model, CPU smoke)")
+                        help="preset shapes (random weights), or 'tiny-random' (the built-in random-weight model, CPU smoke)")
     parser.add_argument("--plan", choices=PLANS, default="full")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--duration", type=float, default=8.0, help="measured seconds per workload")
@@ -386,7 +386,9 @@ def main() -> int:
     args = parser.parse_args()
     from tests.real_tokenizers import tokenizer_dir
     tok = pathlib.Path(os.environ.get("STRUCTGEN_TEKKEN_DIR") or tokenizer_dir("tekken_131k"))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    # NOTE: the device tool's copy of the tree may carry a stale .git: pass the commit there
+    commit = os.environ.get("STRUCTGEN_CODE_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     result = {"benchmark": "serve", "command": " ".join([pathlib.Path(sys.argv[0]).name] + sys.argv[1:]),
               "code_commit": commit, "python": platform.python_version(), "client_procs": args.client_procs,
               "plan": args.plan, "duration_s": args.duration, "warmup_s": args.warmup, "shapes": []}

@@ -27,8 +27,10 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def check_model(body: SamplingBody, model_name: str) -> None:
-    if body.model != model_name:
+def check_model(body: SamplingBody, model_name: str, served_as: str = "") -> None:
+    """`model` is the served model's name (/v1/models) or the --model value it was served
+    with (`default`, a path)."""
+    if body.model not in (model_name, served_as):
         raise ApiError(404, f"The model {body.model!r} does not exist; this server serves {model_name!r}",
                        "invalid_request_error", "model", "model_not_found")
 

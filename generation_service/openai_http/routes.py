@@ -68,7 +68,7 @@ class BearerTokenAuth:
 def _accepting(state: FrontState, body: SamplingBody) -> None:
     if state.is_draining:
         raise ApiError(503, "the server is shutting down", "service_unavailable", None, "unavailable")
-    convert.check_model(body, state.engine.model_name)
+    convert.check_model(body, state.engine.model_name, state.engine.config.model)
     convert.refuse_unsupported(body)
 
 
@@ -121,7 +121,7 @@ async def list_models(request: Request):
 
 async def get_model(model: str, request: Request):
     state = _state(request)
-    if model != state.engine.model_name:
+    if model not in (state.engine.model_name, state.engine.config.model):
         raise ApiError(404, f"The model {model!r} does not exist", "invalid_request_error", "model", "model_not_found")
     return JSONResponse(_model_card(state).dump())
 

@@ -48,11 +48,15 @@ def resolve(args: argparse.Namespace, environ):
 def run(args: argparse.Namespace, _rest) -> int:
     from generation_service.config import ServeConfig
     from generation_service.engine.config import EngineConfig
+    from generation_service.model.config import ModelLoadError
     from structgen import telemetry
+    from structgen.serve_preflight import PreflightError, check_before_loading
     from structgen.settings import ProcessConfig, SettingsError, print_config
     try:
         resolved = resolve(args, os.environ)
-    except SettingsError as exc:
+        if not args.print_config:  # before anything heavy: a busy port, a missing model, no GPU
+            check_before_loading(resolved[ServeConfig], resolved[EngineConfig])
+    except (SettingsError, PreflightError) as exc:
         print(f"structgen serve: {exc}", file=sys.stderr)
         return 2
     if args.print_config:
@@ -78,6 +82,9 @@ def run(args: argparse.Namespace, _rest) -> int:
                   f"(model {stack.model_name}, grammar_service at {stack.grammar_address})", flush=True)
             stop_requested.wait()
             log.info("stopping: draining for up to %.1f s", config.grace_s)
+    except ModelLoadError as exc:
+        print(f"structgen serve: {exc}", file=sys.stderr)
+        return 1
     finally:
         telemetry.shutdown()  # flush the last spans (the drained streams')
     exit_now(0)

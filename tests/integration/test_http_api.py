@@ -19,14 +19,16 @@ import pytest
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[a-z]{1,8}$"},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},
           "required": ["name", "age"], "additionalProperties": False}
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+# Short names and enums: a forced call costs the model more tokens than its characters, and
+# the session server's max_new_tokens_limit is 64.
+WEATHER = {"type": "function", "function": {"name": "weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {
-                                                "city": {"type": "string", "maxLength": 8},
-                                                "unit": {"enum": ["c", "f"]}},
-                                                "required": ["city", "unit"], "additionalProperties": False}}}
-CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"zone": {"enum": ["utc", "cet", "pst"]}}, "required": ["zone"]}}}
+                                                "city": {"enum": ["rome", "oslo"]}},
+                                                "required": ["city"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "clock", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"]}}}
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+FULL = {"structgen": {"ignore_eos": True}}  # every max_tokens token: the finish reason is "length"
 TIGHT = {"structgen": {"max_whitespace": 1}}  # random weights: whitespace runs would fill max_tokens
 
 
@@ -59,8 +61,8 @@ def test_models_and_health(api, live_server, client):
 
 
 def test_chat_is_the_same_engine_as_grpc(api, model, client):
-    completion = api.chat.completions.create(model=model, messages=CHAT, max_tokens=12)
-    grpc_text = client.generate_text(messages=CHAT, max_tokens=12).text
+    completion = api.chat.completions.create(model=model, messages=CHAT, max_tokens=12, extra_body=FULL)
+    grpc_text = client.generate_text(messages=CHAT, max_tokens=12, ignore_eos=True).text
     choice = completion.choices[0]
     assert choice.message.content == grpc_text and choice.message.role == "assistant"
     assert choice.finish_reason == "length" and completion.object == "chat.completion"
@@ -70,9 +72,9 @@ def test_chat_is_the_same_engine_as_grpc(api, model, client):
 
 
 def test_stream_with_usage_adds_up_to_the_whole_answer(api, model):
-    whole = api.chat.completions.create(model=model, messages=CHAT, max_tokens=10)
+    whole = api.chat.completions.create(model=model, messages=CHAT, max_tokens=10, extra_body=FULL)
     chunks = list(api.chat.completions.create(model=model, messages=CHAT, max_tokens=10, stream=True,
-                                              stream_options={"include_usage": True}))
+                                              stream_options={"include_usage": True}, extra_body=FULL))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert all(c.usage is None for c in chunks[:-1]) and chunks[-1].choices == []
     assert chunks[-1].usage.model_dump() == whole.usage.model_dump()
@@ -82,7 +84,8 @@ def test_stream_with_usage_adds_up_to_the_whole_answer(api, model):
 
 
 def test_stream_without_usage_has_no_usage_chunk(api, model):
-    chunks = list(api.chat.completions.create(model=model, messages=CHAT, max_tokens=4, stream=True))
+    chunks = list(api.chat.completions.create(model=model, messages=CHAT, max_tokens=4, stream=True,
+                                              extra_body=FULL))
     assert all(c.choices and c.usage is None for c in chunks)
     assert chunks[-1].choices[0].finish_reason == "length"
 
@@ -93,8 +96,9 @@ def test_async_client_serves_concurrent_requests(live_server, model):
                                       max_retries=0, timeout=120) as aapi:
             answers = await asyncio.gather(*[aapi.chat.completions.create(
                 model=model, messages=[{"role": "user", "content": f"Count to {i}"}], max_tokens=6,
-                temperature=1.0, seed=i) for i in range(6)])
-            stream = await aapi.chat.completions.create(model=model, messages=CHAT, max_tokens=5, stream=True)
+                temperature=1.0, seed=i, extra_body=FULL) for i in range(6)])
+            stream = await aapi.chat.completions.create(model=model, messages=CHAT, max_tokens=5, stream=True,
+                                                        extra_body=FULL)
             streamed = [chunk async for chunk in stream]
         return answers, streamed
 
@@ -173,7 +177,7 @@ def _arguments_valid(call, tools) -> dict:
     return arguments
 
 
-@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}],
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "clock"}}],
                          ids=["required", "named"])
 def test_forced_tool_calls_are_valid_calls(api, model, tool_choice):
     tools = [WEATHER, CLOCK]
@@ -184,7 +188,7 @@ def test_forced_tool_calls_are_valid_calls(api, model, tool_choice):
     [call] = choice.message.tool_calls
     assert call.type == "function" and call.id.startswith("call_")
     if isinstance(tool_choice, dict):
-        assert call.function.name == "get_time"
+        assert call.function.name == "clock"
     _arguments_valid(call, tools)
     assert [v["status"] for v in choice.model_extra["structgen"]["tool_call_validations"]] == ["valid"]
 
@@ -196,7 +200,7 @@ def test_streamed_tool_call_matches_the_whole_answer(api, model):
     deltas = [d for chunk in api.chat.completions.create(**ask, stream=True)
               for d in (chunk.choices[0].delta.tool_calls or [])]
     assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == [
-        (0, "get_weather", whole.function.arguments)]
+        (0, "weather", whole.function.arguments)]
 
 
 def test_auto_tool_choice_answers_with_text_or_valid_calls(api, model):
@@ -211,9 +215,9 @@ def test_auto_tool_choice_answers_with_text_or_valid_calls(api, model):
 
 def test_text_completions_batch_prompts_with_logprobs(api, model, client):
     completion = api.completions.create(model=model, prompt=["Once upon", "The answer is"], n=2, max_tokens=5,
-                                        logprobs=2)
+                                        logprobs=2, extra_body=FULL)
     assert [c.index for c in completion.choices] == [0, 1, 2, 3]
-    assert completion.choices[2].text == client.generate_text("The answer is", max_tokens=5).text
+    assert completion.choices[2].text == client.generate_text("The answer is", max_tokens=5, ignore_eos=True).text
     logprobs = completion.choices[0].logprobs
     assert len(logprobs.tokens) == 5 and all(len(top) == 2 for top in logprobs.top_logprobs)
     assert all(lp <= 0 for lp in logprobs.token_logprobs)
@@ -224,13 +228,15 @@ def test_text_completions_batch_prompts_with_logprobs(api, model, client):
 def test_text_completion_stream_and_token_prompt(api, model, client):
     ids = client.tokenize("Hello")
     chunks = list(api.completions.create(model=model, prompt=ids, max_tokens=6, stream=True,
-                                         stream_options={"include_usage": True}))
-    assert "".join(c.choices[0].text for c in chunks if c.choices) == client.generate_text(token_ids=ids, max_tokens=6).text
+                                         stream_options={"include_usage": True}, extra_body=FULL))
+    grpc_text = client.generate_text(token_ids=ids, max_tokens=6, ignore_eos=True).text
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == grpc_text
     assert chunks[-1].usage.completion_tokens == 6
 
 
 def test_chat_logprobs(api, model):
-    completion = api.chat.completions.create(model=model, messages=CHAT, max_tokens=4, logprobs=True, top_logprobs=3)
+    completion = api.chat.completions.create(model=model, messages=CHAT, max_tokens=4, logprobs=True, top_logprobs=3,
+                                             extra_body=FULL)
     content = completion.choices[0].logprobs.content
     assert len(content) == 4 and all(len(t.top_logprobs) == 3 for t in content)
     assert "".join(t.token for t in content) == completion.choices[0].message.content
@@ -238,9 +244,10 @@ def test_chat_logprobs(api, model):
 
 
 def test_stop_string_is_not_returned(api, model):
-    free = api.chat.completions.create(model=model, messages=CHAT, max_tokens=12).choices[0].message.content
+    ask = dict(model=model, messages=CHAT, max_tokens=12, extra_body=FULL)
+    free = api.chat.completions.create(**ask).choices[0].message.content
     stop = free[len(free) // 2:len(free) // 2 + 3]
-    stopped = api.chat.completions.create(model=model, messages=CHAT, max_tokens=12, stop=[stop]).choices[0]
+    stopped = api.chat.completions.create(**ask, stop=[stop]).choices[0]
     assert stopped.finish_reason == "stop" and stopped.message.content == free[:free.index(stop)]
 
 
