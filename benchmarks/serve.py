@@ -4,6 +4,7 @@ client processes, each result next to the same run's roofline (issue 16).
     python benchmarks/serve.py --out benchmarks/results/serve-h200.json            # every workload
     python benchmarks/serve.py --plan quick --out /tmp/serve.json                   # a short subset
     python benchmarks/serve.py --device cpu --shapes tiny-random --plan smoke ...       # CPU: the harness only
+    python benchmarks/serve.py --plan http --shapes llama-3.1-8b --out ...          # HTTP vs gRPC, same server
 
 Per model shape (random weights of a preset shape, the real 131k Tekken tokenizer beside them):
 1. roofline (its own process, `_roofline.py`): bf16 matmul rate, copy bandwidth, and the free
@@ -15,6 +16,9 @@ Per model shape (random weights of a preset shape, the real 131k Tekken tokenize
      (a JSON Schema with bounded fields, compact, capped at max_tokens) and free-matched (free
      requests capped at the constrained run's output lengths, cycled: the same length mix);
    - open loop: Poisson arrivals at fractions of the closed-loop rate at the largest concurrency.
+   Plan `http`: the 512/128 closed loop at concurrency 64, free and constrained, over gRPC
+   and then over the OpenAI-compatible HTTP API (`--http-port`, /v1/completions streamed with
+   the same token ids) of the same server; `http_over_grpc` is the ratio of output tok/s.
    Per workload: output tok/s over the measured window, TTFT p50/p99, inter-token (gap between
    streamed messages) p50/p99, tokens per message, errors by code, finish reasons, validation
    statuses, and the engine's step counters over the window (GetEngineStats).
@@ -32,6 +36,7 @@ import platform
 import re
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -53,7 +58,7 @@ SCHEMA = {"type": "object", "properties": {
     "scores": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 100}, "maxItems": 6},
     "active": {"type": "boolean"}},
     "required": ["id", "name", "status", "tags", "scores", "active"], "additionalProperties": False}
-PLANS = ("full", "quick", "load", "smoke")
+PLANS = ("full", "quick", "load", "smoke", "http", "http-smoke")
 
 
 def log(message: str) -> None:
@@ -83,7 +88,7 @@ def model_folder(shape: str, tokenizer_dir: pathlib.Path, folder: pathlib.Path) 
 class Server:
     """`structgen serve` in its own process; its log in a file."""
 
-    def __init__(self, model: str, args, log_path: pathlib.Path, max_batch: int) -> None:
+    def __init__(self, model: str, args, log_path: pathlib.Path, max_batch: int, http: bool = False) -> None:
         self.log_path = log_path
         command = [sys.executable, "-c", "import sys; from structgen.cli import main; sys.exit(main())",
                    "serve", "--model", model, "--device", args.device,
@@ -92,11 +97,19 @@ class Server:
                    "--num-workers", str(max_batch + 64), *args.server_args]
         if args.device == "cpu":
             command += ["--dtype", "float32"]
+        if http:  # the OpenAI-compatible API beside gRPC, same process and engine
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                command += ["--http-port", str(sock.getsockname()[1])]
         self.command = command
         started = time.monotonic()
         self.process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=open(log_path, "w"),
                                         text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.http_url = None
         line = self.process.stdout.readline()  # "structgen serve: listening on HOST:PORT ..."
+        if http and (found := re.search(r"HTTP API on (\S+)", line)):
+            self.http_url = found.group(1)
+            line = self.process.stdout.readline()
         match = re.search(r"listening on ([^ ]+):(\d+)", line)
         if not match:
             self.process.kill()
@@ -225,6 +238,9 @@ def decode_step_ms(roofline: dict, batch: int, context: float) -> float | None:
 # ---- the plan -----------------------------------------------------------------------------------
 def plan(shape: str, name: str, duration: float, warmup: float) -> dict:
     """idle TTFT prompt lengths, closed-loop (prompt, new tokens, concurrencies), Poisson fractions."""
+    if name in ("http", "http-smoke"):  # the same server over gRPC and over HTTP, one after the other
+        closed = [(48, 16, [4])] if name == "http-smoke" else [(512, 128, [64])]
+        return {"idle": [], "closed": [], "http": closed, "poisson": [], "poisson_at": None}
     if name == "smoke":
         return {"idle": [64], "closed": [(48, 16, [1, 4])], "poisson": [0.5], "poisson_at": (48, 16, 4)}
     if name == "load":  # the loaded closed loop alone
@@ -252,11 +268,11 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
         folder = model_folder(shape, tokenizer_dir, tmp / shape)
         model = f"random:{folder / 'config.json'}"
     config = read_config(folder / "config.json")
-    concurrencies = sorted({c for _, _, cs in p["closed"] for c in cs} | {1})
+    concurrencies = sorted({c for _, _, cs in p["closed"] + p.get("http", []) for c in cs} | {1})
     max_batch = max(concurrencies + [args.min_max_batch])
     roofline = None
     if args.device == "cuda":
-        points = sorted({f"{c}:{int(pl + n / 2)}" for pl, n, cs in p["closed"] for c in cs}
+        points = sorted({f"{c}:{int(pl + n / 2)}" for pl, n, cs in p["closed"] + p.get("http", []) for c in cs}
                         | {f"1:{pl}" for pl in p["idle"]})  # idle TTFT: one decode step after the prompt
         out = tmp / f"roofline-{shape}.json"
         log(f"{shape}: roofline (decode graph at batch:context {points})")
@@ -264,11 +280,11 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
                         str(folder / "config.json"), "--points", *points, "--out", str(out)], check=True, cwd=ROOT)
         roofline = json.loads(out.read_text())
     log(f"{shape}: starting the server")
-    server = Server(model, args, tmp / f"server-{shape}.log", max_batch)
+    server = Server(model, args, tmp / f"server-{shape}.log", max_batch, http=bool(p.get("http")))
     log(f"{shape}: listening at {server.address} after {server.startup_s:.1f} s")
     result = {"shape": shape, "model": model, "server_command": server.command, "server_startup_s": server.startup_s,
               "model_info": server.model_info(), "roofline": roofline, "workloads": []}
-    lengths = set(p["idle"]) | {pl for pl, _, _ in p["closed"]}
+    lengths = set(p["idle"]) | {pl for pl, _, _ in p["closed"] + p.get("http", [])}
     prompts = make_prompts(str(folder / "tokenizer.json"), lengths, 64, seed=1)
     schema = json.dumps(SCHEMA)
     try:
@@ -277,7 +293,8 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
         def run(workload: Workload, roof: float | None = None) -> dict:
             server.wait_idle()
             before = server.stats()
-            records = run_workload(server.address, workload, prompts[workload.prompt_len], args.client_procs)
+            address = server.http_url if workload.transport == "http" else server.address
+            records = run_workload(address, workload, prompts[workload.prompt_len], args.client_procs)
             summary = summarize(workload, records)
             lengths[workload.name] = output_lengths(records)
             summary["engine"] = step_delta(before, server.wait_idle(), workload.warmup_s + workload.duration_s
@@ -320,6 +337,18 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
                     if matched["output_tokens_per_s"] else None)
                 log(f"  constrained / free at matched lengths: {matched['constrained_over_matched_free']:.3f}"
                     f" (free at {new_tokens}: {free['output_tokens_per_s']:.1f} tok/s)")
+        for prompt_len, new_tokens, concurrencies_here in p.get("http", []):
+            for c in concurrencies_here:
+                tag = f"{prompt_len}/{new_tokens} c={c}"
+                roof = roofline_tok_s(roofline, config, c, prompt_len, new_tokens) if roofline else None
+                for kind, extra in (("free", {}), ("constrained", {"json_schema": schema, "ignore_eos": False})):
+                    over_grpc = run(Workload(f"{kind} {tag} grpc", prompt_len, new_tokens, concurrency=c,
+                                             **extra, **common), roof)
+                    over_http = run(Workload(f"{kind} {tag} http", prompt_len, new_tokens, concurrency=c,
+                                             transport="http", **extra, **common), roof)
+                    over_http["http_over_grpc"] = (over_http["output_tokens_per_s"] / over_grpc["output_tokens_per_s"]
+                                                   if over_grpc["output_tokens_per_s"] else None)
+                    log(f"  {kind} {tag}: HTTP / gRPC output tok/s {over_http['http_over_grpc']:.3f}")
         if p["poisson"] and p["poisson_at"]:
             prompt_len, new_tokens, c = p["poisson_at"]
             ref = next(w for w in result["workloads"] if w["name"] == f"free {prompt_len}/{new_tokens} c={c}")

@@ -82,6 +82,8 @@ SERVE_SETTINGS = SettingsTable("structgen serve", (
         Setting("health-port", "extra plaintext port serving only grpc.health.v1 (probes under TLS/auth; "
                 "0 = off)", chart=False),
         Setting("metrics-port", "Prometheus /metrics port (0 = off)", chart=False),
+        Setting("http-port", "OpenAI-compatible HTTP API port (/v1/chat/completions, /v1/completions, "
+                "/v1/models; same TLS and bearer token as the gRPC port; 0 = off)", chart=False),
         Setting("tls-cert", "PEM certificate: serve the API over TLS", none_word="off", chart=False),
         Setting("tls-key", "PEM private key of --tls-cert", none_word="off", chart=False),
         Setting("tls-client-ca", "PEM CA: require client certificates it signed", none_word="off", chart=False),

@@ -57,7 +57,7 @@ def check_before_loading(config, engine_config) -> None:
     """Raise PreflightError for the first setting of ServeConfig / EngineConfig that cannot work
     (the settings table has already checked each value's type and range)."""
     for flag, port in (("--port", config.port), ("--health-port", config.health_port),
-                       ("--metrics-port", config.metrics_port)):
+                       ("--metrics-port", config.metrics_port), ("--http-port", config.http_port)):
         check_port_free(config.host, port, flag)
     check_model(engine_config.model)
     check_device(engine_config.device)

@@ -79,6 +79,8 @@ def run(args: argparse.Namespace, _rest) -> int:
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     try:
         with ServeStack(config, resolved[EngineConfig], should_stop=lambda: stop.is_set) as stack:
+            if stack.http_url:
+                print(f"structgen serve: OpenAI-compatible HTTP API on {stack.http_url}", flush=True)
             print(f"structgen serve: listening on {config.host}:{stack.port} "
                   f"(model {stack.model_name}, grammar_service at {stack.grammar_address})", flush=True)
             stop.wait()
@@ -110,7 +112,8 @@ class StartupCancelled(Exception):
 
 
 class ServeStack:
-    """grammar_service child (optional) -> engine -> gRPC server, torn down in reverse order.
+    """grammar_service child (optional) -> engine -> gRPC server (and the HTTP API when
+    --http-port is set), torn down in reverse order.
 
     `should_stop` is polled between start-up steps (and while the grammar child starts): when
     it turns true, the steps done so far are undone and StartupCancelled is raised."""
@@ -119,7 +122,7 @@ class ServeStack:
         self.config = config
         self._engine_config = engine_config
         self._should_stop = should_stop
-        self._supervisor = self._engine = self._server = None
+        self._supervisor = self._engine = self._server = self._http = None
         self.grammar_address = config.grammar_address
 
     def _check_stop(self) -> None:
@@ -174,6 +177,9 @@ class ServeStack:
                     ("--tokenizer-dir", self._engine.tokenizer.path,
                      "--vocab-size", str(self._engine.model_config.vocab_size)))
             self._server = start_server(self._engine, self.config)
+            if self.config.http_port:
+                from generation_service.openai_http.front import start_http_front
+                self._http = start_http_front(self._engine, self.config)
             self._check_stop()
             if self.config.metrics_port:
                 import prometheus_client
@@ -188,14 +194,22 @@ class ServeStack:
         return self._server.port
 
     @property
+    def http_url(self) -> str | None:
+        return None if self._http is None else self._http.url
+
+    @property
     def model_name(self) -> str:
         return self._engine.model_name
 
     def __exit__(self, *exc) -> None:
         # One grace period for the whole drain: the engine gets what the server left over.
         deadline_s = time.monotonic() + self.config.grace_s
+        if self._http is not None:  # both fronts drain at once
+            self._http.begin_stop()
         if self._server is not None:
             self._server.stop(self.config.grace_s)
+        if self._http is not None:
+            self._http.stop(max(0.0, deadline_s - time.monotonic()))
         if self._engine is not None:
             self._engine.stop(max(0.0, deadline_s - time.monotonic()))
         if self._supervisor is not None:

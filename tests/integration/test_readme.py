@@ -1,7 +1,8 @@
 """Every `sh` and `python` block of README.md, run as printed against a real default server.
 
 The blocks are read from the README itself, so an example cannot drift from what works.
-The server is a `structgen serve` with nothing but `--port 0` (the defaults a user gets);
+The server is a `structgen serve` with nothing but `--port 0` (the defaults a user gets) and
+an `--http-port` for the OpenAI-compatible API's examples (`localhost:8000` there);
 the README's own `structgen serve --port 50051 &` line is the one command not run, since
 that server takes its place. `localhost:50051` in the examples becomes its address, and
 so does the clients' default server (through $STRUCTGEN_SERVER, which both clients read).
@@ -22,10 +23,11 @@ import sys
 import jsonschema
 import pytest
 
-from live_server import start_serve, stop_serve
+from live_server import free_port, start_serve, stop_serve
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 README_ADDRESS = "localhost:50051"
+README_HTTP_ADDRESS = "localhost:8000"  # the OpenAI-compatible API's examples
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
 
 
@@ -52,7 +54,7 @@ def shell_commands(block: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    started = start_serve([], tmp_path_factory.mktemp("readme") / "serve.log")
+    started = start_serve([f"--http-port={free_port()}"], tmp_path_factory.mktemp("readme") / "serve.log")
     yield started
     assert stop_serve(started) == 0
 
@@ -79,6 +81,10 @@ def schema_file_cleanup():
     yield
     if not existed:
         (ROOT / "s.json").unlink(missing_ok=True)
+
+
+def _http(server) -> str:
+    return server.http_url.removeprefix("http://")
 
 
 def json_messages(text: str) -> list[dict]:
@@ -127,7 +133,7 @@ def test_shell_block_runs_as_printed(index, server, env, schema_file_cleanup):
     for command in shell_commands(readme_blocks("sh")[index]):
         if command.startswith("structgen serve") and command.endswith("&"):
             continue  # the test's server takes its place
-        command = command.replace(README_ADDRESS, server.address)
+        command = command.replace(README_ADDRESS, server.address).replace(README_HTTP_ADDRESS, _http(server))
         if command.startswith("cd "):
             folder, _, command = command[3:].partition(" && ")
             cwd = (cwd / folder).resolve()
@@ -141,7 +147,8 @@ def test_shell_block_runs_as_printed(index, server, env, schema_file_cleanup):
 
 @pytest.mark.parametrize("index", range(len(readme_blocks("python"))))
 def test_python_block_runs_as_printed(index, server):
-    code = readme_blocks("python")[index].replace(README_ADDRESS, server.address)
+    code = readme_blocks("python")[index].replace(README_ADDRESS, server.address).replace(
+        README_HTTP_ADDRESS, _http(server))
     namespace: dict = {"__name__": "__main__"}
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
