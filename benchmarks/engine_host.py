@@ -44,7 +44,7 @@ from generation_service.engine.params import GenerationRequest, SamplingParams  
 from generation_service.engine.prefix_cache import PrefixCache  # noqa: E402
 from generation_service.engine.request import Request, RequestStatus  # noqa: E402
 from generation_service.engine.sampler import SampleResult  # noqa: E402
-from generation_service.engine.scheduler import ScheduledBatch, ScheduledRow, Scheduler, SlotPool  # noqa: E402
+from generation_service.engine.scheduler import ScheduledBatch, ScheduledRow, Scheduler, SlotPool, TokenBudget  # noqa: E402
 from generation_service.engine.stream import RequestStream  # noqa: E402
 from generation_service import proto_convert  # noqa: E402
 from generation_service.metrics import GenerationMetrics  # noqa: E402
@@ -79,6 +79,7 @@ def make_requests(table: RequestTable, prompt_ids: list[int], num: int, max_new:
         request = Request(spec, frozenset(), sample_seed=i)
         request.status, request.slot = RequestStatus.RUNNING, table.slots.allocate()
         request.num_cached = request.num_tokens - 1
+        request.pages = table.scheduler.cache.allocate(-(-(request.num_tokens + max_new) // 16))
         table.scheduler.running.append(request)
         table.attach_stream(request, RequestStream(request.request_id, table.cancel))
         requests.append(request)

@@ -120,7 +120,8 @@ def to_chunk(response: pb.GenerateResponse) -> Chunk:
 def to_model_info(r: pb.GetModelInfoResponse) -> ModelInfo:
     return ModelInfo(r.model_name, r.vocab_size, tuple(r.eos_token_ids), r.device, r.max_prompt_tokens,
                      r.max_new_tokens_limit, r.default_max_tokens, r.max_grammar_bytes,
-                     r.max_message_bytes, r.max_batch, r.max_draft_tokens, tuple(r.constraint_kinds))
+                     r.max_message_bytes, r.max_batch, r.max_draft_tokens, tuple(r.constraint_kinds),
+                     r.prefix_caching)
 
 
 def to_engine_stats(r: pb.GetEngineStatsResponse) -> EngineStats:

@@ -109,6 +109,7 @@ class ModelInfo:
     max_batch: int
     max_draft_tokens: int
     constraint_kinds: tuple[str, ...] = field(default=())
+    prefix_caching: bool = False    # the server reuses KV pages of prompt prefixes it computed before
 
 
 @dataclass(frozen=True)
