@@ -41,7 +41,7 @@ class Request:
     pages: list[int] = field(default_factory=list)
     # prefix cache (engine/prefix_cache.py)
     page_keys: list[bytes] = field(default_factory=list)  # keys of token_ids' first full pages
-    num_stored_pages: int = 0                     # first pages of `pages` the cache has keyed or matched
+    num_stored_pages: int = 0                     # first pages of `pages` the cache has seen full (`store`)
     num_cached_prompt_tokens: int = 0             # prompt tokens found cached at first admission (usage)
     slot: int | None = None                       # pool index while admitted (step-channel slot)
     # grammar
