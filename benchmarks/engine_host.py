@@ -2,7 +2,7 @@
 
 On the GPU the engine overlaps step N+1 with the host work of step N (engine.py
 `_step_chained`); for a small model at a large batch that host work is the bound. This
-times it alone: N running requests (default 128) with the default model's tokenizer, each
+times it alone: N running requests (default 128) with the tiny-random model's tokenizer, each
 step one ScheduledBatch of N decode rows with one sampled token each. The tokens replay the
 tokenization of real text (prose, JSON documents, accents, CJK, emoji, byte-fallback runs),
 each request from its own offset, so the detokenizer sees real pieces. Six cases:
@@ -181,10 +181,10 @@ def main() -> int:
     parser.add_argument("--out", type=pathlib.Path, default=None)
     args = parser.parse_args()
 
-    from generation_service.model.default_model import ensure_default_model
+    from generation_service.model.tiny_random_model import ensure_tiny_random_model
     from generation_service.model.tokenizer import Tokenizer
 
-    tokenizer = Tokenizer(ensure_default_model())
+    tokenizer = Tokenizer(ensure_tiny_random_model())
     corpus_ids = tokenizer.encode(corpus_text(), add_special_tokens=False)
     assert any(i in tokenizer.byte_fallback_ids for i in corpus_ids)
     prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}])
@@ -211,7 +211,7 @@ def main() -> int:
               flush=True)
     if args.out is not None:
         result = {"benchmark": "engine_host", "machine": args.machine, "python": platform.python_version(),
-                  "tokenizer": "default (Mistral 32k SentencePiece)", "rows": rows}
+                  "tokenizer": "tiny-random (Mistral 32k SentencePiece)", "rows": rows}
         args.out.write_text(json.dumps(result, indent=2) + "\n")
     return 0
 

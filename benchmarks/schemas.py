@@ -7,7 +7,7 @@ Corpus: benchmarks/corpus.py (>= 20 schemas shipped by installed packages). Per 
   interrupted otherwise);
 - `unenforced`: what the backend's keyword analysis reports (the guarantee report);
 - validity over `--walks` sampled generations: **random walks under the backend's mask**,
-  not the model (the built-in default model has random weights and a 32000-token
+  not the model (the built-in tiny-random model has random weights and a 32000-token
   vocabulary; its samples are random walks too, only slower). Each step samples among the
   allowed tokens: EOS with p=0.5 when allowed, else a structural token (quotes, brackets,
   digits, true/false/null) with p=0.6 when one is allowed, else uniformly. Every finished
@@ -15,7 +15,7 @@ Corpus: benchmarks/corpus.py (>= 20 schemas shipped by installed packages). Per 
   keyword the backend did *not* report is counted in `unreported_violations` (must be 0:
   the guarantee report is honest);
 - `fill_us`: batch_fill time per token along the walks (p50, p90), `first_fill_us`;
-- validity over `--generations` sampled generations **with the built-in default model**
+- validity over `--generations` sampled generations **with the built-in tiny-random model**
   (benchmarks/_generate.py): the in-process Engine and a real grammar_service subprocess,
   temperature 1.0, seeds 0..N-1, `--gen-max-tokens` new tokens, for each schema the backend
   compiled above; finished outputs valid / invalid, outputs cut by max tokens counted apart,
@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
               f"(unreported violations {w['unreported_violations']})  fill us p50 {f['p50'] or 0:.0f} p90 {f['p90'] or 0:.0f}")
         if "generations" in s:
             g = s["generations"]
-            print(f"{'':11s} default model: {g['num']} generations, valid {g['valid']}/{g['finished']} finished, "
+            print(f"{'':11s} tiny-random model: {g['num']} generations, valid {g['valid']}/{g['finished']} finished, "
                   f"{g['cut_by_max_tokens']} cut by max tokens, {g['errors']} errors, "
                   f"unreported violations {g['unreported_violations']}")
     from importlib.metadata import version
@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         "validity_method": "random walks under each backend's mask (see the module docstring)",
         "walks_per_schema": args.walks, "max_tokens": args.max_tokens,
         "generation_method": None if args.no_generations or args.generations <= 0 else (
-            "built-in default model (random weights, 32k Mistral tokenizer), in-process Engine on CPU + "
+            "built-in tiny-random model (random weights, 32k Mistral tokenizer), in-process Engine on CPU + "
             "grammar_service subprocess; temperature 1.0, seeds 0..N-1, prompt "
             f"{PROMPT!r}; cut = finish_reason max_tokens"),
         "generations_per_schema": 0 if args.no_generations else args.generations,

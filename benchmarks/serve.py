@@ -3,8 +3,9 @@ client processes, each result next to the same run's roofline (issue 16).
 
     python benchmarks/serve.py --out benchmarks/results/serve-h200.json            # every workload
     python benchmarks/serve.py --plan quick --out /tmp/serve.json                   # a short subset
+    python benchmarks/serve.py --device cpu --shapes tiny-random --plan smoke ...       # CPU: the harness only
+    python benchmarks/serve.py --plan http --shapes llama-3.1-8b --out ...          # HTTP vs gRPC, same server
     python benchmarks/serve.py --plan prefix --shapes llama-3.1-8b --out benchmarks/results/serve-h200-prefix.json
-    python benchmarks/serve.py --device cpu --shapes default --plan smoke ...       # CPU: the harness only
 
 Per model shape (random weights of a preset shape, the real 131k Tekken tokenizer beside them):
 1. roofline (its own process, `_roofline.py`): bf16 matmul rate, copy bandwidth, and the free
@@ -16,16 +17,19 @@ Per model shape (random weights of a preset shape, the real 131k Tekken tokenize
      (a JSON Schema with bounded fields, compact, capped at max_tokens) and free-matched (free
      requests capped at the constrained run's output lengths, cycled: the same length mix);
    - open loop: Poisson arrivals at fractions of the closed-loop rate at the largest concurrency.
-   Every request of these carries two tokens unique to it: no prompt prefix is shared, the
-   prefix cache finds nothing.
-2b. prefix caching, the same run: the server above (cache on) and a second one with
+   Every request of these carries tokens unique to it: no prompt prefix is shared, the prefix
+   cache finds nothing.
+   Plan `http`: the 512/128 closed loop at concurrency 64, free and constrained, over gRPC
+   and then over the OpenAI-compatible HTTP API (`--http-port`, /v1/completions streamed with
+   the same token ids) of the same server; `http_over_grpc` is the ratio of output tok/s.
+2b. prefix caching, the same run: the server above (cache on) and then a second one with
    `--prefix-caching false`, each with the same three workloads:
    - shared prefix: a 2,048-token system prompt, then a 64-token tail unique to each request,
      JSON-Schema constrained, closed loop at concurrency 16;
    - multi-turn: conversations of 4 turns, each turn resending the conversation (the prompt,
      every answer, a new 64-token message), free, closed loop;
-   - no shared prefix: the closed loop of 1., free, to show what the cache costs when it never hits;
-   and the ratios cache on / off (`prefix_cache`: TTFT p50, output tok/s).
+   - no shared prefix: a 512/128 free closed loop, to show what the cache costs when it never hits;
+   and the ratios cache on / off (`prefix_cache`: TTFT p50/p99, output tok/s). Plan `prefix`: these alone.
    Per workload: output tok/s over the measured window, TTFT p50/p99, inter-token (gap between
    streamed messages) p50/p99, tokens per message, errors by code, finish reasons, validation
    statuses, and the engine's step counters over the window (GetEngineStats).
@@ -43,6 +47,7 @@ import platform
 import re
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -65,7 +70,7 @@ SCHEMA = {"type": "object", "properties": {
     "scores": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 100}, "maxItems": 6},
     "active": {"type": "boolean"}},
     "required": ["id", "name", "status", "tags", "scores", "active"], "additionalProperties": False}
-PLANS = ("full", "quick", "load", "prefix", "smoke")
+PLANS = ("full", "quick", "load", "smoke", "http", "http-smoke", "prefix")
 
 
 def log(message: str) -> None:
@@ -95,7 +100,8 @@ def model_folder(shape: str, tokenizer_dir: pathlib.Path, folder: pathlib.Path) 
 class Server:
     """`structgen serve` in its own process; its log in a file."""
 
-    def __init__(self, model: str, args, log_path: pathlib.Path, max_batch: int, extra: tuple[str, ...] = ()) -> None:
+    def __init__(self, model: str, args, log_path: pathlib.Path, max_batch: int, http: bool = False,
+                 extra: tuple[str, ...] = ()) -> None:
         self.log_path = log_path
         command = [sys.executable, "-c", "import sys; from structgen.cli import main; sys.exit(main())",
                    "serve", "--model", model, "--device", args.device,
@@ -104,11 +110,19 @@ class Server:
                    "--num-workers", str(max_batch + 64), *extra, *args.server_args]
         if args.device == "cpu":
             command += ["--dtype", "float32"]
+        if http:  # the OpenAI-compatible API beside gRPC, same process and engine
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                command += ["--http-port", str(sock.getsockname()[1])]
         self.command = command
         started = time.monotonic()
         self.process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=open(log_path, "w"),
                                         text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.http_url = None
         line = self.process.stdout.readline()  # "structgen serve: listening on HOST:PORT ..."
+        if http and (found := re.search(r"HTTP API on (\S+)", line)):
+            self.http_url = found.group(1)
+            line = self.process.stdout.readline()
         match = re.search(r"listening on ([^ ]+):(\d+)", line)
         if not match:
             self.process.kill()
@@ -183,7 +197,7 @@ def summarize(workload: Workload, records: list[Record]) -> dict:
         "validation": count([r.validation for r in finished if r.validation]),
         "mean_output_len": statistics.mean([r.num_tokens for r in finished]) if finished else None,
         "mean_prompt_len": statistics.mean([r.prompt_len for r in finished]) if finished else None,
-        # prompt tokens the server found in its prefix cache (usage.cached_prompt_tokens)
+        # prompt tokens the server found in its prefix cache (usage.cached_prompt_tokens, gRPC)
         "cached_prompt_fraction": (sum(r.cached_tokens for r in finished) / sum(r.prompt_len for r in finished)
                                    if finished else None),
     }
@@ -263,19 +277,22 @@ PREFIX_PLAN = PrefixPlan(2048, 64, 128, 16, 1024, 4, (512, 128, 16))
 
 def plan(shape: str, name: str, duration: float, warmup: float) -> dict:
     """idle TTFT prompt lengths, closed-loop (prompt, new tokens, concurrencies), Poisson fractions,
-    the prefix-caching workloads (a PrefixPlan or None)."""
+    the prefix-caching workloads (`prefix`: a PrefixPlan, if any)."""
+    if name in ("http", "http-smoke"):  # the same server over gRPC and over HTTP, one after the other
+        closed = [(48, 16, [4])] if name == "http-smoke" else [(512, 128, [64])]
+        return {"idle": [], "closed": [], "http": closed, "poisson": [], "poisson_at": None}
     if name == "smoke":
         return {"idle": [64], "closed": [(48, 16, [1, 4])], "poisson": [0.5], "poisson_at": (48, 16, 4),
                 "prefix": PrefixPlan(256, 16, 16, 4, 64, 3, (48, 16, 4))}
     if name == "load":  # the loaded closed loop alone
-        return {"idle": [], "closed": [(512, 128, [64, 128])], "poisson": [], "poisson_at": None, "prefix": None}
+        return {"idle": [], "closed": [(512, 128, [64, 128])], "poisson": [], "poisson_at": None}
     if name == "prefix":  # the prefix-caching workloads alone
         return {"idle": [], "closed": [], "poisson": [], "poisson_at": None, "prefix": PREFIX_PLAN}
     if name == "quick" and shape != "llama-3.2-1b":
         return {"idle": [1024, 8192], "closed": [(512, 128, [1, 64, 128])], "poisson": [],
                 "poisson_at": None, "prefix": PREFIX_PLAN}
     if shape == "llama-3.2-1b":
-        return {"idle": [1024], "closed": [(512, 128, [128])], "poisson": [], "poisson_at": None, "prefix": None}
+        return {"idle": [1024], "closed": [(512, 128, [128])], "poisson": [], "poisson_at": None}
     return {"idle": [1024, 4096, 8192], "closed": [(512, 128, [1, 16, 64, 128, 256]), (2048, 128, [64]),
                                                    (512, 256, [64])],
             "poisson": [0.5, 1.0], "poisson_at": (512, 128, 128), "prefix": PREFIX_PLAN}
@@ -286,20 +303,20 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
     short keeps what it measured)."""
     from generation_service.model.loader import read_config
     p = plan(shape, args.plan, args.duration, args.warmup)
-    if shape == "default":  # CPU harness check: the built-in model, its own tokenizer
-        from generation_service.model.default_model import ensure_default_model
-        folder = pathlib.Path(ensure_default_model())
+    if shape == "tiny-random":  # CPU harness check: the built-in random-weight model, its own tokenizer
+        from generation_service.model.tiny_random_model import ensure_tiny_random_model
+        folder = ensure_tiny_random_model()
         model = str(folder)
     else:
         folder = model_folder(shape, tokenizer_dir, tmp / shape)
         model = f"random:{folder / 'config.json'}"
     config = read_config(folder / "config.json")
-    prefix: PrefixPlan | None = p["prefix"]
-    concurrencies = sorted({c for _, _, cs in p["closed"] for c in cs} | {1}
+    prefix: PrefixPlan | None = p.get("prefix")
+    concurrencies = sorted({c for _, _, cs in p["closed"] + p.get("http", []) for c in cs} | {1}
                            | ({prefix.concurrency, prefix.unshared[2]} if prefix else set()))
     max_batch = max(concurrencies + [args.min_max_batch])
     roofline = None
-    points = sorted({f"{c}:{int(pl + n / 2)}" for pl, n, cs in p["closed"] for c in cs}
+    points = sorted({f"{c}:{int(pl + n / 2)}" for pl, n, cs in p["closed"] + p.get("http", []) for c in cs}
                     | {f"1:{pl}" for pl in p["idle"]})  # idle TTFT: one decode step after the prompt
     if args.device == "cuda" and points:
         out = tmp / f"roofline-{shape}.json"
@@ -308,11 +325,11 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
                         str(folder / "config.json"), "--points", *points, "--out", str(out)], check=True, cwd=ROOT)
         roofline = json.loads(out.read_text())
     log(f"{shape}: starting the server")
-    server = Server(model, args, tmp / f"server-{shape}.log", max_batch)
+    server = Server(model, args, tmp / f"server-{shape}.log", max_batch, http=bool(p.get("http")))
     log(f"{shape}: listening at {server.address} after {server.startup_s:.1f} s")
     result = {"shape": shape, "model": model, "server_command": server.command, "server_startup_s": server.startup_s,
               "model_info": server.model_info(), "roofline": roofline, "workloads": []}
-    lengths = set(p["idle"]) | {pl for pl, _, _ in p["closed"]}
+    lengths = set(p["idle"]) | {pl for pl, _, _ in p["closed"] + p.get("http", [])}
     if prefix:
         lengths |= {prefix.shared_len, prefix.tail_len, prefix.turn_prompt_len, prefix.unshared[0]}
     prompts = make_prompts(str(folder / "tokenizer.json"), lengths, 64, seed=1)
@@ -325,7 +342,8 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
         on = on or server
         on.wait_idle()
         before = on.stats()
-        records = run_workload(on.address, workload, prompt_set or prompts[workload.prompt_len], args.client_procs,
+        address = on.http_url if workload.transport == "http" else on.address
+        records = run_workload(address, workload, prompt_set or prompts[workload.prompt_len], args.client_procs,
                                salt=len(result["workloads"]) << 30)  # request numbers apart from every other run's
         summary = summarize(workload, records)
         lengths[workload.name] = output_lengths(records)
@@ -369,6 +387,18 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
                     if matched["output_tokens_per_s"] else None)
                 log(f"  constrained / free at matched lengths: {matched['constrained_over_matched_free']:.3f}"
                     f" (free at {new_tokens}: {free['output_tokens_per_s']:.1f} tok/s)")
+        for prompt_len, new_tokens, concurrencies_here in p.get("http", []):
+            for c in concurrencies_here:
+                tag = f"{prompt_len}/{new_tokens} c={c}"
+                roof = roofline_tok_s(roofline, config, c, prompt_len, new_tokens) if roofline else None
+                for kind, extra in (("free", {}), ("constrained", {"json_schema": schema, "ignore_eos": False})):
+                    over_grpc = run(Workload(f"{kind} {tag} grpc", prompt_len, new_tokens, concurrency=c,
+                                             **extra, **common), roof)
+                    over_http = run(Workload(f"{kind} {tag} http", prompt_len, new_tokens, concurrency=c,
+                                             transport="http", **extra, **common), roof)
+                    over_http["http_over_grpc"] = (over_http["output_tokens_per_s"] / over_grpc["output_tokens_per_s"]
+                                                   if over_grpc["output_tokens_per_s"] else None)
+                    log(f"  {kind} {tag}: HTTP / gRPC output tok/s {over_http['http_over_grpc']:.3f}")
         if p["poisson"] and p["poisson_at"]:
             prompt_len, new_tokens, c = p["poisson_at"]
             ref = next(w for w in result["workloads"] if w["name"] == f"free {prompt_len}/{new_tokens} c={c}")
@@ -445,7 +475,7 @@ def line(s: dict) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["llama-3.1-8b", "llama-3.2-1b"],
-                        help="preset shapes (random weights), or 'default' (the built-in model, CPU smoke)")
+                        help="preset shapes (random weights), or 'tiny-random' (the built-in random-weight model, CPU smoke)")
     parser.add_argument("--plan", choices=PLANS, default="full")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--duration", type=float, default=8.0, help="measured seconds per workload")
@@ -457,7 +487,9 @@ def main() -> int:
     args = parser.parse_args()
     from tests.real_tokenizers import tokenizer_dir
     tok = pathlib.Path(os.environ.get("STRUCTGEN_TEKKEN_DIR") or tokenizer_dir("tekken_131k"))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    # NOTE: the device tool's copy of the tree may carry a stale .git: pass the commit there
+    commit = os.environ.get("STRUCTGEN_CODE_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     result = {"benchmark": "serve", "command": " ".join([pathlib.Path(sys.argv[0]).name] + sys.argv[1:]),
               "code_commit": commit, "python": platform.python_version(), "client_procs": args.client_procs,
               "plan": args.plan, "duration_s": args.duration, "warmup_s": args.warmup, "shapes": []}

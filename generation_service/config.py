@@ -1,4 +1,5 @@
-"""ServeConfig: what the gRPC edge of generation_service needs (the engine has EngineConfig).
+"""ServeConfig: what the public edges of generation_service need, gRPC and the optional
+OpenAI-compatible HTTP port (the engine has EngineConfig).
 
 `structgen serve` takes its defaults from here and from EngineConfig; which fields are flags
 and STRUCTGEN_* variables is listed in one table, generation_service/settings.py.
@@ -26,6 +27,7 @@ class ServeConfig:
     grace_s: float = 10.0                  # SIGTERM: open streams get this long, then are cancelled
     health_port: int = 0                   # >0: plaintext grpc.health.v1 only, for probes under TLS/auth
     metrics_port: int = 0                  # >0: Prometheus /metrics over HTTP
+    http_port: int = 0                     # >0: the OpenAI-compatible HTTP API (generation_service/openai_http/)
     tls_cert: str | None = None            # PEM files; cert + key switch the API port to TLS
     tls_key: str | None = None
     tls_client_ca: str | None = None       # also require client certificates signed by this CA
@@ -42,7 +44,7 @@ class ServeConfig:
     max_connection_age_grace_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("port", "health_port", "metrics_port"):
+        for name in ("port", "health_port", "metrics_port", "http_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
         for name in ("max_message_bytes", "max_grammar_bytes", "default_max_tokens",

@@ -24,7 +24,8 @@ SERVE_SETTINGS = SettingsTable("structgen serve", (
         Setting("log-level", "DEBUG, INFO, WARNING or ERROR", chart=False),
     )),
     Group(EngineConfig, chart="engine", settings=(
-        Setting("model", "built-in model name, checkpoint folder or random:<preset>", chart=False),
+        Setting("model", "checkpoint folder, .gguf file, random:<preset>, or a built-in name: default "
+                "(SmolLM2-135M-Instruct, fetched once) or tiny-random", chart=False),
         Setting("device", "torch device: cpu, cuda, cuda:1", chart=False),
         Setting("dtype", "float32, bfloat16, float16, or auto (the checkpoint's)", none_word="auto",
                 choices=(*DTYPES, "auto")),
@@ -83,11 +84,13 @@ SERVE_SETTINGS = SettingsTable("structgen serve", (
         Setting("health-port", "extra plaintext port serving only grpc.health.v1 (probes under TLS/auth; "
                 "0 = off)", chart=False),
         Setting("metrics-port", "Prometheus /metrics port (0 = off)", chart=False),
-        Setting("tls-cert", "PEM certificate: serve the API over TLS", chart=False),
-        Setting("tls-key", "PEM private key of --tls-cert", chart=False),
-        Setting("tls-client-ca", "PEM CA: require client certificates it signed", chart=False),
+        Setting("http-port", "OpenAI-compatible HTTP API port (/v1/chat/completions, /v1/completions, "
+                "/v1/models; same TLS and bearer token as the gRPC port; 0 = off)", chart=False),
+        Setting("tls-cert", "PEM certificate: serve the API over TLS", none_word="off", chart=False),
+        Setting("tls-key", "PEM private key of --tls-cert", none_word="off", chart=False),
+        Setting("tls-client-ca", "PEM CA: require client certificates it signed", none_word="off", chart=False),
         Setting("auth-token-file", "require 'authorization: Bearer <token in file>' (health exempt)",
-                chart=False),
+                none_word="off", chart=False),
     )),
 ))
 

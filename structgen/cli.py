@@ -5,6 +5,7 @@
     structgen health    exit 0 if a server (either process) reports SERVING; alias grammar-health
     structgen generate  stream one completion from a running server to stdout
     structgen demo      start a server, run a JSON-Schema request, validate it, stop
+    structgen fetch-model  fetch a built-in model into the cache now (make setup runs it)
 
 Each subcommand lives in structgen/commands/ and imports heavy modules (torch) only when run.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from structgen.commands import demo, generate, serve
+from structgen.commands import demo, fetch_model, generate, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     health.set_defaults(run=_run_grammar_health)
     generate.add_parser(subparsers)
     demo.add_parser(subparsers)
+    fetch_model.add_parser(subparsers)
+    for subparser in subparsers.choices.values():  # so a bad flag is reported with its usage
+        subparser.set_defaults(parser=subparser)
     return parser
 
 
@@ -55,7 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     if argv[:1] == ["grammar"]:  # everything after `grammar` belongs to grammar_service
         return _run_grammar(argparse.Namespace(), argv[1:])
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the subcommand's usage, not the top level's
+        getattr(args, "parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     return args.run(args, [])
 
 

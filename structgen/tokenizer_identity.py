@@ -13,22 +13,6 @@ import json
 import os
 import pathlib
 
-# Bump when the default model's files change: a cache folder is never rewritten in place.
-DEFAULT_MODEL_NAME = "default-model-v2"
-
-
-def default_model_dir() -> pathlib.Path:
-    """Cache folder of the built-in default model.
-
-    ``$STRUCTGEN_CACHE/default-model-v2`` if STRUCTGEN_CACHE is set, else
-    ``$XDG_CACHE_HOME/structgen/default-model-v2`` (``~/.cache`` when XDG_CACHE_HOME is unset).
-    """
-    root = os.environ.get("STRUCTGEN_CACHE")
-    if root:
-        return pathlib.Path(root).expanduser() / DEFAULT_MODEL_NAME
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return pathlib.Path(xdg) / "structgen" / DEFAULT_MODEL_NAME
-
 
 def _tokenizer_json_path(tokenizer_dir_or_file: str | os.PathLike) -> pathlib.Path:
     path = pathlib.Path(tokenizer_dir_or_file)

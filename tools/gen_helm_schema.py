@@ -115,6 +115,7 @@ schema = obj({
     }, allOf=[{"if": {"properties": {"enabled": {"const": True}}},
                "then": {"properties": {"endpoint": s(minLength=1)}}}]),
     "ports": obj({"grpc": port, "metrics": port, "health": port}),
+    "httpApi": obj({"enabled": b, "port": port}),
     "service": obj({"type": {"enum": ["ClusterIP", "NodePort", "LoadBalancer"]},
                     "annotations": str_map, "headless": obj({"enabled": b})}),
     "terminationGracePeriodSeconds": i(1),

@@ -1,11 +1,12 @@
 #!/usr/bin/env node
 // Example client of structgen.v1.GenerationService, loading the proto at run time.
 //
-//   node client.js [--server localhost:50051] [--json-schema FILE | --regex RE | --choice A ...]
-//                  [--compact] [--token TOKEN] [--max-tokens N] [--temperature T] [--seed S] PROMPT
+//   node client.js [--server HOST:PORT (default $STRUCTGEN_SERVER or localhost:50051)] [--json-schema FILE | --regex RE | --choice A ...]
+//                  [--chat] [--compact] [--token TOKEN] [--max-tokens N] [--temperature T] [--seed S] PROMPT
 //
 // Streams the generated text to stdout; the final message (finish reason, usage, validation)
-// goes to stderr as JSON. A failed call prints "error: <STATUS>: <message>" and exits 1.
+// goes to stderr as JSON. A failed call prints "error: <STATUS>: <message>" and exits 1; an
+// output the server found invalid against its JSON Schema exits 3 (as `structgen generate`).
 'use strict';
 
 const fs = require('fs');
@@ -23,7 +24,8 @@ function loadService() {
 }
 
 function parseArgs(argv) {
-  const options = { server: 'localhost:50051', choices: [], maxTokens: 0 };
+  // The default server, as for `structgen generate`: $STRUCTGEN_SERVER, else localhost:50051.
+  const options = { server: process.env.STRUCTGEN_SERVER || 'localhost:50051', choices: [], maxTokens: 0 };
   const positional = [];
   for (let i = 0; i < argv.length; i++) {
     const flag = argv[i];
@@ -33,6 +35,7 @@ function parseArgs(argv) {
     else if (flag === '--regex') options.regex = value();
     else if (flag === '--choice') options.choices.push(value());
     else if (flag === '--compact') options.compact = true;
+    else if (flag === '--chat') options.chat = true;
     else if (flag === '--token') options.token = value();
     else if (flag === '--max-tokens') options.maxTokens = Number(value());
     else if (flag === '--temperature') options.temperature = Number(value());
@@ -44,7 +47,10 @@ function parseArgs(argv) {
 }
 
 function buildRequest(options) {
-  const request = { prompt: options.prompt, sampling: {}, stop: { max_tokens: options.maxTokens } };
+  const request = { sampling: {}, stop: { max_tokens: options.maxTokens } };
+  // --chat: the prompt is one user message, formatted by the model's chat template.
+  if (options.chat) request.chat = { messages: [{ role: 'user', content: options.prompt }] };
+  else request.prompt = options.prompt;
   // Unset sampling fields take the server's defaults (greedy unless configured).
   if (options.temperature !== undefined) request.sampling.temperature = options.temperature;
   if (options.seed !== undefined) request.sampling.seed = options.seed;
@@ -69,6 +75,7 @@ function main() {
     if (response.finish_reason !== 'FINISH_REASON_UNSPECIFIED') {
       const { finish_reason, usage, validation } = response;
       process.stderr.write(JSON.stringify({ finish_reason, usage, validation }) + '\n');
+      if (validation && validation.status === 'VALIDATION_STATUS_INVALID') process.exitCode = 3;
     }
   });
   call.on('error', (error) => {

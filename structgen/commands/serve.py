@@ -48,11 +48,15 @@ def resolve(args: argparse.Namespace, environ):
 def run(args: argparse.Namespace, _rest) -> int:
     from generation_service.config import ServeConfig
     from generation_service.engine.config import EngineConfig
+    from generation_service.model.config import ModelLoadError
     from structgen import telemetry
+    from structgen.serve_preflight import PreflightError, check_before_loading
     from structgen.settings import ProcessConfig, SettingsError, print_config
     try:
         resolved = resolve(args, os.environ)
-    except SettingsError as exc:
+        if not args.print_config:  # before anything heavy: a busy port, a missing model, no GPU
+            check_before_loading(resolved[ServeConfig], resolved[EngineConfig])
+    except (SettingsError, PreflightError) as exc:
         print(f"structgen serve: {exc}", file=sys.stderr)
         return 2
     if args.print_config:
@@ -72,10 +76,15 @@ def run(args: argparse.Namespace, _rest) -> int:
         signal.signal(signum, lambda *_: stop_requested.set())
     try:
         with ServeStack(config, resolved[EngineConfig]) as stack:
+            if stack.http_url:
+                print(f"structgen serve: OpenAI-compatible HTTP API on {stack.http_url}", flush=True)
             print(f"structgen serve: listening on {config.host}:{stack.port} "
                   f"(model {stack.model_name}, grammar_service at {stack.grammar_address})", flush=True)
             stop_requested.wait()
             log.info("stopping: draining for up to %.1f s", config.grace_s)
+    except ModelLoadError as exc:
+        print(f"structgen serve: {exc}", file=sys.stderr)
+        return 1
     finally:
         telemetry.shutdown()  # flush the last spans (the drained streams')
     exit_now(0)
@@ -94,12 +103,13 @@ def exit_now(code: int) -> None:
 
 
 class ServeStack:
-    """grammar_service child (optional) -> engine -> gRPC server, torn down in reverse order."""
+    """grammar_service child (optional) -> engine -> gRPC server (and the HTTP API when
+    --http-port is set), torn down in reverse order."""
 
     def __init__(self, config, engine_config):
         self.config = config
         self._engine_config = engine_config
-        self._supervisor = self._engine = self._server = None
+        self._supervisor = self._engine = self._server = self._http = None
         self.grammar_address = config.grammar_address
 
     def __enter__(self) -> "ServeStack":
@@ -120,6 +130,9 @@ class ServeStack:
                     ("--tokenizer-dir", self._engine.tokenizer.path,
                      "--vocab-size", str(self._engine.model_config.vocab_size)))
             self._server = start_server(self._engine, self.config)
+            if self.config.http_port:
+                from generation_service.openai_http.front import start_http_front
+                self._http = start_http_front(self._engine, self.config)
             if self.config.metrics_port:
                 import prometheus_client
                 prometheus_client.start_http_server(self.config.metrics_port, addr=self.config.host)
@@ -133,14 +146,22 @@ class ServeStack:
         return self._server.port
 
     @property
+    def http_url(self) -> str | None:
+        return None if self._http is None else self._http.url
+
+    @property
     def model_name(self) -> str:
         return self._engine.model_name
 
     def __exit__(self, *exc) -> None:
         # One grace period for the whole drain: the engine gets what the server left over.
         deadline_s = time.monotonic() + self.config.grace_s
+        if self._http is not None:  # both fronts drain at once
+            self._http.begin_stop()
         if self._server is not None:
             self._server.stop(self.config.grace_s)
+        if self._http is not None:
+            self._http.stop(max(0.0, deadline_s - time.monotonic()))
         if self._engine is not None:
             self._engine.stop(max(0.0, deadline_s - time.monotonic()))
         if self._supervisor is not None:

@@ -5,14 +5,14 @@ import time
 
 import pytest
 
-from live_server import LIMITS, LiveServer, start_serve, stop_serve
+from live_server import LIMITS, LiveServer, free_port, start_serve, stop_serve
 
 
 @pytest.fixture(scope="session")
 def live_server(tmp_path_factory) -> LiveServer:
     log_path = tmp_path_factory.mktemp("serve") / "serve.log"
     args = [f"--{name.replace('_', '-')}={value}" for name, value in LIMITS.items()]
-    server = start_serve(args, log_path)
+    server = start_serve(args + [f"--http-port={free_port()}"], log_path)
     yield server
     code = stop_serve(server)
     assert code == 0, f"structgen serve exited with {code} on SIGTERM:\n{server.log_text()[-4000:]}"

@@ -1,7 +1,8 @@
 """Start and stop a real `structgen serve` subprocess (default model, CPU, free port).
 
 The server runs as a subprocess exactly as a user starts it, with a spawned grammar_service
-child; tests talk to it over real gRPC. Small limits make the limit tests cheap:
+child; tests talk to it over real gRPC (and HTTP: the session server also serves the
+OpenAI-compatible API, `LiveServer.http_url`). Small limits make the limit tests cheap:
 max_new_tokens_limit 64, max_prompt_tokens 512, max_grammar_bytes 64 KiB, max_message_bytes
 256 KiB. Its log goes to <tmp>/serve.log (printed when the server fails to start).
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import os
 import pathlib
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +24,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 LIMITS = {"max_new_tokens_limit": 64, "max_prompt_tokens": 512, "max_grammar_bytes": 65536,
           "max_message_bytes": 262144, "default_max_tokens": 16}
 READY_MARK = "listening on "
+HTTP_MARK = "OpenAI-compatible HTTP API on "  # printed before READY_MARK when --http-port is set
 STARTUP_TIMEOUT_S = 600  # the first run builds the default model's checkpoint
 
 
@@ -31,6 +34,7 @@ class LiveServer:
     address: str
     log_path: pathlib.Path
     stdout_lines: list[str] = field(default_factory=list)
+    http_url: str = ""  # e.g. http://127.0.0.1:8000, when started with --http-port
 
     @property
     def port(self) -> int:
@@ -38,6 +42,13 @@ class LiveServer:
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+
+def free_port() -> int:
+    """A port nothing listens on now (for flags whose 0 means off)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def start_serve(extra_args: list[str], log_path: pathlib.Path,
@@ -54,6 +65,8 @@ def start_serve(extra_args: list[str], log_path: pathlib.Path,
     def pump() -> None:
         for line in process.stdout:
             server.stdout_lines.append(line)
+            if HTTP_MARK in line:
+                server.http_url = line.split(HTTP_MARK, 1)[1].split()[0]
             if READY_MARK in line and not server.address:
                 server.address = line.split(READY_MARK, 1)[1].split()[0]
                 ready.set()

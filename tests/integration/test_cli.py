@@ -61,4 +61,6 @@ def test_demo_exits_zero_and_its_output_validates():
     result = structgen("demo", timeout=900)
     assert result.returncode == 0, result.stdout + result.stderr
     line = next(l for l in result.stdout.splitlines() if l.startswith("demo: VALID"))
-    jsonschema.validate(json.loads(line.split(": ", 2)[2]), SCHEMA)
+    document = json.loads(line.split(": ", 2)[2])
+    jsonschema.validate(document, SCHEMA)
+    assert re.search(r"[A-Za-z]{3,}", document["name"]), document  # words, not noise

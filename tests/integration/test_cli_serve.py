@@ -3,6 +3,7 @@ plaintext health-only port and a metrics port: unauthenticated calls are refused
 exempt); the grammar_service child is restarted after a crash (free requests keep working
 meanwhile, constrained ones recover); SIGTERM drains open streams, exits 0 and takes the
 child down."""
+import json
 import os
 import pathlib
 import signal
@@ -51,7 +52,7 @@ def own_server(tmp_path_factory):
     health_port, metrics_port = _free_port(), _free_port()
     server = start_serve(["--max-new-tokens-limit=256", "--drain-seconds=30",
                           f"--auth-token-file={folder / 'token'}", f"--health-port={health_port}",
-                          f"--metrics-port={metrics_port}"], folder / "serve.log")
+                          f"--metrics-port={metrics_port}", f"--http-port={_free_port()}"], folder / "serve.log")
     server.health_port, server.metrics_port = health_port, metrics_port
     yield server
     if server.process.poll() is None:
@@ -115,19 +116,43 @@ def test_grammar_child_is_restarted_after_a_crash(own_server):
 
 
 # NOTE: last in this file: it stops the module's server.
+def _http_stream(url: str):
+    """An open SSE stream of the HTTP API: 200 tokens, token ids in each chunk."""
+    headers = {"content-type": "application/json", "authorization": f"Bearer {TOKEN}"}
+    with urllib.request.urlopen(urllib.request.Request(url + "/v1/models", headers=headers), timeout=30) as reply:
+        model = json.load(reply)["data"][0]["id"]
+    body = json.dumps({"model": model, "prompt": "A long answer:", "max_tokens": 200, "stream": True,
+                       "structgen": {"ignore_eos": True, "return_token_ids": True}}).encode()
+    request = urllib.request.Request(url + "/v1/completions", body, headers)
+    return urllib.request.urlopen(request, timeout=120)
+
+
+def _http_tokens(lines) -> tuple[int, str | None]:
+    chunks = [json.loads(line[6:]) for line in lines if line.startswith(b"data: {")]
+    tokens = sum(len((c["choices"][0].get("structgen") or {}).get("token_ids", [])) for c in chunks)
+    return tokens, chunks[-1]["choices"][0]["finish_reason"]
+
+
 def test_sigterm_drains_open_streams_then_exits_zero(own_server):
     (child,) = _children(own_server.process.pid)
     with Client(own_server.address, timeout=120, token=TOKEN) as client:
         stream = iter(client.generate("A long answer:", max_tokens=200, ignore_eos=True))
         first = next(stream)
+        http = _http_stream(own_server.http_url)
+        http_first = [http.readline()]
         result = {}
-        reader = threading.Thread(target=lambda: result.update(rest=list(stream)))
-        reader.start()
+        readers = [threading.Thread(target=lambda: result.update(rest=list(stream))),
+                   threading.Thread(target=lambda: result.update(http=http_first + http.readlines()))]
+        for reader in readers:
+            reader.start()
         own_server.process.send_signal(signal.SIGTERM)
-        reader.join(120)
+        for reader in readers:
+            reader.join(120)
     chunks = [first, *result["rest"]]
     assert chunks[-1].finish_reason == "max_tokens"
     assert sum(len(c.token_ids) for c in chunks) == 200, "the open stream finished during the drain"
+    assert _http_tokens(result["http"]) == (200, "length"), "the open HTTP stream finished during the drain"
+    assert result["http"][-2:] == [b"data: [DONE]\n", b"\n"]
     assert own_server.process.wait(60) == 0
     deadline = time.monotonic() + 10
     while _is_alive(child) and time.monotonic() < deadline:

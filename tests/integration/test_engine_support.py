@@ -110,17 +110,17 @@ def wait_settled(engine: Engine, timeout_s: float = 10):
 
 
 def small_untied_model(folder: pathlib.Path) -> str:
-    """A 2-layer random Llama with untied embeddings and the default model's real 32k tokenizer.
+    """A 2-layer random Llama with untied embeddings and the tiny-random model's real 32k tokenizer.
 
-    The default model ties its embeddings, and a random tied model greedily repeats its
+    The tiny-random model ties its embeddings, and a random tied model greedily repeats its
     input token forever; an untied one produces varied text, so draft proposals are both
     accepted and rejected and stop strings have something to match."""
     import json
     import shutil
 
-    from generation_service.model.default_model import ensure_default_model
+    from generation_service.model.tiny_random_model import ensure_tiny_random_model
 
-    source = pathlib.Path(ensure_default_model())
+    source = ensure_tiny_random_model()
     folder.mkdir(parents=True, exist_ok=True)
     config = json.loads((source / "config.json").read_text())
     config.update(tie_word_embeddings=False, num_hidden_layers=2)

@@ -1,5 +1,6 @@
 """Security of a real `structgen serve` (issue 7): mutual TLS and a bearer token on the public
-port, a plaintext health-only port for kubelet probes, owner-only step channel and socket.
+ports (gRPC and the OpenAI-compatible HTTP API), a plaintext health-only port for kubelet
+probes, owner-only step channel and socket.
 Plain (server-only) TLS runs in-process on the real gRPC server with a stand-in engine.
 """
 from __future__ import annotations
@@ -7,10 +8,13 @@ from __future__ import annotations
 import os
 import re
 import socket
+import ssl
 import stat
 from types import SimpleNamespace
 
 import grpc
+import httpx
+import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -43,7 +47,7 @@ def secure_server(pki, tmp_path_factory):
     args = [f"--{name.replace('_', '-')}={value}" for name, value in LIMITS.items()]
     args += [f"--tls-cert={pki.path('server.crt')}", f"--tls-key={pki.path('server.key')}",
              f"--tls-client-ca={pki.path('ca.crt')}", f"--auth-token-file={token_file}",
-             f"--health-port={health_port}"]
+             f"--health-port={health_port}", f"--http-port={_free_port()}"]
     server = start_serve(args, folder / "serve.log")
     server.health_address = f"127.0.0.1:{health_port}"
     yield server
@@ -111,6 +115,32 @@ def test_health_port_is_plaintext_and_health_only(secure_server):
         with pytest.raises(grpc.RpcError) as error:
             pb_grpc.GenerationServiceStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
         assert error.value.code() is grpc.StatusCode.UNIMPLEMENTED
+
+
+def _https(pki, client: str | None = "client") -> httpx.Client:
+    context = ssl.create_default_context(cafile=pki.path("ca.crt"))
+    if client:
+        context.load_cert_chain(pki.path(f"{client}.crt"), pki.path(f"{client}.key"))
+    return httpx.Client(verify=context, timeout=60)
+
+
+def test_http_api_takes_the_same_tls_and_token(secure_server, pki):
+    """The OpenAI-compatible port: TLS with client certificates and the bearer token, as gRPC."""
+    assert secure_server.http_url.startswith("https://")
+    base = secure_server.http_url + "/v1"
+    with _https(pki) as http:
+        api = openai.OpenAI(base_url=base, api_key=TOKEN, http_client=http, max_retries=0)
+        model = api.models.list().data[0].id
+        completion = api.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                                 max_tokens=3)
+        assert completion.usage.completion_tokens == 3
+        for wrong in ("wrong", TOKEN + "x"):
+            with pytest.raises(openai.AuthenticationError):
+                openai.OpenAI(base_url=base, api_key=wrong, http_client=http, max_retries=0).models.list()
+        assert http.post(base + "/chat/completions", content=b"{not json").status_code == 401  # auth first
+        assert http.get(secure_server.http_url + "/health").status_code == 200  # probes need no token
+    with _https(pki, client=None) as http, pytest.raises(httpx.TransportError):
+        http.get(secure_server.http_url + "/health")  # no client certificate: no handshake
 
 
 def test_step_channel_and_socket_are_owner_only(secure_server):

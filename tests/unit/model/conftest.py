@@ -6,17 +6,25 @@ import pathlib
 
 import pytest
 
-from generation_service.model.default_model import ensure_default_model
+from generation_service.model.tiny_random_model import ensure_tiny_random_model
 
 
 @pytest.fixture(scope="session")
-def default_model_path(tmp_path_factory) -> pathlib.Path:
-    """The built-in default model, built into a temporary cache (never the user's ~/.cache)."""
-    return ensure_default_model(tmp_path_factory.mktemp("cache") / "default-model-v2")
+def tiny_random_path(tmp_path_factory) -> pathlib.Path:
+    """The built-in tiny-random model, built into a temporary cache (never the user's ~/.cache)."""
+    return ensure_tiny_random_model(tmp_path_factory.mktemp("cache") / "tiny-random-v2")
 
 
 @pytest.fixture(scope="session")
-def mistral_tokenizer(default_model_path):
+def mistral_tokenizer(tiny_random_path):
     from generation_service.model.tokenizer import Tokenizer
 
-    return Tokenizer(default_model_path)
+    return Tokenizer(tiny_random_path)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> pathlib.Path:
+    """The built-in default model's GGUF file, in the cache `make setup` fills (fetched if absent)."""
+    from generation_service.model.default_model import ensure_default_model
+
+    return ensure_default_model()

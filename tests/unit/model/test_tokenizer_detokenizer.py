@@ -9,7 +9,7 @@ import shutil
 import pytest
 import sentencepiece
 
-from generation_service.model.default_model import mistral_sentencepiece_path
+from generation_service.model.tiny_random_model import mistral_sentencepiece_path
 from generation_service.model.detokenizer import IncrementalDetokenizer
 from generation_service.model.tokenizer import Tokenizer
 from structgen.tokenizer_identity import fingerprint_tokenizer_json
@@ -31,10 +31,10 @@ def test_encodes_exactly_like_sentencepiece(mistral_tokenizer):
         assert mistral_tokenizer.decode(processor.encode(text)) == processor.decode(processor.encode(text))
 
 
-def test_transformers_reads_the_same_tokenizer(mistral_tokenizer, default_model_path):
+def test_transformers_reads_the_same_tokenizer(mistral_tokenizer, tiny_random_path):
     import transformers
 
-    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(default_model_path))
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(tiny_random_path))
     for text in TEXTS:
         assert hf_tokenizer.encode(text) == mistral_tokenizer.encode(text)
     messages = [{"role": "user", "content": "Hi"}]
@@ -111,15 +111,15 @@ def test_long_stream_keeps_a_small_window(mistral_tokenizer):
     assert len(detokenizer._ids) < 200
 
 
-def test_fingerprint_tracks_vocab_not_formatting(default_model_path, tmp_path):
-    reference = fingerprint_tokenizer_json(default_model_path, 32000)
-    assert Tokenizer(default_model_path).fingerprint() == reference
-    assert fingerprint_tokenizer_json(default_model_path / "tokenizer.json", 32000) == reference
-    assert fingerprint_tokenizer_json(default_model_path, 32768) != reference
+def test_fingerprint_tracks_vocab_not_formatting(tiny_random_path, tmp_path):
+    reference = fingerprint_tokenizer_json(tiny_random_path, 32000)
+    assert Tokenizer(tiny_random_path).fingerprint() == reference
+    assert fingerprint_tokenizer_json(tiny_random_path / "tokenizer.json", 32000) == reference
+    assert fingerprint_tokenizer_json(tiny_random_path, 32768) != reference
     copy = tmp_path / "tok"
     copy.mkdir()
-    shutil.copy(default_model_path / "tokenizer_config.json", copy)
-    data = json.loads((default_model_path / "tokenizer.json").read_text())
+    shutil.copy(tiny_random_path / "tokenizer_config.json", copy)
+    data = json.loads((tiny_random_path / "tokenizer.json").read_text())
     (copy / "tokenizer.json").write_text(json.dumps(data, indent=4))
     assert fingerprint_tokenizer_json(copy, 32000) == reference
     vocab = data["model"]["vocab"]

@@ -196,6 +196,14 @@ def test_services_select_the_pod_and_name_its_ports(default, full):
     assert full[("Service", "sg-structgen-headless")]["spec"]["clusterIP"] == "None"
 
 
+def test_http_api_is_off_by_default_and_served_when_enabled(default, full):
+    assert arg(container(default, "generation"), "--http-port") is None
+    assert "http-api" not in {p["name"] for p in default[("Service", "sg-structgen")]["spec"]["ports"]}
+    assert arg(container(full, "generation"), "--http-port") == "8080"
+    [port] = [p for p in full[("Service", "sg-structgen")]["spec"]["ports"] if p["name"] == "http-api"]
+    assert (port["port"], port["targetPort"], port["appProtocol"]) == (8080, "http-api", "https")  # tls on
+
+
 def test_optional_objects_follow_values(default, full):
     assert ("HorizontalPodAutoscaler", "sg-structgen") not in default
     assert ("ServiceMonitor", "sg-structgen") not in default
@@ -339,7 +347,7 @@ def test_network_policy_opens_only_the_api_and_metrics_ports(default, full):
     assert policy["podSelector"]["matchLabels"].items() <= pod_labels.items()
     assert policy["policyTypes"] == ["Ingress"]
     ports = [{p["port"] for p in rule["ports"]} for rule in policy["ingress"]]
-    assert ports == [{"grpc"}, {"http-metrics", "grammar-metrics"}]  # not grpc-health / grammar-health
+    assert ports == [{"grpc", "http-api"}, {"http-metrics", "grammar-metrics"}]  # not grpc-health / grammar-health
     api_from = policy["ingress"][0]["from"]
     assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway"}}} in api_from
     assert any(p.get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/component") == "test"

@@ -285,11 +285,9 @@ def test_llguidance_bounded_whitespace_is_refused_because_its_mask_and_matcher_d
 
     from grammar_service.backends.llguidance import LLGuidanceGrammar
     from grammar_service.tokenizer import load_tokenizer
-    from structgen.tokenizer_identity import default_model_dir
+    from generation_service.model.tiny_random_model import ensure_tiny_random_model
 
-    if not (default_model_dir() / "tokenizer.json").exists():
-        pytest.skip("the default model is not built yet (the first `structgen serve` builds it)")
-    data = load_tokenizer(str(default_model_dir()), 32000)[0]  # the mismatch shows on its vocabulary
+    data = load_tokenizer(str(ensure_tiny_random_model()), 32000)[0]  # the mismatch shows on its vocabulary
     llguidance = type(llguidance)(data, num_compile_threads=1, num_fill_threads=1)
     vocab = {str(piece): i for i, piece in enumerate(data.encoded_vocab)}
     grammar = llg.LLMatcher.grammar_from_json_schema(schema, defaults=json_options(spec))  # what it would compile

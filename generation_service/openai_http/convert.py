@@ -1,0 +1,194 @@
+"""OpenAI request bodies -> the engine's domain requests (engine/params.py), one per choice.
+
+Pure functions over the validated bodies of schemas.py, the engine's tokenizer and limits,
+and ServeConfig's request defaults (the same defaults the gRPC port applies to unset
+fields). Raises InvalidRequestError / LimitExceededError / ApiError with the parameter named.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+
+from generation_service.config import ServeConfig
+from generation_service.engine.errors import InvalidRequestError, LimitExceededError
+from generation_service.engine.params import GenerationRequest, GrammarSpec, SamplingParams, SpeculativeParams
+from generation_service.openai_http import tools
+from generation_service.openai_http.errors import ApiError
+from generation_service.openai_http.schemas import (ChatCompletionRequest, ChatMessage, CompletionRequest,
+                                                    MAX_STOP_STRINGS, SamplingBody)
+
+# Parameters accepted only at the value that changes nothing: the engine has no such logits
+# processor yet (a penalty or bias must act on every path: CUDA graphs, eager, verify).
+NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "logit_bias": {}, "min_p": 0.0,
+           "repetition_penalty": 1.0, "min_tokens": 0}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def check_model(body: SamplingBody, model_name: str, served_as: str = "") -> None:
+    """`model` is the served model's name (/v1/models) or the --model value it was served
+    with (`default`, a path)."""
+    if body.model not in (model_name, served_as):
+        raise ApiError(404, f"The model {body.model!r} does not exist; this server serves {model_name!r}",
+                       "invalid_request_error", "model", "model_not_found")
+
+
+def refuse_unsupported(body: SamplingBody) -> None:
+    for name, neutral in NEUTRAL.items():
+        value = getattr(body, name)
+        if value is not None and value != neutral:
+            raise ApiError(400, f"{name} is not supported by this server yet (the engine has no such "
+                                f"sampling step); leave it unset or {neutral!r}", param=name, code="unsupported_parameter")
+    if isinstance(body, CompletionRequest):
+        if body.echo:
+            raise ApiError(400, "echo is not supported: the response carries the completion only", param="echo")
+        if body.best_of not in (None, 1):
+            raise ApiError(400, "best_of is not supported; use n", param="best_of")
+        if body.suffix is not None:
+            raise ApiError(400, "suffix (fill in the middle) is not supported", param="suffix")
+    if isinstance(body, ChatCompletionRequest) and body.top_logprobs is not None and not body.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+
+
+def _max_new_tokens(body: SamplingBody, limit: int, default: int) -> int:
+    value = body.max_new_tokens
+    if value is None:
+        return min(default, limit)
+    if value > limit:
+        name = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
+        raise LimitExceededError(f"{name} {value} exceeds the server's max_new_tokens_limit {limit}")
+    return value
+
+
+def sampling_params(body: SamplingBody, config: ServeConfig, limit: int, index: int) -> SamplingParams:
+    """The engine's sampling of choice `index`: a given seed becomes seed + index, so the
+    choices of one seeded request differ and each is reproducible."""
+    stops = body.stop_strings
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ApiError(400, f"stop: at most {MAX_STOP_STRINGS} strings, got {len(stops)}", param="stop")
+    top_k = body.top_k if body.top_k is not None else config.default_top_k
+    return SamplingParams(
+        temperature=body.temperature if body.temperature is not None else config.default_temperature,
+        top_p=body.top_p if body.top_p is not None else config.default_top_p,
+        top_k=max(top_k, 0), seed=None if body.seed is None else body.seed + index,
+        max_new_tokens=_max_new_tokens(body, limit, config.default_max_tokens),
+        stop_strings=stops, ignore_eos=body.structgen.ignore_eos, num_logprobs=body.num_logprobs)
+
+
+def grammar_spec(body: SamplingBody, config: ServeConfig) -> GrammarSpec | None:
+    """response_format, or the tool-call grammar of a chat request with tools."""
+    tool_grammar = tools.tools_grammar(body) if isinstance(body, ChatCompletionRequest) else None
+    response_format = body.response_format
+    kind, text = None, ""
+    strict = False
+    if response_format is not None and response_format.type == "json_object":
+        kind = "json_object"
+    elif response_format is not None and response_format.type == "json_schema":
+        if response_format.json_schema is None:
+            raise ApiError(400, "response_format json_schema needs its json_schema object",
+                           param="response_format.json_schema")
+        kind, text = "json_schema", json.dumps(response_format.json_schema.json_schema)
+        strict = bool(response_format.json_schema.strict)
+    if tool_grammar is not None:
+        if kind is not None:
+            raise ApiError(400, "response_format together with tools is not supported yet: use "
+                                "tool_choice 'none' for a constrained reply, or drop response_format",
+                           param="response_format")
+        kind, text = "structural_tag", tool_grammar
+    if kind is None:
+        return None
+    if len(text.encode()) > config.max_grammar_bytes:
+        raise LimitExceededError(f"the {kind} constraint is {len(text.encode())} bytes; the limit "
+                                 f"max_grammar_bytes is {config.max_grammar_bytes}")
+    options = body.structgen
+    return GrammarSpec(kind=kind, text=text, any_whitespace=not options.compact,
+                       max_whitespace=options.max_whitespace, strict=strict, backend=options.backend)
+
+
+def _speculative(body: SamplingBody) -> SpeculativeParams:
+    return SpeculativeParams(num_draft_tokens=body.structgen.num_draft_tokens,
+                             proposer=body.structgen.draft_proposer)
+
+
+def _requests(body: SamplingBody, prompts: list[tuple[int, ...]], response_id: str, engine,
+              config: ServeConfig) -> list[GenerationRequest]:
+    """prompts x n requests, choice index = prompt index * n + j (OpenAI's order)."""
+    grammar = grammar_spec(body, config)
+    limit = engine.config.max_new_tokens_limit
+    return [GenerationRequest(request_id=f"{response_id}-{p * body.n + j}", prompt_ids=prompt_ids,
+                              sampling=sampling_params(body, config, limit, p * body.n + j),
+                              grammar=grammar, speculative=_speculative(body))
+            for p, prompt_ids in enumerate(prompts) for j in range(body.n)]
+
+
+def chat_requests(body: ChatCompletionRequest, response_id: str, engine, config: ServeConfig):
+    prompt = render_chat(body, engine.tokenizer)
+    return _requests(body, [prompt], response_id, engine, config)
+
+
+def completion_requests(body: CompletionRequest, response_id: str, engine, config: ServeConfig):
+    prompts = []
+    for index, prompt in enumerate(body.prompts):
+        if isinstance(prompt, str):
+            if engine.tokenizer is None:
+                raise InvalidRequestError("text prompts need a tokenizer; this model has none: send token ids")
+            prompts.append(tuple(engine.tokenizer.encode(prompt)))
+        else:
+            prompts.append(tuple(prompt))
+    if not prompts:
+        raise ApiError(400, "prompt is empty", param="prompt")
+    return _requests(body, prompts, response_id, engine, config)
+
+
+def render_chat(body: ChatCompletionRequest, tokenizer) -> tuple[int, ...]:
+    if tokenizer is None:
+        raise InvalidRequestError("chat needs the model's tokenizer and chat template; this model has none")
+    messages = [_message(message, index) for index, message in enumerate(body.messages)]
+    try:
+        return tuple(tokenizer.apply_chat_template(messages, tools=tools.template_tools(body)))
+    except ValueError as error:
+        raise InvalidRequestError(f"messages: {error}") from None
+    except Exception as error:  # jinja2's TemplateError: the template refused these messages
+        if type(error).__module__.startswith("jinja2"):
+            raise ApiError(400, f"messages: the model's chat template refused them: {error}",
+                           param="messages") from None
+        raise
+
+
+def _message(message: ChatMessage, index: int) -> dict:
+    """One message as chat templates read it: developer is system, content is one string."""
+    entry: dict = {"role": "system" if message.role == "developer" else message.role,
+                   "content": _text(message, index)}
+    if message.name is not None:
+        entry["name"] = message.name
+    if message.tool_call_id is not None:
+        entry["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        entry["tool_calls"] = [{"id": call.id, "type": "function", "function": {
+            "name": call.function.name, "arguments": _arguments(call.function.arguments)}}
+            for call in message.tool_calls]
+    return entry
+
+
+def _text(message: ChatMessage, index: int) -> str:
+    content = message.content
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for part_index, part in enumerate(content):
+        if part.type != "text" or part.text is None:
+            raise ApiError(400, f"messages[{index}].content[{part_index}]: content of type {part.type!r} is "
+                                "not supported (this model reads text only)",
+                           param=f"messages.{index}.content.{part_index}.type")
+        texts.append(part.text)
+    return "".join(texts)
+
+
+def _arguments(text: str):
+    """Templates write `arguments | tojson` or the string as it is: give them the object."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text

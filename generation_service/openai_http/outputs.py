@@ -1,0 +1,133 @@
+"""ChoiceOutput: what one choice has produced so far, fed event by event.
+
+Each engine event becomes a `Piece` (the content text, completed tool calls and logprobs it
+adds), which a stream sends as one chunk; the whole response is the sum of the pieces.
+The engine's finish reasons map onto OpenAI's: max tokens is "length", a tool call that
+ended the output is "tool_calls", every other end is "stop" (the engine's own reason stays
+in the `structgen` extension). Errors are raised as the engine's exceptions.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from google.protobuf.json_format import MessageToDict
+
+from generation_service import proto_convert
+from generation_service.engine.errors import DeadlineExceededError, EngineError
+from generation_service.engine.events import FinishReason, GuaranteeReport, TokenLogprob, Usage
+from generation_service.engine.params import GenerationRequest
+from generation_service.openai_http.choices import ChoiceEvent
+from generation_service.openai_http.tools import ToolCall, ToolCallParser
+from structgen.schema_validation import ValidationResult, validate_output
+
+
+@dataclass
+class Piece:
+    text: str = ""
+    token_ids: tuple[int, ...] = ()  # only when the request asked for them (return_token_ids)
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    logprobs: tuple[TokenLogprob, ...] = ()
+    guarantee: GuaranteeReport | None = None
+    is_final: bool = False
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.text or self.token_ids or self.tool_calls or self.logprobs or self.guarantee
+                    or self.is_final)
+
+
+class ChoiceOutput:
+    def __init__(self, index: int, spec: GenerationRequest, parser: ToolCallParser | None = None,
+                 tool_schemas: dict[str, dict] | None = None, return_token_ids: bool = False) -> None:
+        self.index = index
+        self.spec = spec
+        self._parser = parser
+        self._tool_schemas = tool_schemas or {}
+        self._returns_token_ids = return_token_ids
+        self.token_ids: list[int] = []
+        self.texts: list[str] = []
+        self.tool_calls: list[ToolCall] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.guarantee: GuaranteeReport | None = None
+        self.validation: ValidationResult | None = None
+        self.engine_reason: FinishReason | None = None
+        self.usage: Usage | None = None
+
+    def add(self, item: ChoiceEvent) -> Piece:
+        """Take one event; raises the engine's error for a failed request."""
+        event = item.event
+        if event.error is not None:
+            raise event.error
+        if event.finish_reason is FinishReason.DEADLINE:
+            raise DeadlineExceededError(f"request {self.spec.request_id}: deadline exceeded")
+        if event.finish_reason is FinishReason.ERROR:
+            raise EngineError(f"request {self.spec.request_id} failed")
+        piece = Piece(logprobs=event.logprobs, guarantee=event.guarantee, is_final=event.is_final)
+        text = event.text
+        if self._parser is not None:
+            text, piece.tool_calls = self._parser.feed(text)
+            if event.is_final:
+                text += self._parser.finish()
+        piece.text = text
+        if self._returns_token_ids:
+            piece.token_ids = event.token_ids
+        self.token_ids += event.token_ids
+        self.texts.append(text)
+        self.tool_calls += piece.tool_calls
+        self.logprobs += event.logprobs
+        self.guarantee = self.guarantee or event.guarantee
+        if event.is_final:
+            self.engine_reason, self.usage, self.validation = event.finish_reason, event.usage, item.validation
+        return piece
+
+    @property
+    def is_finished(self) -> bool:
+        return self.engine_reason is not None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+    @property
+    def finish_reason(self) -> str | None:
+        if self.engine_reason is None:
+            return None
+        if self.engine_reason is FinishReason.MAX_TOKENS:
+            return "length"
+        return "tool_calls" if self.tool_calls else "stop"
+
+    def extension(self, piece: Piece | None = None) -> dict | None:
+        """The `structgen` field of a choice: the guarantee report with the first piece that has
+        it, validation and engine finish reason with the final one, each piece's token ids when
+        asked for (all of them without `piece`)."""
+        guarantee = self.guarantee if piece is None else piece.guarantee
+        is_final = piece is None or piece.is_final
+        token_ids = (self.token_ids if piece is None else piece.token_ids) if self._returns_token_ids else ()
+        if guarantee is None and not token_ids and not (is_final and self.spec.is_constrained):
+            return None
+        extension = {}
+        if token_ids:
+            extension["token_ids"] = list(token_ids)
+        if guarantee is not None:
+            extension["guarantee"] = _message_dict(proto_convert.guarantee_to_proto(guarantee))
+        if is_final and self.engine_reason is not None:
+            extension["finish_reason"] = self.engine_reason.value
+            if self.spec.grammar is not None and self.spec.grammar.kind == "json_schema":
+                validation = _message_dict(proto_convert.validation_to_proto(self.validation))
+                validation["status"] = validation["status"].removeprefix("VALIDATION_STATUS_").lower()
+                extension["validation"] = validation
+            if self.tool_calls:
+                extension["tool_call_validations"] = [self._validate_call(call) for call in self.tool_calls]
+        return extension
+
+    def _validate_call(self, call: ToolCall) -> dict:
+        """The call's arguments against its tool's full `parameters` schema."""
+        schema = self._tool_schemas.get(call.name) or {"type": "object"}
+        validation = _message_dict(proto_convert.validation_to_proto(validate_output(json.dumps(schema), call.arguments)))
+        validation["status"] = validation["status"].removeprefix("VALIDATION_STATUS_").lower()
+        return {"id": call.id, **validation}
+
+
+def _message_dict(message) -> dict:
+    return MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)

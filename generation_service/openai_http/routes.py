@@ -1,0 +1,147 @@
+"""The FastAPI app: routes, bearer-token auth, and one handler per endpoint.
+
+Each handler checks the body, converts it to domain requests (convert.py) and hands them to
+an Exchange with the chat or text-completion Format (render.py). The engine and ServeConfig
+come from `create_app`'s FrontState.
+"""
+from __future__ import annotations
+
+import hmac
+import time
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from generation_service.config import ServeConfig
+from generation_service.openai_http import convert, errors, tools
+from generation_service.openai_http import responses as r
+from generation_service.openai_http.choices import ChoiceStreams
+from generation_service.openai_http.errors import ApiError
+from generation_service.openai_http.exchange import Exchange
+from generation_service.openai_http.outputs import ChoiceOutput
+from generation_service.openai_http.render import ChatFormat, CompletionFormat, ResponseMeta
+from generation_service.openai_http.schemas import ChatCompletionRequest, CompletionRequest, SamplingBody
+from generation_service.openai_http.token_text import TokenTexts
+from generation_service.openai_http.tools import ToolCallParser
+
+
+@dataclass
+class FrontState:
+    engine: object
+    config: ServeConfig
+    auth_header: bytes | None   # b"Bearer <token>", or None: no auth
+    created: int                # the model card's `created`: when this server started
+    is_draining: bool = False
+    token_texts: TokenTexts | None = None
+
+    def texts(self) -> TokenTexts:
+        if self.token_texts is None:
+            self.token_texts = TokenTexts(self.engine.tokenizer)
+        return self.token_texts
+
+
+def _state(request: Request) -> FrontState:
+    return request.app.state.front
+
+
+class BearerTokenAuth:
+    """ASGI middleware: "Authorization: Bearer <token>" on every path but /health (probes), as
+    the gRPC port's interceptor; checked before the body is read."""
+
+    def __init__(self, app, expected: bytes) -> None:
+        self.app = app
+        self._expected = expected
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
+            # compare_digest: the time taken must not tell how much of a guess was right
+            if not hmac.compare_digest(given, self._expected):
+                error = ApiError(401, "missing or wrong bearer token (send 'Authorization: Bearer <token>')",
+                                 "authentication_error", None, "invalid_api_key")
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _accepting(state: FrontState, body: SamplingBody) -> None:
+    if state.is_draining:
+        raise ApiError(503, "the server is shutting down", "service_unavailable", None, "unavailable")
+    convert.check_model(body, state.engine.model_name, state.engine.config.model)
+    convert.refuse_unsupported(body)
+
+
+def _meta(state: FrontState, response_id: str, body: SamplingBody) -> ResponseMeta:
+    wants_logprobs = body.num_logprobs > 0
+    if wants_logprobs and state.engine.tokenizer is None:
+        raise ApiError(400, "logprobs need the model's tokenizer (to spell the tokens); this model has none",
+                       param="logprobs")
+    top = (body.top_logprobs or 0) if isinstance(body, ChatCompletionRequest) else (body.logprobs or 0)
+    return ResponseMeta(id=response_id, created=int(time.time()), model=state.engine.model_name, n=body.n,
+                        num_top_logprobs=top if wants_logprobs else None,
+                        token_texts=state.texts() if wants_logprobs else None)
+
+
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    state = _state(request)
+    _accepting(state, body)
+    response_id = convert.new_id("chatcmpl")
+    specs = convert.chat_requests(body, response_id, state.engine, state.config)
+    uses_tools = specs[0].grammar is not None and specs[0].grammar.kind == "structural_tag"
+    schemas = {tool.function.name: tool.function.parameters for tool in body.tools or []}
+    outputs = [ChoiceOutput(i, spec, ToolCallParser(only_calls=tools.forces_calls(body)) if uses_tools else None,
+                            schemas, body.structgen.return_token_ids) for i, spec in enumerate(specs)]
+    exchange = Exchange(request, ChoiceStreams(state.engine, specs), outputs, _meta(state, response_id, body),
+                        ChatFormat(body.includes_usage), body.includes_usage)
+    return await exchange.respond(body.stream)
+
+
+async def completions(body: CompletionRequest, request: Request):
+    state = _state(request)
+    _accepting(state, body)
+    response_id = convert.new_id("cmpl")
+    specs = convert.completion_requests(body, response_id, state.engine, state.config)
+    outputs = [ChoiceOutput(i, spec, return_token_ids=body.structgen.return_token_ids)
+               for i, spec in enumerate(specs)]
+    exchange = Exchange(request, ChoiceStreams(state.engine, specs), outputs, _meta(state, response_id, body),
+                        CompletionFormat(body.includes_usage, {}), body.includes_usage)
+    return await exchange.respond(body.stream)
+
+
+def _model_card(state: FrontState) -> r.ModelCard:
+    engine = state.engine
+    return r.ModelCard(id=engine.model_name, created=state.created, owned_by="structgen",
+                       max_model_len=engine.model_config.max_position_embeddings)
+
+
+async def list_models(request: Request):
+    return JSONResponse(r.ModelList(data=[_model_card(_state(request))]).dump())
+
+
+async def get_model(model: str, request: Request):
+    state = _state(request)
+    if model not in (state.engine.model_name, state.engine.config.model):
+        raise ApiError(404, f"The model {model!r} does not exist", "invalid_request_error", "model", "model_not_found")
+    return JSONResponse(_model_card(state).dump())
+
+
+async def health(request: Request):
+    """Unauthenticated, like grpc.health.v1: 200 while serving, 503 while draining."""
+    if _state(request).is_draining:
+        return JSONResponse({"status": "draining"}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+def create_app(state: FrontState) -> FastAPI:
+    app = FastAPI(title="structgen OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.front = state
+    errors.install(app)
+    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.add_api_route("/v1/completions", completions, methods=["POST"])
+    app.add_api_route("/v1/models", list_models, methods=["GET"])
+    app.add_api_route("/v1/models/{model:path}", get_model, methods=["GET"])
+    app.add_api_route("/health", health, methods=["GET"])
+    if state.auth_header is not None:
+        app.add_middleware(BearerTokenAuth, expected=state.auth_header)
+    return app
