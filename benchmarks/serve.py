@@ -152,6 +152,23 @@ class Server:
                 return stats
             time.sleep(0.1)
 
+    def warm(self, prompts: list[list[int]], schema: str) -> float:
+        """One free and one constrained request per prompt before anything is measured: a fresh
+        server's first requests pay one-time costs (a compile worker's start, first kernels of a
+        shape) that are not what a workload measures. Returns the seconds it took."""
+        started = time.monotonic()
+        for prompt in prompts:
+            for constrained in (False, True):
+                request = self.pb.GenerateRequest(
+                    token_ids=self.pb.TokenIds(ids=prompt), sampling=self.pb.SamplingParams(temperature=0.0),
+                    stop=self.pb.StopConditions(max_tokens=4, ignore_eos=not constrained))
+                if constrained:
+                    request.json_schema = schema
+                    request.constraint_options.compact = True
+                for _ in self.stub.Generate(request, timeout=600):
+                    pass
+        return time.monotonic() - started
+
     def log_lines(self, pattern: str) -> list[str]:
         return [line.strip() for line in self.log_path.read_text().splitlines() if re.search(pattern, line)]
 
@@ -334,6 +351,9 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
         lengths |= {prefix.shared_len, prefix.tail_len, prefix.turn_prompt_len, prefix.unshared[0]}
     prompts = make_prompts(str(folder / "tokenizer.json"), lengths, 64, seed=1)
     schema = json.dumps(SCHEMA)
+    warm_prompts = [prompts[n][0][::-1] for n in sorted(prompts)]  # reversed: no prefix a workload's prompts share
+    log(f"{shape}: warm-up, {len(warm_prompts)} prompt lengths, free and constrained: "
+        f"{server.warm(warm_prompts, schema):.1f} s")
     common = dict(duration_s=args.duration, warmup_s=args.warmup)
     lengths: dict[str, list[int]] = {}
 
@@ -417,6 +437,7 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
         off = Server(model, args, tmp / f"server-{shape}-no-prefix-cache.log", max_batch,
                      extra=("--prefix-caching", "false"))
         try:
+            log(f"{shape}: warm-up: {off.warm(warm_prompts, schema):.1f} s")
             uncached = prefix_workloads(prefix, prompts, schema, common, lambda w, ps: run(w, on=off, prompt_set=ps),
                                         "cache off")
         finally:
