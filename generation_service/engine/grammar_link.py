@@ -232,7 +232,7 @@ class GrammarLink:
         step = self.next_step
         self.next_step += 1
         entry = self.channel.entry(step)
-        if rows:  # one array write, not a numpy item assignment per row (~1.4 us each)
+        if rows:  # one array write, not a numpy item assignment (a call each) per row
             entry.desc_rows[:len(rows)] = [(row.slot, row.num_positions, row.flags, row.grammar_id)
                                            for row in rows]
         for r, row in enumerate(rows):
