@@ -68,8 +68,8 @@ VOCAB = 131072
 PAGE_SIZE = 16
 # The host writes descriptor n once grammar_service is done with step n - D + 1; a sleeping host
 # (wait_seq's 1 ms steps) could launch step n after the GPU drained its queue, a bubble only the
-# waiting modes would pay, so the harness spins (at 1B, 50 us of spin and then sleeps measured
-# the same: benchmarks/results/decode-h200-1b-b8wait-hostsleep.json vs -base.json).
+# waiting modes would pay, so the harness spins (at 1B a short spin and then sleeps measured the
+# same: benchmarks/results/decode-h200-1b-b8wait-hostsleep.json against decode-h200-1b-b8wait-base.json).
 HOST_WAIT_SPIN_US = 20000.0
 # GpuDecodeRunner switches the command line can set (each --flag of the same name; None: the
 # runner's default), read at capture: A/B of the step's channel work in one run. name: (type, help)
@@ -495,7 +495,7 @@ def main() -> int:
                     help="further GrammarServiceConfig fields for grammar_service, as a JSON object")
     ap.add_argument("--host-wait-spin-us", type=float, default=HOST_WAIT_SPIN_US,
                     help="how long the host spins on mask_seq before it writes a descriptor D steps "
-                         "ahead, before sleeping up to 1 ms (50: the harness before run 11)")
+                         "ahead, before sleeping up to 1 ms (50: a short spin, then sleeps)")
     for name, (kind, text) in RUNNER_SETTINGS.items():
         kwargs = dict(action=argparse.BooleanOptionalAction) if kind is bool else dict(type=kind)
         ap.add_argument("--" + name.replace("_", "-"), default=None,

@@ -43,7 +43,7 @@ from step_channel import (
 log = logging.getLogger(__name__)
 # The host's poll of a GPU step's sequence words: under overlap the next step is already
 # queued, and the host must be back with the one after it before that ends (a 1B-shape step
-# is ~1 ms), so it sleeps in short steps rather than backing off to 1 ms.
+# is ~1 ms, docs/gpu.md), so it sleeps in short steps rather than backing off to 1 ms.
 GPU_POLL_SPIN_S = 100e-6
 GPU_POLL_SLEEP_S = 50e-6
 
