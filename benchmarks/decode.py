@@ -18,8 +18,8 @@ What is measured (per model shape, per batch size), all graphs of one runner:
                outputs, outputs_seq; grammar_service sees every step) with a wait that always
                passes and free rows in the descriptors: the step if masks were always ready.
                wait_fraction = 1 - prepublished / constrained = the GPU's time waiting for
-               grammar_service; wait_plus_mechanism_fraction = 1 - nowait / constrained (the
-               run-4 "wait %": it also holds the wait node and the seq writes);
+               grammar_service; wait_plus_mechanism_fraction = 1 - nowait / constrained (an
+               upper bound on the wait: it also holds the wait node and the seq writes);
 - engine:      the whole Engine with runner "cuda_graph" (scheduler, streams, host loop),
                overlap off and on (`EngineConfig.overlap`), free greedy decode of random
                prompts and, with grammar_service over gRPC, the same batch constrained by
@@ -584,7 +584,7 @@ def main() -> int:
 
 def summary(result: dict) -> None:
     """c/f: constrained (prefetch) over free; serial: the same without prefetch; wait%: GPU time
-    waiting for grammar_service (vs prepublished); +mech%: the run-4 figure (vs nowait)."""
+    waiting for grammar_service (vs prepublished); +mech%: the wait plus the channel's own work (vs nowait)."""
     print(f"\ncopy bandwidth {result['copy_bandwidth_gbs']:.0f} GB/s; masks: {result['mask_source']}")
     print(f"{'model':14s} {'batch':>5s} {'free ms':>8s} {'nowait':>7s} {'prepub':>7s} {'constr':>7s} "
           f"{'serial':>7s} {'free tok/s':>10s} {'constr tok/s':>12s} {'c/f':>5s} {'serial':>6s} "
