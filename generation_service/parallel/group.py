@@ -30,6 +30,7 @@ RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=10)  # ranks load their shards b
 STEP_TIMEOUT = datetime.timedelta(days=365)
 
 _current: "TensorParallelGroup | None" = None
+_on_broken: list = []  # called with a message when rank 0 can no longer keep the ranks in step
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,19 @@ def init_group(rank: int, world_size: int, address: str, device: str) -> TensorP
     _current = TensorParallelGroup(rank, world_size, torch_device, dist.group.WORLD, step_group)
     log.info("tensor-parallel rank %d of %d joined on %s (%s)", rank, world_size, torch_device, backend)
     return _current
+
+
+def on_broken(handler) -> None:
+    """Call `handler(message)` when `report_broken` is (the launcher stops the server)."""
+    _on_broken.append(handler)
+
+
+def report_broken(message: str) -> None:
+    """Rank 0 failed between collectives: the other ranks wait in a step it will not finish,
+    so no later step can pair with theirs."""
+    log.error("%s", message)
+    for handler in _on_broken:
+        handler(message)
 
 
 def current_group() -> TensorParallelGroup:

@@ -8,7 +8,8 @@ gets NVLink multicast turned off (group.MULTICAST_OFF_ENV).
 A worker that exits while the server runs is a failure: the watcher logs which rank and how it
 exited, keeps the message in `failure`, and calls `on_failure` (serve turns it into a stop:
 drain, stop, exit nonzero with that message). Rank 0's next collective fails as well, so the
-engine fails its open requests instead of waiting.
+engine fails its open requests instead of waiting. A step that fails on rank 0 itself
+(`group.report_broken`) is a failure too: the workers wait in a step rank 0 will not finish.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import sys
 import threading
 from typing import Callable
 
-from generation_service.parallel.group import MULTICAST_OFF_ENV, TensorParallelGroup, init_group
+from generation_service.parallel.group import MULTICAST_OFF_ENV, TensorParallelGroup, init_group, on_broken
 from generation_service.parallel.loading import model_source
 from generation_service.parallel.plan import check_divisible
 
@@ -55,6 +56,7 @@ class RankSupervisor:
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
         self.failure: str | None = None
+        self._failure_lock = threading.Lock()
 
     def check_model(self) -> None:
         """TensorParallelError unless the model's heads and MLP divide over the ranks (reads
@@ -81,22 +83,32 @@ class RankSupervisor:
 
     def join(self) -> TensorParallelGroup:
         """This process joins as rank 0; returns once every rank has (they load their shards first)."""
+        on_broken(self._fail)
         return init_group(0, self.world_size, self.address, self._config.device)
 
-    @property
-    def pids(self) -> dict[int, int]:
-        return {rank: process.pid for rank, process in self._workers.items()}
+    def _fail(self, message: str) -> None:
+        """The first failure stops the server; a rank 0 step broken by a worker's death is
+        reported as that death."""
+        with self._failure_lock:  # the watcher and the engine thread may both see it
+            if self.failure is not None:
+                return
+            self.failure = self._exited_worker() or message
+        self._on_failure(self.failure)
+
+    def _exited_worker(self) -> str | None:
+        for rank, process in self._workers.items():
+            code = process.poll()
+            if code is not None:
+                return (f"tensor-parallel rank {rank} (pid {process.pid}) exited with {describe_exit(code)}; "
+                        "the server cannot run without it")
+        return None
 
     def _watch(self) -> None:
         while not self._stopping.wait(0.1):
-            for rank, process in self._workers.items():
-                code = process.poll()
-                if code is None or self._stopping.is_set():
-                    continue
-                self.failure = (f"tensor-parallel rank {rank} (pid {process.pid}) exited with "
-                                f"{describe_exit(code)}; the server cannot run without it")
-                log.error("%s", self.failure)
-                self._on_failure(self.failure)
+            message = self._exited_worker()
+            if message is not None and not self._stopping.is_set():
+                log.error("%s", message)
+                self._fail(message)
                 return
 
     def stop(self, timeout_s: float = 10.0) -> None:

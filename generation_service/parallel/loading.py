@@ -139,7 +139,7 @@ def _gguf_state(model: nn.Module, plan: ShardPlan, path: pathlib.Path, device, d
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if gguf_name not in file.tensors:
             raise ModelLoadError(f"{path}: tensor '{gguf_name}' (for {name}) is missing")
-        whole = gguf_weights._read_tensor(file.tensors[gguf_name])
+        whole = gguf_weights.read_tensor(file.tensors[gguf_name])
         if ".self_attn.q_proj." in name:  # per head: cutting whole heads afterwards is exact
             whole = gguf_weights.unpermute_rope(whole, config.num_heads)
         elif ".self_attn.k_proj." in name:
