@@ -118,12 +118,21 @@ def _safetensors_state(model: nn.Module, plan: ShardPlan, folder: pathlib.Path, 
     missing = sorted(name for name, _ in model.named_parameters() if name not in files)
     if missing:
         raise ModelLoadError(f"{folder}: tensor(s) missing from the checkpoint: {', '.join(missing[:5])}")
+    expected = dict(model.named_parameters())
+    by_file: dict[pathlib.Path, list[str]] = {}
+    for name in expected:
+        by_file.setdefault(files[name], []).append(name)
     state = {}
-    for name, _ in model.named_parameters():
-        with open_safetensors(files[name], str(device)) as handle:
-            slicer = handle.get_slice(name)
-            shape = tuple(slicer.get_shape())
-            state[name] = cut(plan, name, shape, lambda index: slicer[index]).to(dtype)
+    for path, names in sorted(by_file.items()):
+        with open_safetensors(path, str(device)) as handle:
+            for name in names:
+                slicer = handle.get_slice(name)  # reads only the indexed part from the file
+                shape = tuple(slicer.get_shape())
+                part = cut(plan, name, shape, lambda index: slicer[index])
+                if part.shape != expected[name].shape:
+                    raise ModelLoadError(f"{path}: tensor '{name}' has shape {shape}, which does not fit "
+                                         f"config.json (this rank's part should be {tuple(expected[name].shape)})")
+                state[name] = part.to(dtype)
     return state
 
 
