@@ -29,6 +29,9 @@ if TYPE_CHECKING:
     from generation_service.engine.sampler import SampleRow
 
 
+_MAX_LOGIT = 1e4  # far above any logit a softmax tells apart from certainty
+
+
 @dataclass
 class LogitProcessing:
     """Inputs of `apply` for the P processed positions of a step's (L, V) logits."""
@@ -73,7 +76,9 @@ class LogitProcessing:
         if self.bias is not None:
             x += self.bias
         if self.seen is not None:
-            penalized = torch.where(x > 0, x / self.repetition_penalty, x * self.repetition_penalty)
+            # the quotient clamped: a tiny penalty must not make +inf (softmax of +inf is NaN)
+            quotient = (x / self.repetition_penalty).clamp(max=_MAX_LOGIT)
+            penalized = torch.where(x > 0, quotient, x * self.repetition_penalty)
             x = torch.where(self.seen, penalized, x)
         if self.output_counts is not None:
             x -= self.frequency_penalty * self.output_counts + self.presence_penalty * (self.output_counts > 0)

@@ -166,3 +166,10 @@ def test_the_token_right_after_prefill_is_held_too():
 def test_out_of_range_values_are_refused_saying_the_range(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_a_tiny_repetition_penalty_keeps_sampling_finite():
+    logits = torch.zeros(1, V)
+    logits[0, 5], logits[0, 6] = 3.0, 2.0
+    row = row_with(SamplingParams(temperature=1.0, repetition_penalty=1e-30), [6], prompt=())
+    assert Sampler()(logits, [row])[0].token_ids == [6]  # 2 / 1e-30: certain, and no NaN
