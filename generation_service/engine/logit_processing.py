@@ -16,10 +16,15 @@ token right after prefill) and the device sampler of eager GPU steps apply `appl
 tensors on the logits' device; the CUDA graphs do not run rows that use any of it
 (`CudaGraphRunner.can_graph`). Rows that use none of it cost nothing: `of` returns None
 when no row of the batch does, and leaves such rows' logits untouched otherwise.
+
+Sparse: each step touches only the (position, token) entries it changes (end tokens, biased
+tokens, the history's distinct tokens), so its cost grows with the history, not with
+positions x vocabulary; only the hold's check and min_p read whole rows.
 """
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -28,8 +33,16 @@ import torch
 if TYPE_CHECKING:
     from generation_service.engine.sampler import SampleRow
 
-
 _MAX_LOGIT = 1e4  # far above any logit a softmax tells apart from certainty
+
+
+@dataclass
+class Entries:
+    """(position, token) entries of the processed logits, with one value each; on the device."""
+
+    positions: torch.Tensor   # (N,) int64, rows of the processed block
+    tokens: torch.Tensor      # (N,) int64
+    values: torch.Tensor      # (N,) float32
 
 
 @dataclass
@@ -37,13 +50,10 @@ class LogitProcessing:
     """Inputs of `apply` for the P processed positions of a step's (L, V) logits."""
 
     positions: torch.Tensor | None          # (P,) int64 logit rows processed; None: all L rows
-    held: torch.Tensor | None               # (P, V) bool: end tokens min_tokens holds back
-    bias: torch.Tensor | None               # (P, V) float32 added to the logits
-    seen: torch.Tensor | None               # (P, V) bool: in the prompt or the output so far
-    repetition_penalty: torch.Tensor        # (P, 1) float32, 1 = off
-    output_counts: torch.Tensor | None      # (P, V) float32: times generated so far
-    frequency_penalty: torch.Tensor         # (P, 1) float32, 0 = off
-    presence_penalty: torch.Tensor          # (P, 1) float32, 0 = off
+    held: Entries | None                    # end tokens min_tokens holds back (values unused)
+    bias: Entries | None                    # logit_bias, added
+    repeated: Entries | None                # distinct prompt + output tokens: repetition_penalty
+    generated: Entries | None               # distinct output tokens: freq x count + presence
     min_p_threshold: torch.Tensor | None    # (P, 1): temperature x log(min_p), -inf = off
 
     @classmethod
@@ -61,8 +71,7 @@ class LogitProcessing:
             return None
         builder = _Builder(vocab_size)
         for row, first in spans:
-            for p in range(row.num_positions):
-                builder.add(row, first + p, p)
+            builder.add_row(row, first)
         is_all = len(builder.positions) == (num_logit_rows if num_logit_rows is not None else start)
         return builder.build(device, is_all)
 
@@ -70,90 +79,91 @@ class LogitProcessing:
         """In place on float32 (L, V) logits whose NaN and grammar-disallowed tokens are -inf."""
         x = logits if self.positions is None else logits[self.positions]
         if self.held is not None:
+            at = (self.held.positions, self.held.tokens)
+            kept = x[at]
+            x[at] = float("-inf")
             # keep an end token where nothing else is allowed (the grammar is complete)
-            others = x.masked_fill(self.held, float("-inf")).amax(dim=-1, keepdim=True) > float("-inf")
-            x.masked_fill_(self.held & others, float("-inf"))
+            others = x.amax(dim=-1) > float("-inf")
+            x[at] = torch.where(others[self.held.positions], float("-inf"), kept)
         if self.bias is not None:
-            x += self.bias
-        if self.seen is not None:
+            x.index_put_((self.bias.positions, self.bias.tokens), self.bias.values, accumulate=True)
+        if self.repeated is not None:
+            at, penalty = (self.repeated.positions, self.repeated.tokens), self.repeated.values
+            value = x[at]
             # the quotient clamped: a tiny penalty must not make +inf (softmax of +inf is NaN)
-            quotient = (x / self.repetition_penalty).clamp(max=_MAX_LOGIT)
-            penalized = torch.where(x > 0, quotient, x * self.repetition_penalty)
-            x = torch.where(self.seen, penalized, x)
-        if self.output_counts is not None:
-            x -= self.frequency_penalty * self.output_counts + self.presence_penalty * (self.output_counts > 0)
+            x[at] = torch.where(value > 0, (value / penalty).clamp(max=_MAX_LOGIT), value * penalty)
+        if self.generated is not None:
+            x.index_put_((self.generated.positions, self.generated.tokens), -self.generated.values,
+                         accumulate=True)
         if self.min_p_threshold is not None:
             # p_i < min_p p_max  <=>  (x_i - x_max) / T < log(min_p)
             x.masked_fill_(x < x.amax(dim=-1, keepdim=True) + self.min_p_threshold, float("-inf"))
-        if self.positions is None:
-            if x.data_ptr() != logits.data_ptr():
-                logits.copy_(x)
-        else:
+        if self.positions is not None:
             logits[self.positions] = x
 
 
 class _Builder:
-    """Host lists of (position, token) entries, made into dense tensors once per step."""
+    """Host lists of entries, made into device tensors once per step."""
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
         self.positions: list[int] = []
-        self.held: tuple[list[int], list[int]] = ([], [])
-        self.bias: tuple[list[int], list[int], list[float]] = ([], [], [])
-        self.seen: tuple[list[int], list[int]] = ([], [])
-        self.counted: tuple[list[int], list[int]] = ([], [])
-        self.repetition, self.frequency, self.presence, self.min_p = [], [], [], []
+        self.held, self.bias, self.repeated, self.generated = _Lists(), _Lists(), _Lists(), _Lists()
+        self.min_p: list[float] = []
 
-    def add(self, row: SampleRow, position: int, offset: int) -> None:
-        """Position `offset` of `row` (generated index first_index + offset) at logit row `position`."""
-        params, k = row.params, len(self.positions)
-        self.positions.append(position)
-        if row.first_index + offset < params.min_tokens:
-            ends = [t for t in row.end_token_ids if t < self.vocab_size]
-            self.held[0].extend([k] * len(ends))
-            self.held[1].extend(ends)
-        for token, value in params.logit_bias:
-            if token < self.vocab_size:
-                self._append(self.bias, k, token, value)
-        output = list(row.output_ids) + row.drafts[:offset]
-        if params.repetition_penalty != 1.0:
-            tokens = list(row.prompt_ids) + output
-            self.seen[0].extend([k] * len(tokens))
-            self.seen[1].extend(tokens)
-        if params.frequency_penalty != 0.0 or params.presence_penalty != 0.0:
-            self.counted[0].extend([k] * len(output))
-            self.counted[1].extend(output)
-        self.repetition.append(params.repetition_penalty)
-        self.frequency.append(params.frequency_penalty)
-        self.presence.append(params.presence_penalty)
+    def add_row(self, row: SampleRow, first: int) -> None:
+        """The row's positions at logit rows first, first + 1, ...; position p (generated index
+        first_index + p) has the drafts before it as generated tokens."""
+        params, vocab = row.params, self.vocab_size
+        ends = sorted(t for t in row.end_token_ids if t < vocab)
+        biases = [(t, b) for t, b in params.logit_bias if t < vocab]
+        use_repetition = params.repetition_penalty != 1.0
+        use_counts = params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
+        seen = set(row.prompt_ids) | set(row.output_ids) if use_repetition else set()
+        counts = Counter(row.output_ids) if use_counts else Counter()
         use_min_p = params.min_p > 0.0 and not params.is_greedy
-        self.min_p.append(params.temperature * math.log(params.min_p) if use_min_p else float("-inf"))
-
-    @staticmethod
-    def _append(lists, *values) -> None:
-        for target, value in zip(lists, values):
-            target.append(value)
+        for p in range(row.num_positions):
+            k = len(self.positions)
+            self.positions.append(first + p)
+            if p:  # the draft before this position counts as generated
+                seen.add(row.drafts[p - 1])
+                counts[row.drafts[p - 1]] += 1
+            if row.first_index + p < params.min_tokens:
+                self.held.extend(k, ends, [0.0] * len(ends))
+            self.bias.extend(k, [t for t, _ in biases], [b for _, b in biases])
+            if use_repetition:
+                tokens = [t for t in seen if t < vocab]
+                self.repeated.extend(k, tokens, [params.repetition_penalty] * len(tokens))
+            if use_counts:
+                tokens = [t for t in counts if t < vocab]
+                self.generated.extend(k, tokens, [params.frequency_penalty * counts[t] + params.presence_penalty
+                                                  for t in tokens])
+            self.min_p.append(params.temperature * math.log(params.min_p) if use_min_p else float("-inf"))
 
     def build(self, device, is_all: bool) -> LogitProcessing:
-        shape = (len(self.positions), self.vocab_size)
-
-        def column(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32).unsqueeze(1).to(device)
-
-        def dense(entries, dtype, accumulate: bool = False) -> torch.Tensor | None:
-            if not entries[0]:
-                return None
-            out = torch.zeros(shape, dtype=dtype, device=device)
-            index = torch.tensor(entries[:2], dtype=torch.int64).to(device)
-            values = (torch.tensor(entries[2], dtype=dtype) if len(entries) > 2
-                      else torch.ones(index.shape[1], dtype=dtype)).to(device)
-            out.index_put_((index[0], index[1]), values, accumulate=accumulate)
-            return out
-
+        use_min_p = any(v > float("-inf") for v in self.min_p)
         return LogitProcessing(
             positions=None if is_all else torch.tensor(self.positions, dtype=torch.int64).to(device),
-            held=dense(self.held, torch.bool), bias=dense(self.bias, torch.float32),
-            seen=dense(self.seen, torch.bool), repetition_penalty=column(self.repetition),
-            output_counts=dense(self.counted, torch.float32, accumulate=True), frequency_penalty=column(self.frequency),
-            presence_penalty=column(self.presence),
-            min_p_threshold=column(self.min_p) if any(v > float("-inf") for v in self.min_p) else None)
+            held=self.held.to(device), bias=self.bias.to(device), repeated=self.repeated.to(device),
+            generated=self.generated.to(device),
+            min_p_threshold=torch.tensor(self.min_p).unsqueeze(1).to(device) if use_min_p else None)
+
+
+class _Lists:
+    """Entries being gathered on the host."""
+
+    def __init__(self) -> None:
+        self.positions: list[int] = []
+        self.tokens: list[int] = []
+        self.values: list[float] = []
+
+    def extend(self, position: int, tokens: list[int], values: list[float]) -> None:
+        self.positions.extend([position] * len(tokens))
+        self.tokens.extend(tokens)
+        self.values.extend(values)
+
+    def to(self, device) -> Entries | None:
+        if not self.tokens:
+            return None
+        ints = torch.tensor([self.positions, self.tokens], dtype=torch.int64).to(device)
+        return Entries(ints[0], ints[1], torch.tensor(self.values, dtype=torch.float32).to(device))
