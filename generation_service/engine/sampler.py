@@ -3,9 +3,9 @@
 Order per position (DESIGN §4): NaN -> -inf, grammar mask (constrained rows only), the
 logits processing of logit_processing.py (EOS hold, logit_bias, penalties, min_p; rows that
 ask for it), then temperature, top-k, top-p; greedy rows take the argmax of the processed
-logits. Logprobs are those of the grammar-masked model distribution, before the processing. Rows with
-drafts are verified here with the rules in speculative.py, so plain decoding is simply the
-k = 0 case of the same code.
+logits. Logprobs are those of the grammar-masked model distribution, before the processing.
+Rows with drafts are verified here with the rules in speculative.py, so plain decoding is
+simply the k = 0 case of the same code.
 
 Randomness: the token at generated index i of a request draws from its own
 `torch.Generator` seeded with mix(seed, i). The result depends only on (seed, request,
