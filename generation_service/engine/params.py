@@ -29,7 +29,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0   # tokens of prompt or output: positive logits / p, negative x p
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), ids unique
     min_p: float = 0.0                # drop tokens below min_p x the top token's probability
-    min_tokens: int = 0               # end tokens (EOS, stop_token_ids) held back until reached
+    min_tokens: int = 0               # EOS, stop_token_ids and stop_strings held back until reached
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.temperature <= 100.0:

@@ -84,7 +84,7 @@ def _add_logits_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-p", type=bounded(float, 0, 1), default=None,
                         help="drop tokens below min-p x the top token's probability, in [0, 1]")
     parser.add_argument("--min-tokens", type=bounded(int, 0), default=None, metavar="N",
-                        help="no end-of-sequence or stop token before N tokens")
+                        help="no end-of-sequence, stop token or stop string before N tokens")
 
 
 def _logit_bias(text: str) -> tuple[int, float]:
