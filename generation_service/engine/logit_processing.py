@@ -57,11 +57,10 @@ class LogitProcessing:
     min_p_threshold: torch.Tensor | None    # (P, 1): temperature x log(min_p), -inf = off
 
     @classmethod
-    def of(cls, rows: list[SampleRow], vocab_size: int, device: torch.device | str = "cpu",
-           num_logit_rows: int | None = None) -> LogitProcessing | None:
-        """The processing of a step whose logits hold rows' positions back to back; None when
-        no row uses any of it. `num_logit_rows` (default: the rows' positions) lets a caller
-        whose logits have exactly these rows skip the gather."""
+    def of(cls, rows: list[SampleRow], vocab_size: int,
+           device: torch.device | str = "cpu") -> LogitProcessing | None:
+        """The processing of (L, V) logits holding the rows' positions back to back; None
+        when no row uses any of it."""
         start, spans = 0, []
         for row in rows:
             if row.params.uses_logit_processing:
@@ -72,8 +71,7 @@ class LogitProcessing:
         builder = _Builder(vocab_size)
         for row, first in spans:
             builder.add_row(row, first)
-        is_all = len(builder.positions) == (num_logit_rows if num_logit_rows is not None else start)
-        return builder.build(device, is_all)
+        return builder.build(device, is_all=len(builder.positions) == start)
 
     def apply(self, logits: torch.Tensor) -> None:
         """In place on float32 (L, V) logits whose NaN and grammar-disallowed tokens are -inf."""
