@@ -120,12 +120,35 @@ def sampling_params(request: pb.GenerateRequest, config: ServeConfig, tokenizer=
     if bad_stop:
         raise InvalidRequestError(f"stop.stop_token_ids: id {bad_stop[0]} is not below the vocabulary size {vocab_size}")
 
-    return SamplingParams(
-        temperature=given("temperature", config.default_temperature),
-        top_k=top_k, top_p=given("top_p", config.default_top_p),
-        seed=given("seed", None), max_new_tokens=stop.max_tokens or config.default_max_tokens,
-        stop_token_ids=tuple(stop.stop_token_ids), stop_strings=tuple(stop.stop_strings),
-        ignore_eos=stop.ignore_eos, num_logprobs=request.num_logprobs)
+    bad_bias = [t for t in sampling.logit_bias if vocab_size is not None and t >= vocab_size]
+    if bad_bias:
+        raise InvalidRequestError(f"sampling.logit_bias: token id {min(bad_bias)} is not below the vocabulary "
+                                  f"size {vocab_size}")
+    max_new_tokens = stop.max_tokens or config.default_max_tokens
+    min_tokens = given("min_tokens", 0)
+    if min_tokens > max_new_tokens:
+        raise InvalidRequestError(f"sampling.min_tokens {min_tokens} exceeds the max_tokens in effect "
+                                  f"({max_new_tokens}); raise stop.max_tokens or lower min_tokens")
+    try:
+        return SamplingParams(
+            temperature=given("temperature", config.default_temperature),
+            top_k=top_k, top_p=given("top_p", config.default_top_p),
+            seed=given("seed", None), max_new_tokens=max_new_tokens,
+            stop_token_ids=tuple(stop.stop_token_ids), stop_strings=tuple(stop.stop_strings),
+            ignore_eos=stop.ignore_eos, num_logprobs=request.num_logprobs,
+            frequency_penalty=given("frequency_penalty", 0.0), presence_penalty=given("presence_penalty", 0.0),
+            repetition_penalty=given("repetition_penalty", 1.0), min_p=given("min_p", 0.0),
+            logit_bias=tuple(sorted(sampling.logit_bias.items())), min_tokens=min_tokens)
+    except ValueError as error:  # the domain's range checks, named as the proto's fields
+        raise InvalidRequestError(f"sampling.{error}" if _names_sampling_field(str(error)) else str(error)) from None
+
+
+_SAMPLING_FIELDS = ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_p", "logit_bias",
+                    "min_tokens", "temperature", "top_p", "top_k")
+
+
+def _names_sampling_field(message: str) -> bool:
+    return message.startswith(_SAMPLING_FIELDS)
 
 
 def to_generation_request(request: pb.GenerateRequest, tokenizer, config: ServeConfig,

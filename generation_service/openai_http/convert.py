@@ -17,12 +17,6 @@ from generation_service.openai_http.errors import ApiError
 from generation_service.openai_http.schemas import (ChatCompletionRequest, ChatMessage, CompletionRequest,
                                                     MAX_STOP_STRINGS, SamplingBody)
 
-# Parameters accepted only at the value that changes nothing: the engine has no such logits
-# processor yet (a penalty or bias must act on every path: CUDA graphs, eager, verify).
-NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "logit_bias": {}, "min_p": 0.0,
-           "repetition_penalty": 1.0, "min_tokens": 0}
-
-
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
@@ -36,11 +30,6 @@ def check_model(body: SamplingBody, model_name: str, served_as: str = "") -> Non
 
 
 def refuse_unsupported(body: SamplingBody) -> None:
-    for name, neutral in NEUTRAL.items():
-        value = getattr(body, name)
-        if value is not None and value != neutral:
-            raise ApiError(400, f"{name} is not supported by this server yet (the engine has no such "
-                                f"sampling step); leave it unset or {neutral!r}", param=name, code="unsupported_parameter")
     if isinstance(body, CompletionRequest):
         if body.echo:
             raise ApiError(400, "echo is not supported: the response carries the completion only", param="echo")
@@ -69,12 +58,42 @@ def sampling_params(body: SamplingBody, config: ServeConfig, limit: int, index: 
     if len(stops) > MAX_STOP_STRINGS:
         raise ApiError(400, f"stop: at most {MAX_STOP_STRINGS} strings, got {len(stops)}", param="stop")
     top_k = body.top_k if body.top_k is not None else config.default_top_k
+    max_new_tokens = _max_new_tokens(body, limit, config.default_max_tokens)
+    min_tokens = body.min_tokens or 0
+    if min_tokens > max_new_tokens:
+        raise ApiError(400, f"min_tokens {min_tokens} exceeds the max_tokens in effect ({max_new_tokens}); "
+                            "raise max_tokens or lower min_tokens", param="min_tokens", code="invalid_value")
     return SamplingParams(
         temperature=body.temperature if body.temperature is not None else config.default_temperature,
         top_p=body.top_p if body.top_p is not None else config.default_top_p,
         top_k=max(top_k, 0), seed=None if body.seed is None else body.seed + index,
-        max_new_tokens=_max_new_tokens(body, limit, config.default_max_tokens),
-        stop_strings=stops, ignore_eos=body.structgen.ignore_eos, num_logprobs=body.num_logprobs)
+        max_new_tokens=max_new_tokens,
+        stop_strings=stops, ignore_eos=body.structgen.ignore_eos, num_logprobs=body.num_logprobs,
+        frequency_penalty=_given(body.frequency_penalty, 0.0), presence_penalty=_given(body.presence_penalty, 0.0),
+        repetition_penalty=_given(body.repetition_penalty, 1.0), min_p=_given(body.min_p, 0.0),
+        logit_bias=logit_bias(body.logit_bias), min_tokens=min_tokens)
+
+
+def _given(value, neutral):
+    return neutral if value is None else value
+
+
+def logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} (JSON keys are strings) -> sorted (id, bias) pairs."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise ApiError(400, f"logit_bias: key {key!r} is not a token id (an integer as a string)",
+                           param="logit_bias", code="invalid_value") from None
+        if token < 0 or not -100.0 <= value <= 100.0:
+            raise ApiError(400, f"logit_bias: {key!r}: {value} must map a token id >= 0 to a bias in [-100, 100]",
+                           param="logit_bias", code="invalid_value")
+        pairs.append((token, float(value)))
+    if len({token for token, _ in pairs}) != len(pairs):
+        raise ApiError(400, "logit_bias names a token id twice", param="logit_bias", code="invalid_value")
+    return tuple(sorted(pairs))
 
 
 def grammar_spec(body: SamplingBody, config: ServeConfig) -> GrammarSpec | None:

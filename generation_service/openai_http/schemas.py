@@ -118,7 +118,7 @@ class SamplingBody(Body):
     structgen: StructgenOptions = Field(default_factory=StructgenOptions)
     # common extensions the engine has
     top_k: int | None = Field(default=None, ge=-1)  # -1 (vLLM's "off") or 0: off
-    # accepted at their neutral value only (convert.NEUTRAL)
+    # logits processing (engine/logit_processing.py); ranges checked by SamplingParams
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None

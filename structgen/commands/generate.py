@@ -57,6 +57,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--top-p", type=bounded(float, 0, 1, open_low=True), default=None,
                         help="nucleus sampling mass in (0, 1] (default: the server's)")
     parser.add_argument("--seed", type=bounded(int, 0), default=None, help="sampling seed (default: random)")
+    _add_logits_flags(parser)
     parser.add_argument("--stop", action="append", default=[], metavar="TEXT",
                         help="stop when the output contains TEXT (repeat)")
     parser.add_argument("--compact", action="store_true", help="JSON without free whitespace")
@@ -68,6 +69,35 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--token", default=None, help="bearer token (default $STRUCTGEN_TOKEN)")
     parser.add_argument("-v", "--verbose", action="store_true", help="report, usage and validation on stderr")
     parser.set_defaults(run=run)
+
+
+def _add_logits_flags(parser: argparse.ArgumentParser) -> None:
+    """The logits processing of the request's SamplingParams (OpenAI's ranges); off when unset."""
+    parser.add_argument("--frequency-penalty", type=bounded(float, -2, 2), default=None, metavar="X",
+                        help="minus X per time a token was generated, in [-2, 2]")
+    parser.add_argument("--presence-penalty", type=bounded(float, -2, 2), default=None, metavar="X",
+                        help="minus X for every token generated at least once, in [-2, 2]")
+    parser.add_argument("--repetition-penalty", type=bounded(float, 0, 10, open_low=True), default=None,
+                        metavar="X", help="prompt and output tokens' logits / X (negative ones x X), in (0, 10]")
+    parser.add_argument("--logit-bias", type=_logit_bias, action="append", default=[], metavar="ID=BIAS",
+                        help="add BIAS in [-100, 100] to token ID's logit (repeat)")
+    parser.add_argument("--min-p", type=bounded(float, 0, 1), default=None,
+                        help="drop tokens below min-p x the top token's probability, in [0, 1]")
+    parser.add_argument("--min-tokens", type=bounded(int, 0), default=None, metavar="N",
+                        help="no end-of-sequence, stop token or stop string before N tokens")
+
+
+def _logit_bias(text: str) -> tuple[int, float]:
+    token, sep, bias = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        pair = int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TOKEN_ID=BIAS, e.g. 42=-100, got {text!r}") from None
+    if not -100 <= pair[1] <= 100:
+        raise argparse.ArgumentTypeError(f"the bias must be in [-100, 100], got {text}")
+    return pair
 
 
 def request_options(args: argparse.Namespace) -> dict:
@@ -87,7 +117,10 @@ def request_options(args: argparse.Namespace) -> dict:
         options["json_object"] = True
     options.update(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, stop=args.stop, compact=args.compact,
-                   max_whitespace=args.max_whitespace, strict=args.strict)
+                   max_whitespace=args.max_whitespace, strict=args.strict,
+                   frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
+                   repetition_penalty=args.repetition_penalty, logit_bias=dict(args.logit_bias) or None,
+                   min_p=args.min_p, min_tokens=args.min_tokens)
     return options
 
 

@@ -110,6 +110,17 @@ def _numeric_extremes() -> Iterator[tuple[str, pb.GenerateRequest]]:
     for value in FLOATS:
         yield f"temperature-{value}", pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(temperature=value))
         yield f"top-p-{value}", pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(top_p=value, temperature=1))
+    for value in FLOATS:  # the logits processing (penalties in [-2, 2], min_p in [0, 1], ...)
+        for name in ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_p"):
+            yield f"{name}-{value}", pb.GenerateRequest(prompt="x", stop=pb.StopConditions(max_tokens=2),
+                                                        sampling=pb.SamplingParams(**{name: value}))
+        yield f"logit-bias-{value}", pb.GenerateRequest(prompt="x", stop=pb.StopConditions(max_tokens=2),
+                                                        sampling=pb.SamplingParams(logit_bias={0: value}))
+    for value in (0, 1, 2, 3, 64, 65, U32):
+        yield f"min-tokens-{value}", pb.GenerateRequest(prompt="x", stop=pb.StopConditions(max_tokens=2),
+                                                        sampling=pb.SamplingParams(min_tokens=value))
+        yield f"logit-bias-id-{value}", pb.GenerateRequest(prompt="x", stop=pb.StopConditions(max_tokens=2),
+                                                           sampling=pb.SamplingParams(logit_bias={value: 1.0}))
     for value in (0, 1, 31999, 32000, 1 << 31, U32):
         yield f"top-k-{value}", pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(top_k=value, temperature=1))
         yield f"max-tokens-{value}", pb.GenerateRequest(prompt="x", stop=pb.StopConditions(max_tokens=value))
@@ -219,6 +230,13 @@ def requests(draw) -> bytes:
         sampling.top_k = draw(st.integers(0, U32))
     if draw(st.booleans()):
         sampling.seed = draw(st.integers(0, U64))
+    for name in ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_p"):
+        if draw(st.integers(0, 7)) == 0:  # rarely: most values out of range end the call early
+            setattr(sampling, name, draw(st.sampled_from(FLOATS) | st.floats(-2, 2, width=32)))
+    if draw(st.integers(0, 7)) == 0:
+        sampling.logit_bias.update(draw(st.dictionaries(st.integers(0, U32), st.sampled_from(FLOATS), max_size=2)))
+    if draw(st.integers(0, 7)) == 0:
+        sampling.min_tokens = draw(st.sampled_from([0, 1, 4, 65, U32]))
     request.stop.max_tokens = draw(st.sampled_from([0, 1, 2, 4, 64, 65, U32]))
     request.stop.stop_strings.extend(draw(st.lists(st.text(max_size=4), max_size=2)))
     request.stop.stop_token_ids.extend(draw(st.lists(st.integers(0, U32), max_size=2)))

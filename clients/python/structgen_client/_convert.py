@@ -38,7 +38,11 @@ def build_request(prompt: str | None = None, *, token_ids: Sequence[int] | None 
                   json_object: bool = False, choices: Sequence[str] | None = None,
                   max_tokens: int = 0, temperature: float | None = None, top_k: int | None = None,
                   top_p: float | None = None,
-                  seed: int | None = None, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
+                  seed: int | None = None, frequency_penalty: float | None = None,
+                  presence_penalty: float | None = None, repetition_penalty: float | None = None,
+                  logit_bias: dict[int, float] | None = None, min_p: float | None = None,
+                  min_tokens: int | None = None,
+                  stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
                   ignore_eos: bool = False, compact: bool = False, max_whitespace: int | None = None,
                   strict: bool = False, backend: str | None = None, num_draft_tokens: int = 0,
                   proposer: str | None = None, num_logprobs: int = 0,
@@ -69,9 +73,14 @@ def build_request(prompt: str | None = None, *, token_ids: Sequence[int] | None 
         request.json_object.SetInParent()
     if choices is not None:
         request.choice.choices.extend(choices)
-    for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("seed", seed)):
+    sampling = (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("seed", seed),
+                ("frequency_penalty", frequency_penalty), ("presence_penalty", presence_penalty),
+                ("repetition_penalty", repetition_penalty), ("min_p", min_p), ("min_tokens", min_tokens))
+    for name, value in sampling:
         if value is not None:  # unset fields take the server's defaults
             setattr(request.sampling, name, value)
+    for token_id, bias in (logit_bias or {}).items():
+        request.sampling.logit_bias[int(token_id)] = bias
     request.stop.max_tokens = max_tokens
     request.stop.stop_strings.extend(stop)
     request.stop.stop_token_ids.extend(stop_token_ids)

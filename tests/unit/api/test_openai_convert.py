@@ -123,14 +123,29 @@ def test_messages_the_model_cannot_read_are_refused(messages, param, match):
     assert raised.value.status == 400 and raised.value.param == param
 
 
-@pytest.mark.parametrize("name,value", [("frequency_penalty", 0.1), ("presence_penalty", -1.0),
-                                        ("logit_bias", {"3": 1.0}), ("min_p", 0.05),
-                                        ("repetition_penalty", 1.1), ("min_tokens", 2)])
-def test_sampling_the_engine_lacks_is_refused_unless_neutral(name, value):
-    convert.refuse_unsupported(chat(**{name: convert.NEUTRAL[name]}))
-    with pytest.raises(ApiError, match=f"^{name} is not supported") as raised:
-        convert.refuse_unsupported(chat(**{name: value}))
-    assert raised.value.param == name and raised.value.status == 400
+def test_logits_processing_parameters_reach_the_engine_with_openai_keys():
+    sampling = chat_specs(chat(frequency_penalty=0.25, presence_penalty=-1.0, logit_bias={"9": -100, "3": 4},
+                               min_p=0.05, repetition_penalty=1.1, min_tokens=2))[0].sampling
+    assert (sampling.frequency_penalty, sampling.presence_penalty, sampling.min_tokens) == (0.25, -1.0, 2)
+    assert (sampling.min_p, sampling.repetition_penalty) == (0.05, 1.1)
+    assert sampling.logit_bias == ((3, 4.0), (9, -100.0))
+    assert not chat_specs(chat())[0].sampling.uses_logit_processing
+
+
+@pytest.mark.parametrize("fields,param,match", [
+    ({"frequency_penalty": 2.5}, "frequency_penalty", r"frequency_penalty must be in \[-2, 2\]"),
+    ({"presence_penalty": -9}, "presence_penalty", r"presence_penalty must be in \[-2, 2\]"),
+    ({"repetition_penalty": 0}, "repetition_penalty", r"repetition_penalty must be in \(0, 10\]"),
+    ({"min_p": 2}, "min_p", r"min_p must be in \[0, 1\]"),
+    ({"logit_bias": {"x": 1}}, "logit_bias", "not a token id"),
+    ({"logit_bias": {"5": 101}}, "logit_bias", r"a bias in \[-100, 100\]"),
+    ({"min_tokens": 8}, "min_tokens", r"min_tokens 8 exceeds the max_tokens in effect \(7\)"),
+])
+def test_out_of_range_logits_processing_is_a_400_naming_the_parameter(fields, param, match):
+    with pytest.raises((ApiError, ValueError), match=match) as raised:
+        chat_specs(chat(**fields))
+    error = ApiError.of(raised.value)
+    assert error.status == 400 and error.param == param
 
 
 def test_unknown_model_is_404():
