@@ -91,6 +91,7 @@ class Extension(Model):
 class ChatMessage(Model):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # the reasoning span's text (vLLM's and DeepSeek's field)
     refusal: str | None = None
     tool_calls: list[ToolCall] | None = None
 
@@ -116,6 +117,7 @@ class ChatCompletion(Model):
 class ChatDelta(Model):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 

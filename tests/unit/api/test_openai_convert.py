@@ -16,6 +16,11 @@ CONFIG = ServeConfig(default_max_tokens=7, default_temperature=0.5, default_top_
 
 class FakeTokenizer:
     vocab_size = 100
+    chat_template = "<|im_start|>{{ messages }}"  # a ChatML template naming no tool format: Hermes
+    special_token_ids = frozenset()
+
+    def token_id(self, text):
+        return None
 
     def __init__(self):
         self.rendered = None
@@ -23,7 +28,7 @@ class FakeTokenizer:
     def encode(self, text):
         return [ord(c) % 100 for c in text]
 
-    def apply_chat_template(self, messages, tools=None):
+    def apply_chat_template(self, messages, tools=None, template_kwargs=None):
         if any(m["role"] == "tool" for m in messages):
             raise jinja2.exceptions.TemplateError("roles must be system, user or assistant")
         self.rendered = (messages, tools)
@@ -39,7 +44,7 @@ def chat(**fields):
 
 
 def chat_specs(body, eng=None):
-    return convert.chat_requests(body, "chatcmpl-x", eng or engine(), CONFIG)
+    return convert.chat_requests(body, "chatcmpl-x", eng or engine(), CONFIG)[0]
 
 
 def test_unset_sampling_takes_the_server_defaults_and_set_fields_win():

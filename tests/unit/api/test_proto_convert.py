@@ -17,7 +17,7 @@ class FakeTokenizer:
     def encode(self, text):
         return [ord(c) % 100 for c in text]
 
-    def apply_chat_template(self, messages):
+    def apply_chat_template(self, messages, tools=None, template_kwargs=None):
         return [1] + [len(m["content"]) for m in messages]
 
 
