@@ -4,7 +4,7 @@ from __future__ import annotations
 import functools
 import json
 import re
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import xgrammar as xgr
@@ -40,14 +40,28 @@ def _json_options(spec: GrammarSpec) -> dict:
                 max_whitespace_cnt=spec.max_whitespace if any_ws else None, strict_mode=False)
 
 
-def reasoning_format(span: ReasoningSpan) -> list[dict]:
+def reasoning_format(span: ReasoningSpan, token_id: Callable[[str], int | None] = lambda text: None,
+                     stop_ids: Sequence[int] = ()) -> list[dict]:
     """Structural-tag elements of a reasoning span: free text (at most `max_tokens` tokens,
-    then only the end marker is allowed) closed by the end marker, then the separator."""
-    content: dict = {"type": "any_text"}
+    then only the end marker is allowed) closed by the end marker, then the separator.
+
+    An end marker that is one token of the vocabulary (`token_id`) is matched as that token,
+    with token-level free text before it (neither marker nor a stop token), so a spent budget
+    forces the marker's own token rather than any spelling of its text."""
+    end_id = token_id(span.end)
+    begin_id = token_id(span.begin) if span.begin else None
+    if end_id is not None:
+        excluded = [end_id, *([] if begin_id is None else [begin_id]), *stop_ids]
+        content: dict = {"type": "any_tokens", "exclude_tokens": sorted(set(excluded))}
+        end: str | dict = {"type": "token", "token": end_id}
+    else:
+        content, end = {"type": "any_text"}, span.end
     if span.max_tokens is not None:
         content["max_tokens"] = span.max_tokens
-    elements = [{"type": "tag", "begin": "" if span.starts_open else span.begin, "content": content,
-                 "end": span.end}]
+    begin: str | dict = "" if span.starts_open else span.begin
+    if begin and begin_id is not None:
+        begin = {"type": "token", "token": begin_id}
+    elements = [{"type": "tag", "begin": begin, "content": content, "end": end}]
     if span.separator:
         elements.append({"type": "const_string", "value": span.separator})
     return elements
@@ -125,7 +139,7 @@ class XGrammarBackend(GrammarBackend):
         """The span (a structural tag: its token budget is xgrammar's any_text max_tokens), then
         the constraint compiled as it would be alone. A structural tag constraint is spliced
         into one tag, so that token formats in it resolve against this tokenizer."""
-        prefix = reasoning_format(spec.reasoning)
+        prefix = reasoning_format(spec.reasoning, self._token_ids.get, self.tokenizer.stop_token_ids)
         if spec.kind == "structural_tag":
             tag = json.loads(spec.text)
             if isinstance(tag, dict) and "format" in tag:
@@ -134,6 +148,10 @@ class XGrammarBackend(GrammarBackend):
         head = xgr.Grammar.from_structural_tag(json.dumps(
             {"type": "structural_tag", "format": {"type": "sequence", "elements": prefix}}))
         return self._compiler.compile_grammar(xgr.Grammar.concat(head, self._grammar(spec)))
+
+    @functools.cached_property
+    def _token_ids(self) -> dict[str, int]:
+        return {text: token_id for token_id, text in enumerate(self.tokenizer.encoded_vocab) if text}
 
     def _grammar(self, spec: GrammarSpec) -> xgr.Grammar:
         """The constraint alone as an uncompiled Grammar (with the options `_compile` uses)."""
