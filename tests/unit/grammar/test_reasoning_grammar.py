@@ -1,0 +1,103 @@
+"""A reasoning span before the constraint (GrammarSpec.reasoning), compiled by both backends
+with Qwen3's test tokenizer: free text up to the end marker, the separator, then the
+constraint from its first token; xgrammar's token budget forces the end marker's token."""
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from chat_checkpoints import write_checkpoint
+from generation_service.engine.params import GrammarSpec, ReasoningSpan
+from generation_service.model.tokenizer import Tokenizer
+from grammar_service.backends.base import GrammarCompileError
+from grammar_service.backends.llguidance import LLGuidanceBackend
+from grammar_service.backends.xgrammar import XGrammarBackend
+from grammar_service.compiler import spec_key
+from grammar_service.tokenizer import load_tokenizer
+
+SCHEMA = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+CONSTRAINTS = {"json_schema": (SCHEMA, '{"a":1}', '{"b":1}'), "regex": ("[0-9]+", "42", "x"),
+               "lark": ('start: "x" /[0-9]+/', "x7", "y7")}
+QWEN = ReasoningSpan("<think>", "</think>", "\n\n")
+TEXT_MARKERS = ReasoningSpan("[R]", "[/R]")
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("qwen3")
+    write_checkpoint("qwen3", folder)
+    tokenizer = Tokenizer(folder)
+    data, _ = load_tokenizer(str(folder), tokenizer.num_tokens)
+    return tokenizer, data
+
+
+@pytest.fixture(scope="module", params=["xgrammar", "llguidance"])
+def backend(request, qwen):
+    cls = {"xgrammar": XGrammarBackend, "llguidance": LLGuidanceBackend}[request.param]
+    return cls(qwen[1], num_compile_threads=1, num_fill_threads=1)
+
+
+def run(qwen, backend, spec: GrammarSpec, text: str) -> bool:
+    """Every token of `text` and then the stop token accepted."""
+    tokenizer = qwen[0]
+    matcher = backend.new_matcher(backend.compile(spec))
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return all(matcher.accept(i) for i in ids) and matcher.accept(tokenizer.eos_token_ids[0])
+
+
+def opening(span: ReasoningSpan, thoughts: str) -> str:
+    return ("" if span.starts_open else span.begin) + thoughts + span.end + span.separator
+
+
+@pytest.mark.parametrize("kind", list(CONSTRAINTS))
+@pytest.mark.parametrize("span", [QWEN, ReasoningSpan("", "</think>", "\n\n", starts_open=True), TEXT_MARKERS])
+def test_span_then_the_constraint(qwen, backend, kind, span):
+    text, good, bad = CONSTRAINTS[kind]
+    spec = GrammarSpec(kind, text, any_whitespace=False, reasoning=span)
+    assert run(qwen, backend, spec, opening(span, "hello, 2 < 3 world") + good)
+    assert run(qwen, backend, spec, opening(span, "") + good)
+    assert not run(qwen, backend, spec, opening(span, "hello") + bad)  # the constraint holds after the span
+    assert not run(qwen, backend, spec, good)  # the span is required
+    if span.separator:
+        assert not run(qwen, backend, spec, opening(span, "hi").removesuffix(span.separator) + good)
+
+
+def test_xgrammar_budget_forces_the_end_token(qwen):
+    tokenizer, data = qwen
+    backend = XGrammarBackend(data, num_compile_threads=1, num_fill_threads=1)
+    spec = GrammarSpec("regex", "[0-9]+", reasoning=dataclasses.replace(QWEN, max_tokens=3))
+    matcher = backend.new_matcher(backend.compile(spec))
+    masks = np.zeros((1, data.mask_words), dtype=np.int32)
+
+    def allowed() -> list[int]:
+        backend.batch_fill([matcher], masks, [0])
+        bits = np.unpackbits(masks.view(np.uint8), bitorder="little")[:data.vocab_size]
+        return list(np.flatnonzero(bits))
+
+    assert allowed() == [tokenizer.token_id("<think>")]
+    assert matcher.accept(tokenizer.token_id("<think>"))
+    for piece in ("h", "e", "l"):
+        assert len(allowed()) > 100  # free text: most of the vocabulary
+        assert matcher.accept(tokenizer.token_id(piece))
+    assert allowed() == [tokenizer.token_id("</think>")]  # the budget is spent
+    assert not matcher.accept(tokenizer.token_id("l"))
+    matcher.rollback(2)  # drafts roll back through the span
+    assert len(allowed()) > 100
+
+
+def test_llguidance_refuses_a_budget_and_auto_leaves_it_to_xgrammar(qwen):
+    from grammar_service.backends.llguidance import unsupported
+
+    spec = GrammarSpec("json_schema", SCHEMA, any_whitespace=False,
+                       reasoning=ReasoningSpan("<think>", "</think>", max_tokens=4))
+    assert "xgrammar" in unsupported(spec)
+    with pytest.raises(GrammarCompileError, match="max_tokens"):
+        LLGuidanceBackend(qwen[1], num_compile_threads=1, num_fill_threads=1).compile(spec)
+
+
+def test_the_span_is_part_of_the_cache_key():
+    plain = GrammarSpec("regex", "x")
+    with_span = GrammarSpec("regex", "x", reasoning=QWEN)
+    assert len({spec_key(plain, "auto"), spec_key(with_span, "auto"),
+                spec_key(GrammarSpec("regex", "x", reasoning=ReasoningSpan(max_tokens=2)), "auto")}) == 3
