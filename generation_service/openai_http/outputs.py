@@ -1,7 +1,8 @@
 """ChoiceOutput: what one choice has produced so far, fed event by event.
 
-Each engine event becomes a `Piece` (the content text, completed tool calls and logprobs it
-adds), which a stream sends as one chunk; the whole response is the sum of the pieces.
+Each engine event becomes a `Piece` (the content text, reasoning text, completed tool calls and
+logprobs it adds; with a turn the pump thread split them, choices.py), which a stream sends
+as one chunk; the whole response is the sum of the pieces.
 The engine's finish reasons map onto OpenAI's: max tokens is "length", a tool call that
 ended the output is "tool_calls", every other end is "stop" (the engine's own reason stays
 in the `structgen` extension). Errors are raised as the engine's exceptions.
