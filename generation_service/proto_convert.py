@@ -49,8 +49,11 @@ def prompt_ids(request, tokenizer) -> tuple[int, ...]:
     if kind in ("prompt", "text"):
         return tuple(tokenizer.encode(getattr(request, kind)))
     if kind == "chat":
-        tools = [tool.template_entry() for tool in proto_turn.tools(request)] or None
-        return tuple(_render_chat(tokenizer, chat_to_dicts(request.chat), tools, proto_turn.template_kwargs(request)))
+        tools = kwargs = None
+        if request.tools or request.HasField("reasoning"):
+            tools = [tool.template_entry() for tool in proto_turn.tools(request)] or None
+            kwargs = proto_turn.template_kwargs(request)
+        return tuple(_render_chat(tokenizer, chat_to_dicts(request.chat), tools, kwargs))
     ids = tuple(request.token_ids.ids)
     vocab_size = tokenizer.vocab_size
     bad = [i for i in ids if i >= vocab_size]
