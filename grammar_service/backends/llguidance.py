@@ -31,6 +31,7 @@ import numpy as np
 
 from generation_service.engine.params import GrammarSpec, ReasoningSpan
 from grammar_service.backends.base import GrammarBackend, GrammarCompileError, Matcher, TokenizerData
+from grammar_service.backends.llguidance_tags import structural_tag_grammar
 from grammar_service.config import llguidance_lanes
 from grammar_service.guarantees import llguidance_unenforced
 
@@ -85,13 +86,22 @@ def unsupported(spec: GrammarSpec) -> str:
     return ""
 
 
-def grammar_for(spec: GrammarSpec, is_special: Callable[[str], bool] = lambda text: False) -> str:
+def _none(text: str) -> int | None:
+    return None
+
+
+def grammar_for(spec: GrammarSpec, special_id: Callable[[str], int | None] = _none,
+                token_id: Callable[[str], int | None] = _none) -> str:
     """The llguidance grammar (serialized) for a spec; raises GrammarCompileError.
-    `is_special(text)`: the text is one token llguidance treats as special (reasoning markers)."""
+    `special_id(text)` / `token_id(text)`: the id of the special token / of any token spelled
+    `text` (markers and tokens of reasoning spans and structural tags)."""
     if unsupported(spec):
         raise GrammarCompileError(unsupported(spec))
     if spec.reasoning is not None:
-        return after_reasoning(spec.reasoning, grammar_for(dataclasses.replace(spec, reasoning=None)), is_special)
+        inner = grammar_for(dataclasses.replace(spec, reasoning=None), special_id, token_id)
+        return after_reasoning(spec.reasoning, inner, lambda text: special_id(text) is not None)
+    if spec.kind == "structural_tag":
+        return structural_tag_grammar(spec.text, special_id, token_id)
     try:
         if spec.kind in ("json_schema", "json_object"):
             text = spec.text if spec.kind == "json_schema" else '{"type": "object"}'
@@ -204,7 +214,7 @@ class LLGuidanceBackend(GrammarBackend):
         (lanes built later, in the background, would leave that burst on lane 0 for its whole
         generation). A row is never bound before its grammar's compile finished, so no mask
         waits for a lane."""
-        grammar = grammar_for(spec, self._is_special)
+        grammar = grammar_for(spec, self._special_id, self._token_ids.get)
         first = llg.LLMatcher(self.lltokenizer, grammar, log_level=0)
         if first.is_error():
             raise GrammarCompileError(f"{spec.kind}: {first.get_error()}")
@@ -220,9 +230,9 @@ class LLGuidanceBackend(GrammarBackend):
     def _token_ids(self) -> dict[str, int]:
         return {text: token_id for token_id, text in enumerate(self.tokenizer.encoded_vocab) if text}
 
-    def _is_special(self, text: str) -> bool:
+    def _special_id(self, text: str) -> int | None:
         token_id = self._token_ids.get(text)
-        return token_id is not None and self.lltokenizer.is_special_token(token_id)
+        return token_id if token_id is not None and self.lltokenizer.is_special_token(token_id) else None
 
     # ---- matchers ------------------------------------------------------------------------
     def new_matcher(self, compiled: LLGuidanceGrammar) -> LLGuidanceMatcher:

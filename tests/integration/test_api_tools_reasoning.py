@@ -111,6 +111,15 @@ def test_named_single_call_stops_after_the_call(family_client):
     _check_calls([call])
 
 
+def test_llguidance_enforces_the_calls_too(family_client):
+    """(llguidance takes no max_whitespace: its masks admit whitespace its matcher refuses)"""
+    completion = family_client.generate_text(messages=ASK, tools=TOOLS, tool_choice="get_time", backend="llguidance",
+                                             max_tokens=300, temperature=1.0, seed=3)
+    assert completion.guarantee.backend == "llguidance" and completion.finish_reason == "grammar_complete"
+    [call] = completion.tool_calls
+    _check_calls([call])
+
+
 def test_auto_answers_with_text_or_valid_calls(family_client):
     for seed in range(3):
         completion = family_client.generate_text(messages=ASK, seed=seed, single_tool_call=True, **CALLS)

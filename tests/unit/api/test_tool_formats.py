@@ -1,5 +1,5 @@
 """Tool-call formats (generation_service/assistant/formats.py): each family's grammar, compiled
-by grammar_service's xgrammar backend with that family's test tokenizer, accepts exactly the
+by both of grammar_service's backends with that family's test tokenizer, accepts exactly the
 calls it should; the parser reads calls back from any split of the text."""
 import json
 
@@ -10,6 +10,7 @@ from generation_service.assistant.formats import FORMATS, detect_format
 from generation_service.assistant.parser import CallExtractor
 from generation_service.assistant.tools import Tool, ToolChoice
 from generation_service.model.tokenizer import Tokenizer
+from grammar_service.backends.llguidance import LLGuidanceBackend
 from grammar_service.backends.xgrammar import XGrammarBackend
 from grammar_service.tokenizer import load_tokenizer
 from generation_service.engine.params import GrammarSpec
@@ -35,14 +36,19 @@ NOON = ("get_time", {"zone": "utc"})
 
 
 @pytest.fixture(scope="module", params=list(FAMILY))
-def family(request, tmp_path_factory):
+def checkpoint(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
     write_checkpoint(FAMILY[request.param], folder)
     tokenizer = Tokenizer(folder)
-    data, _ = load_tokenizer(str(folder), tokenizer.num_tokens)
-    backend = XGrammarBackend(data, num_compile_threads=1, num_fill_threads=1)
-    format_ = FORMATS[request.param](lambda text: tokenizer.token_id(text) is not None)
-    return request.param, tokenizer, backend, format_
+    return request.param, tokenizer, load_tokenizer(str(folder), tokenizer.num_tokens)[0]
+
+
+@pytest.fixture(scope="module", params=[XGrammarBackend, LLGuidanceBackend], ids=["xgrammar", "llguidance"])
+def family(request, checkpoint):
+    name, tokenizer, data = checkpoint
+    backend = request.param(data, num_compile_threads=1, num_fill_threads=1)
+    format_ = FORMATS[name](lambda text: tokenizer.token_id(text) is not None)
+    return name, tokenizer, backend, format_
 
 
 def accepts(family, choice: ToolChoice, text: str, single: bool = False) -> bool:

@@ -101,3 +101,22 @@ def test_the_span_is_part_of_the_cache_key():
     with_span = GrammarSpec("regex", "x", reasoning=QWEN)
     assert len({spec_key(plain, "auto"), spec_key(with_span, "auto"),
                 spec_key(GrammarSpec("regex", "x", reasoning=ReasoningSpan(max_tokens=2)), "auto")}) == 3
+
+
+def test_llguidance_takes_structural_tags_with_special_tokens(qwen):
+    """A literal holding a special token's text (llguidance lexes added tokens apart from text)
+    matches that token; a text trigger is a lazy lexeme; a token budget is refused."""
+    tokenizer, data = qwen
+    backend = LLGuidanceBackend(data, num_compile_threads=1, num_fill_threads=1)
+    tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<tool_call>"], "tags": [
+        {"type": "tag", "begin": "<tool_call>x=", "content": {"type": "regex", "pattern": "[0-9]+"},
+         "end": "</tool_call>"}], "at_least_one": False, "stop_after_first": False}}
+    spec = GrammarSpec("structural_tag", json.dumps(tag))
+    assert run(qwen, backend, spec, "free text <tool_call>x=12</tool_call> more <tool_call>x=3</tool_call>")
+    assert not run(qwen, backend, spec, "free text <tool_call>y=12</tool_call>")
+    assert run(qwen, backend, dataclasses.replace(spec, reasoning=QWEN), "<think>hm</think>\n\n<tool_call>x=1</tool_call>")
+    budget = {"type": "structural_tag", "format": {"type": "any_text", "max_tokens": 3}}
+    with pytest.raises(GrammarCompileError, match="roll back"):
+        backend.compile(GrammarSpec("structural_tag", json.dumps(budget)))
+    with pytest.raises(GrammarCompileError, match="legacy"):
+        backend.compile(GrammarSpec("structural_tag", json.dumps({"structures": [], "triggers": []})))
