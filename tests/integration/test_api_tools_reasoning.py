@@ -208,6 +208,16 @@ def test_reasoning_then_a_json_schema_answer_within_the_budget(qwen3, qwen3_serv
         assert completion.reasoning == ""
 
 
+def test_reasoning_budget_holds_under_speculative_decoding(qwen3, qwen3_server):
+    """Drafts are verified with one mask row per position and rolled back through the span."""
+    completion = qwen3.generate_text(messages=ASK, json_schema=ANSWER, reasoning=True, reasoning_max_tokens=9,
+                                     max_whitespace=1, max_tokens=300, temperature=1.0, seed=20,
+                                     num_draft_tokens=3, proposer="ngram")
+    assert len(_span_tokens(qwen3, qwen3_server, completion)) <= 9
+    assert completion.finish_reason == "grammar_complete" and completion.validation.status == "valid"
+    jsonschema.validate(json.loads(completion.text), ANSWER)
+
+
 def test_reasoning_streams_apart_from_the_content(qwen3):
     chunks = list(qwen3.generate(messages=ASK, regex="(yes|no)", reasoning=True, reasoning_max_tokens=20,
                                  max_tokens=100, temperature=1.0, seed=7))
