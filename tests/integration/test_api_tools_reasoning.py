@@ -213,6 +213,7 @@ def test_reasoning_budget_holds_under_speculative_decoding(qwen3, qwen3_server):
     completion = qwen3.generate_text(messages=ASK, json_schema=ANSWER, reasoning=True, reasoning_max_tokens=9,
                                      max_whitespace=1, max_tokens=300, temperature=1.0, seed=20,
                                      num_draft_tokens=3, proposer="ngram")
+    assert completion.usage.draft_tokens_proposed > 0
     assert len(_span_tokens(qwen3, qwen3_server, completion)) <= 9
     assert completion.finish_reason == "grammar_complete" and completion.validation.status == "valid"
     jsonschema.validate(json.loads(completion.text), ANSWER)
