@@ -1,6 +1,10 @@
-"""Cross-cutting concerns of the public gRPC server: exception -> status mapping.
+"""Cross-cutting concerns of the public gRPC server: request decoding, exception -> status
+mapping, authentication.
 
-Servicer code raises domain exceptions and never calls `context.abort` itself:
+Request bytes are parsed inside the handler (`DecodeInHandlerInterceptor`), so malformed
+protobuf and invalid UTF-8 are INVALID_ARGUMENT, not grpc's own INTERNAL "Exception
+deserializing request!". Servicer code raises domain exceptions and never calls
+`context.abort` itself:
 - `EngineError` (and subclasses) -> the status it names (`.status`), with its message;
 - `ValueError` from a domain dataclass's validation -> INVALID_ARGUMENT, message unchanged;
 - anything else -> INTERNAL, logged with its traceback and an error id the client sees.
@@ -53,6 +57,40 @@ def _abort(context: grpc.ServicerContext, method: str, request, error: Exception
     context.abort(code, message)
 
 
+class DecodeInHandlerInterceptor(grpc.ServerInterceptor):
+    """Hands grpc no deserializer, and parses the request bytes in the handler instead: grpc
+    answers a request its deserializer refuses with INTERNAL and cannot be told otherwise."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        parse = handler.request_deserializer
+        if handler.unary_unary is not None:
+            behavior = handler.unary_unary
+
+            def unary(raw, context):
+                return behavior(_parse(parse, raw, context), context)
+            return grpc.unary_unary_rpc_method_handler(unary, None, handler.response_serializer)
+        if handler.unary_stream is not None:
+            stream = handler.unary_stream
+
+            def streaming(raw, context):
+                yield from stream(_parse(parse, raw, context), context)
+            return grpc.unary_stream_rpc_method_handler(streaming, None, handler.response_serializer)
+        return handler
+
+
+def _parse(parse, raw: bytes, context: grpc.ServicerContext):
+    try:
+        return parse(raw)
+    except Exception as error:  # noqa: BLE001 -- protobuf's DecodeError, or anything a parser raises
+        detail = str(error).split(": ", 1)[-1] if str(error) else type(error).__name__
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"the request is not a valid protobuf message of this rpc ({detail}); string fields "
+                      "must be valid UTF-8")
+
+
 class ErrorMappingInterceptor(grpc.ServerInterceptor):
     """Maps exceptions raised by unary and server-streaming handlers to gRPC statuses."""
 
@@ -92,12 +130,13 @@ def _already_aborted(context: grpc.ServicerContext) -> bool:
 
 
 class BearerTokenInterceptor(grpc.ServerInterceptor):
-    """Requires "authorization: Bearer <token>" on every rpc but grpc.health.v1 (probes)."""
+    """Requires "authorization: Bearer <token>" (scheme in any case) on every rpc but
+    grpc.health.v1 (probes)."""
 
     _EXEMPT_PREFIX = "/grpc.health.v1.Health/"
 
     def __init__(self, token: str):
-        self._expected = f"Bearer {token}".encode()
+        self._expected = token.encode()
 
         def deny(request, context):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
@@ -107,9 +146,12 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
     def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
         metadata = dict(handler_call_details.invocation_metadata or ())
-        given = str(metadata.get("authorization", "")).encode()
-        # compare_digest: the time taken must not tell how much of a guess was right
-        if method.startswith(self._EXEMPT_PREFIX) or hmac.compare_digest(given, self._expected):
+        scheme, _, given = str(metadata.get("authorization", "")).strip().partition(" ")
+        # the scheme is case-insensitive (RFC 9110 11.1); compare_digest: the time taken must
+        # not tell how much of a guess was right
+        is_bearer = scheme.lower() == "bearer"
+        if method.startswith(self._EXEMPT_PREFIX) or (
+                hmac.compare_digest(given.strip().encode(), self._expected) and is_bearer):
             return continuation(handler_call_details)
         handler = continuation(handler_call_details)
         if handler is not None and handler.unary_stream is not None:

@@ -5,7 +5,6 @@ turns them into INVALID_ARGUMENT / OUT_OF_RANGE with the message unchanged.
 """
 from __future__ import annotations
 
-import json
 import time
 import uuid
 
@@ -16,6 +15,7 @@ from generation_service.engine.errors import InvalidRequestError, LimitExceededE
 from generation_service.engine.events import FinishReason, GuaranteeReport, OutputEvent
 from generation_service.engine.params import (GenerationRequest, GrammarSpec, SamplingParams,
                                               SpeculativeParams)
+from structgen.json_limits import JsonDepthError, loads_limited
 from structgen.schema_validation import ValidationResult
 from structgen.v1 import generation_pb2 as pb
 
@@ -96,25 +96,42 @@ def grammar_spec(request: pb.GenerateRequest, config: ServeConfig) -> GrammarSpe
         _check_json(text, "structural_tag")
     return GrammarSpec(kind=kind, text=text, choices=choices, any_whitespace=not options.compact,
                        max_whitespace=options.max_whitespace if options.HasField("max_whitespace") else None,
-                       strict=options.strict, backend=_BACKENDS.get(options.backend, "auto"))
+                       strict=options.strict, backend=_enum(_BACKENDS, options.backend, "constraint_options.backend"))
 
 
 def _check_json(text: str, field: str) -> None:
     try:
-        json.loads(text)
-    except json.JSONDecodeError as error:
-        raise InvalidRequestError(f"{field} is not valid JSON: {error}") from None
+        loads_limited(text, field)
+    except JsonDepthError as error:
+        raise LimitExceededError(str(error)) from None
+    except ValueError as error:
+        raise InvalidRequestError(str(error)) from None
 
 
-def sampling_params(request: pb.GenerateRequest, config: ServeConfig) -> SamplingParams:
+def _enum(names: dict, value: int, field: str):
+    """The domain name of a known enum value; proto3 keeps unknown numbers, refused here."""
+    if value not in names:
+        raise InvalidRequestError(f"{field} {value} is not a known value; expected one of {sorted(names)}")
+    return names[value]
+
+
+def sampling_params(request: pb.GenerateRequest, config: ServeConfig, tokenizer=None) -> SamplingParams:
     sampling, stop = request.sampling, request.stop
 
     def given(name: str, default):
         return getattr(sampling, name) if sampling.HasField(name) else default
 
+    vocab_size = getattr(tokenizer, "vocab_size", None)
+    top_k = given("top_k", config.default_top_k)
+    if vocab_size is not None and top_k > vocab_size:
+        raise InvalidRequestError(f"sampling.top_k {top_k} exceeds the vocabulary size {vocab_size}; 0 disables top-k")
+    bad_stop = [t for t in stop.stop_token_ids if vocab_size is not None and t >= vocab_size]
+    if bad_stop:
+        raise InvalidRequestError(f"stop.stop_token_ids: id {bad_stop[0]} is not below the vocabulary size {vocab_size}")
+
     return SamplingParams(
         temperature=given("temperature", config.default_temperature),
-        top_k=given("top_k", config.default_top_k), top_p=given("top_p", config.default_top_p),
+        top_k=top_k, top_p=given("top_p", config.default_top_p),
         seed=given("seed", None), max_new_tokens=stop.max_tokens or config.default_max_tokens,
         stop_token_ids=tuple(stop.stop_token_ids), stop_strings=tuple(stop.stop_strings),
         ignore_eos=stop.ignore_eos, num_logprobs=request.num_logprobs)
@@ -139,10 +156,10 @@ def convert_generate(request: pb.GenerateRequest, tokenizer, config: ServeConfig
     return GenerationRequest(
         request_id=request.request_id or uuid.uuid4().hex[:16],
         prompt_ids=ids,
-        sampling=sampling_params(request, config),
+        sampling=sampling_params(request, config, tokenizer),
         grammar=grammar,
         speculative=SpeculativeParams(num_draft_tokens=speculative.num_draft_tokens,
-                                      proposer=_PROPOSERS.get(speculative.proposer, "ngram")),
+                                      proposer=_enum(_PROPOSERS, speculative.proposer, "speculative.proposer")),
         deadline=deadline, skip_special_tokens=turn is None or turn.skip_special_tokens), turn
 
 
@@ -163,7 +180,7 @@ def _turn_grammar(turn: AssistantTurn, constraint: GrammarSpec | None, request: 
         raise InvalidRequestError("constraint_options.compact and max_whitespace 0 do not apply to tool-call "
                                   "arguments; use max_whitespace >= 1")
     try:
-        grammar = turn.grammar(constraint, backend=_BACKENDS.get(options.backend, "auto"),
+        grammar = turn.grammar(constraint, backend=_enum(_BACKENDS, options.backend, "constraint_options.backend"),
                                max_whitespace=options.max_whitespace if options.HasField("max_whitespace") else None)
     except ValueError as error:
         raise InvalidRequestError(str(error)) from None

@@ -4,14 +4,13 @@ no torch. Raises InvalidRequestError (-> INVALID_ARGUMENT) with the field named.
 """
 from __future__ import annotations
 
-import json
-
 from generation_service.assistant.formats import detect_format
 from generation_service.assistant.parser import TurnPiece
 from generation_service.assistant.reasoning import ReasoningRequest, model_markers
 from generation_service.assistant.tools import Tool, ToolChoice
 from generation_service.assistant.turn import AssistantTurn
-from generation_service.engine.errors import InvalidRequestError
+from generation_service.engine.errors import InvalidRequestError, LimitExceededError
+from structgen.json_limits import JsonDepthError, loads_limited
 from structgen.v1 import generation_pb2 as pb
 
 _CHOICES = {pb.TOOL_CHOICE_MODE_NONE: "none", pb.TOOL_CHOICE_MODE_AUTO: "auto",
@@ -27,9 +26,11 @@ def tools(request) -> tuple[Tool, ...]:
         parameters = None
         if tool.parameters:
             try:
-                parameters = json.loads(tool.parameters)
+                parameters = loads_limited(tool.parameters, f"tools[{index}].parameters")
+            except JsonDepthError as error:
+                raise LimitExceededError(str(error)) from None
             except ValueError as error:
-                raise InvalidRequestError(f"tools[{index}].parameters is not valid JSON: {error}") from None
+                raise InvalidRequestError(str(error)) from None
         try:
             result.append(Tool(tool.name, tool.description, parameters))
         except ValueError as error:
@@ -84,8 +85,8 @@ def chat_entry(message: pb.ChatMessage) -> dict:
 
 def _arguments(text: str):
     try:
-        return json.loads(text)
-    except ValueError:
+        return loads_limited(text, "tool_calls.arguments")
+    except ValueError:  # (JsonDepthError too) templates that write the string as it is get it
         return text
 
 

@@ -7,6 +7,8 @@ per service) and server reflection (v1 and v1alpha) are registered beside Genera
 from __future__ import annotations
 
 import logging
+import threading
+import time
 import uuid
 from concurrent import futures
 from dataclasses import dataclass
@@ -16,10 +18,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from generation_service import metrics, proto_convert, proto_turn, tracing
 from generation_service.config import ServeConfig
-from generation_service.engine.errors import DeadlineExceededError, EngineError, LimitExceededError
+from generation_service.engine.errors import (DeadlineExceededError, EngineError, LimitExceededError,
+                                              ShuttingDownError)
 from generation_service.engine.events import FinishReason
 from generation_service.engine.params import GRAMMAR_KINDS
-from generation_service.interceptors import BearerTokenInterceptor, ErrorMappingInterceptor
+from generation_service.interceptors import (BearerTokenInterceptor, DecodeInHandlerInterceptor,
+                                             ErrorMappingInterceptor)
 import structgen
 from structgen import telemetry
 from structgen.reflection import enable_reflection
@@ -37,14 +41,32 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     def __init__(self, engine, config: ServeConfig):
         self._engine = engine
         self._config = config
+        self.is_draining = False
+        self._lock = threading.Lock()
+        self.num_open_streams = 0
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
+        if self.is_draining:  # health says NOT_SERVING; a client that still calls is told so
+            raise ShuttingDownError("the server is draining (shutting down); send the request to another replica")
+        with self._lock:
+            self.num_open_streams += 1
+        try:
+            yield from self._generate(request, context)
+        finally:
+            with self._lock:
+                self.num_open_streams -= 1
+
+    def _generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
         if not request.request_id:  # assigned here so error logs and the client see the same id
             request.request_id = uuid.uuid4().hex[:16]
         limit = self._engine.config.max_new_tokens_limit
         if request.stop.max_tokens > limit:  # named as the client wrote it
             raise LimitExceededError(f"stop.max_tokens {request.stop.max_tokens} exceeds the server's "
                                      f"max_new_tokens_limit {limit}")
+        max_drafts = self._engine.config.max_draft_tokens
+        if request.speculative.num_draft_tokens > max_drafts:
+            raise LimitExceededError(f"speculative.num_draft_tokens {request.speculative.num_draft_tokens} exceeds "
+                                     f"the server's max_draft_tokens {max_drafts}")
         remaining = context.time_remaining()
         domain, turn = proto_convert.convert_generate(
             request, self._engine.tokenizer, self._config,
@@ -139,6 +161,7 @@ class RunningServer:
     server: grpc.Server
     health: health.HealthServicer
     port: int
+    servicer: GenerationServicer
     health_server: grpc.Server | None = None
 
     def set_serving(self, is_serving: bool) -> None:
@@ -148,9 +171,16 @@ class RunningServer:
             self.health.set(service, status)
 
     def stop(self, grace_s: float) -> None:
-        """Drain: report NOT_SERVING, refuse new rpcs, let open streams finish for grace_s."""
+        """Drain, then close. For the whole drain the port stays open and health answers
+        NOT_SERVING (overall and per service), so a load balancer polling it moves traffic
+        away; new Generate calls get UNAVAILABLE while open streams finish. Once none is open,
+        or grace_s has passed, the server stops (cancelling what is left)."""
+        deadline = time.monotonic() + grace_s
         self.set_serving(False)
-        self.server.stop(grace_s).wait()
+        self.servicer.is_draining = True
+        while self.servicer.num_open_streams and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self.server.stop(max(0.0, deadline - time.monotonic())).wait()
         if self.health_server is not None:
             self.health_server.stop(0)
 
@@ -165,10 +195,12 @@ def _credentials(config: ServeConfig) -> grpc.ServerCredentials:
 
 
 def _interceptors(config: ServeConfig) -> list[grpc.ServerInterceptor]:
-    # Outermost first: the server span and the status count see auth refusals too.
+    # Outermost first: the server span and the status count see undecodable requests and auth
+    # refusals too.
     interceptors: list[grpc.ServerInterceptor] = [metrics.get().interceptor()]
     if telemetry.is_enabled():
         interceptors.insert(0, tracing.TracingInterceptor())
+    interceptors.append(DecodeInHandlerInterceptor())
     if config.auth_token_file:
         with open(config.auth_token_file, encoding="utf-8") as file:
             interceptors.append(BearerTokenInterceptor(file.read().strip()))
@@ -209,10 +241,13 @@ def start_server(engine, config: ServeConfig) -> RunningServer:
                                                     thread_name_prefix="rpc"),
                          interceptors=_interceptors(config), options=server_options(config),
                          maximum_concurrent_rpcs=config.max_concurrent_rpcs)
-    pb_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(engine, config), server)
+    servicer = GenerationServicer(engine, config)
+    pb_grpc.add_GenerationServiceServicer_to_server(servicer, server)
     metrics.get().watch(engine, structgen.__version__)  # engine gauges at scrape time
     engine.table.finish_listeners.append(tracing.RequestSpans())
     health_servicer = health.HealthServicer()
+    for service in ("", SERVICE_NAME):  # grpc's servicer starts at SERVING for "": not before we are
+        health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     enable_reflection((SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), server)
     if config.uses_tls:
@@ -223,6 +258,6 @@ def start_server(engine, config: ServeConfig) -> RunningServer:
         raise OSError(f"cannot listen on {config.bind_address}")
     server.start()
     health_server = _start_health_server(config, health_servicer) if config.health_port else None
-    running = RunningServer(server, health_servicer, port, health_server)
+    running = RunningServer(server, health_servicer, port, servicer, health_server)
     running.set_serving(True)
     return running

@@ -9,12 +9,14 @@ tokenizer (the message says what differs).
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from generation_service.engine.errors import GrammarError, GrammarUnavailableError
+from generation_service.engine.errors import (DeadlineExceededError, GrammarError, GrammarUnavailableError,
+                                              QueueFullError)
 from generation_service.engine.events import UnenforcedKeyword
 from generation_service.engine.params import GrammarSpec
 from step_channel import ChannelError, Geometry
@@ -53,6 +55,10 @@ def _error_from_rpc(exc: grpc.RpcError) -> Exception:
     code, details = exc.code(), exc.details() or ""
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return GrammarError(details)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # the compiler is saturated: retry later
+        return QueueFullError(f"grammar_service: {details}")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return DeadlineExceededError(f"grammar compile: {details or 'deadline exceeded'}")
     return GrammarUnavailableError(f"grammar_service: {code.name}: {details}")
 
 
@@ -60,9 +66,15 @@ class GrammarControlClient:
     def __init__(self, address: str):
         """`address`: "unix:///path.sock" or "host:port"."""
         self.address = address
-        self._channel = grpc.insecure_channel(address)
+        # a local socket: reconnect within a tenth of a second once a restarted service listens
+        # (grpc's default backoff waits 1 s and more between attempts)
+        self._channel = grpc.insecure_channel(address, options=[
+            ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000)])
         self._stub = grammar_pb2_grpc.GrammarServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._lock = threading.Lock()
+        self._in_flight: dict[GrammarSpec, concurrent.futures.Future] = {}
 
     def open_channel(self, name: str, geometry: Geometry, *, max_slots: int, first_step: int,
                      tokenizer_dir: str, tokenizer_fingerprint: str, timeout_s: float = 30) -> None:
@@ -87,11 +99,26 @@ class GrammarControlClient:
 
     def compile(self, spec: GrammarSpec, *, trace_context: dict | None = None,
                 timeout_s: float | None = None) -> concurrent.futures.Future:
-        """Future[CompileResult]; raises GrammarError or GrammarUnavailableError through it."""
-        result: concurrent.futures.Future = concurrent.futures.Future()
+        """Future[CompileResult]; raises GrammarError, QueueFullError (compiler saturated),
+        DeadlineExceededError or GrammarUnavailableError through it. `timeout_s`: a deadline
+        for this call alone (None: grammar_service's compile timeout bounds it).
+
+        Calls without a timeout for a spec whose compile is in flight share that call: a burst
+        of requests on one new schema is one RPC, not one grammar_service handler thread held
+        per request (grammar_service refuses waiting calls beyond its threads)."""
+        with self._lock:
+            shared = self._in_flight.get(spec) if timeout_s is None else None
+            if shared is not None:
+                return shared
+            result: concurrent.futures.Future = concurrent.futures.Future()
+            if timeout_s is None:
+                self._in_flight[spec] = result
         call = self._stub.Compile.future(spec_to_proto(spec, trace_context), timeout=timeout_s)
 
         def done(call_future) -> None:
+            with self._lock:
+                if self._in_flight.get(spec) is result:
+                    del self._in_flight[spec]
             try:
                 reply = call_future.result()
             except grpc.RpcError as exc:

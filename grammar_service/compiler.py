@@ -5,6 +5,12 @@ to a `CompiledEntry` (with the grammar id step-channel descriptors name) or rais
 `CompileError` carrying a gRPC status name and a user-facing message. The compile itself
 runs in a thread pool, so neither the gRPC handlers nor the step loops wait on it except
 through the future.
+
+Bounded end to end: at most `num_compile_threads + max_queued_compiles` new grammars are
+compiling or waiting at once (beyond: RESOURCE_EXHAUSTED at once), and the compile timeout
+counts from acceptance, the wait for a worker included. With a `CompileSandbox` (the
+service's default) each new grammar is compiled in a worker process first
+(grammar_service/sandbox.py) and a worker past the timeout is killed, which frees it.
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ from grammar_service.backend_choice import compile_with
 from grammar_service.backends import resolve_backend_name
 from grammar_service.backends.base import GrammarBackend, GrammarCompileError
 from grammar_service.config import GrammarServiceConfig
+from grammar_service.sandbox import CompileSandbox, SandboxError
 
 log = logging.getLogger(__name__)
 
@@ -86,11 +93,18 @@ class GrammarCompiler:
     """Cache + pool in front of the backends of one tokenizer."""
 
     def __init__(self, backends: Callable[[str], GrammarBackend], config: GrammarServiceConfig,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, sandbox: CompileSandbox | None = None):
+        """`sandbox`: compile workers that try each new grammar first; None compiles in this
+        process only (a timed-out compile then runs on in its thread, counted until it ends)."""
         self._backend_for = backends        # backend name -> GrammarBackend (built lazily)
         self._config = config
         self._clock = clock
-        self._pool = ThreadPoolExecutor(config.num_compile_threads, thread_name_prefix="compile")
+        self._sandbox = sandbox
+        self._max_jobs = config.num_compile_threads + config.max_queued_compiles
+        self._num_jobs = 0                  # compiles running or waiting for a worker
+        self._threads = threading.BoundedSemaphore(config.num_compile_threads)  # in-process compiles
+        # one thread per accepted compile: a waiting compile waits on a worker, not a thread
+        self._pool = ThreadPoolExecutor(self._max_jobs, thread_name_prefix="compile")
         self._lock = threading.Lock()
         self._by_key: OrderedDict[str, CompiledEntry] = OrderedDict()
         self._by_id: dict[int, CompiledEntry] = {}
@@ -128,7 +142,14 @@ class GrammarCompiler:
                 del self._negative[key]
             shared = self._in_flight.get(key)
             if shared is None:
+                if self._num_jobs >= self._max_jobs:
+                    metrics.COMPILE_REQUESTS.labels("saturated").inc()
+                    return _failed(CompileError("RESOURCE_EXHAUSTED", (
+                        f"the grammar compiler is saturated: {self._num_jobs} new grammars are compiling or "
+                        f"waiting (num_compile_threads {self._config.num_compile_threads} + max_queued_compiles "
+                        f"{self._config.max_queued_compiles}); retry later")))
                 shared = self._in_flight[key] = Future()
+                self._num_jobs += 1
                 start = True
             else:
                 start = False
@@ -149,7 +170,12 @@ class GrammarCompiler:
         now = self._clock()
         return sum(1 for n in list(self._negative.values()) if n.expires_at > now)
 
+    def wait_ready(self, timeout_s: float) -> bool:
+        return self._sandbox is None or self._sandbox.wait_ready(timeout_s)
+
     def close(self) -> None:
+        if self._sandbox is not None:
+            self._sandbox.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- internals -----------------------------------------------------------------------
@@ -180,33 +206,56 @@ class GrammarCompiler:
         return result
 
     def _start(self, key: str, spec: GrammarSpec, requested: str, result: Future) -> None:
+        deadline = time.monotonic() + self._config.compile_timeout_s  # the wait for a worker counts
         timers: list[threading.Timer] = []
 
         def run() -> tuple[float, str, Any, tuple]:
-            # The timeout counts the compile itself, not the wait for a pool thread.
-            timer = threading.Timer(self._config.compile_timeout_s, self._on_timeout, (key, result))
+            if self._sandbox is not None:
+                probe = self._sandbox.probe(spec, requested, deadline)
+                started = time.perf_counter()
+                compiled = self._backend_for(probe.backend).compile(spec)
+                return probe.compile_ms + (time.perf_counter() - started) * 1e3, probe.backend, compiled, probe.unenforced
+            if not self._threads.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                raise SandboxError("RESOURCE_EXHAUSTED", "no compile thread became free before the compile timeout "
+                                   "(every thread is busy with other grammars); retry later", is_grammar_fault=False)
+            # what the wait left of the timeout is the compile's
+            timer = threading.Timer(max(0.0, deadline - time.monotonic()), self._on_timeout, (key, spec, result))
             timer.daemon = True
             timers.append(timer)
             timer.start()
-            started = time.perf_counter()
-            backend, compiled, unenforced = compile_with(spec, requested, self._backend_for)
-            return (time.perf_counter() - started) * 1e3, backend, compiled, unenforced
+            try:
+                started = time.perf_counter()
+                backend, compiled, unenforced = compile_with(spec, requested, self._backend_for)
+                return (time.perf_counter() - started) * 1e3, backend, compiled, unenforced
+            finally:
+                self._threads.release()
 
         def finished(done: Future) -> None:
+            with self._lock:
+                self._num_jobs -= 1
             for timer in timers:
                 timer.cancel()
             if done.cancelled():  # the pool was shut down before it ran
-                self._fail(key, CompileError("UNAVAILABLE", "grammar_service is shutting down"), result)
+                self._fail(key, CompileError("UNAVAILABLE", "grammar_service is shutting down"), result, remember=False)
                 return
             exc = done.exception()
             if exc is None:
                 elapsed_ms, backend, compiled, unenforced = done.result()
                 metrics.COMPILE_SECONDS.labels(spec.kind).observe(elapsed_ms / 1e3)
                 self._store(key, backend, compiled, elapsed_ms, unenforced, result)
+            elif isinstance(exc, SandboxError) and exc.timed_out:
+                self._on_timeout(key, spec, result)
+            elif isinstance(exc, SandboxError):
+                if exc.is_grammar_fault:
+                    log.warning("compile of %s grammar %s failed in its worker: %s", spec.kind, key[:16], exc.message)
+                self._fail(key, CompileError(exc.status, exc.message), result, remember=exc.is_grammar_fault)
             elif isinstance(exc, (GrammarCompileError, ValueError)):
                 self._fail(key, CompileError("INVALID_ARGUMENT", str(exc)), result)
+            elif isinstance(exc, RecursionError):
+                self._fail(key, CompileError("INVALID_ARGUMENT", f"{spec.kind}: the grammar nests too deeply "
+                                             "to compile"), result)
             else:
-                log.error("compile of %s failed unexpectedly", spec.kind, exc_info=exc)
+                log.error("compile of %s grammar %s failed unexpectedly", spec.kind, key[:16], exc_info=exc)
                 self._fail(key, CompileError("INTERNAL", f"compile failed: {exc!r}"), result)
 
         self._pool.submit(run).add_done_callback(finished)
@@ -227,21 +276,28 @@ class GrammarCompiler:
         metrics.COMPILE_REQUESTS.labels("compiled").inc()
         result.set_result(CompileOutcome(entry, cache_hit=False))
 
-    def _fail(self, key: str, error: CompileError, result: Future, *, timed_out: bool = False) -> None:
+    def _fail(self, key: str, error: CompileError, result: Future, *, timed_out: bool = False,
+              remember: bool = True) -> None:
+        """`remember`: the grammar itself failed, so the same spec is refused from memory for the
+        TTL; a compile that failed for capacity or shutdown is not remembered."""
         with self._lock:
             if self._in_flight.get(key) is not result:
                 return
             del self._in_flight[key]
-            self._negative[key] = _Negative(error, self._clock() + self._config.negative_cache_ttl_s)
+            if remember:
+                self._negative[key] = _Negative(error, self._clock() + self._config.negative_cache_ttl_s)
             self.stats.num_errors += 1
             self.stats.num_timeouts += timed_out
         metrics.COMPILE_REQUESTS.labels("error").inc()
         result.set_exception(error)
 
-    def _on_timeout(self, key: str, result: Future) -> None:
+    def _on_timeout(self, key: str, spec: GrammarSpec, result: Future) -> None:
         limit = self._config.compile_timeout_s
-        # The backend thread cannot be interrupted; it finishes in the background and its
-        # result is dropped. The spec is answered from the negative cache meanwhile.
+        log.warning("compile of %s grammar %s (%d bytes) did not finish within %g s", spec.kind, key[:16],
+                    spec_bytes(spec), limit)
+        # In-process, the backend thread cannot be interrupted: it finishes in the background and
+        # its result is dropped. In a sandbox its worker was killed. The spec is answered from
+        # the negative cache meanwhile.
         self._fail(key, CompileError("INVALID_ARGUMENT", f"grammar compile did not finish within "
                                      f"the {limit:g} s compile timeout (the grammar is too complex)"),
                    result, timed_out=True)

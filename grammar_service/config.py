@@ -10,7 +10,14 @@ from dataclasses import dataclass
 class GrammarServiceConfig:
     # "unix:///path.sock" (default; socket file mode 0600) or "host:port" for TCP.
     listen: str = "unix:///tmp/structgen-grammar.sock"
-    num_compile_threads: int = 2        # concurrent compiles (one Python pool thread each)
+    num_compile_threads: int = 2        # concurrent compiles (with isolate_compiles: worker processes)
+    # new grammars that may wait for a compile beyond those running; more: RESOURCE_EXHAUSTED at once
+    max_queued_compiles: int = 8
+    # compile each new grammar first in a worker process (grammar_service/sandbox.py), so a
+    # grammar that crashes a backend, runs past compile_timeout_s or needs more than
+    # max_compile_memory_mb fails its own request only; cached grammars never go through one
+    isolate_compiles: bool = True
+    max_compile_memory_mb: int = 4096   # address space a compile worker may add (0 = no cap)
     # mask fill threads per backend: xgrammar's BatchGrammarMatcher and llguidance's LLExecutor;
     # 0 = each library's default (xgrammar: hardware threads / 2; llguidance: 80% of the CPUs, <= 32)
     num_fill_threads: int = 0
@@ -44,11 +51,11 @@ class GrammarServiceConfig:
     # wake-up (~60-150 us with the kernel's timer slack) adds to the mask's latency when the
     # GPU's next step comes later than this; a spin holds a CPU while it lasts.
     step_wait_spin_us: int = 100
-    compile_timeout_s: float = 10.0     # a slower compile is refused and remembered
+    compile_timeout_s: float = 10.0     # a slower compile (wait for a worker included) is refused and remembered
     negative_cache_ttl_s: float = 60.0  # how long a failed/timed-out spec is answered from memory
     max_grammar_bytes: int = 1 << 20    # grammar text (or all choices together) above this is refused
     max_cached_grammars: int = 4096     # compiled grammars kept (least recently used evicted)
-    num_rpc_threads: int = 8            # gRPC handler threads
+    num_rpc_threads: int = 16           # gRPC handler threads (each waiting Compile call holds one)
     tokenizer_dir: str | None = None    # preload a tokenizer (else the first OpenChannel's)
     vocab_size: int | None = None       # logits width for the preloaded tokenizer
     shutdown_grace_s: float = 5.0
@@ -58,6 +65,12 @@ class GrammarServiceConfig:
     def __post_init__(self) -> None:
         if self.num_compile_threads < 1:
             raise ValueError(f"num_compile_threads must be >= 1, got {self.num_compile_threads}")
+        if self.max_queued_compiles < 0:
+            raise ValueError(f"max_queued_compiles must be >= 0, got {self.max_queued_compiles}")
+        if self.max_compile_memory_mb < 0:
+            raise ValueError(f"max_compile_memory_mb must be >= 0, got {self.max_compile_memory_mb}")
+        if self.num_rpc_threads < 4:
+            raise ValueError(f"num_rpc_threads must be >= 4, got {self.num_rpc_threads}")
         if self.num_fill_threads < 0:
             raise ValueError(f"num_fill_threads must be >= 0, got {self.num_fill_threads}")
         if self.min_parallel_advance_rows < 0:

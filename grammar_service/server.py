@@ -11,9 +11,9 @@ import gc
 import json
 import logging
 import os
-import signal
 import sys
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -22,8 +22,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from generation_service.engine.params import GrammarSpec, ReasoningSpan
 from structgen import telemetry
+from structgen.signals import StopSignals
+from grammar_service.backends import available_backends, load_backend_class
 from grammar_service.compiler import spec_key
 from grammar_service.config import GrammarServiceConfig
+from grammar_service.sandbox import start_forkserver
 from grammar_service.settings import GRAMMAR_SETTINGS
 from grammar_service.service import GrammarService, ServiceError
 from step_channel import Geometry
@@ -33,6 +36,7 @@ from structgen.v1 import grammar_pb2, grammar_pb2_grpc
 
 log = logging.getLogger(__name__)
 _tracer = telemetry.tracer(__name__)
+_FAR_DEADLINE_S = 86400.0
 SERVICE_NAME = grammar_pb2.DESCRIPTOR.services_by_name["GrammarService"].full_name
 
 
@@ -75,6 +79,16 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
+def preload_backends() -> None:
+    """Import every installed backend (xgrammar imports torch: seconds) before SERVING, so the
+    first OpenChannel waits only for the tokenizer: serve's start-up waits on that call."""
+    for name in available_backends():
+        try:
+            load_backend_class(name)
+        except ValueError:  # not installed here
+            pass
+
+
 def spec_from_proto(req: grammar_pb2.CompileRequest) -> GrammarSpec:
     kind = req.WhichOneof("grammar")
     if kind is None:
@@ -102,8 +116,11 @@ def _reasoning(req: grammar_pb2.CompileRequest) -> ReasoningSpan | None:
 
 
 class GrammarServicer(grammar_pb2_grpc.GrammarServiceServicer):
-    def __init__(self, service: GrammarService):
+    def __init__(self, service: GrammarService, max_waiting_compiles: int):
         self.service = service
+        # Compile calls blocked on a future hold an rpc thread each; the rest stay free for
+        # health, OpenChannel and GetStats, whose delay would read as a stuck service.
+        self._compile_calls = threading.BoundedSemaphore(max_waiting_compiles)
 
     def OpenChannel(self, request, context):
         g = request.geometry
@@ -122,14 +139,20 @@ class GrammarServicer(grammar_pb2_grpc.GrammarServiceServicer):
 
     def Compile(self, request, context):
         spec = spec_from_proto(request)
-        # The caller's span (propagated in trace_context) is the parent of the compile span.
-        with _tracer.start_as_current_span("grammar.compile", context=telemetry.extract(request.trace_context)) as span:
-            span.set_attribute("grammar.kind", spec.kind)
-            span.set_attribute("structgen.grammar.hash", spec_key(spec, spec.backend))  # the cache key
-            outcome = self.service.compile(spec).result()
-            span.set_attribute("grammar.cache_hit", outcome.cache_hit)
-            span.set_attribute("structgen.grammar.backend", outcome.entry.backend)
-            span.set_attribute("structgen.grammar.compile_ms", outcome.entry.compile_ms)  # of the first compile
+        if not self._compile_calls.acquire(blocking=False):
+            raise ServiceError("RESOURCE_EXHAUSTED", "grammar_service has too many compile calls waiting; retry later")
+        try:
+            # The caller's span (propagated in trace_context) is the parent of the compile span.
+            with _tracer.start_as_current_span("grammar.compile",
+                                               context=telemetry.extract(request.trace_context)) as span:
+                span.set_attribute("grammar.kind", spec.kind)
+                span.set_attribute("structgen.grammar.hash", spec_key(spec, spec.backend))  # the cache key
+                outcome = _wait(self.service.compile(spec), context.time_remaining())
+                span.set_attribute("grammar.cache_hit", outcome.cache_hit)
+                span.set_attribute("structgen.grammar.backend", outcome.entry.backend)
+                span.set_attribute("structgen.grammar.compile_ms", outcome.entry.compile_ms)  # of the first compile
+        finally:
+            self._compile_calls.release()
         entry = outcome.entry
         return grammar_pb2.CompileResponse(
             grammar_id=entry.grammar_id, backend=entry.backend, cached=outcome.cache_hit,
@@ -141,16 +164,35 @@ class GrammarServicer(grammar_pb2_grpc.GrammarServiceServicer):
         return grammar_pb2.GetStatsResponse(**self.service.stats())
 
 
+def _wait(future, time_remaining: float | None):
+    """The compile outcome, or DEADLINE_EXCEEDED once the caller's deadline passes (the compile
+    itself goes on, bounded by the compile timeout, for later callers of the same grammar)."""
+    if time_remaining is not None and time_remaining > _FAR_DEADLINE_S:
+        time_remaining = None  # no deadline, as some clients spell it (overflows time_t below)
+    try:
+        return future.result(timeout=time_remaining)
+    except futures.TimeoutError:
+        raise ServiceError("DEADLINE_EXCEEDED", "the compile did not finish before the call's deadline") from None
+
+
 class RunningServer:
     """A started server; `stop()` drains RPCs, closes channels and removes the socket."""
 
-    def __init__(self, config: GrammarServiceConfig):
+    def __init__(self, config: GrammarServiceConfig, should_stop=lambda: False):
+        """`should_stop`: polled while the compile workers start, so a stop signal then is not
+        held up by them."""
         self.config = config
+        if config.isolate_compiles:
+            start_forkserver()  # NOTE: before any gRPC object (sandbox.start_forkserver)
+        preload_backends()
         self.service = GrammarService(config, after_tokenizer_load=freeze_heap)
         self.health = health.HealthServicer()
+        for name in ("", SERVICE_NAME):  # grpc's servicer starts at SERVING for "": not before we are
+            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.server = grpc.server(futures.ThreadPoolExecutor(config.num_rpc_threads),
                                   interceptors=[_StatusInterceptor()])
-        grammar_pb2_grpc.add_GrammarServiceServicer_to_server(GrammarServicer(self.service), self.server)
+        grammar_pb2_grpc.add_GrammarServiceServicer_to_server(
+            GrammarServicer(self.service, max_waiting_compiles=config.num_rpc_threads - 3), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         enable_reflection((SERVICE_NAME, health.SERVICE_NAME), self.server)
         path = config.socket_path
@@ -163,8 +205,11 @@ class RunningServer:
             self.server.start()
         finally:
             os.umask(old_umask)
+        self._socket_inode = None
         if path:
             os.chmod(path, 0o600)
+            # a supervisor may rename this socket (standby takeover) and put another at `path`
+            self._socket_inode = os.stat(path).st_ino
         self.health_server = None
         if config.health_port:  # kubelet grpc probes cannot reach a Unix socket
             self.health_server = grpc.server(futures.ThreadPoolExecutor(2))
@@ -174,6 +219,12 @@ class RunningServer:
         if config.metrics_port:
             prometheus_client.start_http_server(config.metrics_port)
         freeze_heap()
+        # SERVING means a compile can start at once: a preloaded tokenizer's workers are up
+        deadline = time.monotonic() + 120.0
+        while not self.service.wait_compile_ready(0.1) and not should_stop():
+            if time.monotonic() > deadline:
+                log.warning("compile workers did not start within 120 s; compiles wait for them")
+                break
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("grammar_service listening on %s", config.listen)
@@ -185,17 +236,27 @@ class RunningServer:
             self.health_server.stop(0)
         self.service.close()
         path = self.config.socket_path
-        if path and os.path.exists(path):
-            os.unlink(path)
+        try:
+            if path and os.stat(path).st_ino == self._socket_inode:
+                os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
-def serve(config: GrammarServiceConfig) -> None:
-    """Run until SIGTERM or SIGINT, then drain and shut down cleanly."""
-    running = RunningServer(config)
-    done = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
-    done.wait()
+def serve(config: GrammarServiceConfig, stop: StopSignals | None = None) -> None:
+    """Run until SIGTERM or SIGINT, then drain and shut down cleanly. A signal that arrives
+    while the server starts stops it as soon as it is up."""
+    stop = stop or StopSignals()
+    # the slow steps of start-up first (imports: seconds), each skipped once a stop arrived
+    if config.isolate_compiles and not stop.is_set:
+        start_forkserver()
+    if not stop.is_set:
+        preload_backends()
+    if stop.is_set:
+        log.info("grammar_service stopped during start-up")
+        return
+    running = RunningServer(config, should_stop=lambda: stop.is_set)
+    stop.wait()
     log.info("grammar_service shutting down")
     running.stop()
 
@@ -207,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None, environ=None) -> int:
+    stop = StopSignals()  # NOTE: before the socket, the workers or any other resource exists
     args = build_parser().parse_args(argv)
     try:
         resolved = GRAMMAR_SETTINGS.resolve(args, os.environ if environ is None else environ)
@@ -225,7 +287,7 @@ def main(argv: list[str] | None = None, environ=None) -> int:
     telemetry.setup("structgen-grammar")
     telemetry.install_log_correlation()
     try:
-        serve(config)
+        serve(config, stop)
     finally:
         telemetry.shutdown()
     # NOTE: all is released (socket unlinked, channels closed, spans flushed). Skip the

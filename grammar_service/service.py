@@ -17,6 +17,7 @@ from grammar_service.backends.base import GrammarBackend, TokenizerData
 from grammar_service.compiler import GrammarCompiler
 from grammar_service.config import GrammarServiceConfig
 from grammar_service.loop import StepLoop
+from grammar_service.sandbox import CompileSandbox
 from grammar_service.tokenizer import load_tokenizer
 from step_channel import ChannelError, Geometry, StepChannel
 
@@ -74,20 +75,29 @@ class GrammarService:
             self._compiler.close()
         self._tokenizer = _Tokenizer(tokenizer_dir, vocab_size, data, fingerprint)
         self._backends = {}
-        self._compiler = GrammarCompiler(self._backend, self.config)
+        self._compiler = GrammarCompiler(self._backend, self.config, sandbox=self._sandbox(tokenizer_dir, vocab_size))
         self._backend(DEFAULT_BACKEND)  # build it now, not on the first compile
         log.info("tokenizer %s loaded (vocab_size %d, fingerprint %s)", tokenizer_dir, vocab_size, fingerprint[:16])
         self._after_tokenizer_load()
         return self._tokenizer
 
+    def _backend_kwargs(self) -> dict:
+        return dict(num_compile_threads=self.config.num_compile_threads, num_fill_threads=self.config.num_fill_threads,
+                    min_parallel_advance_rows=self.config.min_parallel_advance_rows,
+                    num_llguidance_lanes=self.config.num_llguidance_lanes)
+
+    def _sandbox(self, tokenizer_dir: str, vocab_size: int) -> CompileSandbox | None:
+        if not self.config.isolate_compiles:
+            return None
+        return CompileSandbox(tokenizer_dir, vocab_size, num_workers=self.config.num_compile_threads,
+                              backend_kwargs=self._backend_kwargs(),
+                              max_compile_memory_mb=self.config.max_compile_memory_mb)
+
     def _backend(self, name: str) -> GrammarBackend:
         name = resolve_backend_name(name)
         if name not in self._backends:
             cls = load_backend_class(name)
-            self._backends[name] = cls(self._tokenizer.data, num_compile_threads=self.config.num_compile_threads,
-                                       num_fill_threads=self.config.num_fill_threads,
-                                       min_parallel_advance_rows=self.config.min_parallel_advance_rows,
-                                       num_llguidance_lanes=self.config.num_llguidance_lanes)
+            self._backends[name] = cls(self._tokenizer.data, **self._backend_kwargs())
         return self._backends[name]
 
     def _lookup_grammar(self, grammar_id: int) -> tuple[GrammarBackend, object] | None:
@@ -167,6 +177,12 @@ class GrammarService:
     def recent_step_us(self) -> dict[str, dict[str, float]]:
         """Per open channel: percentiles of its last 1024 step times (`StepLoop.recent_step_us`)."""
         return {name: loop.recent_step_us() for name, loop in list(self._loops.items())}
+
+    def wait_compile_ready(self, timeout_s: float) -> bool:
+        """True once the compile workers of the loaded tokenizer have started (or compiles are
+        not isolated, or no tokenizer is loaded yet)."""
+        compiler = self._compiler
+        return compiler is None or compiler.wait_ready(timeout_s)
 
     def close(self) -> None:
         for name in list(self._loops):

@@ -16,7 +16,13 @@ GRAMMAR_SETTINGS = SettingsTable("structgen grammar", env_prefix=f"{ENV_PREFIX}G
     )),
     Group(GrammarServiceConfig, chart="grammar", settings=(
         Setting("listen", "unix:///path.sock (socket mode 0600) or host:port", chart=False),
-        Setting("num-compile-threads", "concurrent grammar compiles", minimum=1),
+        Setting("num-compile-threads", "concurrent grammar compiles (compile worker processes)", minimum=1),
+        Setting("max-queued-compiles", "new grammars that may wait for a compile beyond those running "
+                "(more: RESOURCE_EXHAUSTED at once)", minimum=0, chart=False),
+        Setting("isolate-compiles", "compile each new grammar first in a worker process, so a grammar "
+                "that crashes a backend or runs away fails only its own request", chart=False),
+        Setting("max-compile-memory-mb", "address space a compile worker may add (0 = no cap)", minimum=0,
+                chart=False),
         Setting("num-fill-threads", "mask-fill threads per backend (0 = each library's default: "
                 "half the CPUs for xgrammar, 80% for llguidance; set it to the container's CPU request)",
                 minimum=0),
@@ -27,12 +33,13 @@ GRAMMAR_SETTINGS = SettingsTable("structgen grammar", env_prefix=f"{ENV_PREFIX}G
                 "brings a new schema)", minimum=0),
         Setting("step-wait-spin-us", "microseconds a channel's loop spins for the next step before it "
                 "sleeps", minimum=0),
-        Setting("compile-timeout-s", "a slower compile is refused and remembered", greater_than=0),
+        Setting("compile-timeout-s", "a slower compile (the wait for a worker included) is refused and "
+                "remembered", greater_than=0),
         Setting("negative-cache-ttl-s", "seconds a failed grammar is answered from memory", minimum=0),
         Setting("max-grammar-bytes", "largest grammar text (serve's limit too)", minimum=1,
                 chart=False, shared=True),
         Setting("max-cached-grammars", "compiled grammars kept (least recently used evicted)", minimum=1),
-        Setting("num-rpc-threads", "gRPC handler threads", minimum=1),
+        Setting("num-rpc-threads", "gRPC handler threads (each waiting Compile call holds one)", minimum=4),
         Setting("tokenizer-dir", "preload this tokenizer (else the first OpenChannel's)", chart=False),
         Setting("vocab-size", "logits width of --tokenizer-dir", chart=False),
         Setting("shutdown-grace-s", "seconds open RPCs get on SIGTERM", minimum=0, chart=False),

@@ -12,6 +12,7 @@ Each subcommand lives in structgen/commands/ and imports heavy modules (torch) o
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from structgen.commands import demo, fetch_model, generate, serve
@@ -54,7 +55,18 @@ def _run_grammar(args: argparse.Namespace, rest: list[str]) -> int:
     return grammar_main(rest) or 0
 
 
+def disable_grpc_fork_handlers() -> None:
+    """Turn off gRPC core's fork handlers; call before grpc is first imported.
+
+    Our processes fork only to exec a child (subprocess, multiprocessing's forkserver), never to
+    use gRPC in the child. gRPC's handlers still run around each such fork and, when a fork
+    meets gRPC threads starting up, have left a parent's poller with a closed epoll descriptor
+    (the process then aborts). An explicit setting in the environment is kept."""
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
+
+
 def main(argv: list[str] | None = None) -> int:
+    disable_grpc_fork_handlers()
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     if argv[:1] == ["grammar"]:  # everything after `grammar` belongs to grammar_service

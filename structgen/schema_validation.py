@@ -114,6 +114,8 @@ def validate_output(schema_text: str, output_text: str) -> ValidationResult:
         instance = json.loads(output_text)
     except ValueError as exc:
         return ValidationResult(False, (ValidationIssue("", f"output is not valid JSON: {exc}", ""),), 1)
+    except RecursionError:  # nested past the interpreter's recursion limit
+        return ValidationResult(False, (ValidationIssue("", "output nests too deeply to validate", "schema"),), 1)
     try:
         found = violations(schema_text, instance)
     except (SchemaError, ValueError, Unresolvable) as exc:

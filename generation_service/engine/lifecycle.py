@@ -12,7 +12,7 @@ import time
 from typing import Callable
 
 from generation_service.engine.errors import (
-    DeadlineExceededError, EngineError, GrammarUnavailableError,
+    DeadlineExceededError, EngineError, GrammarError, GrammarUnavailableError,
 )
 from generation_service.engine.events import FinishReason, GuaranteeReport, OutputEvent, Usage
 from generation_service.engine.grammar_link import GrammarLink, LinkRow, RowResult, StepMasks
@@ -178,7 +178,12 @@ class RequestTable:
             if request.is_finished or not result.error:
                 continue
             if result.error == ERR_TOKEN_REJECTED:
-                error = EngineError(f"grammar_service rejected a token of request {request.request_id}")
+                # the token was sampled under this grammar's own mask: the grammar drove its
+                # backend past a limit (llguidance: "parser too complex") or into a dead end
+                log.warning("grammar of request %s refused a token its mask allowed", request.request_id)
+                error = GrammarError(f"request {request.request_id}: the grammar's matcher refused a token its "
+                                     "own mask allowed (the grammar is too complex for its backend here, or "
+                                     "can never finish); simplify it or try the other grammar backend")
             elif result.error in (ERR_UNKNOWN_GRAMMAR, ERR_NO_MATCHER):
                 error = GrammarUnavailableError("grammar_service lost this request's grammar")
             else:

@@ -4,8 +4,10 @@ a supervised grammar_service child on a private Unix socket.
 Every flag has a STRUCTGEN_* environment variable (the Helm chart's ConfigMap sets them);
 a flag given on the command line wins, then the variable, then the ServeConfig /
 EngineConfig default. The flags, variables and chart values all come from one table,
-generation_service/settings.py. SIGTERM or SIGINT drains: NOT_SERVING, open streams get
---drain-seconds, then the engine and the grammar child stop.
+generation_service/settings.py. SIGTERM or SIGINT drains: health answers NOT_SERVING on the
+open port while open streams get --drain-seconds, then the server closes and the engine and
+the grammar child stop. A signal during start-up stops it between steps and cleans up the
+same way.
 """
 from __future__ import annotations
 
@@ -13,12 +15,15 @@ import argparse
 import json
 import logging
 import os
-import signal
 import sys
 import threading
 import time
+from typing import Callable, TypeVar
+
+from structgen.signals import StopSignals
 
 log = logging.getLogger("structgen.serve")
+T = TypeVar("T")
 # The engine loop is the serving path's one critical thread, and every streaming RPC has a thread
 # of its own: with Python's default 5 ms switch interval, each time the loop gives up the GIL (a
 # device sync, a sleep while it waits for masks) it could wait up to 5 ms to get it back.
@@ -46,6 +51,7 @@ def resolve(args: argparse.Namespace, environ):
 
 
 def run(args: argparse.Namespace, _rest) -> int:
+    stop = StopSignals()  # NOTE: before anything that must be cleaned up exists
     from generation_service.config import ServeConfig
     from generation_service.engine.config import EngineConfig
     from generation_service.model.config import ModelLoadError
@@ -71,17 +77,16 @@ def run(args: argparse.Namespace, _rest) -> int:
     telemetry.install_log_correlation()
     config: ServeConfig = resolved[ServeConfig]
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    stop_requested = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop_requested.set())
     try:
-        with ServeStack(config, resolved[EngineConfig]) as stack:
+        with ServeStack(config, resolved[EngineConfig], should_stop=lambda: stop.is_set) as stack:
             if stack.http_url:
                 print(f"structgen serve: OpenAI-compatible HTTP API on {stack.http_url}", flush=True)
             print(f"structgen serve: listening on {config.host}:{stack.port} "
                   f"(model {stack.model_name}, grammar_service at {stack.grammar_address})", flush=True)
-            stop_requested.wait()
+            stop.wait()
             log.info("stopping: draining for up to %.1f s", config.grace_s)
+    except StartupCancelled:
+        log.info("stopped during start-up")
     except ModelLoadError as exc:
         print(f"structgen serve: {exc}", file=sys.stderr)
         return 1
@@ -102,29 +107,71 @@ def exit_now(code: int) -> None:
     os._exit(code)
 
 
+class StartupCancelled(Exception):
+    """A stop signal arrived during start-up; what was started has been stopped."""
+
+
 class ServeStack:
     """grammar_service child (optional) -> engine -> gRPC server (and the HTTP API when
-    --http-port is set), torn down in reverse order."""
+    --http-port is set), torn down in reverse order.
 
-    def __init__(self, config, engine_config):
+    `should_stop` is polled between start-up steps (and while the grammar child starts): when
+    it turns true, the steps done so far are undone and StartupCancelled is raised."""
+
+    def __init__(self, config, engine_config, should_stop: Callable[[], bool] = lambda: False):
         self.config = config
         self._engine_config = engine_config
+        self._should_stop = should_stop
         self._supervisor = self._engine = self._server = self._http = None
         self.grammar_address = config.grammar_address
 
-    def __enter__(self) -> "ServeStack":
-        from generation_service.engine.engine import Engine
-        from generation_service.server import start_server
+    def _check_stop(self) -> None:
+        if self._should_stop():
+            raise StartupCancelled("stop signal during start-up")
+
+    def _interruptible(self, step: Callable[[], T]) -> T:
+        """step() in a helper thread, or StartupCancelled as soon as a stop arrives; the helper
+        is then abandoned (the process exits), so a step here creates nothing outside this
+        process: imports and the model, not the step channel."""
+        outcome: dict = {}
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                outcome["value"] = step()
+            except BaseException as error:  # noqa: BLE001 -- re-raised in the caller's thread
+                outcome["error"] = error
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="serve-start", daemon=True).start()
+        while not done.wait(0.05):
+            self._check_stop()
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]
+
+    def _build_engine(self):
+        from generation_service.engine.engine import Engine  # torch: seconds
         from grammar_service.client import GrammarControlClient
+        return Engine(self._engine_config, GrammarControlClient(self.grammar_address))
+
+    def __enter__(self) -> "ServeStack":
         from structgen.supervisor import GrammarSupervisor
         try:
-            if self.config.spawns_grammar_service:
+            self._check_stop()
+            if self.config.spawns_grammar_service:  # its start-up overlaps ours (torch, the model)
                 self._supervisor = GrammarSupervisor(
                     ("--max-grammar-bytes", str(self.config.max_grammar_bytes)))
-                self._supervisor.start()
+                self._supervisor.spawn()
                 self.grammar_address = self._supervisor.address
-            self._engine = Engine(self._engine_config, GrammarControlClient(self.grammar_address))
+            self._engine = self._interruptible(self._build_engine)
+            from generation_service.server import start_server
+            if self._supervisor is not None:
+                self._supervisor.wait_ready(should_stop=self._should_stop)
+            self._check_stop()
             self._engine.start()
+            self._check_stop()
             if self._supervisor is not None:
                 self._supervisor.set_restart_args(
                     ("--tokenizer-dir", self._engine.tokenizer.path,
@@ -133,6 +180,7 @@ class ServeStack:
             if self.config.http_port:
                 from generation_service.openai_http.front import start_http_front
                 self._http = start_http_front(self._engine, self.config)
+            self._check_stop()
             if self.config.metrics_port:
                 import prometheus_client
                 prometheus_client.start_http_server(self.config.metrics_port, addr=self.config.host)

@@ -28,6 +28,16 @@ BAD_REQUESTS = [
     ("max-tokens-over-limit", dict(prompt="hi", max_tokens=65), OutOfRangeError, ["max_tokens", "65", "max_new_tokens_limit", "64"]),
     ("prompt-over-limit", dict(prompt="word " * 600), OutOfRangeError, ["max_prompt_tokens", "512"]),
     ("grammar-over-limit", dict(prompt="hi", regex="a" * 70000), OutOfRangeError, ["max_grammar_bytes", "65536", "70000"]),
+    ("schema-nested-too-deep", dict(prompt="hi", json_schema='{"items":' * 200 + "{}" + "}" * 200), OutOfRangeError,
+     ["json_schema", "128", "max_json_depth"]),
+    ("brackets-past-recursion", dict(prompt="hi", json_schema="[" * 50000), OutOfRangeError, ["json_schema", "128"]),
+    ("lark-accepts-nothing", dict(prompt="hi", lark="start: a\na: a"), InvalidArgumentError, ["accepts no string"]),
+    ("lark-dead-end", dict(prompt="hi", lark='start: "x" a | "y"\na: a'), InvalidArgumentError, ["never finish"]),
+    ("top-k-beyond-vocab", dict(prompt="hi", top_k=2**32 - 1, temperature=1.0), InvalidArgumentError,
+     ["top_k", "4294967295", "vocabulary"]),
+    ("stop-id-beyond-vocab", dict(prompt="hi", stop_token_ids=[10**6]), InvalidArgumentError, ["stop_token_ids"]),
+    ("drafts-over-limit", dict(prompt="hi", num_draft_tokens=2**32 - 1), OutOfRangeError,
+     ["num_draft_tokens", "max_draft_tokens"]),
 ]
 
 
@@ -57,6 +67,37 @@ def test_request_without_input_is_invalid(live_server):
         with pytest.raises(grpc.RpcError) as caught:
             stub.Tokenize(pb.TokenizeRequest(), timeout=30)
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def _raw_generate(address: str, data: bytes) -> grpc.RpcError:
+    with grpc.insecure_channel(address) as channel:
+        call = channel.unary_stream("/structgen.v1.GenerationService/Generate", request_serializer=None,
+                                    response_deserializer=pb.GenerateResponse.FromString)
+        with pytest.raises(grpc.RpcError) as caught:
+            list(call(data, timeout=30))
+        return caught.value
+
+
+@pytest.mark.parametrize("data", [b"\x12\x03a\xffb", b"\x12\x10short", b"\xff\xff\xff", b"\x1a\x02\xc3\x28"],
+                         ids=["invalid-utf8-prompt", "truncated", "not-protobuf", "invalid-utf8-schema"])
+def test_request_bytes_that_do_not_parse_are_invalid_argument(live_server, data):
+    error = _raw_generate(live_server.address, data)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+    assert "not a valid protobuf message" in error.details()
+
+
+@pytest.mark.parametrize("field, value", [("backend", 99), ("backend", -1), ("proposer", -1), ("proposer", 7)])
+def test_unknown_enum_values_are_invalid_argument(live_server, field, value):
+    request = pb.GenerateRequest(prompt="hi", stop=pb.StopConditions(max_tokens=2))
+    if field == "backend":
+        request.json_object.SetInParent()
+        request.constraint_options.backend = value
+    else:
+        request.speculative.num_draft_tokens = 1
+        request.speculative.proposer = value
+    error = _raw_generate(live_server.address, request.SerializeToString())
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert str(value) in error.details() and "not a known value" in error.details()
 
 
 def test_duplicate_live_request_id_is_invalid(client, wait_idle):

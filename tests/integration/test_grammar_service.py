@@ -110,6 +110,16 @@ def test_bad_grammars_are_invalid_argument_and_the_service_survives(grammar_proc
     assert client.is_serving()
 
 
+def test_a_burst_of_one_new_grammar_is_one_compile_call(grammar_process):
+    _, client, _ = grammar_process
+    spec = GrammarSpec("json_schema", json.dumps({"type": "object", "properties": {
+        f"burst_{i}": {"type": "integer"} for i in range(40)}}))
+    futures = [client.compile(spec) for _ in range(64)]  # beyond grammar_service's handler threads
+    assert all(f is futures[0] for f in futures)
+    assert futures[0].result(60).grammar_id > 0
+    assert client.compile(spec).result(60).cache_hit  # the next call is a call of its own
+
+
 def test_sigterm_shuts_down_cleanly(grammar_process):
     proc, client, sock = grammar_process
     proc.send_signal(signal.SIGTERM)

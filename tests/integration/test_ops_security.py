@@ -66,6 +66,14 @@ def _bearer(token: str) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),)
 
 
+@pytest.mark.parametrize("scheme", ["bearer", "BEARER", "Bearer"])
+def test_the_bearer_scheme_is_case_insensitive(secure_server, pki, scheme):
+    with _channel(secure_server, pki) as channel:
+        info = pb_grpc.GenerationServiceStub(channel).GetModelInfo(
+            pb.GetModelInfoRequest(), metadata=(("authorization", f"{scheme} {TOKEN}"),), timeout=30)
+        assert info.vocab_size > 0
+
+
 def test_client_certificate_and_token_pass(secure_server, pki):
     with _channel(secure_server, pki) as channel:
         stub = pb_grpc.GenerationServiceStub(channel)

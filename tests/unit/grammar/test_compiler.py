@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import pytest
@@ -51,13 +52,18 @@ class _SlowBackend(GrammarBackend):
     """Test double for the timeout path only: a compile that takes `delay_s`."""
     name = "slow"
 
-    def __init__(self, delay_s: float):
+    def __init__(self, delay_s: float, gate: threading.Event | None = None):
         self.delay_s = delay_s
+        self.gate = gate  # a compile also waits for this, when given
         self.num_calls = 0
+        self.specs: list[str] = []
 
     def compile(self, spec):
         self.num_calls += 1
+        self.specs.append(spec.text)
         time.sleep(self.delay_s)
+        if self.gate is not None:
+            self.gate.wait(10)
         return object()
 
     def new_matcher(self, compiled): raise NotImplementedError
@@ -86,12 +92,34 @@ def test_compile_timeout_is_reported_and_remembered_for_the_ttl():
     compiler.close()
 
 
-def test_the_timeout_counts_the_compile_not_the_wait_for_a_thread():
-    backend = _SlowBackend(delay_s=0.3)
-    config = GrammarServiceConfig(num_compile_threads=1, compile_timeout_s=0.5)
+def test_the_wait_for_a_thread_counts_against_the_timeout():
+    gate = threading.Event()
+    backend = _SlowBackend(delay_s=0.0, gate=gate)
+    config = GrammarServiceConfig(num_compile_threads=1, compile_timeout_s=0.3, isolate_compiles=False)
     compiler = GrammarCompiler(lambda name: backend, config)
-    futures = [compiler.compile(GrammarSpec("regex", r)) for r in ("a", "b", "c")]  # 0.9 s in all
-    assert [f.result(5).cache_hit for f in futures] == [False, False, False]
+    compiler.compile(GrammarSpec("regex", "a"))  # holds the only thread until the gate opens
+    err = _error(compiler.compile(GrammarSpec("regex", "b")))
+    # "b" never reached the backend, yet its timeout ran out: the wait for the thread counted;
+    # not the grammar's fault, so not remembered
+    assert backend.specs == ["a"]
+    assert err.status == "RESOURCE_EXHAUSTED" and "no compile thread became free" in err.message
+    gate.set()
+    assert compiler.compile(GrammarSpec("regex", "b")).result(5).cache_hit is False
+    compiler.close()
+
+
+def test_a_saturated_compiler_answers_resource_exhausted_at_once():
+    backend = _SlowBackend(delay_s=0.5)
+    config = GrammarServiceConfig(num_compile_threads=1, max_queued_compiles=1, isolate_compiles=False)
+    compiler = GrammarCompiler(lambda name: backend, config)
+    running, queued = compiler.compile(GrammarSpec("regex", "a")), compiler.compile(GrammarSpec("regex", "b"))
+    started = time.monotonic()
+    err = _error(compiler.compile(GrammarSpec("regex", "c")))
+    assert time.monotonic() - started < 0.1
+    assert err.status == "RESOURCE_EXHAUSTED" and "max_queued_compiles 1" in err.message
+    assert compiler.compile(GrammarSpec("regex", "a")) is not None  # a spec in flight is shared, not refused
+    assert running.result(5) and queued.result(5)
+    assert compiler.compile(GrammarSpec("regex", "c")).result(5).cache_hit is False  # not remembered
     compiler.close()
 
 

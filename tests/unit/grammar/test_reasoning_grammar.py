@@ -120,3 +120,21 @@ def test_llguidance_takes_structural_tags_with_special_tokens(qwen):
         backend.compile(GrammarSpec("structural_tag", json.dumps(budget)))
     with pytest.raises(GrammarCompileError, match="legacy"):
         backend.compile(GrammarSpec("structural_tag", json.dumps({"structures": [], "triggers": []})))
+
+
+def test_a_budgeted_span_is_not_read_as_an_empty_language():
+    """xgrammar prints a token budget as a rule attribute (`any_tokens[max_tokens=3] ::=`),
+    which the emptiness check reads as the rule it names."""
+    import xgrammar as xgr
+
+    from grammar_service.backends.xgrammar import reasoning_format
+    from grammar_service.emptiness import unproductive_rules
+
+    for ids in ({"<think>": 1, "</think>": 2}, {}):
+        elements = reasoning_format(ReasoningSpan(max_tokens=3), ids.get)
+        tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": elements}}
+        found = unproductive_rules(str(xgr.Grammar.from_structural_tag(json.dumps(tag))))
+        assert not found  # [] (read, all productive) or None (a form it cannot read: no claim)
+    token_level = reasoning_format(ReasoningSpan(max_tokens=3), {"<think>": 1, "</think>": 2}.get)
+    tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": token_level}}
+    assert unproductive_rules(str(xgr.Grammar.from_structural_tag(json.dumps(tag)))) == []
