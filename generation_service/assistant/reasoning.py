@@ -16,6 +16,7 @@ from generation_service.engine.params import ReasoningSpan
 
 KNOWN_MARKERS = (("<think>", "</think>"),)  # Qwen3, QwQ, DeepSeek-R1 and the models distilled from it
 ReasoningMode = Literal["default", "enabled", "disabled"]
+MAX_MARKER_CHARS = 64  # markers are delimiters; each becomes a literal of the span grammar and a parser hold-back
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,8 @@ class ReasoningRequest:
             raise ValueError("reasoning max_tokens and markers need reasoning enabled")
         if bool(self.begin) != bool(self.end):
             raise ValueError("reasoning markers come in pairs: give both begin_marker and end_marker, or neither")
+        if max(len(self.begin), len(self.end)) > MAX_MARKER_CHARS:
+            raise ValueError(f"reasoning markers are at most {MAX_MARKER_CHARS} characters")
 
     @property
     def enable_thinking(self) -> bool | None:

@@ -45,6 +45,7 @@ def test_the_span_of_a_request():
     (dict(mode="default", max_tokens=3), "need reasoning enabled"),
     (dict(mode="enabled", begin="<r>"), "pairs"),
     (dict(mode="maybe"), "mode"),
+    (dict(mode="enabled", begin="x" * 65, end="y"), "at most 64"),
 ])
 def test_bad_reasoning_requests(fields, message):
     with pytest.raises(ValueError, match=message):
