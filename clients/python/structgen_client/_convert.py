@@ -183,7 +183,7 @@ def to_chunk(response: pb.GenerateResponse) -> Chunk:
     if response.HasField("usage"):
         u = response.usage
         usage = Usage(u.prompt_tokens, u.completion_tokens, u.draft_tokens_proposed,
-                      u.draft_tokens_accepted)
+                      u.draft_tokens_accepted, u.cached_prompt_tokens)
     validation = _validation(response.validation) if response.HasField("validation") else None
     return Chunk(text=response.text, token_ids=tuple(response.token_ids),
                  logprobs=tuple(TokenLogprob(lp.token_id, lp.logprob,
@@ -201,11 +201,11 @@ def to_model_info(r: pb.GetModelInfoResponse) -> ModelInfo:
     return ModelInfo(r.model_name, r.vocab_size, tuple(r.eos_token_ids), r.device, r.max_prompt_tokens,
                      r.max_new_tokens_limit, r.default_max_tokens, r.max_grammar_bytes,
                      r.max_message_bytes, r.max_batch, r.max_draft_tokens, tuple(r.constraint_kinds),
-                     r.tool_call_format, r.reasoning_begin, r.reasoning_end)
+                     r.prefix_caching, r.tool_call_format, r.reasoning_begin, r.reasoning_end)
 
 
 def to_engine_stats(r: pb.GetEngineStatsResponse) -> EngineStats:
     return EngineStats(r.num_waiting, r.num_running, r.num_kv_pages_used, r.num_slots_used,
                        r.num_grammar_matchers, r.grammar_available, r.num_kv_pages_total,
                        r.num_finished, r.num_tokens_generated, r.num_draft_tokens_proposed,
-                       r.num_draft_tokens_accepted)
+                       r.num_draft_tokens_accepted, r.num_kv_pages_cached)
