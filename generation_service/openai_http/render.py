@@ -29,7 +29,9 @@ class ResponseMeta:
 def usage(meta: ResponseMeta, outputs: list[ChoiceOutput]) -> r.Usage:
     prompt = sum(o.usage.prompt_tokens for o in outputs if o.usage is not None and o.index % meta.n == 0)
     completion = sum(o.usage.completion_tokens for o in outputs if o.usage is not None)
-    return r.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    cached = sum(o.usage.cached_prompt_tokens for o in outputs if o.usage is not None and o.index % meta.n == 0)
+    return r.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                   prompt_tokens_details=r.PromptTokensDetails(cached_tokens=cached))
 
 
 def _chat_logprobs(meta: ResponseMeta, logprobs) -> r.ChatLogprobs | None:

@@ -29,10 +29,15 @@ class Model(BaseModel):
         return self.model_dump_json(exclude_unset=True)
 
 
+class PromptTokensDetails(Model):
+    cached_tokens: int  # prompt tokens whose KV came from the prefix cache
+
+
 class Usage(Model):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class TopLogprob(Model):

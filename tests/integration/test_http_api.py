@@ -71,6 +71,16 @@ def test_chat_is_the_same_engine_as_grpc(api, model, client):
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
 
 
+def test_usage_counts_the_prompt_tokens_served_from_the_prefix_cache(api, model):
+    import secrets
+    system = f"[{secrets.token_hex(4)}] Answer in one short sentence and stay polite. " * 6  # no earlier prompt's
+    ask = lambda question: api.chat.completions.create(  # noqa: E731
+        model=model, max_tokens=4, messages=[{"role": "system", "content": system}, {"role": "user", "content": question}])
+    first, second = ask("What is a cat?"), ask("What is a dog?")
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert 0 < second.usage.prompt_tokens_details.cached_tokens < second.usage.prompt_tokens
+
+
 def test_stream_with_usage_adds_up_to_the_whole_answer(api, model):
     whole = api.chat.completions.create(model=model, messages=CHAT, max_tokens=10, extra_body=FULL)
     chunks = list(api.chat.completions.create(model=model, messages=CHAT, max_tokens=10, stream=True,
