@@ -15,6 +15,7 @@ from generation_service.engine.errors import InvalidRequestError, LimitExceededE
 from generation_service.engine.events import FinishReason, GuaranteeReport, OutputEvent
 from generation_service.engine.params import (GenerationRequest, GrammarSpec, SamplingParams,
                                               SpeculativeParams)
+from generation_service.proto_enums import enum_name
 from structgen.json_limits import JsonDepthError, loads_limited
 from structgen.schema_validation import ValidationResult
 from structgen.v1 import generation_pb2 as pb
@@ -96,7 +97,7 @@ def grammar_spec(request: pb.GenerateRequest, config: ServeConfig) -> GrammarSpe
         _check_json(text, "structural_tag")
     return GrammarSpec(kind=kind, text=text, choices=choices, any_whitespace=not options.compact,
                        max_whitespace=options.max_whitespace if options.HasField("max_whitespace") else None,
-                       strict=options.strict, backend=_enum(_BACKENDS, options.backend, "constraint_options.backend"))
+                       strict=options.strict, backend=enum_name(_BACKENDS, options.backend, "constraint_options.backend"))
 
 
 def _check_json(text: str, field: str) -> None:
@@ -106,13 +107,6 @@ def _check_json(text: str, field: str) -> None:
         raise LimitExceededError(str(error)) from None
     except ValueError as error:
         raise InvalidRequestError(str(error)) from None
-
-
-def _enum(names: dict, value: int, field: str):
-    """The domain name of a known enum value; proto3 keeps unknown numbers, refused here."""
-    if value not in names:
-        raise InvalidRequestError(f"{field} {value} is not a known value; expected one of {sorted(names)}")
-    return names[value]
 
 
 def sampling_params(request: pb.GenerateRequest, config: ServeConfig, tokenizer=None) -> SamplingParams:
@@ -159,7 +153,7 @@ def convert_generate(request: pb.GenerateRequest, tokenizer, config: ServeConfig
         sampling=sampling_params(request, config, tokenizer),
         grammar=grammar,
         speculative=SpeculativeParams(num_draft_tokens=speculative.num_draft_tokens,
-                                      proposer=_enum(_PROPOSERS, speculative.proposer, "speculative.proposer")),
+                                      proposer=enum_name(_PROPOSERS, speculative.proposer, "speculative.proposer")),
         deadline=deadline, skip_special_tokens=turn is None or turn.skip_special_tokens), turn
 
 
@@ -180,7 +174,7 @@ def _turn_grammar(turn: AssistantTurn, constraint: GrammarSpec | None, request: 
         raise InvalidRequestError("constraint_options.compact and max_whitespace 0 do not apply to tool-call "
                                   "arguments; use max_whitespace >= 1")
     try:
-        grammar = turn.grammar(constraint, backend=_enum(_BACKENDS, options.backend, "constraint_options.backend"),
+        grammar = turn.grammar(constraint, backend=enum_name(_BACKENDS, options.backend, "constraint_options.backend"),
                                max_whitespace=options.max_whitespace if options.HasField("max_whitespace") else None)
     except ValueError as error:
         raise InvalidRequestError(str(error)) from None

@@ -10,6 +10,7 @@ from generation_service.assistant.reasoning import ReasoningRequest, model_marke
 from generation_service.assistant.tools import Tool, ToolChoice
 from generation_service.assistant.turn import AssistantTurn
 from generation_service.engine.errors import InvalidRequestError, LimitExceededError
+from generation_service.proto_enums import enum_name
 from structgen.json_limits import JsonDepthError, loads_limited
 from structgen.v1 import generation_pb2 as pb
 
@@ -43,7 +44,7 @@ def tool_choice(request: pb.GenerateRequest) -> ToolChoice | None:
     choice = request.tool_choice
     if choice.mode == pb.TOOL_CHOICE_MODE_UNSPECIFIED and not choice.name:
         return None
-    mode = _CHOICES.get(choice.mode, "named" if choice.name else "auto")
+    mode = enum_name(_CHOICES, choice.mode, "tool_choice.mode") if choice.mode else "named"
     try:
         return ToolChoice(mode, choice.name)
     except ValueError as error:
@@ -55,7 +56,7 @@ def reasoning(request) -> ReasoningRequest | None:
         return None
     options = request.reasoning
     try:
-        return ReasoningRequest(mode=_REASONING.get(options.mode, "default"),
+        return ReasoningRequest(mode=enum_name(_REASONING, options.mode, "reasoning.mode"),
                                 max_tokens=options.max_tokens if options.HasField("max_tokens") else None,
                                 begin=options.begin_marker, end=options.end_marker)
     except ValueError as error:

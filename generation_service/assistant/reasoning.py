@@ -17,6 +17,7 @@ from generation_service.engine.params import ReasoningSpan
 KNOWN_MARKERS = (("<think>", "</think>"),)  # Qwen3, QwQ, DeepSeek-R1 and the models distilled from it
 ReasoningMode = Literal["default", "enabled", "disabled"]
 MAX_MARKER_CHARS = 64  # markers are delimiters; each becomes a literal of the span grammar and a parser hold-back
+MAX_BUDGET_TOKENS = (1 << 31) - 1  # xgrammar's any_text max_tokens is a signed 32-bit count
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,9 @@ class ReasoningRequest:
             raise ValueError("reasoning max_tokens and markers need reasoning enabled")
         if bool(self.begin) != bool(self.end):
             raise ValueError("reasoning markers come in pairs: give both begin_marker and end_marker, or neither")
+        if self.max_tokens is not None and not 0 <= self.max_tokens <= MAX_BUDGET_TOKENS:
+            raise ValueError(f"reasoning max_tokens must be 0 to {MAX_BUDGET_TOKENS} (unset: no budget), "
+                             f"got {self.max_tokens}")
         if max(len(self.begin), len(self.end)) > MAX_MARKER_CHARS:
             raise ValueError(f"reasoning markers are at most {MAX_MARKER_CHARS} characters")
 

@@ -12,6 +12,7 @@ from generation_service.assistant.reasoning import ReasoningRequest
 from generation_service.assistant.tools import Tool, ToolChoice
 from generation_service.assistant.turn import AssistantTurn, plan_turn
 from generation_service.engine.errors import InvalidRequestError
+from generation_service.openai_http.errors import ApiError
 from generation_service.openai_http.schemas import ChatCompletionRequest
 
 
@@ -34,7 +35,10 @@ def reasoning_request(request: ChatCompletionRequest) -> ReasoningRequest | None
     options = request.structgen.reasoning
     if options is not None:
         mode = "default" if options.enabled is None else ("enabled" if options.enabled else "disabled")
-        return ReasoningRequest(mode, options.max_tokens, options.begin_marker or "", options.end_marker or "")
+        try:
+            return ReasoningRequest(mode, options.max_tokens, options.begin_marker or "", options.end_marker or "")
+        except ValueError as error:
+            raise ApiError(400, f"structgen.reasoning: {error}", param="structgen.reasoning") from None
     flag = (request.chat_template_kwargs or {}).get("enable_thinking")
     if isinstance(flag, bool):
         return ReasoningRequest("enabled" if flag else "disabled")

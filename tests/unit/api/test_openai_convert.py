@@ -104,6 +104,17 @@ def test_tools_become_a_structural_tag_and_reach_the_template():
     assert raised.value.param == "response_format"
 
 
+@pytest.mark.parametrize("reasoning, match", [
+    ({"enabled": True, "max_tokens": 1 << 32, "begin_marker": "<r>", "end_marker": "</r>"}, "0 to 2147483647"),
+    ({"enabled": True, "begin_marker": "x" * 65, "end_marker": "y"}, "at most 64"),
+    ({"enabled": False, "max_tokens": 3}, "need reasoning enabled"),
+])
+def test_bad_reasoning_options_name_structgen_reasoning(reasoning, match):
+    with pytest.raises(ApiError, match=f"^structgen.reasoning: .*{match}") as raised:
+        chat_specs(chat(structgen={"reasoning": reasoning}))
+    assert raised.value.status == 400 and raised.value.param == "structgen.reasoning"
+
+
 def test_messages_as_templates_read_them():
     eng = engine()
     chat_specs(chat(messages=[

@@ -46,6 +46,8 @@ def test_the_span_of_a_request():
     (dict(mode="enabled", begin="<r>"), "pairs"),
     (dict(mode="maybe"), "mode"),
     (dict(mode="enabled", begin="x" * 65, end="y"), "at most 64"),
+    (dict(mode="enabled", max_tokens=(1 << 32) - 1), "0 to 2147483647"),
+    (dict(mode="enabled", max_tokens=-1), "0 to 2147483647"),
 ])
 def test_bad_reasoning_requests(fields, message):
     with pytest.raises(ValueError, match=message):
