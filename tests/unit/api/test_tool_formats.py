@@ -8,7 +8,7 @@ import pytest
 from chat_checkpoints import write_checkpoint
 from generation_service.assistant.formats import FORMATS, detect_format
 from generation_service.assistant.parser import CallExtractor
-from generation_service.assistant.tools import Tool, ToolChoice
+from generation_service.assistant.tools import Tool, ToolCall, ToolChoice, validate_call
 from generation_service.model.tokenizer import Tokenizer
 from grammar_service.backends.llguidance import LLGuidanceBackend
 from grammar_service.backends.xgrammar import XGrammarBackend
@@ -134,3 +134,22 @@ def test_mistral_marks_its_trigger_as_the_control_token(family):
     tag = format_.grammar(TOOLS, ToolChoice("required"), False, None)
     assert tag["begin"] == {"type": "token", "token": "[TOOL_CALLS]"}
     assert tokenizer.token_id("[TOOL_CALLS]") in tokenizer.special_token_ids
+
+
+@pytest.mark.parametrize("name, arguments, path, message", [
+    ("get_weather", '{"city": "Paris", "unit": "k"}', "/unit", "is not one of"),
+    ("get_weather", '{"city": "Paris"}', "", "'unit' is a required property"),
+    ("get_weather", '{"city": "Par', "", "not valid JSON"),
+    ("get_news", "{}", "", "not one of the request's tools"),
+])
+def test_a_call_that_does_not_validate_says_why(name, arguments, path, message):
+    result = validate_call(ToolCall("call_1", name, arguments), {tool.name: tool for tool in TOOLS})
+    assert not result.valid and result.num_errors >= 1
+    issue = result.issues[0]
+    assert issue.path == path and message in issue.message
+
+
+def test_a_call_that_validates():
+    tools = {tool.name: tool for tool in TOOLS}
+    assert validate_call(ToolCall("c", "get_weather", '{"city": "Paris", "unit": "c"}'), tools).valid
+    assert validate_call(ToolCall("c", "get_time", '{"anything": [1]}'), tools).valid
