@@ -18,8 +18,8 @@ What is measured (per model shape, per batch size), all graphs of one runner:
                outputs, outputs_seq; grammar_service sees every step) with a wait that always
                passes and free rows in the descriptors: the step if masks were always ready.
                wait_fraction = 1 - prepublished / constrained = the GPU's time waiting for
-               grammar_service; wait_plus_mechanism_fraction = 1 - nowait / constrained (the
-               run-4 "wait %": it also holds the wait node and the seq writes);
+               grammar_service; wait_plus_mechanism_fraction = 1 - nowait / constrained (an
+               upper bound on the wait: it also holds the wait node and the seq writes);
 - engine:      the whole Engine with runner "cuda_graph" (scheduler, streams, host loop),
                overlap off and on (`EngineConfig.overlap`), free greedy decode of random
                prompts and, with grammar_service over gRPC, the same batch constrained by
@@ -68,8 +68,8 @@ VOCAB = 131072
 PAGE_SIZE = 16
 # The host writes descriptor n once grammar_service is done with step n - D + 1; a sleeping host
 # (wait_seq's 1 ms steps) could launch step n after the GPU drained its queue, a bubble only the
-# waiting modes would pay, so the harness spins (at 1B, 50 us of spin and then sleeps measured
-# the same: benchmarks/results/decode-h200-1b-b8wait-hostsleep.json vs -base.json).
+# waiting modes would pay, so the harness spins (at 1B a short spin and then sleeps measured the
+# same: benchmarks/results/decode-h200-1b-b8wait-hostsleep.json against decode-h200-1b-b8wait-base.json).
 HOST_WAIT_SPIN_US = 20000.0
 # GpuDecodeRunner switches the command line can set (each --flag of the same name; None: the
 # runner's default), read at capture: A/B of the step's channel work in one run. name: (type, help)
@@ -495,7 +495,7 @@ def main() -> int:
                     help="further GrammarServiceConfig fields for grammar_service, as a JSON object")
     ap.add_argument("--host-wait-spin-us", type=float, default=HOST_WAIT_SPIN_US,
                     help="how long the host spins on mask_seq before it writes a descriptor D steps "
-                         "ahead, before sleeping up to 1 ms (50: the harness before run 11)")
+                         "ahead, before sleeping up to 1 ms (50: a short spin, then sleeps)")
     for name, (kind, text) in RUNNER_SETTINGS.items():
         kwargs = dict(action=argparse.BooleanOptionalAction) if kind is bool else dict(type=kind)
         ap.add_argument("--" + name.replace("_", "-"), default=None,
@@ -584,7 +584,7 @@ def main() -> int:
 
 def summary(result: dict) -> None:
     """c/f: constrained (prefetch) over free; serial: the same without prefetch; wait%: GPU time
-    waiting for grammar_service (vs prepublished); +mech%: the run-4 figure (vs nowait)."""
+    waiting for grammar_service (vs prepublished); +mech%: the wait plus the channel's own work (vs nowait)."""
     print(f"\ncopy bandwidth {result['copy_bandwidth_gbs']:.0f} GB/s; masks: {result['mask_source']}")
     print(f"{'model':14s} {'batch':>5s} {'free ms':>8s} {'nowait':>7s} {'prepub':>7s} {'constr':>7s} "
           f"{'serial':>7s} {'free tok/s':>10s} {'constr tok/s':>12s} {'c/f':>5s} {'serial':>6s} "

@@ -15,12 +15,11 @@ Modes (each row records its `settings`; a failing mode is an `error` row, the ot
                    (fails if a document ends before n tokens: EOS is then the only legal
                    token, forbidden, and xgrammar's accept asserts; recorded as an error).
 
-Warm-up: each mode first generates the full length once. In runs 1-5 the warm-up was 2
-tokens and the first mode of each batch measured 2.5-4x slower (8B B=1: 65 vs 23 ms/step;
-run 5 had "free" first, runs 1-4 "free_min"): a cold pass over new KV lengths, not the
-min-length processors, which the diagnostic row (`min_processor_ms`) times at 0.15 ms per
-step on the H200. The issue's quoted baseline (17 tok/s free at 8B B=1) matches that
-cold figure.
+Warm-up: each mode first generates the full length once. A 2-token warm-up left the first
+mode of each batch several times slower, whichever mode came first: a cold pass over new KV
+lengths, not the min-length processors, which the diagnostic row (`min_processor_ms`) times
+apart (`diag_min_processors` in benchmarks/results/decode-h200.json). The issue's quoted
+baseline (17 tok/s free at 8B B=1) matches such a cold pass.
 """
 from __future__ import annotations
 

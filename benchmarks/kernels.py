@@ -307,7 +307,8 @@ def gemv_weights(hidden, inter, q_dim, kv_dim, layers):
 
 def extra_m1_configs() -> list:
     """`--extra-m1`: more programs (BLOCK_N 8 on CUDA cores: N / 8 programs) or deeper pipelines
-    for one row, where the projections under 64 MB stream at 2.3-3.6 TB/s (profile-h200-fold.json)."""
+    for one row, where the projections under 64 MB stream well under the copy bandwidth
+    (benchmarks/results/profile-h200-fold.json)."""
     from generation_service.kernels.gemv import GemvConfig
     return [GemvConfig(8, 1024, num_stages=3, use_dot=False), GemvConfig(8, 512, use_dot=False),
             GemvConfig(16, 512, num_warps=8, num_stages=3, use_dot=False),

@@ -22,33 +22,23 @@ class GrammarServiceConfig:
     # 0 = each library's default (xgrammar: hardware threads / 2; llguidance: 80% of the CPUs, <= 32)
     num_fill_threads: int = 0
     # llguidance: batch_advance runs in the fill threads (consume_token_par) from this many rows;
-    # 0 = never, the default. On the 16-CPU GPU host the service step at 64-128 rows moved by
-    # x0.86-1.07 over three runs with rows on 6 schemas, and lost x1.2 with every row on one
-    # (copies of one compiled grammar share a lexer lock); on 2 CPUs (one llguidance thread)
-    # x0.93-1.13 over three rounds of random walks at 16-128 rows, its advance phase x0.94-1.41
-    # (benchmarks/results/grammar_step-ci-2core-parallel-advance.json). With lanes, one schema,
-    # 2 fill threads on 2 CPUs: advance phase x0.99-1.41, step x0.90-1.22 (-lanes.json); on the
-    # 16-CPU host with 8 lanes, one schema: step x0.98 (64 rows), x0.94 (128)
-    # (grammar_step-h200-host-16cpu-lanes.json): under a 5% gain, still off.
+    # 0 = never, the default: on 2 and on 16 CPUs, with and without lanes, the service step
+    # gained less than the 5% that would turn it on, and lost where rows share one grammar
+    # (benchmarks/results/grammar_step-ci-2core-parallel-advance.json,
+    # grammar_step-ci-2core-lanes.json, grammar_step-h200-host-16cpu-lanes.json).
     min_parallel_advance_rows: int = 0
     # llguidance: matchers built apart per compiled grammar ("lanes", backends/llguidance.py), new
     # rows handed out round robin over them, so the rows of one grammar fill and advance in up to
-    # that many threads at once (copies of one matcher share its lexer lock); 0 and 1: one lane,
-    # the behaviour before lanes. Capped at llguidance's fill threads (1 on 2 CPUs: no change
-    # there; 12 on the 16-CPU GPU host). 8: on that host 128 rows spread over 6 compiled grammars
-    # filled in 595 us at 12 threads, rows on independent matchers in 568, rows of one grammar
-    # in 1647 (1207 at 1 thread), so ~6-8 independent lexers reach the floor; each lane adds its
-    # build to the compile, once per grammar (2 CPUs, 131k vocabulary: ~1.5 ms for typical
-    # schemas, ~55 ms for k8s-pod-v1: 87 -> 493 ms at 8 lanes) and its memory (~50 KB walked;
-    # k8s-pod-v1 ~300 KB). Workloads with a new schema per request gain nothing from lanes:
-    # set 1 there. 2 CPUs, one schema, 2 fill threads (2 lanes): fill x0.81-1.04, step x0.88-1.01
-    # over one lane, against an A/A floor of x0.93-1.11 (benchmarks/results/
-    # grammar_step-ci-2core-lanes.json, -aa.json). On the 16-CPU host, one schema, random walks,
-    # 8 lanes against 1: fill x0.51 / x0.46, service step x0.60 / x0.61 at 64 / 128 rows
-    # (grammar_step-h200-host-16cpu-lanes.json); 1B decode at 128 rows: mask wait 18% -> 1.4%.
+    # that many threads at once (copies of one matcher share its lexer lock); 0 and 1: one lane.
+    # Capped at llguidance's fill threads (1 on 2 CPUs: no change there; 12 on the 16-CPU GPU
+    # host). 8: on that host, one schema, 8 lanes halve the fill of 64-128 rows against one
+    # (benchmarks/results/grammar_step-h200-host-16cpu-lanes.json); on 2 CPUs the difference is
+    # within the A/A floor (grammar_step-ci-2core-lanes.json, grammar_step-ci-2core-lanes-aa.json).
+    # Each lane adds its build to the compile and its memory, once per grammar (docs/architecture.md
+    # step 4): workloads with a new schema per request gain nothing from lanes, set 1 there.
     num_llguidance_lanes: int = 8
     # a channel's loop spins this long on inputs_seq before sleeping in 10-100 us steps, whose
-    # wake-up (~60-150 us with the kernel's timer slack) adds to the mask's latency when the
+    # wake-up (the kernel's timer slack included) adds to the mask's latency when the
     # GPU's next step comes later than this; a spin holds a CPU while it lasts.
     step_wait_spin_us: int = 100
     compile_timeout_s: float = 10.0     # a slower compile (wait for a worker included) is refused and remembered

@@ -208,9 +208,9 @@ def llguidance_unenforced(schema_text: str, options: dict) -> tuple[UnenforcedKe
 # --- auto -----------------------------------------------------------------------------------
 # `auto` (issue 8): the backend that enforces more of the schema, then the one that compiles
 # faster. Listed fastest compile first, measured over 35 real schemas on 2 cores
-# (benchmarks/results/schemas-ci-2core*.json): llguidance median 21 ms / max 128 ms at 32k,
-# xgrammar 109 ms / 25 s. The price on a tie: llguidance's mask fills are slower (p50 75 us
-# against xgrammar's 31 us per token at 32k), paid every step; docs/guarantees.md.
+# (benchmarks/results/schemas-ci-2core.json): llguidance median 23 ms / max 147 ms at 32k,
+# xgrammar 587 ms / 26 s. The price on a tie: llguidance's mask fills are slower (p50 71 us
+# against xgrammar's 37 us per token at 32k), paid every step; docs/guarantees.md.
 AUTO_CANDIDATES = ("llguidance", "xgrammar")
 
 

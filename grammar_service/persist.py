@@ -5,20 +5,13 @@ store keys files by (backend version, tokenizer fingerprint, grammar hash), writ
 grammars that were slow to compile and deletes any entry whose load turned out slower than
 its compile.
 
-Measured on this 2-core machine (32k Mistral vocabulary, xgrammar 0.2.9):
-
-    schema              compile   serialize_json   deserialize_json   file
-    github-discussion     23 ms        75 ms             27 ms         0.3 MB
-    codecov              350 ms    12 500 ms          4 270 ms        37 MB
-    bamboo-spec        4 100 ms    91 000 ms         23 900 ms       228 MB
-    k8s-pod-v1         4 660 ms   310 000 ms        139 700 ms       962 MB
-
 xgrammar's JSON form of a CompiledGrammar spells out its per-rule token-mask cache, so it is
-6-30x slower to load than to compile and 20-70x slower to write; llguidance compiles in
+several times slower to load than to compile and slower still to write (measured:
+docs/grammar_service.md, "Persisting compiled grammars"); llguidance compiles in
 milliseconds and has no serialized form. Persisting therefore loses for both backends at
 these versions, and `codec_for` offers no codec for them (XGRAMMAR_PERSIST_WORTHWHILE
 records the decision; flip it when a release serializes compactly and
-benchmarks/schemas.py --persist shows load < compile). The store and its policy stay, so
+a measurement shows load < compile). The store and its policy stay, so
 a backend with a compact format gets restarts for free.
 
 Layout: `<root>/<backend>-<version>/<tokenizer fingerprint[:32]>/<grammar hash>.json`,

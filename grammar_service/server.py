@@ -69,9 +69,9 @@ def freeze_heap() -> None:
 
     A full pass traverses every tracked object and runs on whichever thread allocates at the
     wrong moment: often a step loop, stalling that step and the GPU behind it. With the 131k
-    tokenizer loaded (xgrammar imports torch) the process tracks ~217k objects and a full pass
-    took 164 ms on 2 CPUs; one landed in the second step of every 128-row channel of
-    benchmarks/grammar_step.py (143-176 ms). Frozen, a full pass took 0.0 ms. Called at start
+    tokenizer loaded (xgrammar imports torch) the process tracks ~217k objects, and a full pass
+    over them stalled a step by over a hundred milliseconds (docs/architecture.md step 4);
+    frozen, a full pass has almost nothing to traverse. Called at start
     and after each tokenizer load, when no step loop runs (service.py); what it freezes
     (imports, tokenizer, backends) lives as long as the process or the tokenizer anyway.
     """

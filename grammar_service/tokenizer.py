@@ -45,6 +45,6 @@ def load_tokenizer(tokenizer_dir: str, vocab_size: int) -> tuple[TokenizerData, 
             encoded[token_id] = token
     data = TokenizerData(encoded_vocab=tuple(encoded), vocab_size=vocab_size,
                          stop_token_ids=tuple(_eos_ids(path.parent, vocab)),
-                         tokenizer_json=path.read_text(encoding="utf-8"))  # 4x faster than to_str() at 131k
+                         tokenizer_json=path.read_text(encoding="utf-8"))  # as is: to_str() re-serializes it
     return data, fingerprint_tokenizer_json(path, vocab_size)
 

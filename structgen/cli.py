@@ -70,7 +70,7 @@ def passive_cpu_waits() -> None:
 
     On CPU a forward's parallel regions wait for every torch thread; with threads spinning on all
     cores, a compile worker that takes one core leaves a descheduled thread behind every region:
-    tokens came an order of magnitude slower while a grammar compiled, and no faster alone
+    tokens came far slower while a grammar compiled, and no faster alone
     (tests/integration/test_real_schemas.py's slow-compile test on 2 cores). An explicit setting
     in the environment is kept."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

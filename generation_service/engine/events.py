@@ -68,7 +68,8 @@ class OutputEvent:
     def of_tokens(cls, token_ids: tuple[int, ...], text: str, logprobs: tuple[TokenLogprob, ...]) -> "OutputEvent":
         """``OutputEvent(token_ids, text, logprobs)``, built without the frozen __init__, which
         sets each of the seven fields through object.__setattr__: the engine builds one per
-        row per step (1.5 us of a ~10 us row, benchmarks/engine_host.py). The fields not
+        row per step, inside the ~9 us a row's postprocess costs on 2 CPUs
+        (benchmarks/results/engine_host-ci-2core.json). The fields not
         given read their defaults from the class, as dataclass fields with a default do."""
         event = object.__new__(cls)
         event.__dict__.update(token_ids=token_ids, text=text, logprobs=logprobs)

@@ -35,8 +35,8 @@ path. The `+serial` variants (`mask_prefetch=False`) run the wait and the gather
 main stream after the forward instead: the same kernels, the same buffers, so the same tokens.
 Buckets below `prefetch_min_bucket` (16) fork late, at the LM head: there the forward is a chain
 of PDL-linked kernels, and a branch forked at the start of the step slowed it by more than the
-3-6 us gather it hides (H200: 1B batch 8, +24 us for the branch alone); forked at the head it
-costs nothing measurable and hides the wait node too.
+gather it hides (benchmarks/results/profile-h200-channel.json); forked at the head it costs
+nothing measurable and hides the wait node too (benchmarks/results/profile-h200-at-head.json).
 
 Capture: the side stream forks at the start of the step (below 16: before the LM head) and
 joins before the sampler reads the mask buffer; both are event edges, so in a graph the wait +
@@ -83,18 +83,14 @@ log = logging.getLogger(__name__)
 
 PREFETCH_MIN_BUCKET = 16
 # CTAs of the side stream's mask gather (kernels/mask_gather.py): enough 32 KB tiles in flight
-# to keep the host link busy, few enough SMs that the forward beside it keeps the rest. H200, 1B,
-# nowait step (benchmarks/results/profile-h200-gather.json) at 64 / 128 rows: free 1.499 / 1.918
-# ms; index_select 1.534 / 1.948; 2 CTAs 1.515 / 1.909, 4: 1.516 / 1.910, 8: 1.518 / 1.924,
-# 16: 1.519 / 1.927, 32: 1.530 / 1.932. 4, not 2: twice the loads in flight when a late mask
-# puts the gather on the critical path.
+# to keep the host link busy, few enough SMs that the forward beside it keeps the rest; 4, not
+# 2: twice the loads in flight when a late mask puts the gather on the critical path. The sweep:
+# benchmarks/results/profile-h200-gather.json (docs/gpu.md, "Where the masks are read").
 MASK_GATHER_PROGRAMS = 4
 # Below PREFETCH_MIN_BUCKET the prefetch variants fork the mask wait + gather beside the LM head
-# (the forward's last launch, ~120 us at 1B): it hides the wait node, the gather and up to the
-# head's time of a late grammar_service. H200 (profile-h200-at-head.json), 1B prepublished step
-# at 1 / 8 rows: 0.871 -> 0.866 / 1.112 -> 1.103 ms, nowait beside free: no branch cost; 8B
-# 4.308 -> 4.306 / 4.777 -> 4.768. decode.py, one call: 1B c/f 0.985 -> 0.990 (1 row),
-# 0.971 -> 0.977 (8 rows) (decode-h200-1b-at-head-on.json, -off.json).
+# (the forward's last launch): it hides the wait node, the gather and up to the head's time of a
+# late grammar_service, at no branch cost (benchmarks/results/profile-h200-at-head.json;
+# decode-h200-1b-at-head-on.json against decode-h200-1b-at-head-off.json).
 PREFETCH_AT_HEAD = True
 
 
@@ -156,14 +152,14 @@ class GpuDecodeRunner:
         self.buffers = DecodeBuffers.allocate(self.max_batch, max_pages, self.device)
         self.forward = DecodeForward(model, kv, self.buffers, fuse_weights=fuse_weights, fused_ops=fused_ops)
         self.mask_prefetch = mask_prefetch  # the default of `step`; `+serial` variants read masks after the forward
-        # Buckets below this read masks after the forward in every variant: the side-stream
-        # branch beside the forward's PDL-chained small-bucket kernels cost more than the
-        # gather it hides (docs/gpu.md, "Mask prefetch below 16 rows"). Read at capture.
+        # Buckets below this do not fork the mask read at the step's start: that branch beside the
+        # forward's PDL-chained small-bucket kernels cost more than the gather it hides
+        # (benchmarks/results/profile-h200-channel.json); see prefetch_at_head. Read at capture.
         self.prefetch_min_bucket = PREFETCH_MIN_BUCKET
         # Read at capture: masks read after the forward (no prefetch) go straight from the mapped
         # ring into the sampler, no gather kernel (`_masks_after_forward`). Off: within noise at 1B
-        # (profile-h200-gather.json, prepublished B=8 1.111 vs 1.113 ms; the sampler's slice loop
-        # pays a PCIe latency per 1024 tokens where the gather pays one), and the head fork reads first.
+        # (benchmarks/results/profile-h200-gather.json; the sampler's slice loop pays a PCIe
+        # latency per 1024 tokens where the gather pays one), and the head fork reads first.
         self.ring_mask_read = False
         # Read at capture: CTAs of the prefetching side stream's mask gather; 0: torch.index_select
         # everywhere (A/B: it fills every SM while its loads cross the bus).

@@ -43,7 +43,7 @@ from step_channel import (
 log = logging.getLogger(__name__)
 # The host's poll of a GPU step's sequence words: under overlap the next step is already
 # queued, and the host must be back with the one after it before that ends (a 1B-shape step
-# is ~1 ms), so it sleeps in short steps rather than backing off to 1 ms.
+# is ~1 ms, docs/gpu.md), so it sleeps in short steps rather than backing off to 1 ms.
 GPU_POLL_SPIN_S = 100e-6
 GPU_POLL_SLEEP_S = 50e-6
 
@@ -232,7 +232,7 @@ class GrammarLink:
         step = self.next_step
         self.next_step += 1
         entry = self.channel.entry(step)
-        if rows:  # one array write, not a numpy item assignment per row (~1.4 us each)
+        if rows:  # one array write, not a numpy item assignment (a call each) per row
             entry.desc_rows[:len(rows)] = [(row.slot, row.num_positions, row.flags, row.grammar_id)
                                            for row in rows]
         for r, row in enumerate(rows):

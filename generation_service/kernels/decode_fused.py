@@ -1,8 +1,8 @@
 """The fused decode forward's element-wise ops (`engine/decode_forward.py`): ~10 launches per layer.
 
-Measured on the H200 (docs/gpu.md, v1): a decode layer of torch ops around the GEMMs and the
-attention kernels launched ~36 kernels, ~80 us per layer of launch-bound time regardless of
-model size. Three kernels cut a layer to ~10 launches:
+A decode layer of torch ops around the GEMMs and the attention kernels launches ~36 kernels
+and is launch bound at any model size (the `unfused v1 forward` against the fused step in
+benchmarks/results/decode-h200.log). Three kernels cut a layer to ~10 launches:
 
 - `add_rmsnorm` (rmsnorm.py): residual += delta, then RMSNorm of the new residual (one launch
   per norm, replaces the residual add and the ~7 launches of the torch RMSNorm);

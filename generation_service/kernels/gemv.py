@@ -2,8 +2,8 @@
 (the nn.Linear layout), M <= 16 rows, fp32 accumulation, output in x's dtype.
 
 Why: at M = 1..8 every projection of a decode step is a GEMV, bound by reading W once
-(docs/gpu.md: the 8B projections + LM head alone ran at 3.67-3.76 TB/s under cuBLAS, ~88% of
-the 4.2 TB/s copy bandwidth). Design for bandwidth:
+(the 8B projections + LM head alone stream at ~88% of the copy bandwidth under cuBLAS:
+`GEMMs alone` in benchmarks/results/decode-h200.log). Design for bandwidth:
 - each program owns BLOCK_N output columns and streams those W rows across K in
   (BLOCK_N, BLOCK_K) tiles, 128-bit loads along K, pipelined `num_stages` deep; x's K tile is
   loaded once per step and serves all M rows;
@@ -127,7 +127,7 @@ MEASURED: dict[tuple[int, int, bool], tuple[tuple[int, GemvConfig | None], ...]]
 
 # One row under PDL (kernels/pdl.py): MEASURED timed each projection alone, where cuBLAS kept
 # qkv and down by < 4%; in a whole decode step with PDL, Triton there lets the step's chain of
-# Triton kernels overlap across them (profile-h200-triton-m1.json: 8B 4.463 -> 4.427 ms).
+# Triton kernels overlap across them (benchmarks/results/profile-h200-triton-m1.json).
 # The configs: the CUDA-core kernel at BLOCK_N 8 (N / 8 programs, 4-8 per SM, each streaming
 # whole 1024-wide K tiles), the fastest of 9-14 candidates for every projection but gate_up in
 # kernels-gemv-m1-h200.json (`kernels.py --extra-m1`, us per call, before -> this config):
@@ -246,7 +246,8 @@ def _gemv_dot_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride
     # rows of x beyond M load as zeros. EVEN: N % BLOCK_N == 0 and K % BLOCK_K == 0.
     # RMS_SCALE (a folded RMSNorm's consumer): x is the raw residual stream and W carries the
     # norm weight; the rows' 1/rms scales the accumulators after the K loop, which stays as it
-    # is (scaling x per K tile stopped Triton pipelining the W loads: 1B gate_up 18.5 -> 54 us).
+    # is (scaling x per K tile stopped Triton pipelining the W loads: 3x slower, 1B gate_up in
+    # benchmarks/results/profile-h200-merge-norm-pdl-early.json).
     pdl_wait(PDL)  # before any global access (pdl.py)
     offs_n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)

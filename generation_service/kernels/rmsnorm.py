@@ -13,7 +13,7 @@ Two entry points over the one kernel:
   (out, x) without a residual;
 - `fused_add_rmsnorm`: residual <- x + residual in place, returns the norm.
 One launch per norm replaces the residual add and the ~7 launches of the torch RMSNorm
-(docs/gpu.md, v1 -> v2).
+(docs/gpu.md, "The decode forward").
 """
 from __future__ import annotations
 

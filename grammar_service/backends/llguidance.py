@@ -208,7 +208,7 @@ class LLGuidanceBackend(GrammarBackend):
 
     # ---- compile -------------------------------------------------------------------------
     def compile(self, spec: GrammarSpec) -> LLGuidanceGrammar:
-        """Builds every lane here, in the compile pool (~1.1 ms a lane on 2 CPUs, 131k vocabulary):
+        """Builds every lane here, in the compile pool (its cost: docs/architecture.md step 4):
         the compile's answer waits for them once per grammar, and the rows of a burst of
         requests on a new grammar, bound together right after it, already spread over all lanes
         (lanes built later, in the background, would leave that burst on lane 0 for its whole
@@ -238,8 +238,8 @@ class LLGuidanceBackend(GrammarBackend):
     def new_matcher(self, compiled: LLGuidanceGrammar) -> LLGuidanceMatcher:
         # NOTE: deep_copy shares the lane's lexer (llguidance's Parser.shared, an Arc<Mutex>)
         # and every compute_mask / consume_token holds that lock, so the rows of one lane fill
-        # and advance one at a time whatever the thread count (measured on 16 CPUs, 1.9.1: 4
-        # threads walking copies take 4.1x one thread's time, independent matchers 1.5x).
+        # and advance one at a time whatever the thread count (hence lanes: 8 halve the fill of
+        # one schema's rows on 16 CPUs, benchmarks/results/grammar_step-h200-host-16cpu-lanes.json).
         # Round robin rather than least loaded: rows of one grammar live about as long.
         lane = compiled.next_lane()
         return LLGuidanceMatcher(compiled.lanes[lane].deep_copy(), self._stop_ids, lane)
@@ -249,9 +249,9 @@ class LLGuidanceBackend(GrammarBackend):
         return [m.accept(t) for m, t in zip(matchers, token_ids)]
 
     def batch_advance(self, matchers: Sequence[LLGuidanceMatcher], token_ids: Sequence[int]) -> list[bool]:
-        # consume_token skips try_consume_tokens' undo-on-refusal: 2.0 vs 3.0 us a row (131k
-        # Tekken vocabulary, benchmarks/decode.py's schema). A refused token leaves llguidance's
-        # matcher in its error state, which base.py allows here.
+        # consume_token skips try_consume_tokens' undo-on-refusal, work the advance does not
+        # need: a refused token leaves llguidance's matcher in its error state, which base.py
+        # allows here.
         if 0 < self.min_parallel_advance_rows <= len(matchers):
             return self._advance_in_threads(matchers, token_ids)
         stop_ids = self._stop_ids
@@ -281,8 +281,8 @@ class LLGuidanceBackend(GrammarBackend):
         """One list per lane, for the rows of a batch call, which is then given to the executor
         lane after lane. It splits its list into contiguous chunks, one a thread: rows of one
         lane side by side keep threads off each other's lexer locks, where rows in slot order
-        (lanes round robin) put every lane in every chunk. Cheaper than a sort (~21 us vs ~35
-        at 128 rows, as much as the plain list comprehension)."""
+        (lanes round robin) put every lane in every chunk. Cheaper than a sort, and as cheap as
+        the plain list comprehension."""
         return [[] for _ in range(self.num_lanes)]
 
     def batch_fill(self, matchers: Sequence[LLGuidanceMatcher], masks: np.ndarray, indices: Sequence[int]) -> None:

@@ -67,7 +67,7 @@ def reasoning_format(span: ReasoningSpan, token_id: Callable[[str], int | None] 
     return elements
 
 
-try:  # the public batch_accept_token converts its result element by element (~1.6 us each)
+try:  # the public batch_accept_token converts its result element by element (a call per row)
     _RAW_BATCH_ACCEPT = xgr.matcher._core.BatchGrammarMatcher.batch_accept_token
 except AttributeError:  # another xgrammar layout: use the public API
     _RAW_BATCH_ACCEPT = None
