@@ -34,7 +34,8 @@ class OutputProcessor:
         self._detok = None
         if tokenizer is not None:
             from generation_service.model.detokenizer import IncrementalDetokenizer
-            self._detok = IncrementalDetokenizer(tokenizer, list(request.spec.prompt_ids))
+            self._detok = IncrementalDetokenizer(tokenizer, list(request.spec.prompt_ids),
+                                                 skip_special_tokens=request.spec.skip_special_tokens)
         self._pending = ""  # decoded text held back: it may be the start of a stop string
 
     def process(self, token_ids: list[int], logprobs: list[TokenLogprob]) -> Delta:

@@ -89,6 +89,32 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class ReasoningSpan:
+    """Free text the model writes before its constraint applies, between two markers.
+
+    The grammar allows anything (but the end marker) after `begin`, then `end`, then
+    `separator` (what the chat template writes after the end marker), then the constraint
+    from its first token. `max_tokens` caps the free text: once spent, the grammar forces the
+    end marker. `starts_open`: the prompt already ends with `begin` (templates that open the
+    span themselves), so the output starts inside the span.
+    """
+
+    begin: str = "<think>"
+    end: str = "</think>"
+    separator: str = ""
+    max_tokens: int | None = None
+    starts_open: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.end:
+            raise ValueError("a reasoning span needs an end marker")
+        if not self.begin and not self.starts_open:
+            raise ValueError("a reasoning span needs a begin marker unless the prompt opens it")
+        if self.max_tokens is not None and self.max_tokens < 0:
+            raise ValueError(f"reasoning max_tokens must be >= 0, got {self.max_tokens}")
+
+
+@dataclass(frozen=True)
 class GrammarSpec:
     """A constraint as the user gave it; compiled by grammar_service, cached by content hash."""
 
@@ -99,6 +125,7 @@ class GrammarSpec:
     max_whitespace: int | None = None  # cap on consecutive whitespace where allowed
     strict: bool = False               # refuse schemas with keywords the grammar cannot enforce
     backend: str = "auto"              # "auto", "xgrammar", "llguidance"
+    reasoning: ReasoningSpan | None = None  # free text before the constraint (ReasoningSpan)
 
     def __post_init__(self) -> None:
         if self.kind not in GRAMMAR_KINDS:
@@ -129,6 +156,9 @@ class GenerationRequest:
     grammar: GrammarSpec | None = None
     speculative: SpeculativeParams = field(default_factory=SpeculativeParams)
     deadline: float | None = None         # time.monotonic() after which the request fails
+    # False: special tokens stay in the streamed text (a tool-call format whose marker is one,
+    # such as Mistral's [TOOL_CALLS], is parsed from the text)
+    skip_special_tokens: bool = True
     trace_context: dict[str, str] | None = None  # W3C traceparent etc., for spans in the engine
 
     def __post_init__(self) -> None:

@@ -16,6 +16,11 @@ CONFIG = ServeConfig(default_max_tokens=7, default_temperature=0.5, default_top_
 
 class FakeTokenizer:
     vocab_size = 100
+    chat_template = "<|im_start|>{{ messages }}"  # a ChatML template naming no tool format: Hermes
+    special_token_ids = frozenset()
+
+    def token_id(self, text):
+        return None
 
     def __init__(self):
         self.rendered = None
@@ -23,7 +28,7 @@ class FakeTokenizer:
     def encode(self, text):
         return [ord(c) % 100 for c in text]
 
-    def apply_chat_template(self, messages, tools=None):
+    def apply_chat_template(self, messages, tools=None, template_kwargs=None):
         if any(m["role"] == "tool" for m in messages):
             raise jinja2.exceptions.TemplateError("roles must be system, user or assistant")
         self.rendered = (messages, tools)
@@ -39,7 +44,7 @@ def chat(**fields):
 
 
 def chat_specs(body, eng=None):
-    return convert.chat_requests(body, "chatcmpl-x", eng or engine(), CONFIG)
+    return convert.chat_requests(body, "chatcmpl-x", eng or engine(), CONFIG)[0]
 
 
 def test_unset_sampling_takes_the_server_defaults_and_set_fields_win():
@@ -97,6 +102,17 @@ def test_tools_become_a_structural_tag_and_reach_the_template():
     with pytest.raises(ApiError, match="together with tools") as raised:
         chat_specs(chat(tools=[tool], response_format={"type": "json_object"}))
     assert raised.value.param == "response_format"
+
+
+@pytest.mark.parametrize("reasoning, match", [
+    ({"enabled": True, "max_tokens": 1 << 32, "begin_marker": "<r>", "end_marker": "</r>"}, "0 to 2147483647"),
+    ({"enabled": True, "begin_marker": "x" * 65, "end_marker": "y"}, "at most 64"),
+    ({"enabled": False, "max_tokens": 3}, "need reasoning enabled"),
+])
+def test_bad_reasoning_options_name_structgen_reasoning(reasoning, match):
+    with pytest.raises(ApiError, match=f"^structgen.reasoning: .*{match}") as raised:
+        chat_specs(chat(structgen={"reasoning": reasoning}))
+    assert raised.value.status == 400 and raised.value.param == "structgen.reasoning"
 
 
 def test_messages_as_templates_read_them():

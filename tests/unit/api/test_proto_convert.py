@@ -17,7 +17,7 @@ class FakeTokenizer:
     def encode(self, text):
         return [ord(c) % 100 for c in text]
 
-    def apply_chat_template(self, messages):
+    def apply_chat_template(self, messages, tools=None, template_kwargs=None):
         return [1] + [len(m["content"]) for m in messages]
 
 
@@ -49,6 +49,12 @@ def test_inputs_become_token_ids():
     (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[100])), "vocabulary size 100"),
     (pb.GenerateRequest(chat=pb.ChatMessages()), "at least one message"),
     (pb.GenerateRequest(prompt="x", json_schema="{nope"), "not valid JSON"),
+    (pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="x")]),
+                        tools=[pb.Tool(name="f")], tool_choice=pb.ToolChoice(mode=5)),
+     r"tool_choice.mode 5 is not a known value"),
+    (pb.GenerateRequest(prompt="x", reasoning=pb.ReasoningOptions(mode=3)), r"reasoning.mode 3 is not a known value"),
+    (pb.GenerateRequest(prompt="x", reasoning=pb.ReasoningOptions(mode=pb.REASONING_MODE_ENABLED, max_tokens=1 << 31)),
+     "reasoning max_tokens must be 0 to 2147483647"),
 ])
 def test_bad_inputs_are_invalid_requests(request_, message):
     with pytest.raises(InvalidRequestError, match=message):
