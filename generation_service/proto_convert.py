@@ -8,11 +8,14 @@ from __future__ import annotations
 import time
 import uuid
 
+from generation_service import proto_turn
+from generation_service.assistant.turn import AssistantTurn, plan_turn
 from generation_service.config import ServeConfig
 from generation_service.engine.errors import InvalidRequestError, LimitExceededError
 from generation_service.engine.events import FinishReason, GuaranteeReport, OutputEvent
 from generation_service.engine.params import (GenerationRequest, GrammarSpec, SamplingParams,
                                               SpeculativeParams)
+from generation_service.proto_enums import enum_name
 from structgen.json_limits import JsonDepthError, loads_limited
 from structgen.schema_validation import ValidationResult
 from structgen.v1 import generation_pb2 as pb
@@ -33,18 +36,25 @@ def chat_to_dicts(chat: pb.ChatMessages) -> list[dict]:
     for index, message in enumerate(chat.messages):
         if not message.role:
             raise InvalidRequestError(f"chat.messages[{index}].role is empty")
-    return [{"role": m.role, "content": m.content} for m in chat.messages]
+    return [proto_turn.chat_entry(m) for m in chat.messages]
 
 
 def prompt_ids(request, tokenizer) -> tuple[int, ...]:
-    """Token ids of a GenerateRequest's or TokenizeRequest's `input` oneof."""
+    """Token ids of a GenerateRequest's or TokenizeRequest's `input` oneof (a chat with its
+    tools and reasoning mode rendered by the chat template)."""
     kind = request.WhichOneof("input")
     if kind is None:
         raise InvalidRequestError("no input: set one of prompt, token_ids or chat")
+    if request.tools and kind != "chat":
+        raise InvalidRequestError("tools need chat input (the chat template shows them to the model)")
     if kind in ("prompt", "text"):
         return tuple(tokenizer.encode(getattr(request, kind)))
     if kind == "chat":
-        return tuple(_render_chat(tokenizer, chat_to_dicts(request.chat)))
+        tools = kwargs = None
+        if request.tools or request.HasField("reasoning"):
+            tools = [tool.template_entry() for tool in proto_turn.tools(request)] or None
+            kwargs = proto_turn.template_kwargs(request)
+        return tuple(_render_chat(tokenizer, chat_to_dicts(request.chat), tools, kwargs))
     ids = tuple(request.token_ids.ids)
     vocab_size = tokenizer.vocab_size
     bad = [i for i in ids if i >= vocab_size]
@@ -53,9 +63,9 @@ def prompt_ids(request, tokenizer) -> tuple[int, ...]:
     return ids
 
 
-def _render_chat(tokenizer, messages: list[dict]) -> list[int]:
+def _render_chat(tokenizer, messages: list[dict], tools=None, template_kwargs=None) -> list[int]:
     try:
-        return tokenizer.apply_chat_template(messages)
+        return tokenizer.apply_chat_template(messages, tools=tools, template_kwargs=template_kwargs)
     except ValueError:
         raise
     except Exception as error:  # jinja2 TemplateError: the template refused these messages
@@ -87,7 +97,7 @@ def grammar_spec(request: pb.GenerateRequest, config: ServeConfig) -> GrammarSpe
         _check_json(text, "structural_tag")
     return GrammarSpec(kind=kind, text=text, choices=choices, any_whitespace=not options.compact,
                        max_whitespace=options.max_whitespace if options.HasField("max_whitespace") else None,
-                       strict=options.strict, backend=_enum(_BACKENDS, options.backend, "constraint_options.backend"))
+                       strict=options.strict, backend=enum_name(_BACKENDS, options.backend, "constraint_options.backend"))
 
 
 def _check_json(text: str, field: str) -> None:
@@ -97,13 +107,6 @@ def _check_json(text: str, field: str) -> None:
         raise LimitExceededError(str(error)) from None
     except ValueError as error:
         raise InvalidRequestError(str(error)) from None
-
-
-def _enum(names: dict, value: int, field: str):
-    """The domain name of a known enum value; proto3 keeps unknown numbers, refused here."""
-    if value not in names:
-        raise InvalidRequestError(f"{field} {value} is not a known value; expected one of {sorted(names)}")
-    return names[value]
 
 
 def sampling_params(request: pb.GenerateRequest, config: ServeConfig, tokenizer=None) -> SamplingParams:
@@ -120,27 +123,88 @@ def sampling_params(request: pb.GenerateRequest, config: ServeConfig, tokenizer=
     if bad_stop:
         raise InvalidRequestError(f"stop.stop_token_ids: id {bad_stop[0]} is not below the vocabulary size {vocab_size}")
 
-    return SamplingParams(
-        temperature=given("temperature", config.default_temperature),
-        top_k=top_k, top_p=given("top_p", config.default_top_p),
-        seed=given("seed", None), max_new_tokens=stop.max_tokens or config.default_max_tokens,
-        stop_token_ids=tuple(stop.stop_token_ids), stop_strings=tuple(stop.stop_strings),
-        ignore_eos=stop.ignore_eos, num_logprobs=request.num_logprobs)
+    bad_bias = [t for t in sampling.logit_bias if vocab_size is not None and t >= vocab_size]
+    if bad_bias:
+        raise InvalidRequestError(f"sampling.logit_bias: token id {min(bad_bias)} is not below the vocabulary "
+                                  f"size {vocab_size}")
+    max_new_tokens = stop.max_tokens or config.default_max_tokens
+    min_tokens = given("min_tokens", 0)
+    if min_tokens > max_new_tokens:
+        raise InvalidRequestError(f"sampling.min_tokens {min_tokens} exceeds the max_tokens in effect "
+                                  f"({max_new_tokens}); raise stop.max_tokens or lower min_tokens")
+    try:
+        return SamplingParams(
+            temperature=given("temperature", config.default_temperature),
+            top_k=top_k, top_p=given("top_p", config.default_top_p),
+            seed=given("seed", None), max_new_tokens=max_new_tokens,
+            stop_token_ids=tuple(stop.stop_token_ids), stop_strings=tuple(stop.stop_strings),
+            ignore_eos=stop.ignore_eos, num_logprobs=request.num_logprobs,
+            frequency_penalty=given("frequency_penalty", 0.0), presence_penalty=given("presence_penalty", 0.0),
+            repetition_penalty=given("repetition_penalty", 1.0), min_p=given("min_p", 0.0),
+            logit_bias=tuple(sorted(sampling.logit_bias.items())), min_tokens=min_tokens)
+    except ValueError as error:  # the domain's range checks, named as the proto's fields
+        raise InvalidRequestError(f"sampling.{error}" if _names_sampling_field(str(error)) else str(error)) from None
+
+
+_SAMPLING_FIELDS = ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_p", "logit_bias",
+                    "min_tokens", "temperature", "top_p", "top_k")
+
+
+def _names_sampling_field(message: str) -> bool:
+    return message.startswith(_SAMPLING_FIELDS)
 
 
 def to_generation_request(request: pb.GenerateRequest, tokenizer, config: ServeConfig,
                           time_remaining: float | None) -> GenerationRequest:
     """The domain request; `time_remaining` is the call's deadline in seconds from now."""
+    return convert_generate(request, tokenizer, config, time_remaining)[0]
+
+
+def convert_generate(request: pb.GenerateRequest, tokenizer, config: ServeConfig,
+                     time_remaining: float | None) -> tuple[GenerationRequest, AssistantTurn | None]:
+    """The domain request and its assistant turn (reasoning span, tools; None without either)."""
     deadline = None if time_remaining is None else time.monotonic() + time_remaining
     speculative = request.speculative
+    ids = prompt_ids(request, tokenizer)
+    grammar = grammar_spec(request, config)
+    turn = _turn(request, tokenizer, ids)
+    if turn is not None:
+        grammar = _turn_grammar(turn, grammar, request, config)
     return GenerationRequest(
         request_id=request.request_id or uuid.uuid4().hex[:16],
-        prompt_ids=prompt_ids(request, tokenizer),
+        prompt_ids=ids,
         sampling=sampling_params(request, config, tokenizer),
-        grammar=grammar_spec(request, config),
+        grammar=grammar,
         speculative=SpeculativeParams(num_draft_tokens=speculative.num_draft_tokens,
-                                      proposer=_enum(_PROPOSERS, speculative.proposer, "speculative.proposer")),
-        deadline=deadline)
+                                      proposer=enum_name(_PROPOSERS, speculative.proposer, "speculative.proposer")),
+        deadline=deadline, skip_special_tokens=turn is None or turn.skip_special_tokens), turn
+
+
+def _turn(request: pb.GenerateRequest, tokenizer, ids: tuple[int, ...]) -> AssistantTurn | None:
+    if not request.tools and not request.HasField("reasoning") and not request.HasField("tool_choice"):
+        return None  # (the path of every request that uses neither)
+    try:
+        return plan_turn(tokenizer, ids, tools=proto_turn.tools(request), choice=proto_turn.tool_choice(request),
+                         single_call=request.single_tool_call, reasoning=proto_turn.reasoning(request))
+    except ValueError as error:
+        raise InvalidRequestError(str(error)) from None
+
+
+def _turn_grammar(turn: AssistantTurn, constraint: GrammarSpec | None, request: pb.GenerateRequest,
+                  config: ServeConfig) -> GrammarSpec | None:
+    options = request.constraint_options
+    if turn.uses_tools and (options.compact or (options.HasField("max_whitespace") and options.max_whitespace == 0)):
+        raise InvalidRequestError("constraint_options.compact and max_whitespace 0 do not apply to tool-call "
+                                  "arguments; use max_whitespace >= 1")
+    try:
+        grammar = turn.grammar(constraint, backend=enum_name(_BACKENDS, options.backend, "constraint_options.backend"),
+                               max_whitespace=options.max_whitespace if options.HasField("max_whitespace") else None)
+    except ValueError as error:
+        raise InvalidRequestError(str(error)) from None
+    if grammar is not None and turn.uses_tools and len(grammar.text.encode()) > config.max_grammar_bytes:
+        raise LimitExceededError(f"the tools' grammar is {len(grammar.text.encode())} bytes; the limit "
+                                 f"max_grammar_bytes is {config.max_grammar_bytes}")
+    return grammar
 
 
 def guarantee_to_proto(report: GuaranteeReport) -> pb.GuaranteeReport:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from generation_service import metrics, proto_convert, tracing
+from generation_service import metrics, proto_convert, proto_turn, tracing
 from generation_service.config import ServeConfig
 from generation_service.engine.errors import (DeadlineExceededError, EngineError, LimitExceededError,
                                               ShuttingDownError)
@@ -68,25 +68,27 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             raise LimitExceededError(f"speculative.num_draft_tokens {request.speculative.num_draft_tokens} exceeds "
                                      f"the server's max_draft_tokens {max_drafts}")
         remaining = context.time_remaining()
-        domain = proto_convert.to_generation_request(
+        domain, turn = proto_convert.convert_generate(
             request, self._engine.tokenizer, self._config,
             None if remaining is None or remaining > _NO_DEADLINE_S else remaining)
         operation = "chat" if request.WhichOneof("input") == "chat" else "text_completion"
         # the rpc span becomes "{operation} {model}"; compile and engine spans join its trace
         domain = tracing.start_request(domain, operation, self._engine.model_name)
         try:
-            yield from self._stream(domain, context)
+            if turn is None:
+                yield from self._stream(domain, context)
+            else:
+                yield from self._stream_turn(domain, turn, context)
         finally:
             tracing.end_request(domain.request_id)
 
-    def _stream(self, domain, context: grpc.ServicerContext):
+    def _events(self, domain, context: grpc.ServicerContext):
+        """The request's events until its final one; failures raised as their statuses."""
         stream = self._engine.submit(domain)
         # Client disconnect, deadline or normal end: the callback runs once the rpc is over;
         # cancelling a finished stream is a no-op, so freeing resources never waits on us.
         if not context.add_callback(stream.cancel):
             stream.cancel()
-        schema = domain.grammar.text if domain.grammar is not None and domain.grammar.kind == "json_schema" else None
-        texts: list[str] = []
         # Events queued while this thread waited go out as one message (stream.coalesce).
         for event in metrics.get().observe(stream.coalesced(), domain):
             if event.error is not None:
@@ -97,12 +99,31 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 return  # the client is gone; nobody reads a status
             if event.finish_reason is FinishReason.ERROR:
                 raise EngineError(f"request {domain.request_id} failed")
+            yield event
+
+    def _stream(self, domain, context: grpc.ServicerContext):
+        schema = domain.grammar.text if domain.grammar is not None and domain.grammar.kind == "json_schema" else None
+        texts: list[str] = []
+        for event in self._events(domain, context):
             validation = None
             if schema is not None:
                 texts.append(event.text)
                 if event.is_final:  # the whole output against the full schema (docs/guarantees.md)
                     validation = validate_output(schema, "".join(texts))
             yield proto_convert.event_to_proto(event, domain, validation)
+
+    def _stream_turn(self, domain, turn, context: grpc.ServicerContext):
+        """A turn with a reasoning span or tools: the parser splits each message's text into
+        reasoning, content and calls; the final validation covers the content alone."""
+        schema = domain.grammar.text if domain.grammar is not None and domain.grammar.kind == "json_schema" else None
+        parser, contents = turn.parser(), []
+        for event in self._events(domain, context):
+            piece = parser.feed(event.text, final=event.is_final)
+            contents.append(piece.content)
+            validation = validate_output(schema, "".join(contents)) if schema is not None and event.is_final else None
+            response = proto_convert.event_to_proto(event, domain, validation)
+            proto_turn.add_piece(response, piece, turn, proto_convert.validation_to_proto)
+            yield response
 
     def Tokenize(self, request: pb.TokenizeRequest, context: grpc.ServicerContext):
         return pb.TokenizeResponse(token_ids=proto_convert.prompt_ids(request, self._engine.tokenizer))
@@ -119,7 +140,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             max_grammar_bytes=config.max_grammar_bytes, max_message_bytes=config.max_message_bytes,
             max_batch=engine_config.max_batch, max_draft_tokens=engine_config.max_draft_tokens,
             constraint_kinds=list(GRAMMAR_KINDS), prefill_chunk_tokens=engine_config.prefill_chunk_tokens,
-            max_prefill_tokens=engine_config.max_prefill_tokens, prefix_caching=engine_config.prefix_caching)
+            max_prefill_tokens=engine_config.max_prefill_tokens, prefix_caching=engine_config.prefix_caching,
+            **proto_turn.model_info(engine.tokenizer))
 
     def GetEngineStats(self, request: pb.GetEngineStatsRequest, context: grpc.ServicerContext):
         stats = self._engine.stats()

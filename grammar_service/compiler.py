@@ -14,6 +14,7 @@ service's default) each new grammar is compiled in a worker process first
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -71,8 +72,10 @@ class CompileStats:
 
 def spec_key(spec: GrammarSpec, backend: str) -> str:
     """Content hash of what changes the compiled grammar (strict does not: it is checked apart)."""
-    blob = json.dumps([spec.kind, spec.text, list(spec.choices), spec.any_whitespace,
-                       spec.max_whitespace, backend], ensure_ascii=False)
+    parts = [spec.kind, spec.text, list(spec.choices), spec.any_whitespace, spec.max_whitespace, backend]
+    if spec.reasoning is not None:  # (keys of grammars without a span stay what they were)
+        parts.append(dataclasses.astuple(spec.reasoning))
+    blob = json.dumps(parts, ensure_ascii=False)
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 

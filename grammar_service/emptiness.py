@@ -146,7 +146,8 @@ def parse_ebnf(text: str) -> dict[str, Expr]:
         if not sep:
             raise _Unreadable(line[:40])
         parser = _Parser(_tokens(body))
-        rules[name.strip()] = parser.alternatives()
+        # a rule's attributes follow its name: `any_tokens[max_tokens=3] ::= ...` (a token budget)
+        rules[name.strip().partition("[")[0]] = parser.alternatives()
         if parser.peek() is not None:
             raise _Unreadable(body[:40])
     return rules

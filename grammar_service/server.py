@@ -20,7 +20,7 @@ import grpc
 import prometheus_client
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from generation_service.engine.params import GrammarSpec
+from generation_service.engine.params import GrammarSpec, ReasoningSpan
 from structgen import telemetry
 from structgen.signals import StopSignals
 from grammar_service.backends import available_backends, load_backend_class
@@ -101,9 +101,18 @@ def spec_from_proto(req: grammar_pb2.CompileRequest) -> GrammarSpec:
             choices=tuple(req.choice.choices) if kind == "choice" else (),
             any_whitespace=opts.any_whitespace,
             max_whitespace=opts.max_whitespace if opts.HasField("max_whitespace") else None,
-            strict=opts.strict, backend=opts.backend or "auto")
+            strict=opts.strict, backend=opts.backend or "auto", reasoning=_reasoning(req))
     except ValueError as exc:
         raise ServiceError("INVALID_ARGUMENT", str(exc)) from None
+
+
+def _reasoning(req: grammar_pb2.CompileRequest) -> ReasoningSpan | None:
+    if not req.HasField("reasoning"):
+        return None
+    span = req.reasoning
+    return ReasoningSpan(begin=span.begin, end=span.end, separator=span.separator,
+                         max_tokens=span.max_tokens if span.HasField("max_tokens") else None,
+                         starts_open=span.starts_open)
 
 
 class GrammarServicer(grammar_pb2_grpc.GrammarServiceServicer):

@@ -224,7 +224,7 @@ class Engine:
         validate_request(spec, self)
         seed = spec.sampling.seed if spec.sampling.seed is not None else secrets.randbits(63)
         stop_ids = frozenset(spec.sampling.stop_token_ids)
-        request = Request(spec, stop_ids, seed)
+        request = Request(spec, stop_ids, seed, eos_token_ids=frozenset(self.eos_token_ids))
         stream = RequestStream(spec.request_id, self.cancel)
         with self._lock:
             self._check_admissible(spec)

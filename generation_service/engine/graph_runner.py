@@ -7,7 +7,8 @@ the mask apply and the outputs + outputs_seq. With `verify_width` (EngineConfig.
 batches whose rows carry speculative drafts replay a captured verify step instead
 (`VerifyGraphs`, verify_graphs.py: rows x 1 + max drafts tokens, verify on the device, the
 channel inside the graph alike). Every other batch (prefill chunks with or without decode
-rows, logprobs, filtered or too wide verify rows) is a mixed step (`MixedForward`,
+rows, logprobs, logits processing (penalties, logit_bias, min_p, min_tokens: the sampler
+applies it, logit_processing.py), filtered or too wide verify rows) is a mixed step (`MixedForward`,
 mixed_forward.py: one eager forward of all the step's tokens through the same fused weights
 and kernels, varlen attention over the paged cache), sampled by the engine's Sampler (on the
 device for one-position rows) with the host side of the step channel, so the engine mixes
@@ -141,6 +142,7 @@ class CudaGraphRunner(ModelRunner):
         if 0 < len(rows) <= self.gpu.max_batch and all(
                 row.is_sampling and len(row.input_ids) == 1 and not row.drafts
                 and row.request.sampling.num_logprobs == 0 and len(row.request.pages) <= max_pages
+                and not row.request.sampling.uses_logit_processing
                 and (self.filters or not row.request.sampling.uses_filters) for row in rows):
             return True
         return self.verify is not None and self.verify.can_run(rows)

@@ -34,7 +34,8 @@ class OutputProcessor:
         self._detok = None
         if tokenizer is not None:
             from generation_service.model.detokenizer import IncrementalDetokenizer
-            self._detok = IncrementalDetokenizer(tokenizer, list(request.spec.prompt_ids))
+            self._detok = IncrementalDetokenizer(tokenizer, list(request.spec.prompt_ids),
+                                                 skip_special_tokens=request.spec.skip_special_tokens)
         self._pending = ""  # decoded text held back: it may be the start of a stop string
 
     def process(self, token_ids: list[int], logprobs: list[TokenLogprob]) -> Delta:
@@ -69,7 +70,9 @@ class OutputProcessor:
         text = self._detok.push(token_ids)
         if final:
             text += self._detok.flush()
-        return self._hold_back(text, final) if self.stop_strings else (text, False)
+        # min_tokens: no stop string ends the output inside its first min_tokens tokens (as vLLM)
+        is_searched = self.stop_strings and self.request.num_generated > self.request.sampling.min_tokens
+        return self._hold_back(text, final) if is_searched else (text, False)
 
     def _hold_back(self, text: str, final: bool) -> tuple[str, bool]:
         """Cut the pending text at a stop string, or stream it but what may still become one."""

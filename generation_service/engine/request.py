@@ -32,6 +32,7 @@ class Request:
     spec: GenerationRequest
     stop_token_ids: frozenset[int]
     sample_seed: int                              # spec seed, or a random one for unseeded requests
+    eos_token_ids: frozenset[int] = frozenset()   # the model's end-of-sequence ids
     arrival_s: float = field(default_factory=time.monotonic)
     admitted_s: float | None = None               # first admitted by the scheduler (traces)
     first_token_s: float | None = None            # first output token sampled (traces)
@@ -74,6 +75,13 @@ class Request:
     @property
     def is_constrained(self) -> bool:
         return self.spec.grammar is not None
+
+    @property
+    def end_token_ids(self) -> frozenset[int]:
+        """Tokens that end the request when sampled (what min_tokens holds back): the stop
+        token ids, and EOS unless ignore_eos lets a free request run past it."""
+        is_eos_a_stop = self.is_constrained or not self.sampling.ignore_eos
+        return self.stop_token_ids | self.eos_token_ids if is_eos_a_stop else self.stop_token_ids
 
     @property
     def max_new_tokens(self) -> int:

@@ -1,9 +1,11 @@
 """Sampler: logits of the sampling positions -> accepted tokens per row.
 
-Order per position (DESIGN §4): NaN -> -inf, grammar mask (constrained rows only), then
-temperature, top-k, top-p; greedy rows take the argmax of the masked logits. Rows with
-drafts are verified here with the rules in speculative.py, so plain decoding is simply the
-k = 0 case of the same code.
+Order per position (DESIGN §4): NaN -> -inf, grammar mask (constrained rows only), the
+logits processing of logit_processing.py (EOS hold, logit_bias, penalties, min_p; rows that
+ask for it), then temperature, top-k, top-p; greedy rows take the argmax of the processed
+logits. Logprobs are those of the grammar-masked model distribution, before the processing.
+Rows with drafts are verified here with the rules in speculative.py, so plain decoding is
+simply the k = 0 case of the same code.
 
 Randomness: the token at generated index i of a request draws from its own
 `torch.Generator` seeded with mix(seed, i). The result depends only on (seed, request,
@@ -23,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from generation_service.engine.events import TokenLogprob
+from generation_service.engine.logit_processing import LogitProcessing
 from generation_service.engine.params import SamplingParams
 from generation_service.engine.speculative import accept_greedy, accept_rejection
 
@@ -43,6 +46,10 @@ class SampleRow:
     drafts: list[int] = field(default_factory=list)
     is_constrained: bool = False
     position: int | None = None      # of the token whose logits row 0 holds; None: CPU sampler
+    # token history, set only for rows whose params use logits processing
+    prompt_ids: tuple[int, ...] = ()
+    output_ids: list[int] = field(default_factory=list)  # generated before position 0
+    end_token_ids: frozenset[int] = frozenset()           # what min_tokens holds back
 
     @classmethod
     def of(cls, row: ScheduledRow, is_constrained: bool) -> SampleRow:
@@ -50,8 +57,12 @@ class SampleRow:
         1 + drafts input tokens, so row 0 is the token at seq_len - num_positions (a decode
         row: num_cached, the position the decode graphs sample at)."""
         request = row.request
-        return cls(request.sampling, request.sample_seed, request.num_generated, list(row.drafts),
-                   is_constrained, position=row.seq_len - row.num_positions)
+        sample = cls(request.sampling, request.sample_seed, request.num_generated, list(row.drafts),
+                     is_constrained, position=row.seq_len - row.num_positions)
+        if request.sampling.uses_logit_processing:
+            sample.prompt_ids, sample.output_ids = request.spec.prompt_ids, request.output_ids
+            sample.end_token_ids = request.end_token_ids
+        return sample
 
     @property
     def num_positions(self) -> int:
@@ -196,9 +207,14 @@ class Sampler:
     def _sample_cpu(self, logits: torch.Tensor, rows: list[SampleRow],
                     bitmask: torch.Tensor | None) -> list[SampleResult]:
         logits = self._masked(logits, rows, bitmask)
+        scores = logits
+        processing = LogitProcessing.of(rows, logits.shape[1])
+        if processing is not None:
+            scores = logits.clone()  # logprobs stay those of the masked distribution
+            processing.apply(scores)
         starts = _starts(rows)
-        probs = self._probs(logits, rows, starts)
-        targets = logits.argmax(dim=-1).tolist()
+        probs = self._probs(scores, rows, starts)
+        targets = scores.argmax(dim=-1).tolist()
         results = []
         for i, row in enumerate(rows):
             span = slice(starts[i], starts[i] + row.num_positions)
@@ -244,7 +260,8 @@ def sample_on_device(logits: torch.Tensor, rows: list[SampleRow],
     mask_vocab_size = the logits' width; greedy at temperature 0; top-k/top-p kept only when
     some row uses them (the graphs' `+filters` variants; off, they change no draw).
     logits (R, V) on the device, one row per SampleRow; bitmask (R, W) int32 (read on
-    constrained rows only)."""
+    constrained rows only). Rows with logits processing: the mask and the processing in
+    torch first (logit_processing.py, the CPU sampler's code), then mask_sample unmasked."""
     from generation_service.kernels.mask_sample import mask_sample
 
     device = logits.device
@@ -254,6 +271,13 @@ def sample_on_device(logits: torch.Tensor, rows: list[SampleRow],
         constrained = torch.tensor([row.is_constrained for row in rows], device=device)
         words = bitmask.to(device=device, dtype=torch.int32)
         masks = torch.where(constrained.unsqueeze(1), words, -1)  # -1: every token allowed
+    processing = LogitProcessing.of(rows, x.shape[1], device)
+    if processing is not None:
+        from generation_service.kernels.sample_reference import apply_mask_torch
+        scores = apply_mask_torch(x, masks, x.shape[1])
+        processing.apply(scores)
+        # back in the logits' dtype: mask_sample's kernels compiled for it at start are reused
+        x, masks = scores.to(x.dtype), None
     params = [row.params for row in rows]
     # two host->device copies, not five: each pageable copy waits for the stream on the host
     ints = torch.tensor([[device_seed(row.seed) for row in rows], [row.position for row in rows],

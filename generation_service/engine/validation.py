@@ -18,6 +18,9 @@ def validate_request(spec: GenerationRequest, engine: "Engine") -> None:
     bad = [t for t in spec.prompt_ids if not 0 <= t < vocab_size]
     if bad:
         raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    bad_bias = [t for t, _ in spec.sampling.logit_bias if t >= vocab_size]
+    if bad_bias:
+        raise InvalidRequestError(f"logit_bias token id {bad_bias[0]} is outside the vocabulary [0, {vocab_size})")
     if num_prompt > config.max_prompt_tokens:
         raise LimitExceededError(f"the prompt has {num_prompt} tokens; max_prompt_tokens is {config.max_prompt_tokens}")
     if max_new > config.max_new_tokens_limit:

@@ -170,12 +170,14 @@ class VerifyGraphs:
     # ---- which rows ----------------------------------------------------------------------
     def can_run(self, rows) -> bool:
         """Every row a sampling decode row of 1 + drafts tokens that fit the width, without
-        logprobs or top-k/top-p, within the page table; the rows fit the largest bucket."""
+        logprobs, top-k/top-p or logits processing (the eager verify applies it), within the
+        page table; the rows fit the largest bucket."""
         max_pages = self.buffers.page_table.shape[1]
         return 0 < len(rows) <= self.max_rows and all(
             row.is_sampling and len(row.input_ids) == 1 + len(row.drafts) <= self.width
             and row.request.sampling.num_logprobs == 0 and len(row.request.pages) <= max_pages
-            and not row.request.sampling.uses_filters for row in rows)
+            and not row.request.sampling.uses_filters
+            and not row.request.sampling.uses_logit_processing for row in rows)
 
     # ---- the channel ---------------------------------------------------------------------
     def attach_channel(self, mapped) -> None:

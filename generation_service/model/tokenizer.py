@@ -40,6 +40,12 @@ def _raise_template_error(message: str):
     raise jinja2.exceptions.TemplateError(message)
 
 
+def _tojson(value, indent=None, separators=None, sort_keys=False) -> str:
+    """`tojson` as chat templates expect it (transformers' filter): plain JSON text. jinja2's own
+    returns HTML-safe Markup, which escapes every string it is concatenated with ('"' -> &#34;)."""
+    return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 class Tokenizer:
     """Text <-> token ids for one checkpoint. ``vocab_size`` is the model's logits width."""
 
@@ -107,28 +113,35 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tokenizer.id_to_token(token_id)
 
+    def token_id(self, token: str) -> int | None:
+        """The id of the vocabulary token spelled `token` (added tokens by their text)."""
+        return self._tokenizer.token_to_id(token)
+
     @cached_property
     def _compiled_template(self) -> jinja2.Template:
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_template_error
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         return env.from_string(self.chat_template)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None) -> str:
+                    tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
         """The chat template's text for ``messages`` (dicts with "role" and "content"); ``tools``
-        (OpenAI-shaped function tools) reach templates that describe them to the model."""
+        (OpenAI-shaped function tools) reach templates that describe them to the model;
+        ``template_kwargs`` are further template variables (``enable_thinking``)."""
         if not self.chat_template:
             raise ValueError(f"{self.path}: the tokenizer has no chat template")
         specials = {key: _token_text(self._config.get(key)) or "" for key in
                     ("bos_token", "eos_token", "unk_token", "pad_token")}
-        return self._compiled_template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                              tools=tools, **specials)
+        return self._compiled_template.render(**(template_kwargs or {}), messages=messages,
+                                              add_generation_prompt=add_generation_prompt, tools=tools, **specials)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> list[int]:
+                            tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
         # Templates write BOS themselves, so the tokenizer must not add it again.
-        return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools, template_kwargs),
+                           add_special_tokens=False)
 
     def fingerprint(self) -> str:
         return fingerprint_tokenizer_json(self.path, self.vocab_size)

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from generation_service import metrics
+from generation_service.assistant.parser import TurnPiece
+from generation_service.assistant.turn import AssistantTurn
 from generation_service.engine.events import OutputEvent
 from generation_service.engine.params import GenerationRequest
 from structgen.schema_validation import ValidationResult, validate_output
@@ -28,16 +30,20 @@ class ChoiceEvent:
     index: int
     event: OutputEvent
     validation: ValidationResult | None = None  # the final event of a json_schema request
+    piece: TurnPiece | None = None              # the event's text split by the turn's parser
 
 
 class ChoiceStreams:
-    """Submits one engine request per choice; `events()` yields theirs in arrival order."""
+    """Submits one engine request per choice; `events()` yields theirs in arrival order.
+    With a turn (reasoning, tools) each pump thread parses its choice's text as it goes, and
+    the final validation covers the content alone."""
 
-    def __init__(self, engine, specs: list[GenerationRequest]) -> None:
+    def __init__(self, engine, specs: list[GenerationRequest], turn: AssistantTurn | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[ChoiceEvent] = asyncio.Queue()
         self._streams = []
         self.specs = specs
+        self._turn = turn
         try:
             for spec in specs:
                 self._streams.append(engine.submit(spec))
@@ -51,15 +57,18 @@ class ChoiceStreams:
 
     def _pump(self, index: int, spec: GenerationRequest, stream) -> None:
         schema = spec.grammar.text if spec.grammar is not None and spec.grammar.kind == "json_schema" else None
+        parser = self._turn.parser() if self._turn is not None else None
         texts: list[str] = []
         for event in metrics.get().observe(stream.coalesced(), spec):
-            validation = None
+            validation, piece = None, None
+            if parser is not None:
+                piece = parser.feed(event.text, final=event.is_final)
             if schema is not None:
-                texts.append(event.text)
+                texts.append(event.text if piece is None else piece.content)
                 if event.is_final:  # the whole output against the full schema, as on gRPC
                     validation = validate_output(schema, "".join(texts))
             try:
-                self._loop.call_soon_threadsafe(self._queue.put_nowait, ChoiceEvent(index, event, validation))
+                self._loop.call_soon_threadsafe(self._queue.put_nowait, ChoiceEvent(index, event, validation, piece))
             except RuntimeError:  # the event loop is closed (server stopped): nobody reads
                 stream.cancel()
                 return

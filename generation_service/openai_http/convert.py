@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import uuid
 
+from generation_service.assistant.turn import AssistantTurn
 from generation_service.config import ServeConfig
 from generation_service.engine.errors import InvalidRequestError, LimitExceededError
 from generation_service.engine.params import GenerationRequest, GrammarSpec, SamplingParams, SpeculativeParams
@@ -16,12 +17,6 @@ from generation_service.openai_http import tools
 from generation_service.openai_http.errors import ApiError
 from generation_service.openai_http.schemas import (ChatCompletionRequest, ChatMessage, CompletionRequest,
                                                     MAX_STOP_STRINGS, SamplingBody)
-
-# Parameters accepted only at the value that changes nothing: the engine has no such logits
-# processor yet (a penalty or bias must act on every path: CUDA graphs, eager, verify).
-NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "logit_bias": {}, "min_p": 0.0,
-           "repetition_penalty": 1.0, "min_tokens": 0}
-
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
@@ -36,11 +31,6 @@ def check_model(body: SamplingBody, model_name: str, served_as: str = "") -> Non
 
 
 def refuse_unsupported(body: SamplingBody) -> None:
-    for name, neutral in NEUTRAL.items():
-        value = getattr(body, name)
-        if value is not None and value != neutral:
-            raise ApiError(400, f"{name} is not supported by this server yet (the engine has no such "
-                                f"sampling step); leave it unset or {neutral!r}", param=name, code="unsupported_parameter")
     if isinstance(body, CompletionRequest):
         if body.echo:
             raise ApiError(400, "echo is not supported: the response carries the completion only", param="echo")
@@ -69,17 +59,47 @@ def sampling_params(body: SamplingBody, config: ServeConfig, limit: int, index: 
     if len(stops) > MAX_STOP_STRINGS:
         raise ApiError(400, f"stop: at most {MAX_STOP_STRINGS} strings, got {len(stops)}", param="stop")
     top_k = body.top_k if body.top_k is not None else config.default_top_k
+    max_new_tokens = _max_new_tokens(body, limit, config.default_max_tokens)
+    min_tokens = body.min_tokens or 0
+    if min_tokens > max_new_tokens:
+        raise ApiError(400, f"min_tokens {min_tokens} exceeds the max_tokens in effect ({max_new_tokens}); "
+                            "raise max_tokens or lower min_tokens", param="min_tokens", code="invalid_value")
     return SamplingParams(
         temperature=body.temperature if body.temperature is not None else config.default_temperature,
         top_p=body.top_p if body.top_p is not None else config.default_top_p,
         top_k=max(top_k, 0), seed=None if body.seed is None else body.seed + index,
-        max_new_tokens=_max_new_tokens(body, limit, config.default_max_tokens),
-        stop_strings=stops, ignore_eos=body.structgen.ignore_eos, num_logprobs=body.num_logprobs)
+        max_new_tokens=max_new_tokens,
+        stop_strings=stops, ignore_eos=body.structgen.ignore_eos, num_logprobs=body.num_logprobs,
+        frequency_penalty=_given(body.frequency_penalty, 0.0), presence_penalty=_given(body.presence_penalty, 0.0),
+        repetition_penalty=_given(body.repetition_penalty, 1.0), min_p=_given(body.min_p, 0.0),
+        logit_bias=logit_bias(body.logit_bias), min_tokens=min_tokens)
 
 
-def grammar_spec(body: SamplingBody, config: ServeConfig) -> GrammarSpec | None:
-    """response_format, or the tool-call grammar of a chat request with tools."""
-    tool_grammar = tools.tools_grammar(body) if isinstance(body, ChatCompletionRequest) else None
+def _given(value, neutral):
+    return neutral if value is None else value
+
+
+def logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} (JSON keys are strings) -> sorted (id, bias) pairs."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise ApiError(400, f"logit_bias: key {key!r} is not a token id (an integer as a string)",
+                           param="logit_bias", code="invalid_value") from None
+        if token < 0 or not -100.0 <= value <= 100.0:
+            raise ApiError(400, f"logit_bias: {key!r}: {value} must map a token id >= 0 to a bias in [-100, 100]",
+                           param="logit_bias", code="invalid_value")
+        pairs.append((token, float(value)))
+    if len({token for token, _ in pairs}) != len(pairs):
+        raise ApiError(400, "logit_bias names a token id twice", param="logit_bias", code="invalid_value")
+    return tuple(sorted(pairs))
+
+
+def grammar_spec(body: SamplingBody, config: ServeConfig, turn: AssistantTurn | None = None) -> GrammarSpec | None:
+    """response_format, or the tool-call grammar of a chat request with tools; after the turn's
+    reasoning span when it has one."""
     response_format = body.response_format
     kind, text = None, ""
     strict = False
@@ -91,20 +111,34 @@ def grammar_spec(body: SamplingBody, config: ServeConfig) -> GrammarSpec | None:
                            param="response_format.json_schema")
         kind, text = "json_schema", json.dumps(response_format.json_schema.json_schema)
         strict = bool(response_format.json_schema.strict)
-    if tool_grammar is not None:
-        if kind is not None:
+    options = body.structgen
+    constraint = None
+    if kind is not None:
+        _check_size(kind, text, config)
+        constraint = GrammarSpec(kind=kind, text=text, any_whitespace=not options.compact,
+                                 max_whitespace=options.max_whitespace, strict=strict, backend=options.backend)
+    if turn is None:
+        return constraint
+    if turn.uses_tools:
+        if constraint is not None:
             raise ApiError(400, "response_format together with tools is not supported yet: use "
                                 "tool_choice 'none' for a constrained reply, or drop response_format",
                            param="response_format")
-        kind, text = "structural_tag", tool_grammar
-    if kind is None:
-        return None
+        if options.compact:
+            raise InvalidRequestError("structgen.compact does not apply to tool-call arguments; "
+                                      "use structgen.max_whitespace (>= 1)")
+        if options.max_whitespace == 0:
+            raise InvalidRequestError("structgen.max_whitespace must be >= 1 with tools")
+    spec = turn.grammar(constraint, max_whitespace=options.max_whitespace, backend=options.backend)
+    if spec is not None and turn.uses_tools:
+        _check_size("tools", spec.text, config)
+    return spec
+
+
+def _check_size(kind: str, text: str, config: ServeConfig) -> None:
     if len(text.encode()) > config.max_grammar_bytes:
         raise LimitExceededError(f"the {kind} constraint is {len(text.encode())} bytes; the limit "
                                  f"max_grammar_bytes is {config.max_grammar_bytes}")
-    options = body.structgen
-    return GrammarSpec(kind=kind, text=text, any_whitespace=not options.compact,
-                       max_whitespace=options.max_whitespace, strict=strict, backend=options.backend)
 
 
 def _speculative(body: SamplingBody) -> SpeculativeParams:
@@ -113,22 +147,28 @@ def _speculative(body: SamplingBody) -> SpeculativeParams:
 
 
 def _requests(body: SamplingBody, prompts: list[tuple[int, ...]], response_id: str, engine,
-              config: ServeConfig) -> list[GenerationRequest]:
+              config: ServeConfig, turn: AssistantTurn | None = None) -> list[GenerationRequest]:
     """prompts x n requests, choice index = prompt index * n + j (OpenAI's order)."""
-    grammar = grammar_spec(body, config)
+    grammar = grammar_spec(body, config, turn)
     limit = engine.config.max_new_tokens_limit
+    skip_special_tokens = turn is None or turn.skip_special_tokens
     return [GenerationRequest(request_id=f"{response_id}-{p * body.n + j}", prompt_ids=prompt_ids,
                               sampling=sampling_params(body, config, limit, p * body.n + j),
-                              grammar=grammar, speculative=_speculative(body))
+                              grammar=grammar, speculative=_speculative(body), skip_special_tokens=skip_special_tokens)
             for p, prompt_ids in enumerate(prompts) for j in range(body.n)]
 
 
-def chat_requests(body: ChatCompletionRequest, response_id: str, engine, config: ServeConfig):
+def chat_requests(body: ChatCompletionRequest, response_id: str, engine,
+                  config: ServeConfig) -> tuple[list[GenerationRequest], AssistantTurn | None]:
+    """One request per choice and the turn they share (None without tools and reasoning)."""
     prompt = render_chat(body, engine.tokenizer)
-    return _requests(body, [prompt], response_id, engine, config)
+    turn = tools.chat_turn(body, engine.tokenizer, prompt)
+    return _requests(body, [prompt], response_id, engine, config, turn), turn
 
 
 def completion_requests(body: CompletionRequest, response_id: str, engine, config: ServeConfig):
+    if body.structgen.reasoning is not None:
+        raise ApiError(400, "structgen.reasoning applies to chat completions only", param="structgen.reasoning")
     prompts = []
     for index, prompt in enumerate(body.prompts):
         if isinstance(prompt, str):
@@ -147,7 +187,8 @@ def render_chat(body: ChatCompletionRequest, tokenizer) -> tuple[int, ...]:
         raise InvalidRequestError("chat needs the model's tokenizer and chat template; this model has none")
     messages = [_message(message, index) for index, message in enumerate(body.messages)]
     try:
-        return tuple(tokenizer.apply_chat_template(messages, tools=tools.template_tools(body)))
+        return tuple(tokenizer.apply_chat_template(messages, tools=tools.template_tools(body),
+                                                   template_kwargs=_template_kwargs(body)))
     except ValueError as error:
         raise InvalidRequestError(f"messages: {error}") from None
     except Exception as error:  # jinja2's TemplateError: the template refused these messages
@@ -155,6 +196,19 @@ def render_chat(body: ChatCompletionRequest, tokenizer) -> tuple[int, ...]:
             raise ApiError(400, f"messages: the model's chat template refused them: {error}",
                            param="messages") from None
         raise
+
+
+_RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
+                                      "unk_token", "pad_token"})
+
+
+def _template_kwargs(body: ChatCompletionRequest) -> dict | None:
+    kwargs = tools.template_kwargs(body)
+    reserved = sorted(_RESERVED_TEMPLATE_NAMES.intersection(kwargs or {}))
+    if reserved:
+        raise ApiError(400, f"chat_template_kwargs must not set {', '.join(reserved)} (the server sets them)",
+                       param="chat_template_kwargs")
+    return kwargs
 
 
 def _message(message: ChatMessage, index: int) -> dict:

@@ -1,14 +1,14 @@
 """ChoiceOutput: what one choice has produced so far, fed event by event.
 
-Each engine event becomes a `Piece` (the content text, completed tool calls and logprobs it
-adds), which a stream sends as one chunk; the whole response is the sum of the pieces.
+Each engine event becomes a `Piece` (the content text, reasoning text, completed tool calls and
+logprobs it adds; with a turn the pump thread split them, choices.py), which a stream sends
+as one chunk; the whole response is the sum of the pieces.
 The engine's finish reasons map onto OpenAI's: max tokens is "length", a tool call that
 ended the output is "tool_calls", every other end is "stop" (the engine's own reason stays
 in the `structgen` extension). Errors are raised as the engine's exceptions.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 from google.protobuf.json_format import MessageToDict
@@ -18,13 +18,15 @@ from generation_service.engine.errors import DeadlineExceededError, EngineError
 from generation_service.engine.events import FinishReason, GuaranteeReport, TokenLogprob, Usage
 from generation_service.engine.params import GenerationRequest
 from generation_service.openai_http.choices import ChoiceEvent
-from generation_service.openai_http.tools import ToolCall, ToolCallParser
-from structgen.schema_validation import ValidationResult, validate_output
+from generation_service.assistant.tools import ToolCall
+from generation_service.assistant.turn import AssistantTurn
+from structgen.schema_validation import ValidationResult
 
 
 @dataclass
 class Piece:
     text: str = ""
+    reasoning: str = ""              # reasoning text (a turn with a reasoning span)
     token_ids: tuple[int, ...] = ()  # only when the request asked for them (return_token_ids)
     tool_calls: list[ToolCall] = field(default_factory=list)
     logprobs: tuple[TokenLogprob, ...] = ()
@@ -33,20 +35,20 @@ class Piece:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.text or self.token_ids or self.tool_calls or self.logprobs or self.guarantee
-                    or self.is_final)
+        return not (self.text or self.reasoning or self.token_ids or self.tool_calls or self.logprobs
+                    or self.guarantee or self.is_final)
 
 
 class ChoiceOutput:
-    def __init__(self, index: int, spec: GenerationRequest, parser: ToolCallParser | None = None,
-                 tool_schemas: dict[str, dict] | None = None, return_token_ids: bool = False) -> None:
+    def __init__(self, index: int, spec: GenerationRequest, turn: AssistantTurn | None = None,
+                 return_token_ids: bool = False) -> None:
         self.index = index
         self.spec = spec
-        self._parser = parser
-        self._tool_schemas = tool_schemas or {}
+        self._turn = turn
         self._returns_token_ids = return_token_ids
         self.token_ids: list[int] = []
         self.texts: list[str] = []
+        self.reasonings: list[str] = []
         self.tool_calls: list[ToolCall] = []
         self.logprobs: list[TokenLogprob] = []
         self.guarantee: GuaranteeReport | None = None
@@ -63,17 +65,14 @@ class ChoiceOutput:
             raise DeadlineExceededError(f"request {self.spec.request_id}: deadline exceeded")
         if event.finish_reason is FinishReason.ERROR:
             raise EngineError(f"request {self.spec.request_id} failed")
-        piece = Piece(logprobs=event.logprobs, guarantee=event.guarantee, is_final=event.is_final)
-        text = event.text
-        if self._parser is not None:
-            text, piece.tool_calls = self._parser.feed(text)
-            if event.is_final:
-                text += self._parser.finish()
-        piece.text = text
+        piece = Piece(text=event.text, logprobs=event.logprobs, guarantee=event.guarantee, is_final=event.is_final)
+        if item.piece is not None:  # split by the turn's parser in the pump thread (choices.py)
+            piece.text, piece.reasoning, piece.tool_calls = item.piece.content, item.piece.reasoning, item.piece.calls
         if self._returns_token_ids:
             piece.token_ids = event.token_ids
         self.token_ids += event.token_ids
-        self.texts.append(text)
+        self.texts.append(piece.text)
+        self.reasonings.append(piece.reasoning)
         self.tool_calls += piece.tool_calls
         self.logprobs += event.logprobs
         self.guarantee = self.guarantee or event.guarantee
@@ -88,6 +87,11 @@ class ChoiceOutput:
     @property
     def text(self) -> str:
         return "".join(self.texts)
+
+    @property
+    def reasoning(self) -> str | None:
+        """The reasoning text; None when the turn has no reasoning span."""
+        return "".join(self.reasonings) if self._turn is not None and self._turn.reasoning is not None else None
 
     @property
     def finish_reason(self) -> str | None:
@@ -123,8 +127,7 @@ class ChoiceOutput:
 
     def _validate_call(self, call: ToolCall) -> dict:
         """The call's arguments against its tool's full `parameters` schema."""
-        schema = self._tool_schemas.get(call.name) or {"type": "object"}
-        validation = _message_dict(proto_convert.validation_to_proto(validate_output(json.dumps(schema), call.arguments)))
+        validation = _message_dict(proto_convert.validation_to_proto(self._turn.validate(call)))
         validation["status"] = validation["status"].removeprefix("VALIDATION_STATUS_").lower()
         return {"id": call.id, **validation}
 

@@ -8,7 +8,7 @@ from generation_service.engine.events import TokenLogprob
 from generation_service.openai_http import responses as r
 from generation_service.openai_http.outputs import ChoiceOutput, Piece
 from generation_service.openai_http.token_text import TokenTexts
-from generation_service.openai_http.tools import ToolCall
+from generation_service.assistant.tools import ToolCall
 
 
 @dataclass(frozen=True)
@@ -74,8 +74,11 @@ def chat_completion(meta: ResponseMeta, outputs: list[ChoiceOutput]) -> r.ChatCo
     for output in outputs:
         text = output.text
         calls = [_tool_call(call) for call in output.tool_calls]
+        extra = {"tool_calls": calls} if calls else {}
+        if output.reasoning is not None:
+            extra["reasoning_content"] = output.reasoning
         message = r.ChatMessage(role="assistant", content=None if calls and not text.strip() else text,
-                                refusal=None, **({"tool_calls": calls} if calls else {}))
+                                refusal=None, **extra)
         choices.append(r.ChatChoice(index=output.index, message=message,
                                     logprobs=_chat_logprobs(meta, output.logprobs),
                                     finish_reason=output.finish_reason, **_extension(output)))
@@ -101,6 +104,8 @@ def chat_choice_delta(meta: ResponseMeta, output: ChoiceOutput, piece: Piece) ->
     if piece.is_empty:
         return None
     delta: dict = {}
+    if piece.reasoning:
+        delta["reasoning_content"] = piece.reasoning
     if piece.text:
         delta["content"] = piece.text
     if piece.tool_calls:

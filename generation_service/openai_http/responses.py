@@ -96,6 +96,7 @@ class Extension(Model):
 class ChatMessage(Model):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # the reasoning span's text (vLLM's and DeepSeek's field)
     refusal: str | None = None
     tool_calls: list[ToolCall] | None = None
 
@@ -121,6 +122,7 @@ class ChatCompletion(Model):
 class ChatDelta(Model):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 

@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from generation_service.config import ServeConfig
-from generation_service.openai_http import convert, errors, tools
+from generation_service.openai_http import convert, errors
 from generation_service.openai_http import responses as r
 from generation_service.openai_http.choices import ChoiceStreams
 from generation_service.openai_http.errors import ApiError
@@ -23,7 +23,6 @@ from generation_service.openai_http.outputs import ChoiceOutput
 from generation_service.openai_http.render import ChatFormat, CompletionFormat, ResponseMeta
 from generation_service.openai_http.schemas import ChatCompletionRequest, CompletionRequest, SamplingBody
 from generation_service.openai_http.token_text import TokenTexts
-from generation_service.openai_http.tools import ToolCallParser
 
 
 @dataclass
@@ -87,12 +86,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     state = _state(request)
     _accepting(state, body)
     response_id = convert.new_id("chatcmpl")
-    specs = convert.chat_requests(body, response_id, state.engine, state.config)
-    uses_tools = specs[0].grammar is not None and specs[0].grammar.kind == "structural_tag"
-    schemas = {tool.function.name: tool.function.parameters for tool in body.tools or []}
-    outputs = [ChoiceOutput(i, spec, ToolCallParser(only_calls=tools.forces_calls(body)) if uses_tools else None,
-                            schemas, body.structgen.return_token_ids) for i, spec in enumerate(specs)]
-    exchange = Exchange(request, ChoiceStreams(state.engine, specs), outputs, _meta(state, response_id, body),
+    specs, turn = convert.chat_requests(body, response_id, state.engine, state.config)
+    outputs = [ChoiceOutput(i, spec, turn, body.structgen.return_token_ids) for i, spec in enumerate(specs)]
+    exchange = Exchange(request, ChoiceStreams(state.engine, specs, turn), outputs, _meta(state, response_id, body),
                         ChatFormat(body.includes_usage), body.includes_usage)
     return await exchange.respond(body.stream)
 

@@ -89,6 +89,15 @@ class StreamOptions(Body):
     include_obfuscation: bool | None = None  # an SDK default; there is nothing to obfuscate
 
 
+class ReasoningOptions(Body):
+    """structgen.reasoning: a free reasoning span before the answer (and its constraint)."""
+
+    enabled: bool | None = None          # None: the chat template's default, no span
+    max_tokens: int | None = Field(default=None, ge=0)  # budget; then the end marker is forced
+    begin_marker: str | None = None      # the model's markers when unset
+    end_marker: str | None = None
+
+
 class StructgenOptions(Body):
     """Extension (`extra_body={"structgen": {...}}`): what the gRPC API offers beyond OpenAI's."""
 
@@ -99,6 +108,7 @@ class StructgenOptions(Body):
     num_draft_tokens: int = Field(default=0, ge=0)
     draft_proposer: Literal["ngram", "grammar"] = "ngram"
     return_token_ids: bool = False       # each choice's token ids in its structgen extension
+    reasoning: ReasoningOptions | None = None  # chat only
 
 
 class SamplingBody(Body):
@@ -118,7 +128,7 @@ class SamplingBody(Body):
     structgen: StructgenOptions = Field(default_factory=StructgenOptions)
     # common extensions the engine has
     top_k: int | None = Field(default=None, ge=-1)  # -1 (vLLM's "off") or 0: off
-    # accepted at their neutral value only (convert.NEUTRAL)
+    # logits processing (engine/logit_processing.py); ranges checked by SamplingParams
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -145,6 +155,8 @@ class ChatCompletionRequest(SamplingBody):
     tools: list[Tool] | None = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: bool = True
+    # variables of the chat template (vLLM's name); enable_thinking also turns reasoning on or off
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @property
     def max_new_tokens(self) -> int | None:

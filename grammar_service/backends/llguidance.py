@@ -19,16 +19,19 @@ round robin over them; rows of one grammar then spread over as many locks as lan
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 import json
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import llguidance as llg
 import numpy as np
 
-from generation_service.engine.params import GrammarSpec
+from generation_service.engine.params import GrammarSpec, ReasoningSpan
 from grammar_service.backends.base import GrammarBackend, GrammarCompileError, Matcher, TokenizerData
+from grammar_service.backends.llguidance_tags import structural_tag_grammar
 from grammar_service.config import llguidance_lanes
 from grammar_service.guarantees import llguidance_unenforced
 
@@ -77,13 +80,28 @@ def unsupported(spec: GrammarSpec) -> str:
     if spec.kind in ("json_schema", "json_object") and spec.any_whitespace and spec.max_whitespace:
         return (f"{spec.kind}: llguidance does not support max_whitespace > 0 (its masks admit "
                 "whitespace its matcher refuses); use compact, max_whitespace 0 or xgrammar")
+    if spec.reasoning is not None and spec.reasoning.max_tokens is not None:
+        return ("llguidance cannot roll back a lexeme with max_tokens, which the reasoning budget "
+                "needs and speculative decoding relies on; use xgrammar for a reasoning max_tokens")
     return ""
 
 
-def grammar_for(spec: GrammarSpec) -> str:
-    """The llguidance grammar (serialized) for a spec; raises GrammarCompileError."""
+def _none(text: str) -> int | None:
+    return None
+
+
+def grammar_for(spec: GrammarSpec, special_id: Callable[[str], int | None] = _none,
+                token_id: Callable[[str], int | None] = _none) -> str:
+    """The llguidance grammar (serialized) for a spec; raises GrammarCompileError.
+    `special_id(text)` / `token_id(text)`: the id of the special token / of any token spelled
+    `text` (markers and tokens of reasoning spans and structural tags)."""
     if unsupported(spec):
         raise GrammarCompileError(unsupported(spec))
+    if spec.reasoning is not None:
+        inner = grammar_for(dataclasses.replace(spec, reasoning=None), special_id, token_id)
+        return after_reasoning(spec.reasoning, inner, lambda text: special_id(text) is not None)
+    if spec.kind == "structural_tag":
+        return structural_tag_grammar(spec.text, special_id, token_id)
     try:
         if spec.kind in ("json_schema", "json_object"):
             text = spec.text if spec.kind == "json_schema" else '{"type": "object"}'
@@ -100,6 +118,41 @@ def grammar_for(spec: GrammarSpec) -> str:
         raise GrammarCompileError(f"{spec.kind}: {exc}") from None
     raise GrammarCompileError(f"{spec.kind}: not supported by the llguidance backend "
                               "(use backend \"xgrammar\")")
+
+
+_CONSTRAINT = "structgen_constraint"
+_REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~/")
+
+
+def _marker(text: str, is_special: Callable[[str], bool]) -> str:
+    """A marker in Lark: `<name>` for a special token (llguidance lexes those apart from
+    text, so a string literal would never match one), else a string literal."""
+    return text if is_special(text) else json.dumps(text, ensure_ascii=False)
+
+
+def after_reasoning(span: ReasoningSpan, constraint: str, is_special: Callable[[str], bool]) -> str:
+    """A top-level grammar: the reasoning span in Lark, then the constraint as a sub-grammar.
+
+    Free text before a special end token is any text (it cannot hold special tokens); before
+    a textual end marker it is a lazy lexeme that stops at the marker's first occurrence.
+    """
+    grammars = json.loads(constraint)["grammars"] if constraint.lstrip().startswith("{") else \
+        [{"lark_grammar": constraint}]
+    grammars[0] = {**grammars[0], "name": _CONSTRAINT}
+    parts, rules = [], []
+    if not span.starts_open:
+        parts.append(_marker(span.begin, is_special))
+    if is_special(span.end):
+        parts += ["REASONING", span.end]
+        rules.append("REASONING: /(?s:.*)/")
+    else:
+        escaped = "".join("\\" + c if c in _REGEX_META else c for c in span.end)
+        parts.append("reasoning")
+        rules.append(f"reasoning[lazy]: /(?s:.*){escaped}/")
+    if span.separator:
+        parts.append(json.dumps(span.separator, ensure_ascii=False))
+    lark = "\n".join([f"start: {' '.join(parts)} @{_CONSTRAINT}", *rules]) + "\n"
+    return json.dumps({"grammars": [{"lark_grammar": lark}, *grammars]})
 
 
 class LLGuidanceMatcher(Matcher):
@@ -161,7 +214,7 @@ class LLGuidanceBackend(GrammarBackend):
         (lanes built later, in the background, would leave that burst on lane 0 for its whole
         generation). A row is never bound before its grammar's compile finished, so no mask
         waits for a lane."""
-        grammar = grammar_for(spec)
+        grammar = grammar_for(spec, self._special_id, self._token_ids.get)
         first = llg.LLMatcher(self.lltokenizer, grammar, log_level=0)
         if first.is_error():
             raise GrammarCompileError(f"{spec.kind}: {first.get_error()}")
@@ -172,6 +225,14 @@ class LLGuidanceBackend(GrammarBackend):
         if spec.kind != "json_schema":
             return ()
         return llguidance_unenforced(spec.text, json_options(spec))
+
+    @functools.cached_property
+    def _token_ids(self) -> dict[str, int]:
+        return {text: token_id for token_id, text in enumerate(self.tokenizer.encoded_vocab) if text}
+
+    def _special_id(self, text: str) -> int | None:
+        token_id = self._token_ids.get(text)
+        return token_id if token_id is not None and self.lltokenizer.is_special_token(token_id) else None
 
     # ---- matchers ------------------------------------------------------------------------
     def new_matcher(self, compiled: LLGuidanceGrammar) -> LLGuidanceMatcher:

@@ -4,12 +4,12 @@ from __future__ import annotations
 import functools
 import json
 import re
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import xgrammar as xgr
 
-from generation_service.engine.params import GrammarSpec
+from generation_service.engine.params import GrammarSpec, ReasoningSpan
 from grammar_service.backends.base import GrammarBackend, GrammarCompileError, Matcher, TokenizerData
 from grammar_service.backends.xgrammar_unenforced import find_unenforced
 
@@ -26,6 +26,45 @@ def _choice_ebnf(choices: Sequence[str]) -> str:
     # json.dumps gives a double-quoted literal with \" \\ \n \uXXXX escapes, which is the
     # escape syntax of xgrammar's EBNF string literals.
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _schema_text(spec: GrammarSpec) -> str:
+    return spec.text if spec.kind == "json_schema" else '{"type": "object"}'
+
+
+def _json_options(spec: GrammarSpec) -> dict:
+    any_ws = spec.any_whitespace and spec.max_whitespace != 0
+    # strict_mode=False: objects and arrays are as open as the schema says (xgrammar's
+    # default closes every object without additionalProperties, refusing valid output).
+    return dict(any_whitespace=any_ws, separators=None if any_ws else (",", ":"),
+                max_whitespace_cnt=spec.max_whitespace if any_ws else None, strict_mode=False)
+
+
+def reasoning_format(span: ReasoningSpan, token_id: Callable[[str], int | None] = lambda text: None,
+                     stop_ids: Sequence[int] = ()) -> list[dict]:
+    """Structural-tag elements of a reasoning span: free text (at most `max_tokens` tokens,
+    then only the end marker is allowed) closed by the end marker, then the separator.
+
+    An end marker that is one token of the vocabulary (`token_id`) is matched as that token,
+    with token-level free text before it (neither marker nor a stop token), so a spent budget
+    forces the marker's own token rather than any spelling of its text."""
+    end_id = token_id(span.end)
+    begin_id = token_id(span.begin) if span.begin else None
+    if end_id is not None:
+        excluded = [end_id, *([] if begin_id is None else [begin_id]), *stop_ids]
+        content: dict = {"type": "any_tokens", "exclude_tokens": sorted(set(excluded))}
+        end: str | dict = {"type": "token", "token": end_id}
+    else:
+        content, end = {"type": "any_text"}, span.end
+    if span.max_tokens is not None:
+        content["max_tokens"] = span.max_tokens
+    begin: str | dict = "" if span.starts_open else span.begin
+    if begin and begin_id is not None:
+        begin = {"type": "token", "token": begin_id}
+    elements = [{"type": "tag", "begin": begin, "content": content, "end": end}]
+    if span.separator:
+        elements.append({"type": "const_string", "value": span.separator})
+    return elements
 
 
 try:  # the public batch_accept_token converts its result element by element (a call per row)
@@ -82,14 +121,10 @@ class XGrammarBackend(GrammarBackend):
             raise GrammarCompileError(f"{spec.kind}: {_clean_message(exc)}") from None
 
     def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        if spec.reasoning is not None:
+            return self._compile_after_reasoning(spec)
         if spec.kind in ("json_schema", "json_object"):
-            text = spec.text if spec.kind == "json_schema" else '{"type": "object"}'
-            any_ws = spec.any_whitespace and spec.max_whitespace != 0
-            # strict_mode=False: objects and arrays are as open as the schema says (xgrammar's
-            # default closes every object without additionalProperties, refusing valid output).
-            return self._compiler.compile_json_schema(
-                text, any_whitespace=any_ws, separators=None if any_ws else (",", ":"),
-                max_whitespace_cnt=spec.max_whitespace if any_ws else None, strict_mode=False)
+            return self._compiler.compile_json_schema(_schema_text(spec), **_json_options(spec))
         if spec.kind == "regex":
             return self._compiler.compile_regex(spec.text)
         if spec.kind == "lark":
@@ -98,6 +133,38 @@ class XGrammarBackend(GrammarBackend):
             return self._compiler.compile_structural_tag(spec.text)
         if spec.kind == "choice":
             return self._compiler.compile_grammar(_choice_ebnf(spec.choices))
+        raise GrammarCompileError(f"unsupported grammar kind {spec.kind!r}")
+
+    def _compile_after_reasoning(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        """The span (a structural tag: its token budget is xgrammar's any_text max_tokens), then
+        the constraint compiled as it would be alone. A structural tag constraint is spliced
+        into one tag, so that token formats in it resolve against this tokenizer."""
+        prefix = reasoning_format(spec.reasoning, self._token_ids.get, self.tokenizer.stop_token_ids)
+        if spec.kind == "structural_tag":
+            tag = json.loads(spec.text)
+            if isinstance(tag, dict) and "format" in tag:
+                return self._compiler.compile_structural_tag(json.dumps(
+                    {**tag, "format": {"type": "sequence", "elements": [*prefix, tag["format"]]}}))
+        head = xgr.Grammar.from_structural_tag(json.dumps(
+            {"type": "structural_tag", "format": {"type": "sequence", "elements": prefix}}))
+        return self._compiler.compile_grammar(xgr.Grammar.concat(head, self._grammar(spec)))
+
+    @functools.cached_property
+    def _token_ids(self) -> dict[str, int]:
+        return {text: token_id for token_id, text in enumerate(self.tokenizer.encoded_vocab) if text}
+
+    def _grammar(self, spec: GrammarSpec) -> xgr.Grammar:
+        """The constraint alone as an uncompiled Grammar (with the options `_compile` uses)."""
+        if spec.kind in ("json_schema", "json_object"):
+            return xgr.Grammar.from_json_schema(_schema_text(spec), **_json_options(spec))
+        if spec.kind == "regex":
+            return xgr.Grammar.from_regex(spec.text)
+        if spec.kind == "lark":
+            return xgr.Grammar.from_lark(spec.text)
+        if spec.kind == "structural_tag":
+            return xgr.Grammar.from_structural_tag(spec.text)
+        if spec.kind == "choice":
+            return xgr.Grammar.from_ebnf(_choice_ebnf(spec.choices))
         raise GrammarCompileError(f"unsupported grammar kind {spec.kind!r}")
 
     def unenforced_keywords(self, spec: GrammarSpec) -> tuple:

@@ -1,13 +1,18 @@
 """`structgen generate`: stream one completion from a running server to stdout.
 
 The text goes to stdout as it arrives; the guarantee report, finish reason, usage and the
-server's schema validation go to stderr with --verbose. A failed call prints
-"error: <STATUS>: <message>" to stderr and exits 1; an output the server found invalid
-against its JSON Schema exits 3; a bad flag exits 2; Ctrl-C cancels the request and exits 130.
+server's schema validation go to stderr with --verbose. With --reasoning the model reasons
+first: its reasoning streams to stderr, what follows it to stdout. With --tools (a JSON file:
+a list of tools, each {"name", "description", "parameters"}) the prompt is a chat turn and
+each parsed tool call is printed to stdout as one JSON line {"id", "name", "arguments"}.
+A failed call prints "error: <STATUS>: <message>" to stderr and exits 1; an output or a tool
+call the server found invalid against its JSON Schema exits 3; a bad flag exits 2; Ctrl-C
+cancels the request and exits 130.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pathlib
 import sys
@@ -48,6 +53,15 @@ def add_parser(subparsers) -> None:
     constraint.add_argument("--json-object", action="store_true", help="any JSON object")
     parser.add_argument("--chat", action="store_true",
                         help="send the prompt as one user message, formatted by the model's chat template")
+    parser.add_argument("--tools", metavar="FILE",
+                        help="JSON file with a list of tools the model may call (implies --chat)")
+    parser.add_argument("--tool-choice", default=None, metavar="CHOICE",
+                        help="none, auto, required, or a tool's name (default: auto with --tools)")
+    parser.add_argument("--reasoning", action=argparse.BooleanOptionalAction, default=None,
+                        help="let the model reason first (its reasoning goes to stderr); --no-reasoning turns "
+                             "the chat template's reasoning off (default: the template's)")
+    parser.add_argument("--reasoning-max-tokens", type=bounded(int, 0), default=None, metavar="N",
+                        help="with --reasoning: at most N reasoning tokens, then the answer is forced")
     parser.add_argument("--max-tokens", type=bounded(int, 0), default=0,
                         help="most tokens to generate (default 0 = the server's default)")
     parser.add_argument("--temperature", type=bounded(float, 0), default=None,
@@ -57,6 +71,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--top-p", type=bounded(float, 0, 1, open_low=True), default=None,
                         help="nucleus sampling mass in (0, 1] (default: the server's)")
     parser.add_argument("--seed", type=bounded(int, 0), default=None, help="sampling seed (default: random)")
+    _add_logits_flags(parser)
     parser.add_argument("--stop", action="append", default=[], metavar="TEXT",
                         help="stop when the output contains TEXT (repeat)")
     parser.add_argument("--compact", action="store_true", help="JSON without free whitespace")
@@ -70,9 +85,56 @@ def add_parser(subparsers) -> None:
     parser.set_defaults(run=run)
 
 
+def _add_logits_flags(parser: argparse.ArgumentParser) -> None:
+    """The logits processing of the request's SamplingParams (OpenAI's ranges); off when unset."""
+    parser.add_argument("--frequency-penalty", type=bounded(float, -2, 2), default=None, metavar="X",
+                        help="minus X per time a token was generated, in [-2, 2]")
+    parser.add_argument("--presence-penalty", type=bounded(float, -2, 2), default=None, metavar="X",
+                        help="minus X for every token generated at least once, in [-2, 2]")
+    parser.add_argument("--repetition-penalty", type=bounded(float, 0, 10, open_low=True), default=None,
+                        metavar="X", help="prompt and output tokens' logits / X (negative ones x X), in (0, 10]")
+    parser.add_argument("--logit-bias", type=_logit_bias, action="append", default=[], metavar="ID=BIAS",
+                        help="add BIAS in [-100, 100] to token ID's logit (repeat)")
+    parser.add_argument("--min-p", type=bounded(float, 0, 1), default=None,
+                        help="drop tokens below min-p x the top token's probability, in [0, 1]")
+    parser.add_argument("--min-tokens", type=bounded(int, 0), default=None, metavar="N",
+                        help="no end-of-sequence, stop token or stop string before N tokens")
+
+
+def _logit_bias(text: str) -> tuple[int, float]:
+    token, sep, bias = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        pair = int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TOKEN_ID=BIAS, e.g. 42=-100, got {text!r}") from None
+    if not -100 <= pair[1] <= 100:
+        raise argparse.ArgumentTypeError(f"the bias must be in [-100, 100], got {text}")
+    return pair
+
+
+def _read_tools(path: str) -> list:
+    """The --tools file: a JSON list of tools (OpenAI's {"type": "function", ...} shape too)."""
+    try:
+        tools = json.loads(pathlib.Path(path).read_text())
+    except ValueError as error:
+        raise OSError(f"{path}: not valid JSON ({error})") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) and "name" in t.get("function", t) for t in tools):
+        raise OSError(f"{path}: expected a JSON list of tools, each with a name")
+    return tools
+
+
 def request_options(args: argparse.Namespace) -> dict:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    options: dict = {"messages": [{"role": "user", "content": prompt}]} if args.chat else {"prompt": prompt}
+    chat = args.chat or args.tools is not None
+    options: dict = {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
+    if args.tools is not None:
+        options["tools"] = _read_tools(args.tools)
+    if args.tool_choice is not None:
+        options["tool_choice"] = args.tool_choice
+    if args.reasoning is not None or args.reasoning_max_tokens is not None:
+        options.update(reasoning=args.reasoning is not False, reasoning_max_tokens=args.reasoning_max_tokens)
     if args.json_schema:
         options["json_schema"] = pathlib.Path(args.json_schema).read_text()
     elif args.lark:
@@ -87,7 +149,10 @@ def request_options(args: argparse.Namespace) -> dict:
         options["json_object"] = True
     options.update(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, stop=args.stop, compact=args.compact,
-                   max_whitespace=args.max_whitespace, strict=args.strict)
+                   max_whitespace=args.max_whitespace, strict=args.strict,
+                   frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
+                   repetition_penalty=args.repetition_penalty, logit_bias=dict(args.logit_bias) or None,
+                   min_p=args.min_p, min_tokens=args.min_tokens)
     return options
 
 
@@ -116,14 +181,25 @@ def run(args: argparse.Namespace, _rest) -> int:
     except OSError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    out, last = _Output(), None
+    if args.reasoning is False and args.reasoning_max_tokens is not None:
+        print("error: --reasoning-max-tokens needs --reasoning", file=sys.stderr)
+        return 2
+    out, last, calls = _Output(), None, []
     try:
         token = args.token or os.environ.get("STRUCTGEN_TOKEN")
         with Client(address, timeout=args.timeout, token=token) as client:
             for chunk in client.generate(**options):
                 if chunk.guarantee and args.verbose:
                     print(f"[guarantee] {chunk.guarantee}", file=sys.stderr)
+                if chunk.reasoning_text:
+                    sys.stderr.write(chunk.reasoning_text)
+                    sys.stderr.flush()
                 out.write(chunk.text)
+                for call in chunk.tool_calls:
+                    out.end_line()
+                    out.write(json.dumps({"id": call.id, "name": call.name,
+                                          "arguments": call.parsed_arguments}, ensure_ascii=False) + "\n")
+                    calls.append(call)
                 last = chunk
     except StructgenError as error:
         out.end_line()
@@ -135,9 +211,12 @@ def run(args: argparse.Namespace, _rest) -> int:
     out.end_line()
     if args.verbose and last is not None:
         print(f"[finish] {last.finish_reason} {last.usage}", file=sys.stderr)
+    invalid_calls = [call for call in calls if call.validation is not None and not call.validation.valid]
+    for call in invalid_calls:
+        print(f"[tool call {call.id} {call.name}] {call.validation}", file=sys.stderr)
     if last is not None and last.validation is not None:
         if args.verbose or not last.validation.valid:
             print(f"[validation] {last.validation}", file=sys.stderr)
         if not last.validation.valid:
             return 3
-    return 0
+    return 3 if invalid_calls else 0

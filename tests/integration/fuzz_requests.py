@@ -110,6 +110,17 @@ def _numeric_extremes() -> Iterator[tuple[str, pb.GenerateRequest]]:
     for value in FLOATS:
         yield f"temperature-{value}", pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(temperature=value))
         yield f"top-p-{value}", pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(top_p=value, temperature=1))
+    for value in FLOATS:  # the logits processing (penalties in [-2, 2], min_p in [0, 1], ...)
+        for name in ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_p"):
+            yield f"{name}-{value}", pb.GenerateRequest(prompt="x", stop=pb.StopConditions(max_tokens=2),
+                                                        sampling=pb.SamplingParams(**{name: value}))
+        yield f"logit-bias-{value}", pb.GenerateRequest(prompt="x", stop=pb.StopConditions(max_tokens=2),
+                                                        sampling=pb.SamplingParams(logit_bias={0: value}))
+    for value in (0, 1, 2, 3, 64, 65, U32):
+        yield f"min-tokens-{value}", pb.GenerateRequest(prompt="x", stop=pb.StopConditions(max_tokens=2),
+                                                        sampling=pb.SamplingParams(min_tokens=value))
+        yield f"logit-bias-id-{value}", pb.GenerateRequest(prompt="x", stop=pb.StopConditions(max_tokens=2),
+                                                           sampling=pb.SamplingParams(logit_bias={value: 1.0}))
     for value in (0, 1, 31999, 32000, 1 << 31, U32):
         yield f"top-k-{value}", pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(top_k=value, temperature=1))
         yield f"max-tokens-{value}", pb.GenerateRequest(prompt="x", stop=pb.StopConditions(max_tokens=value))
@@ -156,9 +167,50 @@ def _other() -> Iterator[tuple[str, pb.GenerateRequest]]:
         yield f"prompt-{name}", pb.GenerateRequest(prompt=text)
 
 
+def _turns() -> Iterator[tuple[str, pb.GenerateRequest]]:
+    """Tools and reasoning (issue 20): bad schemas, names, choices, markers and budgets."""
+    chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="Call a tool.")])
+
+    def tools_request(*tools, **fields) -> pb.GenerateRequest:
+        return pb.GenerateRequest(chat=chat, tools=list(tools), stop=pb.StopConditions(max_tokens=4), **fields)
+
+    deep = '{"type": "object", "properties": {"a": ' * 300 + "{}" + "}}" * 300
+    for name, parameters in (("not-json", "{"), ("scalar", "7"), ("deep", deep), ("bad-type", '{"type": "wat"}'),
+                             ("huge-enum", json.dumps({"enum": list(range(20000))})), ("false", "false")):
+        yield f"tool-parameters-{name}", tools_request(pb.Tool(name="f", parameters=parameters),
+                                                       tool_choice=pb.ToolChoice(mode=pb.TOOL_CHOICE_MODE_REQUIRED))
+    for name in ("", "a b", "x" * 65, "\u00e9", "a\x00", '"; drop'):
+        yield f"tool-name-{name[:8]!r}", tools_request(pb.Tool(name=name))
+    yield "tools-many", tools_request(*[pb.Tool(name=f"t{i}") for i in range(3000)])
+    yield "tools-duplicate", tools_request(pb.Tool(name="f"), pb.Tool(name="f"))
+    yield "tools-on-prompt", pb.GenerateRequest(prompt="x", tools=[pb.Tool(name="f")])
+    for mode in (-1, 5, (1 << 31) - 1):
+        yield f"tool-choice-enum-{mode}", tools_request(pb.Tool(name="f"), tool_choice=pb.ToolChoice(mode=mode))
+    yield "tool-choice-named-missing", tools_request(pb.Tool(name="f"), tool_choice=pb.ToolChoice(
+        mode=pb.TOOL_CHOICE_MODE_NAMED, name="g"))
+    yield "tool-choice-required-none", tools_request(tool_choice=pb.ToolChoice(mode=pb.TOOL_CHOICE_MODE_REQUIRED))
+    yield "tools-and-schema", tools_request(pb.Tool(name="f"), json_schema='{"type": "object"}')
+    for mode in (-1, 3, 1 << 30):
+        yield f"reasoning-enum-{mode}", pb.GenerateRequest(prompt="x", reasoning=pb.ReasoningOptions(mode=mode))
+    enabled = pb.REASONING_MODE_ENABLED
+    for budget in (0, 1, U32):
+        yield f"reasoning-budget-{budget}", pb.GenerateRequest(prompt="x", regex="[a-z]+", reasoning=pb.ReasoningOptions(
+            mode=enabled, max_tokens=budget, begin_marker="<r>", end_marker="</r>"))
+    for begin, end in (("", "</r>"), ("<r>", ""), ("x" * 100_000, "y"), ("\x00", "\x01"), ("<r>", "<r>")):
+        yield f"reasoning-markers-{len(begin)}-{end[:3]!r}", pb.GenerateRequest(prompt="x", regex="a", reasoning=pb.ReasoningOptions(
+            mode=enabled, begin_marker=begin, end_marker=end))
+    yield "reasoning-no-markers", pb.GenerateRequest(prompt="x", regex="a", reasoning=pb.ReasoningOptions(mode=enabled))
+    yield "reasoning-budget-disabled", pb.GenerateRequest(prompt="x", reasoning=pb.ReasoningOptions(
+        mode=pb.REASONING_MODE_DISABLED, max_tokens=3))
+    call = pb.ToolCall(id="c", name="f", arguments="{" * 5000)
+    yield "chat-tool-call-arguments", pb.GenerateRequest(chat=pb.ChatMessages(messages=[
+        pb.ChatMessage(role="assistant", tool_calls=[call]), pb.ChatMessage(role="tool", tool_call_id="c")]))
+
+
 def families(seed: int = 19) -> list[tuple[str, bytes]]:
     cases = [(name, request.SerializeToString()) for source in (
-        _ref_chains, _nesting, _huge, _regexes, _lark, _numeric_extremes, _other) for name, request in source()]
+        _ref_chains, _nesting, _huge, _regexes, _lark, _numeric_extremes, _other, _turns)
+        for name, request in source()]
     rng = random.Random(seed)
     valid = _request(json_schema='{"type": "object", "properties": {"name": {"type": "string"}}}').SerializeToString()
     for cut in sorted(rng.sample(range(1, len(valid)), 12)):
@@ -219,6 +271,13 @@ def requests(draw) -> bytes:
         sampling.top_k = draw(st.integers(0, U32))
     if draw(st.booleans()):
         sampling.seed = draw(st.integers(0, U64))
+    for name in ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_p"):
+        if draw(st.integers(0, 7)) == 0:  # rarely: most values out of range end the call early
+            setattr(sampling, name, draw(st.sampled_from(FLOATS) | st.floats(-2, 2, width=32)))
+    if draw(st.integers(0, 7)) == 0:
+        sampling.logit_bias.update(draw(st.dictionaries(st.integers(0, U32), st.sampled_from(FLOATS), max_size=2)))
+    if draw(st.integers(0, 7)) == 0:
+        sampling.min_tokens = draw(st.sampled_from([0, 1, 4, 65, U32]))
     request.stop.max_tokens = draw(st.sampled_from([0, 1, 2, 4, 64, 65, U32]))
     request.stop.stop_strings.extend(draw(st.lists(st.text(max_size=4), max_size=2)))
     request.stop.stop_token_ids.extend(draw(st.lists(st.integers(0, U32), max_size=2)))

@@ -86,15 +86,22 @@ def test_request_bytes_that_do_not_parse_are_invalid_argument(live_server, data)
     assert "not a valid protobuf message" in error.details()
 
 
-@pytest.mark.parametrize("field, value", [("backend", 99), ("backend", -1), ("proposer", -1), ("proposer", 7)])
+@pytest.mark.parametrize("field, value", [("backend", 99), ("backend", -1), ("proposer", -1), ("proposer", 7),
+                                          ("tool_choice", 5), ("reasoning", -1)])
 def test_unknown_enum_values_are_invalid_argument(live_server, field, value):
     request = pb.GenerateRequest(prompt="hi", stop=pb.StopConditions(max_tokens=2))
     if field == "backend":
         request.json_object.SetInParent()
         request.constraint_options.backend = value
-    else:
+    elif field == "proposer":
         request.speculative.num_draft_tokens = 1
         request.speculative.proposer = value
+    elif field == "tool_choice":
+        request.chat.messages.add(role="user", content="hi")
+        request.tools.add(name="f")
+        request.tool_choice.mode = value
+    else:
+        request.reasoning.mode = value
     error = _raw_generate(live_server.address, request.SerializeToString())
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert str(value) in error.details() and "not a known value" in error.details()

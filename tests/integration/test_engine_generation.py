@@ -222,3 +222,46 @@ def test_logprobs_are_streamed_per_token(engine):
     assert [lp.token_id for lp in result.logprobs] == result.token_ids
     for lp in result.logprobs:  # greedy: the chosen token is the most likely one
         assert len(lp.top) == 3 and lp.top[0][0] == lp.token_id and lp.logprob <= 0
+
+
+PROCESSING = [dict(presence_penalty=0.8), dict(frequency_penalty=0.5, repetition_penalty=1.3),
+              dict(repetition_penalty=0.8, min_tokens=6, logit_bias=((5, 3.0),))]
+
+
+def test_greedy_with_speculation_is_identical_under_penalties_and_the_eos_hold(engine):
+    """Verify positions see the drafts before them as generated (logit_processing.py), so
+    speculation keeps penalized greedy output token for token; neutral rows beside them are
+    unaffected."""
+    rows = [(f"{i}-{j}", prompt, options) for i, options in enumerate(PROCESSING)
+            for j, prompt in enumerate(PROMPTS[:2])]
+    plain = run_all(engine, [request(engine, f"pp{rid}", p, **o) for rid, p, o in rows])
+    neutral_alone = collect(engine.submit(request(engine, "neutral-alone", PROMPTS[3])))
+    spec = run_all(engine, [request(engine, f"ps{rid}", p, drafts=4, **o) for rid, p, o in rows]
+                   + [request(engine, "neutral-beside", PROMPTS[3])])
+    assert [r.token_ids for r in spec[:-1]] == [r.token_ids for r in plain]
+    assert spec[-1].token_ids == neutral_alone.token_ids
+    assert sum(r.usage.draft_tokens_accepted for r in spec) > 0
+    unpenalized = run_all(engine, [request(engine, f"pu{rid}", p) for rid, p, _ in rows])
+    assert [r.token_ids for r in plain] != [r.token_ids for r in unpenalized]
+
+
+@pytest.mark.parametrize("drafts", [0, 4])
+def test_min_tokens_holds_eos_on_every_step_kind(engine, drafts):
+    """EOS forced by its bias: it comes exactly at index min_tokens, whether the earlier
+    tokens came from the step right after prefill, decode steps or verified drafts."""
+    eos = engine.eos_token_ids[0]
+    bias = ((eos, 100.0),)
+    for min_tokens in (1, 7):
+        held = collect(engine.submit(request(engine, f"hold{drafts}-{min_tokens}", PROMPTS[1], drafts=drafts,
+                                             logit_bias=bias, min_tokens=min_tokens)))
+        assert held.finish_reason is FinishReason.STOP_TOKEN
+        assert held.token_ids[-1] == eos and len(held.token_ids) == min_tokens + 1
+        assert not set(engine.eos_token_ids) & set(held.token_ids[:-1])
+
+
+def test_min_tokens_never_breaks_a_constraint(engine):
+    """Once the grammar allows only EOS the hold yields: the output is complete and valid."""
+    eos = engine.eos_token_ids[0]
+    result = collect(engine.submit(request(engine, "hold-json", PROMPTS[2], grammar=json_grammar(),
+                                           max_new_tokens=80, min_tokens=80, logit_bias=((eos, 100.0),))))
+    check_constrained("json", result)

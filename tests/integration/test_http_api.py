@@ -262,10 +262,10 @@ def test_stop_string_is_not_returned(api, model):
 
 
 BAD_REQUESTS = [
-    ({"frequency_penalty": 0.5}, "frequency_penalty"), ({"presence_penalty": 1.0}, "presence_penalty"),
-    ({"logit_bias": {"5": 10}}, "logit_bias"), ({"extra_body": {"min_p": 0.1}}, "min_p"),
-    ({"extra_body": {"repetition_penalty": 1.2}}, "repetition_penalty"),
-    ({"extra_body": {"min_tokens": 4}}, "min_tokens"), ({"extra_body": {"bogus": 1}}, "bogus"),
+    ({"frequency_penalty": 2.5}, "frequency_penalty"), ({"presence_penalty": -3.0}, "presence_penalty"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"), ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+    ({"extra_body": {"min_p": 1.5}}, "min_p"), ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
+    ({"extra_body": {"min_tokens": 5}}, "min_tokens"), ({"extra_body": {"bogus": 1}}, "bogus"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"), ({"max_tokens": 65}, "max_tokens"),
     ({"max_completion_tokens": 1000}, "max_completion_tokens"), ({"top_logprobs": 2}, "top_logprobs"),
     ({"top_p": 0.0}, "top_p"), ({"temperature": -1}, "temperature"),

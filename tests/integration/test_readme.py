@@ -75,12 +75,14 @@ def env(shell_env, server):
 
 @pytest.fixture(scope="module")
 def schema_file_cleanup():
-    """The examples write s.json at the repository root, as a user's would (the Node block reads
-    the one the command-line block wrote, so blocks run in README order): removed afterwards."""
-    existed = (ROOT / "s.json").exists()
+    """The examples write s.json and tools.json at the repository root, as a user's would (the
+    Node block reads the one the command-line block wrote, so blocks run in README order):
+    removed afterwards."""
+    existed = {name: (ROOT / name).exists() for name in ("s.json", "tools.json")}
     yield
-    if not existed:
-        (ROOT / "s.json").unlink(missing_ok=True)
+    for name, was_there in existed.items():
+        if not was_there:
+            (ROOT / name).unlink(missing_ok=True)
 
 
 def _http(server) -> str:
@@ -104,6 +106,12 @@ def check_output(command: str, cwd: pathlib.Path, result: subprocess.CompletedPr
     if "--json-schema" in argv:
         schema = json.loads((cwd / argv[argv.index("--json-schema") + 1]).read_text())
         jsonschema.validate(json.loads(result.stdout), schema)
+    elif "--tools" in argv:  # one JSON line per call, arguments valid for the tool
+        tools = {t["name"]: t["parameters"] for t in json.loads((cwd / argv[argv.index("--tools") + 1]).read_text())}
+        calls = [json.loads(line) for line in result.stdout.splitlines() if line.strip()]
+        assert calls, result.stdout
+        for call in calls:
+            jsonschema.validate(call["arguments"], tools[call["name"]])
     elif "--choice" in argv:
         choices = [argv[i + 1] for i, arg in enumerate(argv) if arg == "--choice"]
         assert result.stdout.strip() in choices, result.stdout
@@ -155,6 +163,8 @@ def test_python_block_runs_as_printed(index, server):
         exec(compile(code, f"README.md python block {index}", "exec"), namespace)
     text = printed.getvalue()
     assert text.strip(), "the example printed nothing"
+    if "weather" in namespace:  # the tools example: a valid call, then a reasoned choice
+        assert text.splitlines()[0].endswith(" valid") and text.rstrip().endswith((" yes", " no")), text
     if "schema" in namespace:  # the constrained example prints its JSON document first
         document, _ = json.JSONDecoder().raw_decode(text.lstrip())
         jsonschema.validate(document, namespace["schema"])

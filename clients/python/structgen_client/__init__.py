@@ -8,6 +8,13 @@
 `AsyncClient` is the asyncio twin. Failed calls raise `StructgenError` subclasses carrying
 the gRPC status code (`error.code`) and the server's message (`error.details`). Calls made
 inside an OpenTelemetry span send its `traceparent` (`propagate_trace=False` turns it off).
+
+Tool calls and reasoning (chat input):
+
+    completion = client.generate_text(messages=[{"role": "user", "content": "Weather in Paris?"}],
+                                      tools=[{"name": "get_weather", "parameters": {...}}],
+                                      tool_choice="required", reasoning=True, reasoning_max_tokens=256)
+    completion.reasoning, completion.tool_calls[0].parsed_arguments
 """
 from structgen_client._convert import build_request
 from structgen_client.aio import AsyncClient, AsyncGenerationStream
@@ -17,12 +24,12 @@ from structgen_client.errors import (CancelledError, DeadlineExceededError, Inte
                                      StructgenError, UnauthenticatedError, UnavailableError,
                                      from_rpc_error)
 from structgen_client.types import (Chunk, Completion, EngineStats, Guarantee, ModelInfo,
-                                    TokenLogprob, UnenforcedKeyword, Usage, Validation)
+                                    TokenLogprob, ToolCall, UnenforcedKeyword, Usage, Validation)
 
 __all__ = [
     "AsyncClient", "AsyncGenerationStream", "CancelledError", "Chunk", "Client", "Completion",
     "DeadlineExceededError", "EngineStats", "GenerationStream", "Guarantee", "InternalError",
     "InvalidArgumentError", "ModelInfo", "OutOfRangeError", "ResourceExhaustedError",
-    "StructgenError", "TokenLogprob", "UnauthenticatedError", "UnavailableError",
+    "StructgenError", "TokenLogprob", "ToolCall", "UnauthenticatedError", "UnavailableError",
     "UnenforcedKeyword", "Usage", "Validation", "build_request", "from_rpc_error", "trace_metadata",
 ]

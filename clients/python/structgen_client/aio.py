@@ -63,8 +63,9 @@ class AsyncClient:
                             **options: Any) -> Completion:
         return Completion.from_chunks([c async for c in self.generate(prompt, timeout=timeout, **options)])
 
-    async def tokenize(self, text: str | None = None, *, messages: Sequence[dict] | None = None) -> list[int]:
-        response = await self._unary(self._stub.Tokenize, build_tokenize_request(text, messages))
+    async def tokenize(self, text: str | None = None, *, messages: Sequence[dict] | None = None,
+                 tools: Sequence[dict] | None = None, reasoning: bool | None = None) -> list[int]:
+        response = await self._unary(self._stub.Tokenize, build_tokenize_request(text, messages, tools, reasoning))
         return list(response.token_ids)
 
     async def model_info(self) -> ModelInfo:

@@ -103,8 +103,9 @@ class Client:
         """The whole completion at once (unary-style use of the stream)."""
         return Completion.from_chunks(self.generate(prompt, timeout=timeout, metadata=metadata, **options))
 
-    def tokenize(self, text: str | None = None, *, messages: Sequence[dict] | None = None) -> list[int]:
-        return list(self._unary(self._stub.Tokenize, build_tokenize_request(text, messages)).token_ids)
+    def tokenize(self, text: str | None = None, *, messages: Sequence[dict] | None = None,
+                 tools: Sequence[dict] | None = None, reasoning: bool | None = None) -> list[int]:
+        return list(self._unary(self._stub.Tokenize, build_tokenize_request(text, messages, tools, reasoning)).token_ids)
 
     def model_info(self) -> ModelInfo:
         return to_model_info(self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest()))

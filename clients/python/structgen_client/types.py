@@ -1,6 +1,7 @@
 """Typed results of the client (plain dataclasses; the proto stays an implementation detail)."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 
@@ -53,8 +54,26 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A call the model made (requests with tools): its arguments as JSON text, checked
+    against the tool's full parameters schema by the server."""
+    id: str
+    name: str
+    arguments: str
+    validation: Validation | None = None
+
+    @property
+    def parsed_arguments(self):
+        return json.loads(self.arguments)
+
+
+@dataclass(frozen=True)
 class Chunk:
-    """One streamed message: the new tokens and text; the last one has `finish_reason`."""
+    """One streamed message: the new tokens and text; the last one has `finish_reason`.
+
+    With reasoning enabled, `reasoning_text` carries the reasoning span's text and `text` only
+    what follows it; with tools, completed calls arrive in `tool_calls` (their text is not in
+    `text`)."""
     text: str = ""
     token_ids: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprob, ...] = ()
@@ -63,6 +82,8 @@ class Chunk:
     usage: Usage | None = None
     validation: Validation | None = None
     request_id: str = ""
+    reasoning_text: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
 
     @property
     def is_final(self) -> bool:
@@ -80,19 +101,23 @@ class Completion:
     validation: Validation | None = None
     logprobs: tuple[TokenLogprob, ...] = ()
     request_id: str = ""
+    reasoning: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
 
     @classmethod
     def from_chunks(cls, chunks) -> "Completion":
-        text, ids, logprobs = [], [], []
+        text, ids, logprobs, reasoning, calls = [], [], [], [], []
         last, guarantee = Chunk(), None
         for chunk in chunks:
             text.append(chunk.text)
             ids.extend(chunk.token_ids)
             logprobs.extend(chunk.logprobs)
+            reasoning.append(chunk.reasoning_text)
+            calls.extend(chunk.tool_calls)
             guarantee = guarantee or chunk.guarantee
             last = chunk
         return cls("".join(text), tuple(ids), last.finish_reason, last.usage, guarantee,
-                   last.validation, tuple(logprobs), last.request_id)
+                   last.validation, tuple(logprobs), last.request_id, "".join(reasoning), tuple(calls))
 
 
 @dataclass(frozen=True)
@@ -110,6 +135,9 @@ class ModelInfo:
     max_draft_tokens: int
     constraint_kinds: tuple[str, ...] = field(default=())
     prefix_caching: bool = False    # the server reuses KV pages of prompt prefixes it computed before
+    tool_call_format: str = ""   # "hermes", "llama3_json", "mistral"; "" without a chat template
+    reasoning_begin: str = ""    # the model's reasoning markers; "" when it has none
+    reasoning_end: str = ""
 
 
 @dataclass(frozen=True)

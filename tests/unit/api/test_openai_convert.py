@@ -16,6 +16,11 @@ CONFIG = ServeConfig(default_max_tokens=7, default_temperature=0.5, default_top_
 
 class FakeTokenizer:
     vocab_size = 100
+    chat_template = "<|im_start|>{{ messages }}"  # a ChatML template naming no tool format: Hermes
+    special_token_ids = frozenset()
+
+    def token_id(self, text):
+        return None
 
     def __init__(self):
         self.rendered = None
@@ -23,7 +28,7 @@ class FakeTokenizer:
     def encode(self, text):
         return [ord(c) % 100 for c in text]
 
-    def apply_chat_template(self, messages, tools=None):
+    def apply_chat_template(self, messages, tools=None, template_kwargs=None):
         if any(m["role"] == "tool" for m in messages):
             raise jinja2.exceptions.TemplateError("roles must be system, user or assistant")
         self.rendered = (messages, tools)
@@ -39,7 +44,7 @@ def chat(**fields):
 
 
 def chat_specs(body, eng=None):
-    return convert.chat_requests(body, "chatcmpl-x", eng or engine(), CONFIG)
+    return convert.chat_requests(body, "chatcmpl-x", eng or engine(), CONFIG)[0]
 
 
 def test_unset_sampling_takes_the_server_defaults_and_set_fields_win():
@@ -99,6 +104,17 @@ def test_tools_become_a_structural_tag_and_reach_the_template():
     assert raised.value.param == "response_format"
 
 
+@pytest.mark.parametrize("reasoning, match", [
+    ({"enabled": True, "max_tokens": 1 << 32, "begin_marker": "<r>", "end_marker": "</r>"}, "0 to 2147483647"),
+    ({"enabled": True, "begin_marker": "x" * 65, "end_marker": "y"}, "at most 64"),
+    ({"enabled": False, "max_tokens": 3}, "need reasoning enabled"),
+])
+def test_bad_reasoning_options_name_structgen_reasoning(reasoning, match):
+    with pytest.raises(ApiError, match=f"^structgen.reasoning: .*{match}") as raised:
+        chat_specs(chat(structgen={"reasoning": reasoning}))
+    assert raised.value.status == 400 and raised.value.param == "structgen.reasoning"
+
+
 def test_messages_as_templates_read_them():
     eng = engine()
     chat_specs(chat(messages=[
@@ -123,14 +139,29 @@ def test_messages_the_model_cannot_read_are_refused(messages, param, match):
     assert raised.value.status == 400 and raised.value.param == param
 
 
-@pytest.mark.parametrize("name,value", [("frequency_penalty", 0.1), ("presence_penalty", -1.0),
-                                        ("logit_bias", {"3": 1.0}), ("min_p", 0.05),
-                                        ("repetition_penalty", 1.1), ("min_tokens", 2)])
-def test_sampling_the_engine_lacks_is_refused_unless_neutral(name, value):
-    convert.refuse_unsupported(chat(**{name: convert.NEUTRAL[name]}))
-    with pytest.raises(ApiError, match=f"^{name} is not supported") as raised:
-        convert.refuse_unsupported(chat(**{name: value}))
-    assert raised.value.param == name and raised.value.status == 400
+def test_logits_processing_parameters_reach_the_engine_with_openai_keys():
+    sampling = chat_specs(chat(frequency_penalty=0.25, presence_penalty=-1.0, logit_bias={"9": -100, "3": 4},
+                               min_p=0.05, repetition_penalty=1.1, min_tokens=2))[0].sampling
+    assert (sampling.frequency_penalty, sampling.presence_penalty, sampling.min_tokens) == (0.25, -1.0, 2)
+    assert (sampling.min_p, sampling.repetition_penalty) == (0.05, 1.1)
+    assert sampling.logit_bias == ((3, 4.0), (9, -100.0))
+    assert not chat_specs(chat())[0].sampling.uses_logit_processing
+
+
+@pytest.mark.parametrize("fields,param,match", [
+    ({"frequency_penalty": 2.5}, "frequency_penalty", r"frequency_penalty must be in \[-2, 2\]"),
+    ({"presence_penalty": -9}, "presence_penalty", r"presence_penalty must be in \[-2, 2\]"),
+    ({"repetition_penalty": 0}, "repetition_penalty", r"repetition_penalty must be in \(0, 10\]"),
+    ({"min_p": 2}, "min_p", r"min_p must be in \[0, 1\]"),
+    ({"logit_bias": {"x": 1}}, "logit_bias", "not a token id"),
+    ({"logit_bias": {"5": 101}}, "logit_bias", r"a bias in \[-100, 100\]"),
+    ({"min_tokens": 8}, "min_tokens", r"min_tokens 8 exceeds the max_tokens in effect \(7\)"),
+])
+def test_out_of_range_logits_processing_is_a_400_naming_the_parameter(fields, param, match):
+    with pytest.raises((ApiError, ValueError), match=match) as raised:
+        chat_specs(chat(**fields))
+    error = ApiError.of(raised.value)
+    assert error.status == 400 and error.param == param
 
 
 def test_unknown_model_is_404():

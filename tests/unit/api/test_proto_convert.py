@@ -17,7 +17,7 @@ class FakeTokenizer:
     def encode(self, text):
         return [ord(c) % 100 for c in text]
 
-    def apply_chat_template(self, messages):
+    def apply_chat_template(self, messages, tools=None, template_kwargs=None):
         return [1] + [len(m["content"]) for m in messages]
 
 
@@ -49,6 +49,12 @@ def test_inputs_become_token_ids():
     (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[100])), "vocabulary size 100"),
     (pb.GenerateRequest(chat=pb.ChatMessages()), "at least one message"),
     (pb.GenerateRequest(prompt="x", json_schema="{nope"), "not valid JSON"),
+    (pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="x")]),
+                        tools=[pb.Tool(name="f")], tool_choice=pb.ToolChoice(mode=5)),
+     r"tool_choice.mode 5 is not a known value"),
+    (pb.GenerateRequest(prompt="x", reasoning=pb.ReasoningOptions(mode=3)), r"reasoning.mode 3 is not a known value"),
+    (pb.GenerateRequest(prompt="x", reasoning=pb.ReasoningOptions(mode=pb.REASONING_MODE_ENABLED, max_tokens=1 << 31)),
+     "reasoning max_tokens must be 0 to 2147483647"),
 ])
 def test_bad_inputs_are_invalid_requests(request_, message):
     with pytest.raises(InvalidRequestError, match=message):
@@ -109,3 +115,29 @@ def test_status_mapping():
     assert status_of(QueueFullError("full")) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "full")
     assert status_of(ValueError("bad")) == (grpc.StatusCode.INVALID_ARGUMENT, "bad")
     assert status_of(KeyError("x"))[0] == grpc.StatusCode.INTERNAL
+
+
+def test_logits_processing_fields_reach_the_domain_and_default_to_neutral():
+    neutral = convert(pb.GenerateRequest(prompt="hi")).sampling
+    assert not neutral.uses_logit_processing
+    sampling = pb.SamplingParams(frequency_penalty=0.5, presence_penalty=-1.0, repetition_penalty=1.2,
+                                 min_p=0.1, min_tokens=3, logit_bias={7: -100.0, 3: 2.5})
+    domain = convert(pb.GenerateRequest(prompt="hi", sampling=sampling)).sampling
+    assert (domain.frequency_penalty, domain.presence_penalty, domain.min_tokens) == (0.5, -1.0, 3)
+    assert domain.repetition_penalty == pytest.approx(1.2) and domain.min_p == pytest.approx(0.1)
+    assert domain.logit_bias == ((3, 2.5), (7, -100.0))
+
+
+@pytest.mark.parametrize("sampling, message", [
+    (pb.SamplingParams(frequency_penalty=2.5), r"^sampling.frequency_penalty must be in \[-2, 2\]"),
+    (pb.SamplingParams(presence_penalty=-2.5), r"^sampling.presence_penalty must be in \[-2, 2\]"),
+    (pb.SamplingParams(repetition_penalty=0.0), r"^sampling.repetition_penalty must be in \(0, 10\]"),
+    (pb.SamplingParams(min_p=1.5), r"^sampling.min_p must be in \[0, 1\]"),
+    (pb.SamplingParams(logit_bias={5: 150.0}), r"^sampling.logit_bias\[5\] must be in \[-100, 100\]"),
+    (pb.SamplingParams(logit_bias={100: 1.0}), r"token id 100 is not below the vocabulary size 100"),
+    (pb.SamplingParams(min_tokens=8), r"min_tokens 8 exceeds the max_tokens in effect \(7\)"),
+])
+def test_out_of_range_logits_processing_is_invalid_argument_saying_what_to_fix(sampling, message):
+    with pytest.raises(InvalidRequestError, match=message) as raised:
+        convert(pb.GenerateRequest(prompt="hi", sampling=sampling))
+    assert status_of(raised.value)[0] == grpc.StatusCode.INVALID_ARGUMENT

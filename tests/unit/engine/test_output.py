@@ -30,6 +30,12 @@ def test_stop_string_is_never_streamed_and_prefixes_are_held_back(char_tokenizer
     assert r.output_ids == ids("abc ENx EN dEND")  # tokens after the stop are not kept
 
 
+def test_no_stop_string_ends_the_output_inside_its_first_min_tokens(char_tokenizer):
+    r = make_request(prompt=[65], stop_strings=("x",), max_new_tokens=50, min_tokens=3)
+    pieces, reason = stream(OutputProcessor(r, char_tokenizer), "axbxcx")
+    assert (reason, "".join(pieces)) == (FinishReason.STOP_STRING, "axb")  # the x at index 3 stops it
+
+
 def test_stop_string_inside_a_multi_token_step(char_tokenizer):
     r = make_request(prompt=[65], stop_strings=("xy",), max_new_tokens=50)
     pieces, reason = stream(OutputProcessor(r, char_tokenizer), "abxyzz", step=6)

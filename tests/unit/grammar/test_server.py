@@ -10,7 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from generation_service.engine.errors import GrammarUnavailableError
-from generation_service.engine.params import GrammarSpec
+from generation_service.engine.params import GrammarSpec, ReasoningSpan
 from grammar_service.client import GrammarControlClient, spec_to_proto
 from grammar_service.config import GrammarServiceConfig
 from grammar_service.server import RunningServer, build_parser, main, spec_from_proto
@@ -23,6 +23,8 @@ from step_channel import Geometry, StepChannel
     GrammarSpec("json_schema", "{}", any_whitespace=False, max_whitespace=0, strict=True, backend="llguidance"),
     GrammarSpec("regex", "a+", max_whitespace=3), GrammarSpec("lark", "start: /x/"),
     GrammarSpec("structural_tag", "{}"), GrammarSpec("json_object"), GrammarSpec("choice", choices=("a", "b")),
+    GrammarSpec("regex", "a+", reasoning=ReasoningSpan(separator="\n\n", max_tokens=0)),
+    GrammarSpec("json_object", reasoning=ReasoningSpan("", "[/R]", starts_open=True)),
 ])
 def test_grammar_spec_survives_the_proto(spec):
     assert spec_from_proto(spec_to_proto(spec)) == spec

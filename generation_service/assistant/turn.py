@@ -1,0 +1,105 @@
+"""AssistantTurn: one request's reasoning span and tools, as both API fronts plan them.
+
+`plan_turn` takes the front-neutral options (tools, tool choice, reasoning) and the served
+tokenizer; the turn then gives the grammar (`grammar`), whether special tokens must stay in
+the text (`skip_special_tokens`), the parser of the output (`parser`) and the validation of
+each call (`validate`). A request without reasoning and tools has no turn (`plan_turn`
+returns None) and nothing on its path changes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Mapping
+
+from generation_service.assistant.formats import FORMATS, ToolCallFormat, detect_format
+from generation_service.assistant.parser import CallExtractor, TurnParser
+from generation_service.assistant.reasoning import ReasoningRequest, model_markers, reasoning_span
+from generation_service.assistant.tools import Tool, ToolCall, ToolChoice, check_tools, validate_call
+from generation_service.engine.params import GrammarSpec, ReasoningSpan
+from structgen.schema_validation import ValidationResult
+
+# Free text after the span: what a reasoning budget without a constraint is enforced over.
+_ANY_TEXT = json.dumps({"type": "structural_tag", "format": {"type": "any_text"}})
+_PROMPT_TAIL_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class AssistantTurn:
+    tools: tuple[Tool, ...] = ()
+    choice: ToolChoice = ToolChoice("none")
+    single_call: bool = False
+    tool_format: ToolCallFormat | None = None   # with tools
+    reasoning: ReasoningSpan | None = None
+    skip_special_tokens: bool = True            # False: a marker is a special token
+
+    @property
+    def uses_tools(self) -> bool:
+        return bool(self.tools) and self.choice.mode != "none"
+
+    @property
+    def tools_by_name(self) -> Mapping[str, Tool]:
+        return {tool.name: tool for tool in self.tools}
+
+    def grammar(self, constraint: GrammarSpec | None, *, max_whitespace: int | None = None,
+                backend: str = "auto") -> GrammarSpec | None:
+        """The request's grammar: the tool calls' structural tag (instead of a constraint) or the
+        constraint, after the reasoning span. A span without a constraint or budget needs no
+        grammar (the stream is split all the same)."""
+        spec = constraint
+        if self.uses_tools:
+            if constraint is not None:
+                raise ValueError("a constraint together with tools is not supported: use tool_choice none for a "
+                                 "constrained answer, or drop the constraint")
+            tag = self.tool_format.grammar(self.tools, self.choice, self.single_call, max_whitespace)
+            spec = GrammarSpec("structural_tag", json.dumps({"type": "structural_tag", "format": tag}),
+                               max_whitespace=max_whitespace, backend=backend)
+        if self.reasoning is None:
+            return spec
+        if spec is None:
+            if self.reasoning.max_tokens is None:
+                return None
+            spec = GrammarSpec("structural_tag", _ANY_TEXT, backend=backend)
+        return dataclasses.replace(spec, reasoning=self.reasoning)
+
+    def parser(self) -> TurnParser:
+        calls = CallExtractor(self.tool_format, self.choice.forces_calls) if self.uses_tools else None
+        return TurnParser(self.reasoning, calls)
+
+    def validate(self, call: ToolCall) -> ValidationResult:
+        return validate_call(call, self.tools_by_name)
+
+
+def tool_format(tokenizer) -> ToolCallFormat:
+    """The served model's tool-call format (from its chat template)."""
+    is_token = lambda text: tokenizer.token_id(text) is not None  # noqa: E731
+    return FORMATS[detect_format(tokenizer.chat_template)](is_token)
+
+
+def _is_special(tokenizer, text: str) -> bool:
+    return tokenizer.token_id(text) in tokenizer.special_token_ids
+
+
+def plan_turn(tokenizer, prompt_ids: tuple[int, ...], *, tools: tuple[Tool, ...] = (),
+              choice: ToolChoice | None = None, single_call: bool = False,
+              reasoning: ReasoningRequest | None = None) -> AssistantTurn | None:
+    """The turn of a request, None when it uses neither tools nor a reasoning span.
+    Raises ValueError for options that do not fit together or this model."""
+    choice = choice or ToolChoice("auto" if tools else "none")
+    check_tools(tools, choice)
+    span = None
+    if reasoning is not None and reasoning.mode == "enabled":
+        if tokenizer is None:
+            raise ValueError("reasoning needs the model's tokenizer; this model has none")
+        tail = tokenizer.decode(list(prompt_ids[-_PROMPT_TAIL_TOKENS:]), skip_special_tokens=False)
+        span = reasoning_span(reasoning, model_markers(tokenizer), tail)
+    if span is None and not (tools and choice.mode != "none"):
+        return None
+    if tokenizer is None:
+        raise ValueError("tools need the model's tokenizer and chat template; this model has none")
+    format_ = tool_format(tokenizer) if tools else None
+    markers = [format_.trigger] if format_ is not None and choice.mode != "none" else []
+    markers += [span.begin, span.end] if span is not None else []
+    return AssistantTurn(tools=tools, choice=choice, single_call=single_call, tool_format=format_,
+                         reasoning=span, skip_special_tokens=not any(_is_special(tokenizer, m) for m in markers if m))

@@ -1,0 +1,155 @@
+"""Tool-call formats (generation_service/assistant/formats.py): each family's grammar, compiled
+by both of grammar_service's backends with that family's test tokenizer, accepts exactly the
+calls it should; the parser reads calls back from any split of the text."""
+import json
+
+import pytest
+
+from chat_checkpoints import write_checkpoint
+from generation_service.assistant.formats import FORMATS, detect_format
+from generation_service.assistant.parser import CallExtractor
+from generation_service.assistant.tools import Tool, ToolCall, ToolChoice, validate_call
+from generation_service.model.tokenizer import Tokenizer
+from grammar_service.backends.llguidance import LLGuidanceBackend
+from grammar_service.backends.xgrammar import XGrammarBackend
+from grammar_service.tokenizer import load_tokenizer
+from generation_service.engine.params import GrammarSpec
+
+WEATHER = Tool("get_weather", "", {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+                                   "required": ["city", "unit"], "additionalProperties": False})
+CLOCK = Tool("get_time")  # no parameters: any object
+TOOLS = (WEATHER, CLOCK)
+FAMILY = {"hermes": "qwen3", "llama3_json": "llama3", "mistral": "mistral"}
+
+
+def call_text(format_name: str, calls: list[tuple[str, dict]]) -> str:
+    """Calls as the family's template writes them."""
+    if format_name == "hermes":
+        return "\n".join(f'<tool_call>\n{{"name": "{n}", "arguments": {json.dumps(a)}}}\n</tool_call>' for n, a in calls)
+    if format_name == "llama3_json":
+        return "; ".join(f'{{"name": "{n}", "parameters": {json.dumps(a)}}}' for n, a in calls)
+    return "[TOOL_CALLS][" + ", ".join(f'{{"name": "{n}", "arguments": {json.dumps(a)}}}' for n, a in calls) + "]"
+
+
+PARIS = ("get_weather", {"city": "Paris", "unit": "c"})
+NOON = ("get_time", {"zone": "utc"})
+
+
+@pytest.fixture(scope="module", params=list(FAMILY))
+def checkpoint(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    write_checkpoint(FAMILY[request.param], folder)
+    tokenizer = Tokenizer(folder)
+    return request.param, tokenizer, load_tokenizer(str(folder), tokenizer.num_tokens)[0]
+
+
+@pytest.fixture(scope="module", params=[XGrammarBackend, LLGuidanceBackend], ids=["xgrammar", "llguidance"])
+def family(request, checkpoint):
+    name, tokenizer, data = checkpoint
+    backend = request.param(data, num_compile_threads=1, num_fill_threads=1)
+    format_ = FORMATS[name](lambda text: tokenizer.token_id(text) is not None)
+    return name, tokenizer, backend, format_
+
+
+def accepts(family, choice: ToolChoice, text: str, single: bool = False) -> bool:
+    """The tokens of `text`, then the stop token, are a complete output of the grammar."""
+    _, tokenizer, backend, format_ = family
+    tag = json.dumps({"type": "structural_tag", "format": format_.grammar(TOOLS, choice, single, None)})
+    matcher = backend.new_matcher(backend.compile(GrammarSpec("structural_tag", tag)))
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return all(matcher.accept(i) for i in ids) and matcher.accept(tokenizer.eos_token_ids[0])
+
+
+def test_templates_name_their_format(family):
+    name, tokenizer, _, _ = family
+    assert detect_format(tokenizer.chat_template) == name
+    assert detect_format(None) == detect_format("{{ messages }}") == "hermes"
+
+
+def test_required_accepts_only_valid_calls(family):
+    name = family[0]
+    required = ToolChoice("required")
+    assert accepts(family, required, call_text(name, [PARIS]))
+    assert accepts(family, required, call_text(name, [PARIS, NOON]))
+    assert not accepts(family, required, "")
+    assert not accepts(family, required, "Sure. " + call_text(name, [PARIS]))
+    assert not accepts(family, required, call_text(name, [("get_weather", {"city": "Paris"})]))  # unit missing
+    assert not accepts(family, required, call_text(name, [("get_weather", {"city": "Paris", "unit": "k"})]))
+    assert not accepts(family, required, call_text(name, [("launch", {})]))  # not a listed tool
+
+
+def test_named_and_single_allow_one_call(family):
+    name = family[0]
+    named = ToolChoice("named", "get_time")
+    assert accepts(family, named, call_text(name, [NOON])) and not accepts(family, named, call_text(name, [PARIS]))
+    assert not accepts(family, named, call_text(name, [NOON, NOON]))
+    assert not accepts(family, ToolChoice("required"), call_text(name, [PARIS, NOON]), single=True)
+
+
+def test_auto_allows_text_and_enforces_a_triggered_call(family):
+    name = family[0]
+    auto = ToolChoice("auto")
+    assert accepts(family, auto, "Just text.")
+    assert accepts(family, auto, "Let me look. " + call_text(name, [PARIS]))
+    assert not accepts(family, auto, "Let me look. " + call_text(name, [("launch", {})]))
+
+
+@pytest.mark.parametrize("split", [1, 3, 7, 1000])
+def test_parser_finds_calls_whatever_the_split(family, split):
+    name, _, _, format_ = family
+    text = "Checking. " + call_text(name, [PARIS, NOON])
+    extractor = CallExtractor(format_, only_calls=False)
+    content, calls = [], []
+    for start in range(0, len(text), split):
+        piece, found = extractor.feed(text[start:start + split])
+        content.append(piece)
+        calls += found
+    content.append(extractor.finish())
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [PARIS, NOON]
+    assert "".join(content).strip(" ;\n") == "Checking." and len({c.id for c in calls}) == 2
+
+
+def test_a_call_cut_off_stays_text_and_calls_only_drop_separators(family):
+    name, _, _, format_ = family
+    whole = call_text(name, [PARIS])
+    extractor = CallExtractor(format_, only_calls=False)
+    assert extractor.feed(whole[:-3]) == ("", [])
+    assert extractor.finish() == whole[:-3]
+    only = CallExtractor(format_, only_calls=True)
+    content, calls = only.feed(call_text(name, [PARIS, NOON]))
+    assert content == "" and [c.name for c in calls] == ["get_weather", "get_time"] and only.finish() == ""
+
+
+def test_parser_holds_back_a_partial_trigger():
+    extractor = CallExtractor(FORMATS["hermes"](), only_calls=False)
+    assert extractor.feed("a <tool_") == ("a ", [])
+    assert extractor.feed('call>\n{"name": "get_time", "argu') == ("", [])
+    assert extractor.finish() == '<tool_call>\n{"name": "get_time", "argu'
+
+
+def test_mistral_marks_its_trigger_as_the_control_token(family):
+    name, tokenizer, _, format_ = family
+    if name != "mistral":
+        pytest.skip("the [TOOL_CALLS] control token is Mistral's")
+    tag = format_.grammar(TOOLS, ToolChoice("required"), False, None)
+    assert tag["begin"] == {"type": "token", "token": "[TOOL_CALLS]"}
+    assert tokenizer.token_id("[TOOL_CALLS]") in tokenizer.special_token_ids
+
+
+@pytest.mark.parametrize("name, arguments, path, message", [
+    ("get_weather", '{"city": "Paris", "unit": "k"}', "/unit", "is not one of"),
+    ("get_weather", '{"city": "Paris"}', "", "'unit' is a required property"),
+    ("get_weather", '{"city": "Par', "", "not valid JSON"),
+    ("get_news", "{}", "", "not one of the request's tools"),
+])
+def test_a_call_that_does_not_validate_says_why(name, arguments, path, message):
+    result = validate_call(ToolCall("call_1", name, arguments), {tool.name: tool for tool in TOOLS})
+    assert not result.valid and result.num_errors >= 1
+    issue = result.issues[0]
+    assert issue.path == path and message in issue.message
+
+
+def test_a_call_that_validates():
+    tools = {tool.name: tool for tool in TOOLS}
+    assert validate_call(ToolCall("c", "get_weather", '{"city": "Paris", "unit": "c"}'), tools).valid
+    assert validate_call(ToolCall("c", "get_time", '{"anything": [1]}'), tools).valid
