@@ -6,10 +6,13 @@ freeing the device, before the server starts):
 - the decode graph's step time per batch and context: the free decode graph of the serving
   runner (`GpuDecodeRunner`, the buckets the server captures) over a KV cache of random values
   with every row at that context, median replay time;
+- with --tensor-parallel N > 1, no decode-graph steps (that runner is single-GPU) but the
+  per-GPU weight-read floor of a decode step: the weights' bytes / N at the copy bandwidth;
 - the model's FLOPs per prompt: 2 x the linear parameters per token, the causal attention's
   4 x layers x heads x head_dim x (n^2 / 2), and one LM-head row.
 
     python benchmarks/_roofline.py --config folder/config.json --points 1:1024 64:576 --out r.json
+    python benchmarks/_roofline.py --config folder/config.json --points 1:1024 --tensor-parallel 4 --out r.json
 """
 from __future__ import annotations
 
@@ -97,13 +100,20 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="the served model's config.json")
     parser.add_argument("--points", nargs="+", required=True, help="BATCH:CONTEXT pairs to time")
+    parser.add_argument("--tensor-parallel", type=int, default=1)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     config = read_config(pathlib.Path(args.config))
     result = ceilings()
     print(f"bf16 matmul {result['matmul_tflops']:.0f} TFLOP/s, copy {result['copy_bandwidth_GBps']:.0f} GB/s", flush=True)
     points = sorted({tuple(int(x) for x in point.split(":")) for point in args.points})
-    result["decode_steps"] = decode_steps(config, points)
+    n = args.tensor_parallel
+    result["tensor_parallel"] = n
+    embedding = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size  # one row is read
+    result["weight_bytes_per_gpu"] = (config.num_parameters - embedding) * 2 / n  # bf16
+    result["weight_read_floor_ms"] = result["weight_bytes_per_gpu"] / (result["copy_bandwidth_GBps"] * 1e9) * 1e3
+    print(f"weight-read floor per GPU at TP={n}: {result['weight_read_floor_ms']:.3f} ms", flush=True)
+    result["decode_steps"] = decode_steps(config, points) if n == 1 else []
     pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
     return 0
 

@@ -6,6 +6,7 @@ client processes, each result next to the same run's roofline (issue 16).
     python benchmarks/serve.py --device cpu --shapes tiny-random --plan smoke ...       # CPU: the harness only
     python benchmarks/serve.py --plan http --shapes llama-3.1-8b --out ...          # HTTP vs gRPC, same server
     python benchmarks/serve.py --plan prefix --shapes llama-3.1-8b --out benchmarks/results/serve-h200-prefix.json
+    python benchmarks/serve.py --plan quick --shapes llama-3.1-70b --tensor-parallel 4 --out ...   # sharded, 4 GPUs
 
 Per model shape (random weights of a preset shape, the real 131k Tekken tokenizer beside them):
 1. roofline (its own process, `_roofline.py`): bf16 matmul rate, copy bandwidth, and the free
@@ -33,6 +34,11 @@ Per model shape (random weights of a preset shape, the real 131k Tekken tokenize
    Per workload: output tok/s over the measured window, TTFT p50/p99, inter-token (gap between
    streamed messages) p50/p99, tokens per message, errors by code, finish reasons, validation
    statuses, and the engine's step counters over the window (GetEngineStats).
+   With --tensor-parallel N > 1 the server shards the model over N GPUs and the roofline has
+   no decode-graph steps (that runner is single-GPU; a 70B shape does not fit one GPU): it
+   gives the per-GPU weight-read floor instead (the weights' bytes / N at the copy
+   bandwidth), and the batch-1 closed loop reports its inter-token p50 over that floor
+   (`step_over_weight_floor`).
 3. Each closed-loop result over its roofline: C requests of P prompt tokens and N new tokens take
    C x prefill_flops(P) / matmul rate + N x decode step(C, context P + N/2), so
    roofline tok/s = C x N / that; idle TTFT over prefill_flops(P) / rate + one decode step.
@@ -107,7 +113,8 @@ class Server:
                    "serve", "--model", model, "--device", args.device,
                    "--port", "0", "--max-batch", str(max_batch), "--max-waiting", "4096",
                    "--max-prompt-tokens", "8192", "--max-new-tokens-limit", "1024",
-                   "--num-workers", str(max_batch + 64), *extra, *args.server_args]
+                   "--num-workers", str(max_batch + 64), "--tensor-parallel", str(args.tensor_parallel),
+                   *extra, *args.server_args]
         if args.device == "cpu":
             command += ["--dtype", "float32"]
         if http:  # the OpenAI-compatible API beside gRPC, same process and engine
@@ -339,7 +346,8 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
         out = tmp / f"roofline-{shape}.json"
         log(f"{shape}: roofline (decode graph at batch:context {points})")
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "_roofline.py"), "--config",
-                        str(folder / "config.json"), "--points", *points, "--out", str(out)], check=True, cwd=ROOT)
+                        str(folder / "config.json"), "--points", *points, "--out", str(out),
+                        "--tensor-parallel", str(args.tensor_parallel)], check=True, cwd=ROOT)
         roofline = json.loads(out.read_text())
     log(f"{shape}: starting the server")
     server = Server(model, args, tmp / f"server-{shape}.log", max_batch, http=bool(p.get("http")))
@@ -380,7 +388,7 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
     try:
         for prompt_len in p["idle"]:
             s = run(Workload(f"idle-ttft-{prompt_len}", prompt_len, 2, num_requests=3, ignore_eos=True))
-            if roofline:
+            if roofline and roofline["decode_steps"]:
                 from benchmarks._roofline import prefill_flops
                 floor_s = (prefill_flops(config, prompt_len) / (roofline["matmul_tflops"] * 1e12)
                            + decode_step_ms(roofline, 1, prompt_len) / 1e3)
@@ -393,6 +401,10 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
                 tag = f"{prompt_len}/{new_tokens} c={c}"
                 roof = roofline_tok_s(roofline, config, c, prompt_len, new_tokens) if roofline else None
                 free = run(Workload(f"free {tag}", prompt_len, new_tokens, concurrency=c, **common), roof)
+                if c == 1 and roofline and roofline.get("weight_read_floor_ms") and free["itl_p50_ms"]:
+                    free["step_over_weight_floor"] = free["itl_p50_ms"] / roofline["weight_read_floor_ms"]
+                    log(f"  batch-1 step (ITL p50) over the per-GPU weight-read floor "
+                        f"{roofline['weight_read_floor_ms']:.2f} ms: x{free['step_over_weight_floor']:.2f}")
                 constrained = run(Workload(f"constrained {tag}", prompt_len, new_tokens, concurrency=c,
                                            json_schema=schema, ignore_eos=False, **common))
                 if roofline and constrained["mean_output_len"]:
@@ -503,6 +515,8 @@ def main() -> int:
     parser.add_argument("--warmup", type=float, default=2.0, help="seconds before the window opens")
     parser.add_argument("--client-procs", type=int, default=4)
     parser.add_argument("--min-max-batch", type=int, default=1, help="the server's --max-batch at least this")
+    parser.add_argument("--tensor-parallel", type=int, default=1,
+                        help="the server's --tensor-parallel: GPUs the model is sharded over")
     parser.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="more `structgen serve` flags")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -513,7 +527,7 @@ def main() -> int:
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     result = {"benchmark": "serve", "command": " ".join([pathlib.Path(sys.argv[0]).name] + sys.argv[1:]),
               "code_commit": commit, "python": platform.python_version(), "client_procs": args.client_procs,
-              "plan": args.plan, "duration_s": args.duration, "warmup_s": args.warmup, "shapes": []}
+              "plan": args.plan, "tensor_parallel": args.tensor_parallel, "duration_s": args.duration, "warmup_s": args.warmup, "shapes": []}
     if args.device == "cuda":
         import torch
         result.update(device=torch.cuda.get_device_name(), torch=torch.__version__, cpus=os.cpu_count())

@@ -54,6 +54,9 @@ SERVE_SETTINGS = SettingsTable("structgen serve", (
         Setting("overlap", "under CUDA graphs, launch decode step N+1 before reading N "
                 "(default: on under CUDA graphs)"),
         Setting("verify-graphs", "under CUDA graphs, run speculative verify steps as graphs too"),
+        Setting("tensor-parallel", "processes the model is sharded over, one per GPU on cuda (cuda:0..N-1 "
+                "of the visible ones) or sharing the cores on cpu; > 1 runs the eager runner, no CUDA graphs",
+                minimum=1, chart=False),
     )),
     Group(ServeConfig, chart="server", settings=(
         Setting("host", "address to listen on (0.0.0.0 for all)", chart=False),

@@ -53,6 +53,21 @@ def check_device(device: str) -> None:
         raise PreflightError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) are visible")
 
 
+def check_tensor_parallel(world_size: int, device: str) -> None:
+    """One GPU per rank: cuda:0..N-1 of the visible devices (the model's shapes are checked
+    once its config is read, before the ranks start)."""
+    if world_size == 1 or not device.startswith("cuda"):
+        return
+    import torch
+
+    if ":" in device and device != "cuda:0":
+        raise PreflightError(f"--device {device} --tensor-parallel {world_size}: the ranks use cuda:0.."
+                             f"{world_size - 1}; choose the GPUs with CUDA_VISIBLE_DEVICES and give --device cuda")
+    if world_size > torch.cuda.device_count():
+        raise PreflightError(f"--tensor-parallel {world_size}: only {torch.cuda.device_count()} CUDA device(s) "
+                             "are visible (one rank per GPU)")
+
+
 def check_before_loading(config, engine_config) -> None:
     """Raise PreflightError for the first setting of ServeConfig / EngineConfig that cannot work
     (the settings table has already checked each value's type and range)."""
@@ -61,3 +76,4 @@ def check_before_loading(config, engine_config) -> None:
         check_port_free(config.host, port, flag)
     check_model(engine_config.model)
     check_device(engine_config.device)
+    check_tensor_parallel(engine_config.tensor_parallel, engine_config.device)

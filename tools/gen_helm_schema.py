@@ -77,6 +77,8 @@ schema = obj({
     "nameOverride": s(maxLength=63),
     "fullnameOverride": s(maxLength=63),
     "gpu": obj({"enabled": b, "count": i(1), "resourceName": s(pattern=r"^[a-z0-9.-]+/[a-z0-9.-]+$")}),
+    "tensorParallel": i(1, desc="--tensor-parallel: GPUs (processes) the model is sharded over; the pod "
+                        "requests max(gpu.count, tensorParallel) GPUs."),
     "runtimeClassName": s(),
     "model": obj({
         "name": s("Checkpoint directory or built-in model name; empty = built-in default."),

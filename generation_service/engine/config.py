@@ -36,6 +36,8 @@ class EngineConfig:
     verify_graphs: bool = True         # cuda_graph runner: rows with speculative drafts replay captured
                                        # verify steps (rows x 1 + max_draft_tokens) instead of eager ones
                                        # (H200: 10-50x faster per step, benchmarks/results/verify-h200.json)
+    tensor_parallel: int = 1           # ranks the model is sharded over (generation_service/parallel/);
+                                       # > 1 runs the eager runner: CUDA graphs are not captured with it
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_waiting", "page_size", "max_prompt_tokens",
@@ -54,6 +56,11 @@ class EngineConfig:
             raise ValueError(f"grammar_wait_timeout_s must be > 0, got {self.grammar_wait_timeout_s}")
         if self.runner not in ("auto", "eager", "cuda_graph"):
             raise ValueError(f"runner must be auto, eager or cuda_graph, got {self.runner!r}")
+        if self.tensor_parallel < 1:
+            raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
+        if self.tensor_parallel > 1 and self.runner == "cuda_graph":
+            raise ValueError("runner cuda_graph does not run tensor parallel yet (its graphs capture no "
+                             "collectives): use runner auto or eager with tensor_parallel > 1")
         if self.channel_depth < 3:
             raise ValueError(f"channel_depth must be >= 3, got {self.channel_depth}")
 

@@ -79,16 +79,22 @@ class Engine:
         from generation_service.model.loader import load_model
 
         self.config = config
-        loaded = load_model(config.model, device=config.device, dtype=config.dtype, seed=config.seed)
+        if config.tensor_parallel > 1:  # this process is rank 0 of the started group
+            from generation_service.parallel.group import current_group
+            from generation_service.parallel.loading import load_shard
+            loaded = load_shard(config.model, current_group(), config.dtype, config.seed)
+        else:
+            loaded = load_model(config.model, device=config.device, dtype=config.dtype, seed=config.seed)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_name = config.model if loaded.path is None else loaded.path.rstrip("/").split("/")[-1]
         mc = loaded.config
         dtype = next(loaded.model.parameters()).dtype
-        self.runner_name = resolve_runner(config.runner, config.device)
+        self.runner_name = resolve_runner(config.runner, config.device, config.tensor_parallel)
         num_pages = config.num_pages or self._num_pages_from_budget(mc, dtype, loaded.model)
-        kv_cache = KVCache(mc.num_layers, num_pages, config.page_size, mc.num_kv_heads, mc.head_dim,
-                           dtype, config.device)
+        # the model's own KV heads: a tensor-parallel shard caches only its part
+        kv_cache = KVCache(mc.num_layers, num_pages, config.page_size, loaded.model.config.num_kv_heads,
+                           mc.head_dim, dtype, config.device)
         self.allocator = PageAllocator(num_pages)
         self.prefix_cache = PrefixCache(self.allocator, config.page_size, enabled=config.prefix_caching)
         self.slots = SlotPool(2 * config.max_batch)  # admitted requests + pending matcher releases
@@ -142,7 +148,7 @@ class Engine:
         return budget
 
     def _num_pages_from_budget(self, mc, dtype: torch.dtype, model) -> int:
-        per_page = KVCache.bytes_per_page(mc.num_layers, self.config.page_size, mc.num_kv_heads,
+        per_page = KVCache.bytes_per_page(mc.num_layers, self.config.page_size, model.config.num_kv_heads,
                                           mc.head_dim, dtype)
         budget = self.config.kv_memory_budget_bytes
         if budget is None and self.config.device.startswith("cuda"):

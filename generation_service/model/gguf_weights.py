@@ -42,7 +42,7 @@ def unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
             .transpose(1, 2).reshape(weight.shape))
 
 
-def _read_tensor(tensor) -> torch.Tensor:
+def read_tensor(tensor) -> torch.Tensor:
     import gguf
 
     values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)  # float32, numpy (rows, cols)
@@ -68,7 +68,7 @@ def load_gguf_weights(model: nn.Module, file: GgufFile, config: ModelConfig, dev
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if gguf_name not in tensors:
             raise ModelLoadError(f"{file.path}: tensor '{gguf_name}' (for {name}) is missing")
-        value = _read_tensor(tensors[gguf_name])
+        value = read_tensor(tensors[gguf_name])
         if tuple(value.shape) != tuple(param.shape):
             raise ModelLoadError(f"{file.path}: tensor '{gguf_name}' has shape {tuple(value.shape)}, "
                                  f"expected {tuple(param.shape)} from the metadata")

@@ -15,6 +15,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -55,6 +56,7 @@ def run(args: argparse.Namespace, _rest) -> int:
     from generation_service.config import ServeConfig
     from generation_service.engine.config import EngineConfig
     from generation_service.model.config import ModelLoadError
+    from generation_service.parallel.plan import TensorParallelError
     from structgen import telemetry
     from structgen.serve_preflight import PreflightError, check_before_loading
     from structgen.settings import ProcessConfig, SettingsError, print_config
@@ -77,8 +79,9 @@ def run(args: argparse.Namespace, _rest) -> int:
     telemetry.install_log_correlation()
     config: ServeConfig = resolved[ServeConfig]
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    stack = ServeStack(config, resolved[EngineConfig], should_stop=lambda: stop.is_set)
     try:
-        with ServeStack(config, resolved[EngineConfig], should_stop=lambda: stop.is_set) as stack:
+        with stack:
             if stack.http_url:
                 print(f"structgen serve: OpenAI-compatible HTTP API on {stack.http_url}", flush=True)
             print(f"structgen serve: listening on {config.host}:{stack.port} "
@@ -87,11 +90,14 @@ def run(args: argparse.Namespace, _rest) -> int:
             log.info("stopping: draining for up to %.1f s", config.grace_s)
     except StartupCancelled:
         log.info("stopped during start-up")
-    except ModelLoadError as exc:
+    except (ModelLoadError, TensorParallelError) as exc:
         print(f"structgen serve: {exc}", file=sys.stderr)
         return 1
     finally:
         telemetry.shutdown()  # flush the last spans (the drained streams')
+    if stack.failure is not None:  # a tensor-parallel rank died: it stopped the server
+        print(f"structgen serve: {stack.failure}", file=sys.stderr, flush=True)
+        exit_now(1)
     exit_now(0)
 
 
@@ -112,8 +118,9 @@ class StartupCancelled(Exception):
 
 
 class ServeStack:
-    """grammar_service child (optional) -> engine -> gRPC server (and the HTTP API when
-    --http-port is set), torn down in reverse order.
+    """grammar_service child (optional) -> tensor-parallel ranks 1..N-1 (--tensor-parallel N)
+    -> engine (rank 0) -> gRPC server (and the HTTP API when --http-port is set), torn down in
+    reverse order.
 
     `should_stop` is polled between start-up steps (and while the grammar child starts): when
     it turns true, the steps done so far are undone and StartupCancelled is raised."""
@@ -122,7 +129,7 @@ class ServeStack:
         self.config = config
         self._engine_config = engine_config
         self._should_stop = should_stop
-        self._supervisor = self._engine = self._server = self._http = None
+        self._supervisor = self._engine = self._server = self._http = self._ranks = None
         self.grammar_address = config.grammar_address
 
     def _check_stop(self) -> None:
@@ -154,17 +161,36 @@ class ServeStack:
     def _build_engine(self):
         from generation_service.engine.engine import Engine  # torch: seconds
         from grammar_service.client import GrammarControlClient
+        if self._ranks is not None:  # rank 0 joins once every worker has loaded its shard
+            self._ranks.join()
         return Engine(self._engine_config, GrammarControlClient(self.grammar_address))
+
+    def _check_ranks(self) -> None:
+        """--tensor-parallel N: the supervisor of ranks 1..N-1, once the model divides over them.
+        A rank that dies stops this process as a stop signal would (drain, stop), and `failure`
+        says which rank (serve exits nonzero)."""
+        from generation_service.parallel.launcher import RankSupervisor
+        ranks = RankSupervisor(self._engine_config, on_failure=lambda _: os.kill(os.getpid(), signal.SIGTERM))
+        ranks.check_model()
+        self._ranks = ranks
+
+    @property
+    def failure(self) -> str | None:
+        return None if self._ranks is None else self._ranks.failure
 
     def __enter__(self) -> "ServeStack":
         from structgen.supervisor import GrammarSupervisor
         try:
             self._check_stop()
+            if self._engine_config.tensor_parallel > 1:  # the model's shapes, before any child starts
+                self._check_ranks()
             if self.config.spawns_grammar_service:  # its start-up overlaps ours (torch, the model)
                 self._supervisor = GrammarSupervisor(
                     ("--max-grammar-bytes", str(self.config.max_grammar_bytes)))
                 self._supervisor.spawn()
                 self.grammar_address = self._supervisor.address
+            if self._ranks is not None:
+                self._ranks.spawn()
             self._engine = self._interruptible(self._build_engine)
             from generation_service.server import start_server
             if self._supervisor is not None:
@@ -212,5 +238,7 @@ class ServeStack:
             self._http.stop(max(0.0, deadline_s - time.monotonic()))
         if self._engine is not None:
             self._engine.stop(max(0.0, deadline_s - time.monotonic()))
+        if self._ranks is not None:  # after the engine: its runner told them to stop
+            self._ranks.stop()
         if self._supervisor is not None:
             self._supervisor.stop()

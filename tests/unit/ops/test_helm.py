@@ -172,6 +172,19 @@ def test_gpu_only_for_generation_and_only_in_gpu_mode(default, full):
     assert cpu["image"].endswith(":0.1.0-cpu")
 
 
+def test_tensor_parallel_requests_its_gpus_and_sets_the_flag(helm, default):
+    assert arg(container(default, "generation"), "--tensor-parallel") is None  # one GPU, CUDA graphs
+    gen = container(render(helm, sets=("tensorParallel=4",)), "generation")
+    assert arg(gen, "--tensor-parallel") == "4" and arg(gen, "--device") == "cuda"
+    assert gen["resources"]["limits"]["nvidia.com/gpu"] == 4
+    gen = container(render(helm, sets=("tensorParallel=2", "gpu.count=4")), "generation")
+    assert gen["resources"]["limits"]["nvidia.com/gpu"] == 4  # never fewer than gpu.count
+    cpu = container(render(helm, sets=("tensorParallel=2", "gpu.enabled=false")), "generation")
+    assert arg(cpu, "--tensor-parallel") == "2" and "nvidia.com/gpu" not in cpu["resources"].get("limits", {})
+    refused = helm_template(helm, sets=("tensorParallel=0",))
+    assert refused.returncode != 0 and "tensorParallel" in refused.stderr
+
+
 @pytest.mark.parametrize("values", [(), (FULL,)], ids=["default", "full"])
 def test_grammar_sidecar_outlives_generation_drain(helm, values):
     manifests = render(helm, *values)
