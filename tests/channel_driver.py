@@ -55,11 +55,13 @@ class ChannelDriver:
         self.step_no = first_step - 1
         self._prev_batch = 0
 
-    def step(self, rows: list[Row], timeout_s: float = 10.0) -> StepView:
+    def step(self, rows: list[Row], timeout_s: float = 10.0, late_after_us: int = 0) -> StepView:
+        """`late_after_us`: the step's mask deadline (0: grammar_service waits for every row)."""
         self.step_no += 1
         n, g = self.step_no, self.channel.geometry
         e = self.channel.entry(n)
         e.desc_header[:] = (n, len(rows))
+        e.late_after_us[0] = late_after_us
         for r, row in enumerate(rows):
             e.desc_rows[r] = (row.slot, row.num_positions, row.flags, row.grammar_id)
             if row.drafts:

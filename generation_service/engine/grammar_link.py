@@ -6,6 +6,12 @@ forward, so the grammar service fills masks while the model runs; `wait` waits f
 `mask_seq >= N` under the watchdog and returns the mask rows and the results of step N-1;
 `publish` writes the accepted tokens and `outputs_seq = N`.
 
+Late rows: a host step's descriptor carries `late_after_us`, a deadline derived from the
+engine's recent forward times (the fill overlaps the forward); grammar_service marks a row whose
+mask is not ready by then VALID_LATE and publishes the others, and the engine samples nothing
+for that row in that step (lifecycle.py). GPU steps give 0: every row waits, because the graph
+would feed a late row's sample back and publish it as accepted (left for the graph path).
+
 GPU steps (runner "cuda_graph", docs/gpu.md): `begin(rows, gpu=True)` writes the descriptor
 only; the captured graph publishes `inputs_seq`, waits for `mask_seq` on the device, and
 writes the outputs and `outputs_seq`. `wait_gpu` keeps the watchdog on `mask_seq` while the
@@ -46,6 +52,9 @@ log = logging.getLogger(__name__)
 # is ~1 ms), so it sleeps in short steps rather than backing off to 1 ms.
 GPU_POLL_SPIN_S = 100e-6
 GPU_POLL_SLEEP_S = 50e-6
+LATE_AFTER_FORWARDS = 1.0  # a row's mask is late this many mean forwards after inputs_seq...
+MIN_LATE_AFTER_S = 1e-3    # ...and no sooner than this (a fast forward's timing jitter)
+FORWARD_EWMA_WEIGHT = 0.2  # of the newest forward in the mean
 
 
 class GrammarControl(Protocol):
@@ -101,7 +110,8 @@ class RowResult:
 class StepMasks:
     bitmask: torch.Tensor | None  # (sum of num_positions of sampling rows, mask_words) int32; None: applied on the GPU
     results: list[RowResult]   # errors/termination for rows of the previous grammar step
-    valid_positions: dict[int, int]  # id(request) -> leading positions with exact masks (0: none)
+    valid_positions: dict[int, int]  # id(request) -> leading positions with exact masks (0: none,
+                                     # VALID_LATE: not ready, the row skips this step)
 
 
 class GrammarLink:
@@ -129,6 +139,7 @@ class GrammarLink:
         self._released_tokens: dict[int, list[int]] = {}  # GPU steps the watchdog released early
         self.num_steps = 0
         self.wait_s_total = 0.0
+        self.forward_s_mean = 0.0  # of host steps' forwards (note_forward); 0: none seen yet
         self.num_disconnects = 0
         # Called with a region before it is unmapped (the GPU runner unregisters it first).
         self.before_close: Callable[[StepChannel], None] | None = None
@@ -239,6 +250,7 @@ class GrammarLink:
             if row.drafts:
                 entry.drafts[r, :len(row.drafts)] = row.drafts
         entry.desc_header[:] = (step, len(rows))
+        entry.late_after_us[0] = 0 if gpu else self.late_after_us
         self._rows[step] = rows
         # N's results are read against N-1's rows; under overlap N+1 is begun before N is read.
         self._rows.pop(step - 3, None)
@@ -248,6 +260,18 @@ class GrammarLink:
             self._open_step = step
         self.num_steps += 1
         return step
+
+    @property
+    def late_after_us(self) -> int:
+        """A host step's deadline for masks, counted from inputs_seq (0 until a forward was timed)."""
+        if not self.forward_s_mean:
+            return 0
+        return int(max(MIN_LATE_AFTER_S, LATE_AFTER_FORWARDS * self.forward_s_mean) * 1e6)
+
+    def note_forward(self, seconds: float) -> None:
+        """A host step's forward time, for the next steps' `late_after_us`."""
+        mean = self.forward_s_mean
+        self.forward_s_mean = seconds if not mean else mean + FORWARD_EWMA_WEIGHT * (seconds - mean)
 
     def wait(self, step: int) -> StepMasks | None:
         """Masks of `step` in sampling-row order, or None when the watchdog released it."""
