@@ -26,7 +26,7 @@ LIMITS = {"max_new_tokens_limit": 64, "max_prompt_tokens": 512, "max_grammar_byt
 # The session server's grammar_service gives every mask fill of a grammar containing this text
 # SLOW_FILL_MS more (GrammarServiceConfig.slow_fill_ms): a slow grammar on demand (test_api_slow_grammar.py).
 SLOW_FILL_MARKER = "structgen-test-slow-fill"
-SLOW_FILL_MS = 500
+SLOW_FILL_MS = 1000
 READY_MARK = "listening on "
 HTTP_MARK = "OpenAI-compatible HTTP API on "  # printed before READY_MARK when --http-port is set
 STARTUP_TIMEOUT_S = 600  # the first run builds the default model's checkpoint
