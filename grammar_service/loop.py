@@ -13,13 +13,13 @@ rows only for bookkeeping. Masks are written in place in
 the shared region; rows that are not filled with a grammar mask are all ones, and only rows
 that were written with a grammar mask on the entry's previous use are reset.
 
-Slow rows (issue 19 point 6; only on steps whose descriptor gives `late_after_us`, the engine's
-deadline derived from its step time): a one-position row's first fill, and one in every
-RETIME_EVERY, is timed alone on the step's path; a row that took more than SLOW_FRACTION of the
-deadline is slow and its next fills run in the slow lane (slow_lane.py) beside the batch fill.
-A lane fill not done by the deadline makes its row late: the engine samples nothing for it this
-step and sends it again, so only that row waits for its mask. A lane fill well under the
-threshold makes the row fast again. A row that is slow from its very first fill holds that one
+Slow rows (issue 19 point 6; only on steps whose descriptor gives `forward_us`, the engine's
+recent forward time): a one-position row's first fill, and one in every RETIME_EVERY, is timed
+alone on the step's path; a row that took more than SLOW_FRACTION of the step time is slow and
+its next fills run in the slow lane (slow_lane.py) beside the batch fill. A lane fill not done
+when the engine's forward is (forward_seq >= N: the engine would wait from then on) makes its
+row late: the engine samples nothing for it this step and sends it again, so only that row
+waits for its mask. A lane fill well under the threshold makes the row fast again. A row that is slow from its very first fill holds that one
 step (its timed fill); rows with drafts are never late (their positions walk in the batch).
 """
 from __future__ import annotations
@@ -37,18 +37,19 @@ import numpy as np
 from grammar_service import metrics
 from grammar_service.backends.base import GrammarBackend, Matcher
 from grammar_service.slots import Slot, SlotTable
-from grammar_service.slow_lane import SlowLane
+from grammar_service.slow_lane import LaneFill, SlowLane
 from step_channel import (
     ERR_INTERNAL, ERR_NO_MATCHER, ERR_NONE, ERR_TOKEN_REJECTED, ERR_UNKNOWN_GRAMMAR,
-    FLAG_CONSTRAINED, FLAG_FRESH, FLAG_RELEASE, MASK_OK, VALID_LATE, StepChannel,
+    FLAG_CONSTRAINED, FLAG_FRESH, FLAG_RELEASE, MASK_OK, VALID_LATE, StepChannel, seq_reached,
 )
 
 log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.05     # wake up this often without inputs: heartbeat, stop flag
 WAIT_SPIN_S = 100e-6   # default: spin this long on inputs_seq, then sleep in steps of at most...
 WAIT_SLEEP_S = 100e-6  # ...this (the fill overlaps the forward; wake-up latency adds to it)
-SLOW_FRACTION = 0.25   # a row whose fill alone takes this share of the step's deadline is slow
+SLOW_FRACTION = 0.25   # a row whose fill alone takes this share of the engine's forward is slow
 RETIME_EVERY = 64      # a fast row's fill is timed alone again after this many batch fills
+LANE_POLL_S = 100e-6   # while a lane fill runs, forward_seq is looked at this often
 
 
 T = TypeVar("T")
@@ -191,7 +192,7 @@ class StepLoop:
             advance_ns = time.perf_counter_ns() - advance_started
             self._bind_and_release(rows)
             fill_started = time.perf_counter_ns()
-            self._fill(step, rows, started)
+            self._fill(step, rows)
             fill_ns = time.perf_counter_ns() - fill_started
             for slot, num_positions, flags, _ in rows:
                 if flags & FLAG_RELEASE and num_positions > 0 and self.slots.is_valid(slot):
@@ -274,12 +275,12 @@ class StepLoop:
                 self.slots.bind(slot, backend, backend.new_matcher(compiled), grammar_id,
                                 self._fill_delay_of(grammar_id))
 
-    def _fill(self, step: int, rows: list[list[int]], started_ns: int) -> None:
+    def _fill(self, step: int, rows: list[list[int]]) -> None:
         """c. One mask row per position; drafts walked with accept, undone with rollback; slow
-        rows from the lane by the deadline `started_ns` + late_after_us, else late."""
+        rows from the lane if done by the end of the engine's forward, else late."""
         g = self.channel.geometry
         entry = self.channel.entry(step)
-        late_ns = int(entry.late_after_us[0]) * 1000 if self.isolate_slow_rows else 0
+        late_ns = int(entry.forward_us[0]) * 1000 if self.isolate_slow_rows else 0
         lane: list[tuple[int, int, Slot]] = []  # (row, slot, state): masks from the slow lane
         timed: list[tuple[int, Slot]] = []       # (row, state): filled alone here, timed
         delay_s = 0.0                            # the batch rows' slow_fill_ms (tests)
@@ -348,8 +349,7 @@ class StepLoop:
         if undo:
             for backend, group in by_backend(undo, lambda w: w.backend, single):
                 backend.batch_rollback([w.matcher for w in group], [w.num_accepted for w in group])
-        filled.extend(self._collect_lane(lane, masks, max_pos, valid, started_ns + late_ns if late_ns else None,
-                                         late_ns))
+        filled.extend(self._collect_lane(step, lane, masks, max_pos, valid, late_ns))
         entry.valid_positions[:len(rows)] = valid
         self._reset_stale(step, set(filled))
 
@@ -359,7 +359,7 @@ class StepLoop:
         if state.lane_fill is not None:
             if num_positions == 1:
                 return "lane"  # a fill of this very state is under way, or done and unread
-            state.lane_fill.wait(None)  # NOTE: the draft walk must not move a matcher being filled
+            state.lane_fill.done.wait()  # NOTE: the draft walk must not move a matcher being filled
             state.lane_fill = None
         if not late_ns or num_positions != 1:
             return "batch"
@@ -384,14 +384,14 @@ class StepLoop:
             written.append(r * max_pos)
         return written
 
-    def _collect_lane(self, lane: list[tuple[int, int, Slot]], masks: np.ndarray, max_pos: int,
-                      valid: list[int], deadline_ns: int | None, late_ns: int) -> list[int]:
-        """Copy the lane fills done by `deadline_ns` (None: wait for all) into the step's rows;
-        the other rows are late. Returns the rows written."""
+    def _collect_lane(self, step: int, lane: list[tuple[int, int, Slot]], masks: np.ndarray, max_pos: int,
+                      valid: list[int], late_ns: int) -> list[int]:
+        """Copy the lane fills done by the end of the step's forward (late_ns 0: wait for all)
+        into the step's rows; the other rows are late. Returns the rows written."""
         written = []
         for r, slot, state in lane:
             fill = state.lane_fill
-            if not fill.wait(deadline_ns):
+            if not self._lane_done(fill, step, late_ns):
                 valid[r] = VALID_LATE
                 self.num_late_rows += 1
                 metrics.ROWS_LATE.inc()
@@ -406,6 +406,16 @@ class StepLoop:
             if late_ns and fill.elapsed_ns < SLOW_FRACTION * late_ns / 2:  # well under: fast again
                 state.is_slow, state.num_fills_since_timed = False, 0
         return written
+
+    def _lane_done(self, fill: LaneFill, step: int, late_ns: int) -> bool:
+        """Whether `fill` is done before the engine's forward of `step` (late_ns 0: waits for it)."""
+        if not late_ns:
+            return fill.done.wait()
+        while not fill.done.is_set():
+            if seq_reached(self.channel.load_seq("forward_seq"), step):
+                return fill.done.is_set()
+            fill.done.wait(LANE_POLL_S)
+        return True
 
     def _stop_only(self, backend: GrammarBackend) -> np.ndarray:
         """The mask row of a terminated matcher: only stop tokens stay allowed (the engine

@@ -4,7 +4,7 @@ A row whose mask takes long to fill (an adversarial grammar state) would hold ev
 of its step: the loop publishes all masks of a step at once. Its fills run here instead, one
 row at a time in a thread of their own, into a private mask row; the loop copies a finished
 fill into the step's entry, and marks the row late (VALID_LATE) when its fill is not done by
-the step's deadline. A late row is not advanced (the engine sampled nothing for it), so the
+the time the engine's forward of the step is. A late row is not advanced (the engine sampled nothing for it), so the
 fill stays valid for the next step, which uses it once it is done.
 
 One thread: slow rows wait for each other, never for fast ones. The backends' single-row fills
@@ -36,12 +36,6 @@ class LaneFill:
     done: threading.Event = field(default_factory=threading.Event)
     elapsed_ns: int = 0
     error: BaseException | None = None
-
-    def wait(self, deadline_ns: int | None) -> bool:
-        """True once done; waits until `deadline_ns` (perf_counter_ns), or without limit for None."""
-        if deadline_ns is None:
-            return self.done.wait()
-        return self.done.wait(max(0.0, (deadline_ns - time.perf_counter_ns()) / 1e9))
 
 
 class SlowLane:

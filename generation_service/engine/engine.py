@@ -327,7 +327,7 @@ class Engine:
             forward_started = time.perf_counter()
             logits = self.runner.run(batch) if batch.rows else None
             if self.link is not None and batch.rows:
-                self.link.note_forward(time.perf_counter() - forward_started)
+                self.link.forward_done(step, time.perf_counter() - forward_started)
             masks = self.link.wait(step) if step is not None else None
             samples = self._sample(batch, logits, masks)
             self.num_mixed_steps += bool(batch.rows)

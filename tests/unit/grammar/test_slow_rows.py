@@ -2,8 +2,9 @@
 and the masks it gets later are those of the same state filled on time.
 
 The slowness is GrammarServiceConfig.slow_fill_ms on grammars marked by slow_fill_marker: every
-fill of the marked grammar sleeps SLOW_MS first, ten times the step deadline LATE_US, so a
-lane fill cannot be done by its step's deadline however the machine is loaded."""
+fill of the marked grammar sleeps SLOW_MS first, ten times the engine's forward FORWARD_US
+here, and the driver's forward is done as soon as a step starts, so a lane fill cannot be done
+in its step however the machine is loaded."""
 from __future__ import annotations
 
 import numpy as np
@@ -17,7 +18,7 @@ from step_channel import ERR_NONE, VALID_LATE
 
 VOCAB = 32768
 SLOW_MS = 200
-LATE_US = 20_000
+FORWARD_US = 20_000
 MARKER = "slow-row-test"
 FAST = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
         "required": ["name", "age"]}
@@ -53,14 +54,14 @@ def test_a_slow_row_is_late_alone_and_gets_the_masks_it_would_have_had(driver, c
     reference = _reference_masks(service, slow, slow_ids)
     # Step 1: each row's first fill is timed alone on the step's path (so not late); the
     # marked one takes SLOW_MS, more than a quarter of the deadline: it is slow from now on.
-    view = driver.step([Row.fresh(0, fast), Row.fresh(1, slow)], late_after_us=LATE_US)
+    view = driver.step([Row.fresh(0, fast), Row.fresh(1, slow)], forward_us=FORWARD_US)
     assert view.valid_positions.tolist() == [1, 1]
     assert is_allowed(view.masks[0, 0], fast_ids[0])
     np.testing.assert_array_equal(view.masks[1, 0], reference[0])
     driver.finish([[fast_ids[0]], [slow_ids[0]]])
     num_slow, num_late = 1, 0
     for f in range(1, len(fast_ids)):  # the fast row gets its mask every step
-        view = driver.step([Row(0), Row(1)], late_after_us=LATE_US)
+        view = driver.step([Row(0), Row(1)], forward_us=FORWARD_US)
         assert view.results[:, 1].tolist() == [ERR_NONE, ERR_NONE]
         assert view.valid_positions[0] == 1 and is_allowed(view.masks[0, 0], fast_ids[f])
         tokens = [[fast_ids[f]], []]
@@ -72,10 +73,10 @@ def test_a_slow_row_is_late_alone_and_gets_the_masks_it_would_have_had(driver, c
             tokens[1] = [slow_ids[num_slow]]
             num_slow += 1
         driver.finish(tokens)
-    assert num_late >= 1, "a lane fill SLOW_MS long was never late for a LATE_US deadline"
+    assert num_late >= 1, "a lane fill SLOW_MS long was never late"
     assert num_slow < len(fast_ids) - 1, "the slow row kept pace with the fast one"
     while num_slow < len(slow_ids):  # the slow row alone, on to the end of its document
-        view = driver.step([Row(1)], late_after_us=LATE_US)
+        view = driver.step([Row(1)], forward_us=FORWARD_US)
         tokens = [[]]
         if view.valid_positions[0] != VALID_LATE:
             np.testing.assert_array_equal(view.masks[0, 0], reference[num_slow])
