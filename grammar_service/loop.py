@@ -4,7 +4,7 @@
     a. advance the matchers of step N-1's rows by the tokens it accepted -> results (entry N)
     b. release-only rows, then FRESH binds
     c. fill step N's mask rows, walking drafts with accept + rollback -> valid_positions;
-       a slow row's mask comes from the slow lane, or the row is late (VALID_LATE)
+       a slow row's mask comes from the slow filler, or the row is late (VALID_LATE)
     d. mask_status = MASK_OK, mask_seq = N
 
 Every backend call covers all rows of a step at one position (batch_accept / batch_fill /
@@ -13,14 +13,9 @@ rows only for bookkeeping. Masks are written in place in
 the shared region; rows that are not filled with a grammar mask are all ones, and only rows
 that were written with a grammar mask on the entry's previous use are reset.
 
-Slow rows (issue 19 point 6; only on steps whose descriptor gives `forward_us`, the engine's
-recent forward time): a one-position row's first fill, and one in every RETIME_EVERY, is timed
-alone on the step's path; a row that took more than SLOW_FRACTION of the step time is slow and
-its next fills run in the slow lane (slow_lane.py) beside the batch fill. A lane fill not done
-when the engine's forward is (forward_seq >= N: the engine would wait from then on) makes its
-row late: the engine samples nothing for it this step and sends it again, so only that row
-waits for its mask. A lane fill well under the threshold makes the row fast again. A row that is slow from its very first fill holds that one
-step (its timed fill); rows with drafts are never late (their positions walk in the batch).
+Slow rows (issue 19 point 6, slow_rows.py): on steps whose descriptor gives `forward_us`, a row
+whose fill alone is slow has its masks filled apart, beside the batch fill, and is late
+(VALID_LATE) when that fill is not done by the end of the engine's forward.
 """
 from __future__ import annotations
 
@@ -37,19 +32,16 @@ import numpy as np
 from grammar_service import metrics
 from grammar_service.backends.base import GrammarBackend, Matcher
 from grammar_service.slots import Slot, SlotTable
-from grammar_service.slow_lane import LaneFill, SlowLane
+from grammar_service.slow_rows import SlowRows
 from step_channel import (
     ERR_INTERNAL, ERR_NO_MATCHER, ERR_NONE, ERR_TOKEN_REJECTED, ERR_UNKNOWN_GRAMMAR,
-    FLAG_CONSTRAINED, FLAG_FRESH, FLAG_RELEASE, MASK_OK, VALID_LATE, StepChannel, seq_reached,
+    FLAG_CONSTRAINED, FLAG_FRESH, FLAG_RELEASE, MASK_OK, StepChannel,
 )
 
 log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.05     # wake up this often without inputs: heartbeat, stop flag
 WAIT_SPIN_S = 100e-6   # default: spin this long on inputs_seq, then sleep in steps of at most...
 WAIT_SLEEP_S = 100e-6  # ...this (the fill overlaps the forward; wake-up latency adds to it)
-SLOW_FRACTION = 0.25   # a row whose fill alone takes this share of the engine's forward is slow
-RETIME_EVERY = 64      # a fast row's fill is timed alone again after this many batch fills
-LANE_POLL_S = 100e-6   # while a lane fill runs, forward_seq is looked at this often
 
 
 T = TypeVar("T")
@@ -120,12 +112,10 @@ class StepLoop:
                  fill_delay_of: Callable[[int], float] = lambda grammar_id: 0.0):
         self.channel = channel
         self.wait_spin_s = wait_spin_s  # GrammarServiceConfig.step_wait_spin_us
-        self.isolate_slow_rows = isolate_slow_rows  # GrammarServiceConfig.isolate_slow_rows
         self._fill_delay_of = fill_delay_of  # grammar id -> seconds (GrammarServiceConfig.slow_fill_ms)
-        self.lane = SlowLane(channel.geometry.mask_words, channel.name)
-        self.num_late_rows = 0
-        self.phases = StepPhases()
         self.slots = SlotTable(max_slots)
+        self.slow_rows = SlowRows(channel, self.slots, enabled=isolate_slow_rows)  # GrammarServiceConfig
+        self.phases = StepPhases()
         self.next_step = first_step
         self._first_step = first_step
         self._lookup_grammar = lookup_grammar  # grammar id -> (backend, compiled grammar) or None
@@ -151,7 +141,7 @@ class StepLoop:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
-        self.lane.close(timeout_s)
+        self.slow_rows.close(timeout_s)
 
     def _run(self) -> None:
         chan = self.channel
@@ -277,12 +267,13 @@ class StepLoop:
 
     def _fill(self, step: int, rows: list[list[int]]) -> None:
         """c. One mask row per position; drafts walked with accept, undone with rollback; slow
-        rows from the lane if done by the end of the engine's forward, else late."""
+        rows from the filler if done by the end of the engine's forward, else late."""
         g = self.channel.geometry
         entry = self.channel.entry(step)
-        late_ns = int(entry.forward_us[0]) * 1000 if self.isolate_slow_rows else 0
-        lane: list[tuple[int, int, Slot]] = []  # (row, slot, state): masks from the slow lane
-        timed: list[tuple[int, Slot]] = []       # (row, state): filled alone here, timed
+        slow_rows = self.slow_rows
+        slow_ns = slow_rows.threshold_ns(int(entry.forward_us[0]))
+        apart: list[tuple[int, int, Slot]] = []  # (row, slot, state): masks from the slow filler
+        timed: list[tuple[int, int, Slot]] = []  # (row, slot, state): filled alone here, timed
         delay_s = 0.0                            # the batch rows' slow_fill_ms (tests)
         max_pos, masks = g.max_positions, entry.masks
         states, max_slots = self.slots.states, self.slots.max_slots
@@ -302,12 +293,12 @@ class StepLoop:
                 continue  # valid 0: no slot (a bug of the caller) or nothing to fill
             if state.can_fill:
                 valid[r] = 1
-                route = self._route(state, num_positions, late_ns)
-                if route == "lane":
-                    lane.append((r, slot, state))
+                route = slow_rows.route(state, num_positions, slow_ns)
+                if route == "apart":
+                    apart.append((r, slot, state))
                     continue
                 if route == "timed":
-                    timed.append((r, state))
+                    timed.append((r, slot, state))
                     continue
                 delay_s = max(delay_s, state.fill_delay_s)
                 first.append((r, state.matcher, state.backend))
@@ -319,10 +310,8 @@ class StepLoop:
                 filled.append(r * max_pos)
                 valid[r] = 1
             # else valid 0: no matcher; its error is in the results
-        for _, _, state in lane:  # started first: they fill beside everything below
-            if state.lane_fill is None:
-                state.lane_fill = self.lane.submit(state.matcher, state.backend, state.fill_delay_s)
-        filled.extend(self._fill_timed(timed, masks, max_pos, late_ns))
+        slow_rows.start(apart)  # first: they fill beside everything below
+        filled.extend(slow_rows.fill_timed(timed, masks, max_pos, slow_ns))
         if delay_s:
             time.sleep(delay_s)
         single = the_only_backend(backend for _, _, backend in first)
@@ -349,73 +338,9 @@ class StepLoop:
         if undo:
             for backend, group in by_backend(undo, lambda w: w.backend, single):
                 backend.batch_rollback([w.matcher for w in group], [w.num_accepted for w in group])
-        filled.extend(self._collect_lane(step, lane, masks, max_pos, valid, late_ns))
+        filled.extend(slow_rows.collect(step, apart, masks, max_pos, valid, slow_ns))
         entry.valid_positions[:len(rows)] = valid
         self._reset_stale(step, set(filled))
-
-    @staticmethod
-    def _route(state: Slot, num_positions: int, late_ns: int) -> str:
-        """Where a fillable row's mask comes from: "batch", "timed" (alone, timed) or "lane"."""
-        if state.lane_fill is not None:
-            if num_positions == 1:
-                return "lane"  # a fill of this very state is under way, or done and unread
-            state.lane_fill.done.wait()  # NOTE: the draft walk must not move a matcher being filled
-            state.lane_fill = None
-        if not late_ns or num_positions != 1:
-            return "batch"
-        if state.is_slow:
-            return "lane"
-        if not 0 <= state.num_fills_since_timed < RETIME_EVERY:
-            return "timed"
-        state.num_fills_since_timed += 1
-        return "batch"
-
-    @staticmethod
-    def _fill_timed(timed: list[tuple[int, Slot]], masks: np.ndarray, max_pos: int, late_ns: int) -> list[int]:
-        """Fill each row alone and decide from its time whether it is slow; returns the rows written."""
-        written = []
-        for r, state in timed:
-            started = time.perf_counter_ns()
-            if state.fill_delay_s:
-                time.sleep(state.fill_delay_s)
-            state.backend.batch_fill([state.matcher], masks, [r * max_pos])
-            state.is_slow = time.perf_counter_ns() - started > SLOW_FRACTION * late_ns
-            state.num_fills_since_timed = 0
-            written.append(r * max_pos)
-        return written
-
-    def _collect_lane(self, step: int, lane: list[tuple[int, int, Slot]], masks: np.ndarray, max_pos: int,
-                      valid: list[int], late_ns: int) -> list[int]:
-        """Copy the lane fills done by the end of the step's forward (late_ns 0: wait for all)
-        into the step's rows; the other rows are late. Returns the rows written."""
-        written = []
-        for r, slot, state in lane:
-            fill = state.lane_fill
-            if not self._lane_done(fill, step, late_ns):
-                valid[r] = VALID_LATE
-                self.num_late_rows += 1
-                metrics.ROWS_LATE.inc()
-                continue
-            state.lane_fill = None
-            if fill.error is not None:
-                self.slots.fail(slot, ERR_INTERNAL)
-                valid[r] = 0
-                continue
-            masks[r * max_pos] = fill.mask[0]
-            written.append(r * max_pos)
-            if late_ns and fill.elapsed_ns < SLOW_FRACTION * late_ns / 2:  # well under: fast again
-                state.is_slow, state.num_fills_since_timed = False, 0
-        return written
-
-    def _lane_done(self, fill: LaneFill, step: int, late_ns: int) -> bool:
-        """Whether `fill` is done before the engine's forward of `step` (late_ns 0: waits for it)."""
-        if not late_ns:
-            return fill.done.wait()
-        while not fill.done.is_set():
-            if seq_reached(self.channel.load_seq("forward_seq"), step):
-                return fill.done.is_set()
-            fill.done.wait(LANE_POLL_S)
-        return True
 
     def _stop_only(self, backend: GrammarBackend) -> np.ndarray:
         """The mask row of a terminated matcher: only stop tokens stay allowed (the engine

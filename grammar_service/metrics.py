@@ -23,7 +23,7 @@ ROWS_REJECTED = Counter(
     "structgen_grammar_tokens_rejected_total", "Accepted tokens the matcher refused (request aborted)")
 ROWS_LATE = Counter(
     "structgen_grammar_rows_late_total",
-    "Rows whose mask was not ready by the step's deadline: skipped for that step (slow_lane.py)")
+    "Rows whose mask was not ready by the step's deadline: skipped for that step (slow_filler.py)")
 STEP_PHASE_SECONDS = Counter(
     "structgen_grammar_step_phase_seconds", "Time of grammar steps by phase (loop.py: StepPhases)",
     ["phase"])  # advance, fill, bookkeeping; the three add up to the step time

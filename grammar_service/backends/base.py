@@ -102,7 +102,7 @@ class GrammarBackend(abc.ABC):
 
     def fill_alone(self, matcher: Matcher, masks: np.ndarray, index: int) -> None:
         """`batch_fill` of one row, safe beside a `batch_fill` running in another thread (the
-        slow lane, grammar_service/slow_lane.py); it should release the GIL while it fills."""
+        slow filler, grammar_service/slow_filler.py); it should release the GIL while it fills."""
         self.batch_fill([matcher], masks, [index])
 
     @abc.abstractmethod

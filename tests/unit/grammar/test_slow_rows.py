@@ -1,9 +1,9 @@
-"""A slow row is late alone (loop.py, slow_lane.py): the others of its step get their masks,
+"""A slow row is late alone (loop.py, slow_filler.py): the others of its step get their masks,
 and the masks it gets later are those of the same state filled on time.
 
 The slowness is GrammarServiceConfig.slow_fill_ms on grammars marked by slow_fill_marker: every
 fill of the marked grammar sleeps SLOW_MS first, ten times the engine's forward FORWARD_US
-here, and the driver's forward is done as soon as a step starts, so a lane fill cannot be done
+here, and the driver's forward is done as soon as a step starts, so a slow fill cannot be done
 in its step however the machine is loaded."""
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def test_a_slow_row_is_late_alone_and_gets_the_masks_it_would_have_had(driver, c
             tokens[1] = [slow_ids[num_slow]]
             num_slow += 1
         driver.finish(tokens)
-    assert num_late >= 1, "a lane fill SLOW_MS long was never late"
+    assert num_late >= 1, "a slow fill SLOW_MS long was never late"
     assert num_slow < len(fast_ids) - 1, "the slow row kept pace with the fast one"
     while num_slow < len(slow_ids):  # the slow row alone, on to the end of its document
         view = driver.step([Row(1)], forward_us=FORWARD_US)

@@ -1,14 +1,14 @@
-"""SlowLane: mask fills of slow rows, off the step's path (issue 19 point 6).
+"""SlowFiller: mask fills of slow rows, off the step's path (issue 19 point 6).
 
 A row whose mask takes long to fill (an adversarial grammar state) would hold every other row
 of its step: the loop publishes all masks of a step at once. Its fills run here instead, one
-row at a time in a thread of their own, into a private mask row; the loop copies a finished
-fill into the step's entry, and marks the row late (VALID_LATE) when its fill is not done by
-the time the engine's forward of the step is. A late row is not advanced (the engine sampled nothing for it), so the
-fill stays valid for the next step, which uses it once it is done.
+row at a time in a thread of their own, into a private mask row; SlowRows (slow_rows.py) copies
+a finished fill into the step's entry, and marks the row late (VALID_LATE) when its fill is not
+done by the time the engine's forward of the step is. A late row is not advanced (the engine
+sampled nothing for it), so the fill stays valid for the next step, which uses it once done.
 
-One thread: slow rows wait for each other, never for fast ones. The backends' single-row fills
-release the GIL (xgrammar, llguidance), so the loop thread runs beside a fill.
+One thread: slow rows wait for each other, never for fast ones. The backends' fills run with
+the GIL released (xgrammar's binding, llguidance's executor), so the loop thread runs beside one.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
-class LaneFill:
+class SlowFill:
     """One slow row's mask of one matcher state; `done` is set once `mask` (or `error`) is final."""
 
     matcher: Matcher
@@ -38,17 +38,17 @@ class LaneFill:
     error: BaseException | None = None
 
 
-class SlowLane:
-    """A thread that fills LaneFills in submission order; `close` ends it."""
+class SlowFiller:
+    """A thread that fills SlowFills in submission order; `close` ends it."""
 
     def __init__(self, mask_words: int, name: str):
         self.mask_words = mask_words
-        self._queue: queue.SimpleQueue[LaneFill | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=f"slow-lane-{name}", daemon=True)
+        self._queue: queue.SimpleQueue[SlowFill | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"slow-filler-{name}", daemon=True)
         self._thread.start()
 
-    def submit(self, matcher: Matcher, backend: GrammarBackend, delay_s: float = 0.0) -> LaneFill:
-        fill = LaneFill(matcher, backend, delay_s, np.full((1, self.mask_words), -1, np.int32))
+    def submit(self, matcher: Matcher, backend: GrammarBackend, delay_s: float = 0.0) -> SlowFill:
+        fill = SlowFill(matcher, backend, delay_s, np.full((1, self.mask_words), -1, np.int32))
         self._queue.put(fill)
         return fill
 
@@ -64,7 +64,7 @@ class SlowLane:
                     time.sleep(fill.delay_s)
                 fill.backend.fill_alone(fill.matcher, fill.mask, 0)
             except Exception as error:  # noqa: BLE001 -- the loop fails this row alone
-                log.exception("slow-lane fill failed")
+                log.exception("slow fill failed")
                 fill.error = error
             fill.elapsed_ns = time.perf_counter_ns() - started
             fill.done.set()
