@@ -159,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
     runs: dict[str, list[dict]] = {"baseline": [], "slow": [], "lockstep": []}
+    load_before = os.getloadavg()[0]  # a shared machine's other work is noise in every figure
     log_dir = args.out.parent
     for isolate in (True, False):
         log_path = log_dir / f"{args.out.stem}-{'isolated' if isolate else 'lockstep'}.log"
@@ -178,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             log_path.unlink(missing_ok=True)  # the log is only for a failed start
 
     def p50(name: str) -> float:
-        return statistics.median(r["ordinary_inter_token_ms"]["p50"] for r in runs[name])
+        return round(statistics.median(r["ordinary_inter_token_ms"]["p50"] for r in runs[name]), 2)
     summary = {"ordinary_p50_ms": {name: p50(name) for name in runs},
                "slow_over_baseline_p50": round(p50("slow") / p50("baseline"), 3),
                "lockstep_over_baseline_p50": round(p50("lockstep") / p50("baseline"), 3),
@@ -186,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"benchmark": "slow_row", "label": args.label,
               "command": "python benchmarks/slow_row.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "commit": commit, "machine": {"cpus": len(os.sched_getaffinity(0)), "python": platform.python_version(),
-                                            "device": args.device},
+                                            "device": args.device,
+                                            "load_average_1m": [round(load_before, 1), round(os.getloadavg()[0], 1)]},
               "settings": {"num_ordinary": args.num_ordinary, "max_tokens": args.max_tokens,
                            "slow_fill_ms": args.slow_fill_ms, "repeats": args.repeats},
               "summary": summary, "runs": runs}

@@ -40,12 +40,13 @@ def test_a_slow_grammar_does_not_hold_another_requests_tokens(client, wait_idle)
     alone = client.generate_text(PROMPT, json_schema=dict(SLOW, description="plain"), **GREEDY)
     _check(alone, SLOW)
 
-    events, first_token = [], threading.Event()  # (who, tokens, is_final), in arrival order
+    events, first_token = [], threading.Event()  # (who, chunk), in arrival order
 
     def stream_slow() -> None:
         for chunk in client.generate(PROMPT, json_schema=SLOW, **GREEDY):
             events.append(("slow", chunk))
-            first_token.set() if chunk.token_ids else None
+            if chunk.token_ids:
+                first_token.set()
         first_token.set()
 
     slow = threading.Thread(target=stream_slow)

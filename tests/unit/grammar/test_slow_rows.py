@@ -1,10 +1,10 @@
-"""A slow row is late alone (loop.py, slow_filler.py): the others of its step get their masks,
-and the masks it gets later are those of the same state filled on time.
+"""A slow row is late alone (slow_rows.py): the others of its step get their masks, and the
+masks it gets later are those of the same state filled on time.
 
 The slowness is GrammarServiceConfig.slow_fill_ms on grammars marked by slow_fill_marker: every
-fill of the marked grammar sleeps SLOW_MS first, ten times the engine's forward FORWARD_US
-here, and the driver's forward is done as soon as a step starts, so a slow fill cannot be done
-in its step however the machine is loaded."""
+fill of the marked grammar sleeps SLOW_MS first, forty times the slow threshold at FORWARD_US,
+and the driver's forward is done as soon as a step starts (forward_seq beside inputs_seq), so a
+slow fill is not done in its step however the machine is loaded."""
 from __future__ import annotations
 
 import numpy as np
@@ -53,7 +53,7 @@ def test_a_slow_row_is_late_alone_and_gets_the_masks_it_would_have_had(driver, c
     slow_ids = continuation_ids(mistral_32k, '{"n": 7}')
     reference = _reference_masks(service, slow, slow_ids)
     # Step 1: each row's first fill is timed alone on the step's path (so not late); the
-    # marked one takes SLOW_MS, more than a quarter of the deadline: it is slow from now on.
+    # marked one takes SLOW_MS, more than a quarter of FORWARD_US: it is slow from now on.
     view = driver.step([Row.fresh(0, fast), Row.fresh(1, slow)], forward_us=FORWARD_US)
     assert view.valid_positions.tolist() == [1, 1]
     assert is_allowed(view.masks[0, 0], fast_ids[0])
