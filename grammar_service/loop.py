@@ -293,7 +293,8 @@ class StepLoop:
                 continue  # valid 0: no slot (a bug of the caller) or nothing to fill
             if state.can_fill:
                 valid[r] = 1
-                route = slow_rows.route(state, num_positions, slow_ns)
+                # (GPU steps: no slow row, no call per row)
+                route = slow_rows.route(state, num_positions, slow_ns) if slow_ns or state.slow_fill else "batch"
                 if route == "apart":
                     apart.append((r, slot, state))
                     continue
