@@ -49,6 +49,9 @@ STATS_FAMILIES = (
                 lambda s: s.grammar_wait_s_total),
     StatsFamily("grammar_disconnects", "counter", "Times the watchdog found grammar_service gone or stuck",
                 lambda s: s.grammar_disconnects),
+    StatsFamily("grammar_late_rows", "counter", "Sampling rows skipped for a step because their grammar mask "
+                "was not ready by the step's deadline (the request samples next step)",
+                lambda s: s.num_late_rows),
     StatsFamily("preemptions", "counter", "Requests preempted for lack of KV pages", lambda s: s.num_preemptions),
     StatsFamily("kv_pages_cached", "gauge", "KV-cache pages the prefix cache keeps that no request holds "
                 "(reused by requests with the same prefix, evicted when pages are needed)",

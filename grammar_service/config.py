@@ -41,6 +41,14 @@ class GrammarServiceConfig:
     # wake-up (the kernel's timer slack included) adds to the mask's latency when the
     # GPU's next step comes later than this; a spin holds a CPU while it lasts.
     step_wait_spin_us: int = 100
+    # a slow row's masks are filled off the step's path and a row whose mask misses the engine's
+    # deadline skips that step (loop.py, slow_lane.py), so one slow grammar slows its own request
+    # only; false: every step waits for its slowest row
+    isolate_slow_rows: bool = True
+    # tests and benchmarks of that isolation: every mask fill of a grammar whose text contains
+    # slow_fill_marker takes slow_fill_ms longer (a sleep before the fill); off when either is unset
+    slow_fill_ms: float = 0.0
+    slow_fill_marker: str = ""
     compile_timeout_s: float = 10.0     # a slower compile (wait for a worker included) is refused and remembered
     negative_cache_ttl_s: float = 60.0  # how long a failed/timed-out spec is answered from memory
     max_grammar_bytes: int = 1 << 20    # grammar text (or all choices together) above this is refused
@@ -67,6 +75,8 @@ class GrammarServiceConfig:
             raise ValueError(f"min_parallel_advance_rows must be >= 0, got {self.min_parallel_advance_rows}")
         if self.step_wait_spin_us < 0:
             raise ValueError(f"step_wait_spin_us must be >= 0, got {self.step_wait_spin_us}")
+        if self.slow_fill_ms < 0:
+            raise ValueError(f"slow_fill_ms must be >= 0, got {self.slow_fill_ms}")
         if self.num_llguidance_lanes < 0:
             raise ValueError(f"num_llguidance_lanes must be >= 0, got {self.num_llguidance_lanes}")
         if self.compile_timeout_s <= 0:

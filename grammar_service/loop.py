@@ -3,7 +3,8 @@
     wait inputs_seq >= N
     a. advance the matchers of step N-1's rows by the tokens it accepted -> results (entry N)
     b. release-only rows, then FRESH binds
-    c. fill step N's mask rows, walking drafts with accept + rollback -> valid_positions
+    c. fill step N's mask rows, walking drafts with accept + rollback -> valid_positions;
+       a slow row's mask comes from the slow filler, or the row is late (VALID_LATE)
     d. mask_status = MASK_OK, mask_seq = N
 
 Every backend call covers all rows of a step at one position (batch_accept / batch_fill /
@@ -11,6 +12,10 @@ batch_rollback), one call per backend present in the step (usually one); Python 
 rows only for bookkeeping. Masks are written in place in
 the shared region; rows that are not filled with a grammar mask are all ones, and only rows
 that were written with a grammar mask on the entry's previous use are reset.
+
+Slow rows (issue 19 point 6, slow_rows.py): on steps whose descriptor gives `forward_us`, a row
+whose fill alone is slow has its masks filled apart, beside the batch fill, and is late
+(VALID_LATE) when that fill is not done by the end of the engine's forward.
 """
 from __future__ import annotations
 
@@ -26,7 +31,8 @@ import numpy as np
 
 from grammar_service import metrics
 from grammar_service.backends.base import GrammarBackend, Matcher
-from grammar_service.slots import SlotTable
+from grammar_service.slots import Slot, SlotTable
+from grammar_service.slow_rows import SlowRows
 from step_channel import (
     ERR_INTERNAL, ERR_NO_MATCHER, ERR_NONE, ERR_TOKEN_REJECTED, ERR_UNKNOWN_GRAMMAR,
     FLAG_CONSTRAINED, FLAG_FRESH, FLAG_RELEASE, MASK_OK, StepChannel,
@@ -102,11 +108,14 @@ class StepLoop:
 
     def __init__(self, channel: StepChannel, max_slots: int, first_step: int,
                  lookup_grammar: Callable[[int], tuple[GrammarBackend, Any] | None],
-                 wait_spin_s: float = WAIT_SPIN_S):
+                 wait_spin_s: float = WAIT_SPIN_S, isolate_slow_rows: bool = True,
+                 fill_delay_of: Callable[[int], float] = lambda grammar_id: 0.0):
         self.channel = channel
         self.wait_spin_s = wait_spin_s  # GrammarServiceConfig.step_wait_spin_us
-        self.phases = StepPhases()
+        self._fill_delay_of = fill_delay_of  # grammar id -> seconds (GrammarServiceConfig.slow_fill_ms)
         self.slots = SlotTable(max_slots)
+        self.slow_rows = SlowRows(channel, self.slots, enabled=isolate_slow_rows)  # GrammarServiceConfig
+        self.phases = StepPhases()
         self.next_step = first_step
         self._first_step = first_step
         self._lookup_grammar = lookup_grammar  # grammar id -> (backend, compiled grammar) or None
@@ -132,6 +141,7 @@ class StepLoop:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
+        self.slow_rows.close(timeout_s)
 
     def _run(self) -> None:
         chan = self.channel
@@ -252,12 +262,19 @@ class StepLoop:
                 self.slots.fail(slot, ERR_UNKNOWN_GRAMMAR)
             else:
                 backend, compiled = found
-                self.slots.bind(slot, backend, backend.new_matcher(compiled), grammar_id)
+                self.slots.bind(slot, backend, backend.new_matcher(compiled), grammar_id,
+                                self._fill_delay_of(grammar_id))
 
     def _fill(self, step: int, rows: list[list[int]]) -> None:
-        """c. One mask row per position; drafts walked with accept, undone with rollback."""
+        """c. One mask row per position; drafts walked with accept, undone with rollback; slow
+        rows from the filler if done by the end of the engine's forward, else late."""
         g = self.channel.geometry
         entry = self.channel.entry(step)
+        slow_rows = self.slow_rows
+        slow_ns = slow_rows.threshold_ns(int(entry.forward_us[0]))
+        apart: list[tuple[int, int, Slot]] = []  # (row, slot, state): masks from the slow filler
+        timed: list[tuple[int, int, Slot]] = []  # (row, slot, state): filled alone here, timed
+        delay_s = 0.0                            # the batch rows' slow_fill_ms (tests)
         max_pos, masks = g.max_positions, entry.masks
         states, max_slots = self.slots.states, self.slots.max_slots
         drafts = entry.drafts[:len(rows)].tolist() if max_pos > 1 else None
@@ -275,16 +292,29 @@ class StepLoop:
             if state is None or num_positions == 0:
                 continue  # valid 0: no slot (a bug of the caller) or nothing to fill
             if state.can_fill:
+                valid[r] = 1
+                # (GPU steps: no slow row, no call per row)
+                route = slow_rows.route(state, num_positions, slow_ns) if slow_ns or state.slow_fill else "batch"
+                if route == "apart":
+                    apart.append((r, slot, state))
+                    continue
+                if route == "timed":
+                    timed.append((r, slot, state))
+                    continue
+                delay_s = max(delay_s, state.fill_delay_s)
                 first.append((r, state.matcher, state.backend))
                 if num_positions > 1:
                     walkers.append(_Walker(r, state.matcher, state.backend, num_positions,
                                            drafts[r][:num_positions - 1]))
-                valid[r] = 1
             elif state.is_terminated:
                 masks[r * max_pos] = self._stop_only(state.backend)
                 filled.append(r * max_pos)
                 valid[r] = 1
             # else valid 0: no matcher; its error is in the results
+        slow_rows.start(apart)  # first: they fill beside everything below
+        filled.extend(slow_rows.fill_timed(timed, masks, max_pos, slow_ns))
+        if delay_s:
+            time.sleep(delay_s)
         single = the_only_backend(backend for _, _, backend in first)
         filled.extend(self._batch_fill(first, itemgetter(0), itemgetter(1), itemgetter(2), single,
                                        masks, max_pos, 0))
@@ -309,6 +339,7 @@ class StepLoop:
         if undo:
             for backend, group in by_backend(undo, lambda w: w.backend, single):
                 backend.batch_rollback([w.matcher for w in group], [w.num_accepted for w in group])
+        filled.extend(slow_rows.collect(step, apart, masks, max_pos, valid, slow_ns))
         entry.valid_positions[:len(rows)] = valid
         self._reset_stale(step, set(filled))
 

@@ -21,6 +21,9 @@ STEP_SECONDS = Histogram(
     buckets=(50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1))
 ROWS_REJECTED = Counter(
     "structgen_grammar_tokens_rejected_total", "Accepted tokens the matcher refused (request aborted)")
+ROWS_LATE = Counter(
+    "structgen_grammar_rows_late_total",
+    "Rows whose mask was not ready by the step's deadline: skipped for that step (slow_filler.py)")
 STEP_PHASE_SECONDS = Counter(
     "structgen_grammar_step_phase_seconds", "Time of grammar steps by phase (loop.py: StepPhases)",
     ["phase"])  # advance, fill, bookkeeping; the three add up to the step time
@@ -29,4 +32,5 @@ STEP_PHASE_SECONDS = Counter(
 def families():
     """Every structgen_ family grammar_service exports (docs/operations.md)."""
     from structgen.metrics_docs import describe_metrics
-    return describe_metrics([COMPILE_SECONDS, COMPILE_REQUESTS, STEP_SECONDS, ROWS_REJECTED, STEP_PHASE_SECONDS])
+    return describe_metrics([COMPILE_SECONDS, COMPILE_REQUESTS, STEP_SECONDS, ROWS_REJECTED, ROWS_LATE,
+                             STEP_PHASE_SECONDS])

@@ -52,6 +52,7 @@ class GrammarService:
         self._backends: dict[str, GrammarBackend] = {}
         self._compiler: GrammarCompiler | None = None
         self._loops: dict[str, StepLoop] = {}
+        self._slow_grammar_ids: set[int] = set()  # GrammarServiceConfig.slow_fill_marker
         self._closed_steps = 0      # steps of channels already closed (stats are cumulative)
         self._closed_step_us = 0.0
         if config.tokenizer_dir is not None:
@@ -121,7 +122,8 @@ class GrammarService:
             except ChannelError as exc:
                 raise ServiceError("FAILED_PRECONDITION", str(exc)) from None
             loop = StepLoop(channel, max_slots, first_step, self._lookup_grammar,
-                            wait_spin_s=self.config.step_wait_spin_us / 1e6)
+                            wait_spin_s=self.config.step_wait_spin_us / 1e6,
+                            isolate_slow_rows=self.config.isolate_slow_rows, fill_delay_of=self._fill_delay_s)
             self._loops[name] = loop
             loop.start()
         log.info("channel %s open: %s, %d slots, first step %d", name, geometry, max_slots, first_step)
@@ -156,7 +158,19 @@ class GrammarService:
             f.set_exception(ServiceError("FAILED_PRECONDITION", "no tokenizer loaded yet: open a "
                                          "channel first or start grammar_service with --tokenizer-dir"))
             return f
-        return compiler.compile(spec)
+        future = compiler.compile(spec)
+        marker = self.config.slow_fill_marker
+        if self.config.slow_fill_ms and marker and marker in spec.text + "".join(spec.choices):
+            future.add_done_callback(self._mark_slow)
+        return future
+
+    def _mark_slow(self, future: Future) -> None:
+        if future.exception() is None:
+            self._slow_grammar_ids.add(future.result().entry.grammar_id)
+
+    def _fill_delay_s(self, grammar_id: int) -> float:
+        """GrammarServiceConfig.slow_fill_ms for grammars marked by slow_fill_marker, else 0."""
+        return self.config.slow_fill_ms / 1e3 if grammar_id in self._slow_grammar_ids else 0.0
 
     def stats(self) -> dict:
         loops = list(self._loops.values())

@@ -33,6 +33,12 @@ GRAMMAR_SETTINGS = SettingsTable("structgen grammar", env_prefix=f"{ENV_PREFIX}G
                 "brings a new schema)", minimum=0),
         Setting("step-wait-spin-us", "microseconds a channel's loop spins for the next step before it "
                 "sleeps", minimum=0),
+        Setting("isolate-slow-rows", "fill slow rows' masks off the step's path; a row whose mask misses "
+                "the step's deadline skips that step (false: every step waits for its slowest row)"),
+        Setting("slow-fill-ms", "tests and benchmarks: extra milliseconds each mask fill of a grammar "
+                "containing --slow-fill-marker takes (0 = off)", minimum=0, chart=False),
+        Setting("slow-fill-marker", "tests and benchmarks: the text that marks a grammar for "
+                "--slow-fill-ms", chart=False),
         Setting("compile-timeout-s", "a slower compile (the wait for a worker included) is refused and "
                 "remembered", greater_than=0),
         Setting("negative-cache-ttl-s", "seconds a failed grammar is answered from memory", minimum=0),

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from grammar_service.backends.base import GrammarBackend, Matcher
+from grammar_service.slow_filler import SlowFill
 from step_channel import ERR_NONE
 
 
@@ -14,6 +15,12 @@ class Slot:
     grammar_id: int = 0
     is_terminated: bool = False  # accepted a stop token; later tokens of the slot are ignored
     pending_error: int = ERR_NONE  # reported with the slot's next results row, then cleared
+    # Slow-row isolation (slow_rows.py): a fill timed alone on the step's path decides whether
+    # the row is slow; a slow row's masks are filled in the slow filler (slow_filler.py), off that path.
+    fill_delay_s: float = 0.0      # GrammarServiceConfig.slow_fill_ms for this slot's grammar
+    num_fills_since_timed: int = -1  # -1: never timed (its next fill is); slow_rows.RETIME_EVERY
+    is_slow: bool = False
+    slow_fill: SlowFill | None = None  # a slow fill of the current state, not yet used
 
     @property
     def can_fill(self) -> bool:
@@ -33,9 +40,12 @@ class SlotTable:
     def is_valid(self, slot: int) -> bool:
         return 0 <= slot < self.max_slots
 
-    def bind(self, slot: int, backend: GrammarBackend, matcher: Matcher, grammar_id: int) -> None:
-        """FRESH: a new request's matcher replaces whatever the slot held."""
-        self.states[slot] = Slot(matcher=matcher, backend=backend, grammar_id=grammar_id)
+    def bind(self, slot: int, backend: GrammarBackend, matcher: Matcher, grammar_id: int,
+             fill_delay_s: float = 0.0) -> None:
+        """FRESH: a new request's matcher replaces whatever the slot held (a slow fill of the
+        old one finishes unread)."""
+        self.states[slot] = Slot(matcher=matcher, backend=backend, grammar_id=grammar_id,
+                                 fill_delay_s=fill_delay_s)
 
     def fail(self, slot: int, error: int) -> None:
         """Drop the matcher (never left desynchronised) and report `error` on the next results."""

@@ -10,8 +10,8 @@ can wait on and write the sequence numbers directly.
       32  entry_bytes (u64), entries_offset (u64)
       SEQ_OFFSETS: one 64-byte line per sequence word (no false sharing between writers)
     entry k = step N with N % depth == k, each part with one writer:
-      descriptor    step, batch_size, rows[max_batch] x (slot, num_positions, flags, grammar_id)
-                    -- CPU scheduler, before launching step N
+      descriptor    step, batch_size, forward_us, rows[max_batch] x (slot, num_positions,
+                    flags, grammar_id) -- CPU scheduler, before launching step N
       drafts        [max_batch, max_drafts]            -- whoever proposes drafts
       outputs       counts[max_batch], tokens[max_batch, max_positions]  -- GPU / sampler
       grammar part  mask_status, valid_positions[max_batch] (this step's rows),
@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MAGIC = 0x43534753  # "SGSC"
-VERSION = 1
+VERSION = 2  # 2: forward_us, forward_seq and VALID_LATE (a row whose mask is late skips its step)
 HEADER_BYTES = 4096
 LINE = 64
 ALIGN = 128
@@ -36,6 +36,7 @@ SEQ_OFFSETS = {
     "inputs_seq": 128,   # GPU/engine: drafts of step N are in place, step N-1 outputs written
     "outputs_seq": 192,  # GPU/engine: outputs of step N written
     "mask_seq": 256,     # grammar_service (or the watchdog): masks of step N ready
+    "forward_seq": 448,  # engine (host steps): the forward of step N is done, it waits for masks now
 }
 HEARTBEAT_OFFSET = 320   # u64 monotonic ns, written by grammar_service every loop turn
 PIDS_OFFSET = 384        # u32 creator pid, u32 grammar_service pid
@@ -55,6 +56,11 @@ ERR_INTERNAL = 4
 # Entry mask_status values.
 MASK_OK = 0
 MASK_RELEASED_BY_WATCHDOG = 1  # grammar_service was gone or stuck; masks are not valid
+
+# valid_positions of a row whose mask was not ready when the engine's forward of the step was done
+# (forward_seq, on steps whose forward_us is set): the engine does not sample it this step
+# (nothing accepted, its position not advanced) and sends it again.
+VALID_LATE = -1
 
 DESC_ROW_WORDS = 4  # slot, num_positions, flags, grammar_id
 RESULT_WORDS = 2    # terminated_at, error
@@ -112,7 +118,7 @@ class EntryLayout:
         off = 0
         parts = {}
         for name, nbytes in (
-            ("desc_header", 8),
+            ("desc_header", 12),  # step, batch_size, forward_us
             ("desc_rows", 4 * g.max_batch * DESC_ROW_WORDS),
             ("drafts", 4 * g.max_batch * max(g.max_drafts, 1)),
             ("out_counts", 4 * g.max_batch),

@@ -37,6 +37,7 @@ class StepEntry:
     """Numpy views of one ring entry; each part has exactly one writer (see layout)."""
 
     desc_header: np.ndarray      # (2,) step, batch_size
+    forward_us: np.ndarray       # (1,) the engine's recent forward time; 0: no row may be late
     desc_rows: np.ndarray        # (max_batch, 4) slot, num_positions, flags, grammar_id
     drafts: np.ndarray           # (max_batch, max(max_drafts, 1))
     out_counts: np.ndarray       # (max_batch,)
@@ -157,6 +158,7 @@ class StepChannel:
 
         return StepEntry(
             desc_header=view(lay.desc_header, (2,)),
+            forward_us=view(lay.desc_header + 8, (1,)),
             desc_rows=view(lay.desc_rows, (g.max_batch, DESC_ROW_WORDS)),
             drafts=view(lay.drafts, (g.max_batch, max(g.max_drafts, 1))),
             out_counts=view(lay.out_counts, (g.max_batch,)),

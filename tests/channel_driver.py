@@ -55,16 +55,22 @@ class ChannelDriver:
         self.step_no = first_step - 1
         self._prev_batch = 0
 
-    def step(self, rows: list[Row], timeout_s: float = 10.0) -> StepView:
+    def step(self, rows: list[Row], timeout_s: float = 10.0, forward_us: int = 0) -> StepView:
+        """`forward_us`: the engine's forward time, whose forward is done at once here
+        (`forward_seq = N` beside `inputs_seq`: a slow row whose mask is not ready is late);
+        0: grammar_service waits for every row."""
         self.step_no += 1
         n, g = self.step_no, self.channel.geometry
         e = self.channel.entry(n)
         e.desc_header[:] = (n, len(rows))
+        e.forward_us[0] = forward_us
         for r, row in enumerate(rows):
             e.desc_rows[r] = (row.slot, row.num_positions, row.flags, row.grammar_id)
             if row.drafts:
                 e.drafts[r, :len(row.drafts)] = row.drafts
         self.channel.publish_seq("inputs_seq", n)
+        if forward_us:
+            self.channel.publish_seq("forward_seq", n)
         if not self.channel.wait_seq("mask_seq", n, timeout_s=timeout_s, spin_s=1e-3, max_sleep_s=50e-6):
             raise TimeoutError(f"grammar_service did not publish masks of step {n} in {timeout_s} s")
         view = StepView(

@@ -92,6 +92,7 @@ class EngineStats:
     prefix_cache_query_tokens: int = 0  # tokens of admitted requests looked up in the prefix cache
     prefix_cache_hit_tokens: int = 0    # ...of which were found cached (not prefilled)
     prefix_cache_evictions: int = 0     # cached pages evicted to make room
+    num_late_rows: int = 0              # sampling rows skipped because their grammar mask was late
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -283,7 +283,8 @@ class Engine:
                 num_kv_pages_cached=self.prefix_cache.num_cached_pages,
                 prefix_cache_query_tokens=self.prefix_cache.num_query_tokens,
                 prefix_cache_hit_tokens=self.prefix_cache.num_hit_tokens,
-                prefix_cache_evictions=self.prefix_cache.num_evictions)
+                prefix_cache_evictions=self.prefix_cache.num_evictions,
+                num_late_rows=self.table.num_late_rows)
 
     # ---- the loop ----------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -329,7 +330,10 @@ class Engine:
                 return True
             samples, masks = self.runner.collect(launch, self.link)
         else:
+            forward_started = time.perf_counter()
             logits = self.runner.run(batch) if batch.rows else None
+            if self.link is not None and batch.rows:
+                self.link.forward_done(step, time.perf_counter() - forward_started)
             masks = self.link.wait(step) if step is not None else None
             samples = self._sample(batch, logits, masks)
             self.num_mixed_steps += bool(batch.rows)

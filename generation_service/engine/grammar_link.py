@@ -6,6 +6,14 @@ forward, so the grammar service fills masks while the model runs; `wait` waits f
 `mask_seq >= N` under the watchdog and returns the mask rows and the results of step N-1;
 `publish` writes the accepted tokens and `outputs_seq = N`.
 
+Late rows: a host step's descriptor carries `forward_us`, the engine's recent forward time
+(grammar_service's measure of a slow row), and `forward_done` publishes `forward_seq = N` when
+the forward of step N is done: a slow row whose mask is not ready then is VALID_LATE, the others'
+masks are published at once, and the engine samples nothing for that row in that step
+(lifecycle.py). GPU steps give 0: every row waits, because the graph would feed a late row's
+sample back and publish it as accepted (left for the graph path: its epilogue would have to
+read valid_positions).
+
 GPU steps (runner "cuda_graph", docs/gpu.md): `begin(rows, gpu=True)` writes the descriptor
 only; the captured graph publishes `inputs_seq`, waits for `mask_seq` on the device, and
 writes the outputs and `outputs_seq`. `wait_gpu` keeps the watchdog on `mask_seq` while the
@@ -46,6 +54,7 @@ log = logging.getLogger(__name__)
 # is ~1 ms, docs/gpu.md), so it sleeps in short steps rather than backing off to 1 ms.
 GPU_POLL_SPIN_S = 100e-6
 GPU_POLL_SLEEP_S = 50e-6
+FORWARD_EWMA_WEIGHT = 0.2  # of the newest forward in the mean forward time (`forward_us`)
 
 
 class GrammarControl(Protocol):
@@ -101,7 +110,8 @@ class RowResult:
 class StepMasks:
     bitmask: torch.Tensor | None  # (sum of num_positions of sampling rows, mask_words) int32; None: applied on the GPU
     results: list[RowResult]   # errors/termination for rows of the previous grammar step
-    valid_positions: dict[int, int]  # id(request) -> leading positions with exact masks (0: none)
+    valid_positions: dict[int, int]  # id(request) -> leading positions with exact masks (0: none,
+                                     # VALID_LATE: not ready, the row skips this step)
 
 
 class GrammarLink:
@@ -129,6 +139,7 @@ class GrammarLink:
         self._released_tokens: dict[int, list[int]] = {}  # GPU steps the watchdog released early
         self.num_steps = 0
         self.wait_s_total = 0.0
+        self.forward_s_mean = 0.0  # of host steps' forwards (forward_done); 0: none seen yet
         self.num_disconnects = 0
         # Called with a region before it is unmapped (the GPU runner unregisters it first).
         self.before_close: Callable[[StepChannel], None] | None = None
@@ -239,6 +250,7 @@ class GrammarLink:
             if row.drafts:
                 entry.drafts[r, :len(row.drafts)] = row.drafts
         entry.desc_header[:] = (step, len(rows))
+        entry.forward_us[0] = 0 if gpu else self.forward_us
         self._rows[step] = rows
         # N's results are read against N-1's rows; under overlap N+1 is begun before N is read.
         self._rows.pop(step - 3, None)
@@ -248,6 +260,19 @@ class GrammarLink:
             self._open_step = step
         self.num_steps += 1
         return step
+
+    @property
+    def forward_us(self) -> int:
+        """The mean forward time of host steps (0 until one was timed: no row is late then)."""
+        return max(1, int(self.forward_s_mean * 1e6)) if self.forward_s_mean else 0
+
+    def forward_done(self, step: int | None, seconds: float) -> None:
+        """A host step's forward is done after `seconds`; from now on the engine waits for the
+        masks of `step` (None: a step without the channel), so a mask not ready now is late."""
+        mean = self.forward_s_mean
+        self.forward_s_mean = seconds if not mean else mean + FORWARD_EWMA_WEIGHT * (seconds - mean)
+        if step is not None and self.channel is not None:
+            self.channel.publish_seq("forward_seq", step)
 
     def wait(self, step: int) -> StepMasks | None:
         """Masks of `step` in sampling-row order, or None when the watchdog released it."""

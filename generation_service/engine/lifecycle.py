@@ -21,7 +21,7 @@ from generation_service.engine.request import Request, RequestStatus
 from generation_service.engine.sampler import SampleResult
 from generation_service.engine.scheduler import ScheduledBatch, Scheduler, SlotPool
 from generation_service.engine.stream import RequestStream
-from step_channel import ERR_NO_MATCHER, ERR_TOKEN_REJECTED, ERR_UNKNOWN_GRAMMAR
+from step_channel import ERR_NO_MATCHER, ERR_TOKEN_REJECTED, ERR_UNKNOWN_GRAMMAR, VALID_LATE
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,7 @@ class RequestTable:
         self.draft_proposed = 0
         self.draft_accepted = 0
         self.num_finished = 0
+        self.num_late_rows = 0                 # sampling rows skipped: their masks were late
         self.tokens_generated = 0
         # Called with each finished Request (engine thread, lock held): traces, metrics.
         self.finish_listeners: list[Callable[[Request], None]] = []
@@ -137,9 +138,13 @@ class RequestTable:
             _, result = next(sampling)
             if request.is_finished:
                 continue
-            if request.is_constrained and masks is not None and masks.valid_positions[id(request)] == 0:
+            valid = masks.valid_positions[id(request)] if request.is_constrained and masks is not None else 1
+            if valid == 0:
                 self.finish(request, FinishReason.ERROR, GrammarUnavailableError(
                     "grammar_service has no matcher for this request"))
+                continue
+            if valid == VALID_LATE:  # its mask was not ready: sampled again next step
+                self._skip(row, request)
                 continue
             kept[id(request)] = self._accept(row, request, result, pushed)
             if not request.is_finished:  # (a finished one's pages were keyed as they were freed)
@@ -163,6 +168,15 @@ class RequestTable:
             stream.push(OutputEvent.of_tokens(tuple(delta.token_ids), delta.text, tuple(delta.logprobs)))
             pushed.append(stream)
         return delta.token_ids
+
+    def _skip(self, row, request: Request) -> None:
+        """A late row accepts nothing: K/V stays valid up to its last known token, which the next
+        step computes again and samples after (the same draw: seeded by token index)."""
+        request.num_cached = row.seq_len - len(row.drafts) - 1
+        self.num_late_rows += 1
+        if row.drafts:
+            self.scheduler.trim_pages(request)
+        self.scheduler.store_pages(request)
 
     def _accept_drafts(self, row, request: Request, result: SampleResult) -> None:
         # K/V is valid for the known tokens and the accepted drafts; the rest is rolled back.

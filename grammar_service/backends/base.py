@@ -100,6 +100,11 @@ class GrammarBackend(abc.ABC):
     @abc.abstractmethod
     def batch_fill(self, matchers: Sequence[Matcher], masks: np.ndarray, indices: Sequence[int]) -> None: ...
 
+    def fill_alone(self, matcher: Matcher, masks: np.ndarray, index: int) -> None:
+        """`batch_fill` of one row, safe beside a `batch_fill` running in another thread (the
+        slow filler, grammar_service/slow_filler.py); it should release the GIL while it fills."""
+        self.batch_fill([matcher], masks, [index])
+
     @abc.abstractmethod
     def batch_rollback(self, matchers: Sequence[Matcher], num_tokens: Sequence[int]) -> None: ...
 

@@ -194,5 +194,9 @@ class XGrammarBackend(GrammarBackend):
         # masks is a view of the shared region: xgrammar writes into it through DLPack.
         self._batch.batch_fill_next_token_bitmask([m.inner for m in matchers], masks, list(indices))
 
+    def fill_alone(self, matcher: XGrammarMatcher, masks: np.ndarray, index: int) -> None:
+        # The matcher's own fill: the shared BatchGrammarMatcher may be filling other rows.
+        matcher.inner.fill_next_token_bitmask(masks, index)
+
     def batch_rollback(self, matchers: Sequence[XGrammarMatcher], num_tokens: Sequence[int]) -> None:
         xgr.BatchGrammarMatcher.batch_rollback([m.inner for m in matchers], list(num_tokens))

@@ -5,14 +5,16 @@ import time
 
 import pytest
 
-from live_server import LIMITS, LiveServer, free_port, start_serve, stop_serve
+from live_server import LIMITS, SLOW_FILL_MARKER, SLOW_FILL_MS, LiveServer, free_port, start_serve, stop_serve
 
 
 @pytest.fixture(scope="session")
 def live_server(tmp_path_factory) -> LiveServer:
     log_path = tmp_path_factory.mktemp("serve") / "serve.log"
     args = [f"--{name.replace('_', '-')}={value}" for name, value in LIMITS.items()]
-    server = start_serve(args + [f"--http-port={free_port()}"], log_path)
+    slow_fill = {"STRUCTGEN_GRAMMAR_SLOW_FILL_MS": str(SLOW_FILL_MS),
+                 "STRUCTGEN_GRAMMAR_SLOW_FILL_MARKER": SLOW_FILL_MARKER}
+    server = start_serve(args + [f"--http-port={free_port()}"], log_path, env=slow_fill)
     yield server
     code = stop_serve(server)
     assert code == 0, f"structgen serve exited with {code} on SIGTERM:\n{server.log_text()[-4000:]}"

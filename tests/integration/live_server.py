@@ -23,6 +23,10 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 LIMITS = {"max_new_tokens_limit": 64, "max_prompt_tokens": 512, "max_grammar_bytes": 65536,
           "max_message_bytes": 262144, "default_max_tokens": 16}
+# The session server's grammar_service gives every mask fill of a grammar containing this text
+# SLOW_FILL_MS more (GrammarServiceConfig.slow_fill_ms): a slow grammar on demand (test_api_slow_grammar.py).
+SLOW_FILL_MARKER = "structgen-test-slow-fill"
+SLOW_FILL_MS = 1000
 READY_MARK = "listening on "
 HTTP_MARK = "OpenAI-compatible HTTP API on "  # printed before READY_MARK when --http-port is set
 STARTUP_TIMEOUT_S = 600  # the first run builds the default model's checkpoint
@@ -52,13 +56,14 @@ def free_port() -> int:
 
 
 def start_serve(extra_args: list[str], log_path: pathlib.Path,
-                timeout_s: float = STARTUP_TIMEOUT_S) -> LiveServer:
-    """`structgen serve --port 0 ...` as a subprocess; returns once it prints its address."""
+                timeout_s: float = STARTUP_TIMEOUT_S, env: dict[str, str] | None = None) -> LiveServer:
+    """`structgen serve --port 0 ...` as a subprocess (`env` added to this process's environment);
+    returns once it prints its address."""
     argv = [sys.executable, "-m", "structgen.cli", "serve", "--host", "127.0.0.1", "--port", "0",
             *extra_args]
     log_file = open(log_path, "w")
     process = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=log_file, text=True,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                               env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     server = LiveServer(process, "", log_path)
     ready = threading.Event()
 
