@@ -31,6 +31,7 @@ from generation_service.engine.params import GrammarSpec
 from grammar_service.backends.base import GrammarBackend, GrammarCompileError, Matcher, TokenizerData
 from grammar_service.config import llguidance_lanes
 from grammar_service.guarantees import llguidance_unenforced
+from grammar_service.schema_drafts import as_drafted
 
 WHITESPACE = r"[\x20\x0A\x0D\x09]"
 
@@ -86,7 +87,7 @@ def grammar_for(spec: GrammarSpec) -> str:
         raise GrammarCompileError(unsupported(spec))
     try:
         if spec.kind in ("json_schema", "json_object"):
-            text = spec.text if spec.kind == "json_schema" else '{"type": "object"}'
+            text = as_drafted(spec.text) if spec.kind == "json_schema" else '{"type": "object"}'
             return llg.LLMatcher.grammar_from_json_schema(text, defaults=json_options(spec))
         if spec.kind == "regex":
             return llg.LLMatcher.grammar_from_regex(spec.text)
@@ -171,7 +172,7 @@ class LLGuidanceBackend(GrammarBackend):
     def unenforced_keywords(self, spec: GrammarSpec) -> tuple:
         if spec.kind != "json_schema":
             return ()
-        return llguidance_unenforced(spec.text, json_options(spec))
+        return llguidance_unenforced(as_drafted(spec.text), json_options(spec))
 
     # ---- matchers ------------------------------------------------------------------------
     def new_matcher(self, compiled: LLGuidanceGrammar) -> LLGuidanceMatcher:

@@ -12,6 +12,7 @@ import xgrammar as xgr
 from generation_service.engine.params import GrammarSpec
 from grammar_service.backends.base import GrammarBackend, GrammarCompileError, Matcher, TokenizerData
 from grammar_service.backends.xgrammar_unenforced import find_unenforced
+from grammar_service.schema_drafts import as_drafted
 
 # xgrammar prefixes messages with "[hh:mm:ss] /project/cpp/file.cc:123: " and sometimes
 # "Check failed: (...) is false: "; the user needs neither.
@@ -83,7 +84,7 @@ class XGrammarBackend(GrammarBackend):
 
     def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         if spec.kind in ("json_schema", "json_object"):
-            text = spec.text if spec.kind == "json_schema" else '{"type": "object"}'
+            text = as_drafted(spec.text) if spec.kind == "json_schema" else '{"type": "object"}'
             any_ws = spec.any_whitespace and spec.max_whitespace != 0
             # strict_mode=False: objects and arrays are as open as the schema says (xgrammar's
             # default closes every object without additionalProperties, refusing valid output).
@@ -104,7 +105,7 @@ class XGrammarBackend(GrammarBackend):
         if spec.kind != "json_schema":
             return ()
         try:
-            schema = json.loads(spec.text)
+            schema = json.loads(as_drafted(spec.text))
         except ValueError:
             return ()  # the compile reports the malformed JSON
         return tuple(find_unenforced(schema))
