@@ -220,12 +220,18 @@ class GrammarCompiler:
             timer.daemon = True
             timers.append(timer)
             timer.start()
+            abandoned = None
             try:
                 started = time.perf_counter()
-                backend, compiled, unenforced = compile_with(spec, requested, self._backend_for)
-                return (time.perf_counter() - started) * 1e3, backend, compiled, unenforced
+                done = compile_with(spec, requested, self._backend_for, time_box_s=self._config.auto_time_box_s,
+                                    deadline=deadline)
+                abandoned = done.abandoned
+                return (time.perf_counter() - started) * 1e3, done.backend, done.grammar, done.unenforced
             finally:
-                self._threads.release()
+                if abandoned is None:
+                    self._threads.release()
+                else:  # auto's time-boxed compile runs on: it keeps its thread's place until it ends
+                    abandoned.add_done_callback(lambda _: self._threads.release())
 
         def finished(done: Future) -> None:
             with self._lock:
