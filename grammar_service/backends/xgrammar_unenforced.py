@@ -21,6 +21,10 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
+# imported with the backend (before a compile worker is ready): the import takes ~1 s, which a
+# first compile would otherwise pay
+import jsonschema
+
 from generation_service.engine.events import UnenforcedKeyword
 
 ENFORCED_FORMATS = frozenset({
@@ -113,8 +117,6 @@ def _beside_values(schema: dict, pointer: str) -> Iterator[UnenforcedKeyword]:
     siblings = [k for k in ASSERTIONS if k in rest and k not in IGNORED]
     if not siblings:
         return
-    import jsonschema
-
     try:
         validator = jsonschema.Draft202012Validator(rest)
         broken = {error.relative_schema_path[0] for value in values for error in validator.iter_errors(value)}

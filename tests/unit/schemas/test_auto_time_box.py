@@ -88,5 +88,6 @@ def test_the_service_serves_the_fallback_and_replaces_the_busy_worker(boxed_serv
     assert outcome.entry.backend == "llguidance" and outcome.entry.unenforced
     assert sandbox.num_replaced == replaced + 1, "the worker still compiling xgrammar was replaced"
     assert boxed_service.compile(spec).result(5).cache_hit
-    only = boxed_service.compile(XGRAMMAR_ONLY).result(120)  # the one worker is back and compiles again
+    assert boxed_service.wait_compile_ready(120), "the replacement worker starts"
+    only = boxed_service.compile(XGRAMMAR_ONLY).result(120)
     assert only.entry.backend == "xgrammar"
