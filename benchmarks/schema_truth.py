@@ -46,6 +46,8 @@ from benchmarks.corpus import load_wide_corpus  # noqa: E402
 COLUMNS = ("xgrammar", "llguidance", "auto")
 MAX_INSTANCE_TOKENS = 3000
 EXCERPT_CHARS = 60
+# the restriction (grammar_service/restrictions.py) that names a refusal of each variant
+NAMED_BY = {"reordered": "properties", "undeclared_first": "additionalProperties"}
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -93,6 +95,8 @@ class _Column:
         from generation_service.engine.params import GrammarSpec
         from grammar_service.backend_choice import compile_with
         from grammar_service.backends.base import GrammarCompileError
+        from grammar_service.restrictions import json_restrictions
+        from grammar_service.schema_drafts import as_drafted
 
         spec = GrammarSpec("json_schema", text)
         started = time.perf_counter()
@@ -105,9 +109,10 @@ class _Column:
         except (GrammarCompileError, ValueError, RecursionError) as exc:
             return {"compile_error": str(exc)[:300], "compile_ms": (time.perf_counter() - started) * 1e3}
         self._done = done
-        return {"compile_ms": (time.perf_counter() - started) * 1e3, "backend": done.backend,
-                "boxed_out": done.abandoned is not None,
-                "unenforced": sorted({u.keyword for u in done.unenforced})}
+        elapsed_ms = (time.perf_counter() - started) * 1e3
+        return {"compile_ms": elapsed_ms, "backend": done.backend, "boxed_out": done.abandoned is not None,
+                "unenforced": sorted({u.keyword for u in done.unenforced}),
+                "restricted": sorted({r.keyword for r in json_restrictions(as_drafted(text))})}
 
     def feed(self, text: str) -> tuple[str, str, list[float]]:
         """(outcome, excerpt where it failed, fill seconds per token) for one document."""
@@ -149,6 +154,8 @@ class _Column:
             result = {"kind": kind, "valid": is_valid, "outcome": outcome}
             if outcome != "accepted" and outcome != "too_long":
                 result["at"] = where
+            if outcome != "accepted" and is_valid:
+                result["named"] = NAMED_BY.get(kind, "") in row["restricted"]
             if outcome == "accepted" and not is_valid:
                 result["silent"] = judge(text, doc, row["unenforced"])["unreported"]
             results.append(result)
@@ -213,6 +220,13 @@ class _Pool:
 
 
 # --- summary ------------------------------------------------------------------------------
+def _mark(instance: dict) -> str:
+    """. right; R a valid instance refused (r: named by the report); A an invalid one accepted."""
+    if (instance["outcome"] == "accepted") == instance["valid"] or instance["outcome"] == "too_long":
+        return "."
+    return ("r" if instance.get("named") else "R") if instance["valid"] else "A"
+
+
 def summarize(column: str, rows: dict[str, dict]) -> dict:
     compiled = {n: r for n, r in rows.items() if "compile_error" not in r}
     times = [r["compile_ms"] for r in compiled.values()]
@@ -235,6 +249,9 @@ def summarize(column: str, rows: dict[str, dict]) -> dict:
                             "refused_by_kind": dict(Counter(i["kind"] for _, i in refused)),
                             "refused_by_outcome": dict(Counter(i["outcome"] for _, i in refused)),
                             "schemas_with_a_refusal": len({n for n, _ in refused}),
+                            "schemas_with_an_unnamed_refusal": len({n for n, i in refused if not i.get("named")}),
+                            "unnamed_refusals": [[n, i["kind"], i["outcome"], i.get("at", "")]
+                                                 for n, i in refused if not i.get("named")],
                             "schemas_with_a_refusal_of_example_or_generated": len(
                                 {n for n, i in refused if i["kind"] in ("example", "generated")})},
         "invalid_instances": {"num": len(invalid), "accepted": len(accepted_bad),
@@ -283,8 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         for column, pool in pools.items():
             row = rows[column][schema.name] = pool.run(schema.name, schema.text, instances[schema.name])
             outcome = "timeout" if row.get("timeout") else "error" if "compile_error" in row else (
-                f"{row['compile_ms']:.0f}ms " + "".join("." if i["outcome"] == "accepted" else "x"
-                                                         for i in row.get("instances", [])))
+                f"{row['compile_ms']:.0f}ms " + "".join(_mark(i) for i in row.get("instances", [])))
             line += f" | {column[:4]} {outcome}"
         print(line, flush=True)
     for pool in pools.values():
@@ -294,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
         ms, v, i, f = s["compile_ms"], s["valid_instances"], s["invalid_instances"], s["fill_us"]
         print(f"{c:10s} compiled {s['num_compiled']}/{s['num_schemas']} (timeouts {s['num_timeouts']}) compile ms "
               f"p50 {ms['p50'] or 0:.1f} p90 {ms['p90'] or 0:.1f} p99 {ms['p99'] or 0:.1f}; valid refused "
-              f"{v['refused']}/{v['num']} in {v['schemas_with_a_refusal']} schemas {v['refused_by_kind']}; invalid "
+              f"{v['refused']}/{v['num']} in {v['schemas_with_a_refusal']} schemas ({v['schemas_with_an_unnamed_refusal']} "
+              f"unnamed) {v['refused_by_kind']}; invalid "
               f"accepted {i['accepted']}/{i['num']} (silent {i['accepted_silent']}); fill us p50 {f['p50'] or 0:.0f} "
               f"p99 {f['p99'] or 0:.0f}")
     from importlib.metadata import version
