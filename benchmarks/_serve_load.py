@@ -9,6 +9,13 @@ its own task. Every request records its send time, the arrival time and token co
 streamed message, and how it ended (finish reason, validation status, gRPC code). Requests are
 token ids (`prompts`: slices of real text tokenized with the server's tokenizer, exact lengths),
 so the prompt length is the workload's and no server-side tokenization varies between runs.
+
+The server caches KV pages of prompt prefixes: unless a workload shares prefixes on purpose,
+a few tokens of every request (`Workload.unique_at`) spell a number unique to it in the run
+(`run_workload`'s `salt` apart from other workloads), so no request finds a page of another in
+the cache, whatever prompt it drew. A multi-turn workload (`turns`) holds one conversation per
+user: each turn resends the conversation so far (prompt, answers, a new message of
+`turn_tokens` tokens), as chat clients and agent loops do.
 """
 from __future__ import annotations
 
@@ -38,6 +45,9 @@ class Workload:
     warmup_s: float = 3.0
     num_requests: int = 0           # > 0: exactly this many requests one after another (idle TTFT)
     transport: str = "grpc"         # "grpc" or "http" (the OpenAI-compatible API at `address`)
+    unique_at: int | None = 0       # tokens from here spell the request's number; None: prompts as drawn
+    turns: int = 0                  # > 0: conversations of this many turns, each resending the whole
+    turn_tokens: int = 64           # tokens of each new message of a conversation
 
 
 @dataclass
@@ -52,6 +62,8 @@ class Record:
     validation: str = ""
     code: str = "OK"
     prompt_len: int = 0
+    cached_tokens: int = 0          # usage.cached_prompt_tokens (gRPC): prompt tokens the server found cached
+    turn: int = 0                   # multi-turn: which turn of its conversation
 
     @property
     def num_tokens(self) -> int:
@@ -82,7 +94,8 @@ def make_prompts(tokenizer_json: str, lengths: set[int], count: int, seed: int) 
 
 
 async def _one_request(stub, pb, workload: Workload, prompt: list[int], max_tokens: int, t0: float,
-                       records: list[Record], seed: int) -> None:
+                       records: list[Record], seed: int, turn: int = 0) -> list[int]:
+    """Send one request and record it; returns its output token ids."""
     request = pb.GenerateRequest(
         token_ids=pb.TokenIds(ids=prompt),
         sampling=pb.SamplingParams(temperature=0.0, seed=seed),
@@ -90,14 +103,17 @@ async def _one_request(stub, pb, workload: Workload, prompt: list[int], max_toke
     if workload.json_schema is not None:
         request.json_schema = workload.json_schema
         request.constraint_options.compact = True
-    record = Record(time.perf_counter() - t0, [], [], 0.0, prompt_len=len(prompt))
+    record = Record(time.perf_counter() - t0, [], [], 0.0, prompt_len=len(prompt), turn=turn)
+    output: list[int] = []
     try:
         async for message in stub.Generate(request):
             if message.token_ids:
                 record.message_times.append(time.perf_counter() - t0)
                 record.message_tokens.append(len(message.token_ids))
+                output += message.token_ids
             if message.finish_reason:
                 record.finish_reason = pb.FinishReason.Name(message.finish_reason)
+                record.cached_tokens = message.usage.cached_prompt_tokens
                 if message.HasField("validation"):
                     record.validation = pb.ValidationStatus.Name(message.validation.status)
     except asyncio.CancelledError:  # the window ended with this request streaming: its tokens count
@@ -107,6 +123,13 @@ async def _one_request(stub, pb, workload: Workload, prompt: list[int], max_toke
         record.code = code().name if callable(code) else type(error).__name__
     record.end = time.perf_counter() - t0
     records.append(record)
+    return output
+
+
+def unique_tokens(number: int, alphabet: list[int], num_digits: int) -> list[int]:
+    """`number` in base len(alphabet), `num_digits` digits, as tokens of the alphabet."""
+    k = len(alphabet)
+    return [alphabet[number // k ** d % k] for d in range(num_digits)]
 
 
 class HttpStub:
@@ -116,7 +139,7 @@ class HttpStub:
         self.client, self.model = client, model
 
     async def one_request(self, workload: Workload, prompt: list[int], max_tokens: int, t0: float,
-                          record: Record, seed: int) -> None:
+                          record: Record, seed: int, output: list[int]) -> None:
         import json
 
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
@@ -143,6 +166,7 @@ class HttpStub:
                     if extension.get("token_ids"):
                         record.message_times.append(time.perf_counter() - t0)
                         record.message_tokens.append(len(extension["token_ids"]))
+                        output += extension["token_ids"]
                     if choice.get("finish_reason"):
                         record.finish_reason = "FINISH_REASON_" + extension.get("finish_reason", "").upper()
                         if "validation" in extension:
@@ -150,20 +174,24 @@ class HttpStub:
 
 
 async def _one_http_request(stub: HttpStub, workload: Workload, prompt: list[int], max_tokens: int, t0: float,
-                            records: list[Record], seed: int) -> None:
-    record = Record(time.perf_counter() - t0, [], [], 0.0, prompt_len=len(prompt))
+                            records: list[Record], seed: int, turn: int = 0) -> list[int]:
+    record = Record(time.perf_counter() - t0, [], [], 0.0, prompt_len=len(prompt), turn=turn)
+    output: list[int] = []
     try:
-        await stub.one_request(workload, prompt, max_tokens, t0, record, seed)
+        await stub.one_request(workload, prompt, max_tokens, t0, record, seed, output)
     except asyncio.CancelledError:
         record.code = CANCELLED_AT_END
     except Exception as error:  # noqa: BLE001 -- a failed call is a result, never a crash
         record.code = type(error).__name__
     record.end = time.perf_counter() - t0
     records.append(record)
+    return output
 
 
 async def _drive(address: str, workload: Workload, prompts: list[list[int]], share: float, seed: int,
-                 start_at: float) -> list[Record]:
+                 start_at: float, proc: tuple[int, int] = (0, 1), salt: int = 0) -> list[Record]:
+    """`proc`: (this process's index, processes): requests are numbered apart across processes,
+    from `salt` on."""
     if workload.transport == "http":
         import httpx
 
@@ -172,7 +200,7 @@ async def _drive(address: str, workload: Workload, prompts: list[list[int]], sha
             model = (await client.get("/v1/models")).json()["data"][0]["id"]
             stub = HttpStub(client, model)
             return await _drive_with(lambda *a: _one_http_request(stub, *a), workload, prompts, share, seed,
-                                     start_at)
+                                     start_at, proc, salt)
     import grpc
 
     from structgen.v1 import generation_pb2 as pb
@@ -182,20 +210,36 @@ async def _drive(address: str, workload: Workload, prompts: list[list[int]], sha
     async with grpc.aio.insecure_channel(address, options=options) as channel:
         stub = pb_grpc.GenerationServiceStub(channel)
         await channel.channel_ready()
-        return await _drive_with(lambda *a: _one_request(stub, pb, *a), workload, prompts, share, seed, start_at)
+        return await _drive_with(lambda *a: _one_request(stub, pb, *a), workload, prompts, share, seed, start_at,
+                                 proc, salt)
 
 
 async def _drive_with(one_request, workload: Workload, prompts: list[list[int]], share: float, seed: int,
-                      start_at: float) -> list[Record]:
-    """`one_request(workload, prompt, max_tokens, t0, records, seed)` under the workload's load."""
+                      start_at: float, proc: tuple[int, int], salt: int) -> list[Record]:
+    """`one_request(workload, prompt, max_tokens, t0, records, seed[, turn])` -> output ids, under the
+    workload's load."""
     rng = random.Random(seed)
     records: list[Record] = []
     counter = iter(range(1 << 30))
+    alphabet = sorted({t for p in prompts for t in p})  # token ids the prompts use: valid ones
+    num_digits = 2
+    while len(alphabet) ** num_digits < 1 << 40:  # run-unique numbers below 2^40
+        num_digits += 1
 
     def next_args() -> tuple[list[int], int]:
         n = next(counter)
         lengths = workload.max_tokens_list
-        return prompts[rng.randrange(len(prompts))], lengths[(seed * 7919 + n) % len(lengths)] if lengths else workload.max_tokens
+        prompt = prompts[rng.randrange(len(prompts))]
+        at = workload.unique_at
+        if at is not None and len(alphabet) > 1:  # this request's number in the run, as tokens
+            unique = unique_tokens(salt + n * proc[1] + proc[0], alphabet, num_digits)
+            prompt = prompt[:at] + unique + prompt[at + len(unique):]
+        return prompt, lengths[(seed * 7919 + n) % len(lengths)] if lengths else workload.max_tokens
+
+    def new_message() -> list[int]:
+        source = prompts[rng.randrange(len(prompts))]
+        start = rng.randrange(max(1, len(source) - workload.turn_tokens))
+        return source[start:start + workload.turn_tokens]
 
     while time.time() < start_at:  # every process starts at once
         await asyncio.sleep(0.001)
@@ -205,7 +249,14 @@ async def _drive_with(one_request, workload: Workload, prompts: list[list[int]],
     async def user() -> None:
         while time.perf_counter() - t0 < end:
             prompt, max_tokens = next_args()
-            await one_request(workload, prompt, max_tokens, t0, records, rng.randrange(1 << 30))
+            if not workload.turns:
+                await one_request(workload, prompt, max_tokens, t0, records, rng.randrange(1 << 30))
+                continue
+            for turn in range(workload.turns):  # one conversation: each turn resends it all
+                if time.perf_counter() - t0 >= end:
+                    break
+                answer = await one_request(workload, prompt, max_tokens, t0, records, rng.randrange(1 << 30), turn)
+                prompt = prompt + answer + new_message()
 
     if workload.num_requests:
         for _ in range(workload.num_requests):
@@ -241,21 +292,23 @@ async def _wait_until(t0: float, end: float, tasks: list) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _process_main(address, workload, prompts, share, seed, start_at, queue) -> None:
-    records = asyncio.run(_drive(address, workload, prompts, share, seed, start_at))
+def _process_main(address, workload, prompts, share, seed, start_at, queue, proc, salt) -> None:
+    records = asyncio.run(_drive(address, workload, prompts, share, seed, start_at, proc, salt))
     queue.put([(r.start, r.message_times, r.message_tokens, r.end, r.finish_reason, r.validation, r.code,
-                r.prompt_len) for r in records])
+                r.prompt_len, r.cached_tokens, r.turn) for r in records])
 
 
 def run_workload(address: str, workload: Workload, prompts: list[list[int]], num_procs: int,
-                 seed: int = 0) -> list[Record]:
-    """Run `workload` from `num_procs` client processes (one for a fixed request count)."""
+                 seed: int = 0, salt: int = 0) -> list[Record]:
+    """Run `workload` from `num_procs` client processes (one for a fixed request count). `salt`:
+    the first request number (`Workload.unique_at`); workloads on one server take ranges apart."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     num_procs = 1 if workload.num_requests else max(1, min(num_procs, workload.concurrency or num_procs))
     start_at = time.time() + 2.0 + 0.3 * num_procs  # spawn + imports + channel ready
     procs = [ctx.Process(target=_process_main, args=(address, workload, prompts, 1 / num_procs, seed + i,
-                                                     start_at, queue), daemon=True) for i in range(num_procs)]
+                                                     start_at, queue, (i, num_procs), salt), daemon=True)
+             for i in range(num_procs)]
     for p in procs:
         p.start()
     records = []

@@ -41,9 +41,10 @@ from generation_service.engine.events import FinishReason  # noqa: E402
 from generation_service.engine.kv_cache import PageAllocator  # noqa: E402
 from generation_service.engine.lifecycle import RequestTable  # noqa: E402
 from generation_service.engine.params import GenerationRequest, SamplingParams  # noqa: E402
+from generation_service.engine.prefix_cache import PrefixCache  # noqa: E402
 from generation_service.engine.request import Request, RequestStatus  # noqa: E402
 from generation_service.engine.sampler import SampleResult  # noqa: E402
-from generation_service.engine.scheduler import ScheduledBatch, ScheduledRow, Scheduler, SlotPool  # noqa: E402
+from generation_service.engine.scheduler import ScheduledBatch, ScheduledRow, Scheduler, SlotPool, TokenBudget  # noqa: E402
 from generation_service.engine.stream import RequestStream  # noqa: E402
 from generation_service import proto_convert  # noqa: E402
 from generation_service.metrics import GenerationMetrics  # noqa: E402
@@ -78,6 +79,7 @@ def make_requests(table: RequestTable, prompt_ids: list[int], num: int, max_new:
         request = Request(spec, frozenset(), sample_seed=i)
         request.status, request.slot = RequestStatus.RUNNING, table.slots.allocate()
         request.num_cached = request.num_tokens - 1
+        request.pages = table.scheduler.cache.allocate(-(-(request.num_tokens + max_new) // 16))
         table.scheduler.running.append(request)
         table.attach_stream(request, RequestStream(request.request_id, table.cancel))
         requests.append(request)
@@ -124,8 +126,8 @@ def drain_now(streams: list[RequestStream]) -> None:
 def run_case(tokenizer, corpus_ids: list[int], prompt_ids: list[int], *, num_requests: int,
              num_steps: int, stop_strings: tuple[str, ...], consumers: str) -> dict:
     slots = SlotPool(2 * num_requests)
-    scheduler = Scheduler(PageAllocator(1 << 16), 16, slots, max_batch=num_requests,
-                          max_waiting=num_requests, prefill_chunk_tokens=4096)
+    scheduler = Scheduler(PrefixCache(PageAllocator(1 << 16), 16), 16, slots, max_batch=num_requests,
+                          max_waiting=num_requests, budget=TokenBudget.fixed(4096))
     table = RequestTable(scheduler, slots, tokenizer, tokenizer.eos_token_ids)
     requests = make_requests(table, prompt_ids, num_requests, num_steps + 1, stop_strings)
     streams = [table._streams[r.request_id] for r in requests]

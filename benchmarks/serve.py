@@ -5,6 +5,7 @@ client processes, each result next to the same run's roofline (issue 16).
     python benchmarks/serve.py --plan quick --out /tmp/serve.json                   # a short subset
     python benchmarks/serve.py --device cpu --shapes tiny-random --plan smoke ...       # CPU: the harness only
     python benchmarks/serve.py --plan http --shapes llama-3.1-8b --out ...          # HTTP vs gRPC, same server
+    python benchmarks/serve.py --plan prefix --shapes llama-3.1-8b --out benchmarks/results/serve-h200-prefix.json
 
 Per model shape (random weights of a preset shape, the real 131k Tekken tokenizer beside them):
 1. roofline (its own process, `_roofline.py`): bf16 matmul rate, copy bandwidth, and the free
@@ -16,9 +17,19 @@ Per model shape (random weights of a preset shape, the real 131k Tekken tokenize
      (a JSON Schema with bounded fields, compact, capped at max_tokens) and free-matched (free
      requests capped at the constrained run's output lengths, cycled: the same length mix);
    - open loop: Poisson arrivals at fractions of the closed-loop rate at the largest concurrency.
+   Every request of these carries tokens unique to it: no prompt prefix is shared, the prefix
+   cache finds nothing.
    Plan `http`: the 512/128 closed loop at concurrency 64, free and constrained, over gRPC
    and then over the OpenAI-compatible HTTP API (`--http-port`, /v1/completions streamed with
    the same token ids) of the same server; `http_over_grpc` is the ratio of output tok/s.
+2b. prefix caching, the same run: the server above (cache on) and then a second one with
+   `--prefix-caching false`, each with the same three workloads:
+   - shared prefix: a 2,048-token system prompt, then a 64-token tail unique to each request,
+     JSON-Schema constrained, closed loop at concurrency 16;
+   - multi-turn: conversations of 4 turns, each turn resending the conversation (the prompt,
+     every answer, a new 64-token message), free, closed loop;
+   - no shared prefix: a 512/128 free closed loop, to show what the cache costs when it never hits;
+   and the ratios cache on / off (`prefix_cache`: TTFT p50/p99, output tok/s). Plan `prefix`: these alone.
    Per workload: output tok/s over the measured window, TTFT p50/p99, inter-token (gap between
    streamed messages) p50/p99, tokens per message, errors by code, finish reasons, validation
    statuses, and the engine's step counters over the window (GetEngineStats).
@@ -42,6 +53,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -58,7 +70,7 @@ SCHEMA = {"type": "object", "properties": {
     "scores": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 100}, "maxItems": 6},
     "active": {"type": "boolean"}},
     "required": ["id", "name", "status", "tags", "scores", "active"], "additionalProperties": False}
-PLANS = ("full", "quick", "load", "smoke", "http", "http-smoke")
+PLANS = ("full", "quick", "load", "smoke", "http", "http-smoke", "prefix")
 
 
 def log(message: str) -> None:
@@ -88,13 +100,14 @@ def model_folder(shape: str, tokenizer_dir: pathlib.Path, folder: pathlib.Path) 
 class Server:
     """`structgen serve` in its own process; its log in a file."""
 
-    def __init__(self, model: str, args, log_path: pathlib.Path, max_batch: int, http: bool = False) -> None:
+    def __init__(self, model: str, args, log_path: pathlib.Path, max_batch: int, http: bool = False,
+                 extra: tuple[str, ...] = ()) -> None:
         self.log_path = log_path
         command = [sys.executable, "-c", "import sys; from structgen.cli import main; sys.exit(main())",
                    "serve", "--model", model, "--device", args.device,
                    "--port", "0", "--max-batch", str(max_batch), "--max-waiting", "4096",
                    "--max-prompt-tokens", "8192", "--max-new-tokens-limit", "1024",
-                   "--num-workers", str(max_batch + 64), *args.server_args]
+                   "--num-workers", str(max_batch + 64), *extra, *args.server_args]
         if args.device == "cpu":
             command += ["--dtype", "float32"]
         if http:  # the OpenAI-compatible API beside gRPC, same process and engine
@@ -138,6 +151,23 @@ class Server:
             if int(stats["num_running"]) == int(stats["num_waiting"]) == 0 or time.monotonic() > deadline:
                 return stats
             time.sleep(0.1)
+
+    def warm(self, prompts: list[list[int]], schema: str) -> float:
+        """One free and one constrained request per prompt before anything is measured: a fresh
+        server's first requests pay one-time costs (a compile worker's start, first kernels of a
+        shape) that are not what a workload measures. Returns the seconds it took."""
+        started = time.monotonic()
+        for prompt in prompts:
+            for constrained in (False, True):
+                request = self.pb.GenerateRequest(
+                    token_ids=self.pb.TokenIds(ids=prompt), sampling=self.pb.SamplingParams(temperature=0.0),
+                    stop=self.pb.StopConditions(max_tokens=4, ignore_eos=not constrained))
+                if constrained:
+                    request.json_schema = schema
+                    request.constraint_options.compact = True
+                for _ in self.stub.Generate(request, timeout=600):
+                    pass
+        return time.monotonic() - started
 
     def log_lines(self, pattern: str) -> list[str]:
         return [line.strip() for line in self.log_path.read_text().splitlines() if re.search(pattern, line)]
@@ -183,7 +213,16 @@ def summarize(workload: Workload, records: list[Record]) -> dict:
         "finish_reasons": count([r.finish_reason for r in finished]),
         "validation": count([r.validation for r in finished if r.validation]),
         "mean_output_len": statistics.mean([r.num_tokens for r in finished]) if finished else None,
+        "mean_prompt_len": statistics.mean([r.prompt_len for r in finished]) if finished else None,
+        # prompt tokens the server found in its prefix cache (usage.cached_prompt_tokens, gRPC)
+        "cached_prompt_fraction": (sum(r.cached_tokens for r in finished) / sum(r.prompt_len for r in finished)
+                                   if finished else None),
     }
+    if workload.turns:
+        out["turns"] = workload.turns
+        for name, turns in (("first_turn", lambda t: t == 0), ("later_turns", lambda t: t > 0)):
+            values = [r.ttft for r in started if turns(r.turn) and r.ttft is not None]
+            out[f"ttft_p50_{name}_s"], out[f"ttft_p99_{name}_s"] = percentile(values, 0.5), percentile(values, 0.99)
     if workload.num_requests:
         out["ttft_s"] = ttft
     return out
@@ -202,7 +241,8 @@ def step_delta(before: dict, after: dict, seconds: float) -> dict:
     """The engine's step counters over a workload: where the engine loop's time went."""
     d = {k: float(after[k]) - float(before[k]) for k in (
         "num_steps", "num_mixed_steps", "num_prefill_tokens", "graph_step_seconds", "mixed_step_seconds",
-        "num_tokens_generated")}
+        "num_tokens_generated", "num_prefix_cache_query_tokens", "num_prefix_cache_hit_tokens",
+        "num_prefix_cache_evictions")}
     d["graph_steps"] = d["num_steps"] - d["num_mixed_steps"]
     d["busy_fraction"] = (d["graph_step_seconds"] + d["mixed_step_seconds"]) / seconds if seconds else None
     d["ms_per_graph_step"] = 1e3 * d["graph_step_seconds"] / d["graph_steps"] if d["graph_steps"] else None
@@ -236,23 +276,43 @@ def decode_step_ms(roofline: dict, batch: int, context: float) -> float | None:
 
 
 # ---- the plan -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PrefixPlan:
+    """The prefix-caching workloads (2b. above), each run with the cache on and off."""
+
+    shared_len: int        # the shared system prompt
+    tail_len: int          # each request's own part after it
+    new_tokens: int
+    concurrency: int
+    turn_prompt_len: int   # multi-turn: the first turn's prompt
+    turns: int
+    unshared: tuple[int, int, int]  # (prompt, new tokens, concurrency) with no prefix shared
+
+
+PREFIX_PLAN = PrefixPlan(2048, 64, 128, 16, 1024, 4, (512, 128, 16))
+
+
 def plan(shape: str, name: str, duration: float, warmup: float) -> dict:
-    """idle TTFT prompt lengths, closed-loop (prompt, new tokens, concurrencies), Poisson fractions."""
+    """idle TTFT prompt lengths, closed-loop (prompt, new tokens, concurrencies), Poisson fractions,
+    the prefix-caching workloads (`prefix`: a PrefixPlan, if any)."""
     if name in ("http", "http-smoke"):  # the same server over gRPC and over HTTP, one after the other
         closed = [(48, 16, [4])] if name == "http-smoke" else [(512, 128, [64])]
         return {"idle": [], "closed": [], "http": closed, "poisson": [], "poisson_at": None}
     if name == "smoke":
-        return {"idle": [64], "closed": [(48, 16, [1, 4])], "poisson": [0.5], "poisson_at": (48, 16, 4)}
+        return {"idle": [64], "closed": [(48, 16, [1, 4])], "poisson": [0.5], "poisson_at": (48, 16, 4),
+                "prefix": PrefixPlan(256, 16, 16, 4, 64, 3, (48, 16, 4))}
     if name == "load":  # the loaded closed loop alone
         return {"idle": [], "closed": [(512, 128, [64, 128])], "poisson": [], "poisson_at": None}
+    if name == "prefix":  # the prefix-caching workloads alone
+        return {"idle": [], "closed": [], "poisson": [], "poisson_at": None, "prefix": PREFIX_PLAN}
     if name == "quick" and shape != "llama-3.2-1b":
         return {"idle": [1024, 8192], "closed": [(512, 128, [1, 64, 128])], "poisson": [],
-                "poisson_at": None}
+                "poisson_at": None, "prefix": PREFIX_PLAN}
     if shape == "llama-3.2-1b":
         return {"idle": [1024], "closed": [(512, 128, [128])], "poisson": [], "poisson_at": None}
     return {"idle": [1024, 4096, 8192], "closed": [(512, 128, [1, 16, 64, 128, 256]), (2048, 128, [64]),
                                                    (512, 256, [64])],
-            "poisson": [0.5, 1.0], "poisson_at": (512, 128, 128)}
+            "poisson": [0.5, 1.0], "poisson_at": (512, 128, 128), "prefix": PREFIX_PLAN}
 
 
 def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, save) -> dict:
@@ -268,12 +328,14 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
         folder = model_folder(shape, tokenizer_dir, tmp / shape)
         model = f"random:{folder / 'config.json'}"
     config = read_config(folder / "config.json")
-    concurrencies = sorted({c for _, _, cs in p["closed"] + p.get("http", []) for c in cs} | {1})
+    prefix: PrefixPlan | None = p.get("prefix")
+    concurrencies = sorted({c for _, _, cs in p["closed"] + p.get("http", []) for c in cs} | {1}
+                           | ({prefix.concurrency, prefix.unshared[2]} if prefix else set()))
     max_batch = max(concurrencies + [args.min_max_batch])
     roofline = None
-    if args.device == "cuda":
-        points = sorted({f"{c}:{int(pl + n / 2)}" for pl, n, cs in p["closed"] + p.get("http", []) for c in cs}
-                        | {f"1:{pl}" for pl in p["idle"]})  # idle TTFT: one decode step after the prompt
+    points = sorted({f"{c}:{int(pl + n / 2)}" for pl, n, cs in p["closed"] + p.get("http", []) for c in cs}
+                    | {f"1:{pl}" for pl in p["idle"]})  # idle TTFT: one decode step after the prompt
+    if args.device == "cuda" and points:
         out = tmp / f"roofline-{shape}.json"
         log(f"{shape}: roofline (decode graph at batch:context {points})")
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "_roofline.py"), "--config",
@@ -285,28 +347,37 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
     result = {"shape": shape, "model": model, "server_command": server.command, "server_startup_s": server.startup_s,
               "model_info": server.model_info(), "roofline": roofline, "workloads": []}
     lengths = set(p["idle"]) | {pl for pl, _, _ in p["closed"] + p.get("http", [])}
+    if prefix:
+        lengths |= {prefix.shared_len, prefix.tail_len, prefix.turn_prompt_len, prefix.unshared[0]}
     prompts = make_prompts(str(folder / "tokenizer.json"), lengths, 64, seed=1)
     schema = json.dumps(SCHEMA)
+    warm_prompts = [prompts[n][0][::-1] for n in sorted(prompts)]  # reversed: no prefix a workload's prompts share
+    log(f"{shape}: warm-up, {len(warm_prompts)} prompt lengths, free and constrained: "
+        f"{server.warm(warm_prompts, schema):.1f} s")
+    common = dict(duration_s=args.duration, warmup_s=args.warmup)
+    lengths: dict[str, list[int]] = {}
+
+    def run(workload: Workload, roof: float | None = None, on: Server | None = None,
+            prompt_set: list[list[int]] | None = None) -> dict:
+        on = on or server
+        on.wait_idle()
+        before = on.stats()
+        address = on.http_url if workload.transport == "http" else on.address
+        records = run_workload(address, workload, prompt_set or prompts[workload.prompt_len], args.client_procs,
+                               salt=len(result["workloads"]) << 30)  # request numbers apart from every other run's
+        summary = summarize(workload, records)
+        lengths[workload.name] = output_lengths(records)
+        summary["engine"] = step_delta(before, on.wait_idle(), workload.warmup_s + workload.duration_s
+                                       if not workload.num_requests else 0)
+        if roof:
+            summary["roofline_tokens_per_s"] = roof
+            summary["over_roofline"] = summary["output_tokens_per_s"] / roof if summary["output_tokens_per_s"] else None
+        result["workloads"].append(summary)
+        save(result)
+        log(line(summary))
+        return summary
+
     try:
-        lengths: dict[str, list[int]] = {}
-
-        def run(workload: Workload, roof: float | None = None) -> dict:
-            server.wait_idle()
-            before = server.stats()
-            address = server.http_url if workload.transport == "http" else server.address
-            records = run_workload(address, workload, prompts[workload.prompt_len], args.client_procs)
-            summary = summarize(workload, records)
-            lengths[workload.name] = output_lengths(records)
-            summary["engine"] = step_delta(before, server.wait_idle(), workload.warmup_s + workload.duration_s
-                                           if not workload.num_requests else 0)
-            if roof:
-                summary["roofline_tokens_per_s"] = roof
-                summary["over_roofline"] = summary["output_tokens_per_s"] / roof if summary["output_tokens_per_s"] else None
-            result["workloads"].append(summary)
-            save(result)
-            log(line(summary))
-            return summary
-
         for prompt_len in p["idle"]:
             s = run(Workload(f"idle-ttft-{prompt_len}", prompt_len, 2, num_requests=3, ignore_eos=True))
             if roofline:
@@ -317,7 +388,6 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
                 s["ttft_over_floor"] = statistics.median(s["ttft_s"]) / floor_s
                 log(f"  idle TTFT {prompt_len}: median {statistics.median(s['ttft_s']) * 1e3:.1f} ms, "
                     f"floor {floor_s * 1e3:.1f} ms, x{s['ttft_over_floor']:.2f}")
-        common = dict(duration_s=args.duration, warmup_s=args.warmup)
         for prompt_len, new_tokens, concurrencies_here in p["closed"]:
             for c in concurrencies_here:
                 tag = f"{prompt_len}/{new_tokens} c={c}"
@@ -357,10 +427,62 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
                 s = run(Workload(f"poisson {prompt_len}/{new_tokens} {fraction:.2f}x ({rate:.1f} req/s)", prompt_len,
                                  new_tokens, rate=rate, **common))
                 s["offered_tokens_per_s"] = rate * new_tokens
+        cached = prefix_workloads(prefix, prompts, schema, common, lambda w, ps: run(w, prompt_set=ps),
+                                  "cache on") if prefix else None
     finally:
         result["server_log"] = server.log_lines(r"prefill budget|prefill chunk|captured|ERROR|Traceback|error")[-40:]
         server.stop()
+    if prefix:  # NOTE: after the first server stopped: each sizes its KV cache to the free GPU memory
+        log(f"{shape}: starting the server without prefix caching")
+        off = Server(model, args, tmp / f"server-{shape}-no-prefix-cache.log", max_batch,
+                     extra=("--prefix-caching", "false"))
+        try:
+            log(f"{shape}: warm-up: {off.warm(warm_prompts, schema):.1f} s")
+            uncached = prefix_workloads(prefix, prompts, schema, common, lambda w, ps: run(w, on=off, prompt_set=ps),
+                                        "cache off")
+        finally:
+            off.stop()
+        result["prefix_cache"] = {name: cache_ratios(cached[name], uncached[name]) for name in cached}
+        save(result)
+        for name, ratios in result["prefix_cache"].items():
+            log(f"  prefix cache, {name}: " + ", ".join(f"{k} {fmt_ratio(v)}" for k, v in ratios.items()))
     return result
+
+
+def prefix_workloads(plan: PrefixPlan, prompts: dict, schema: str, common: dict, run, tag: str) -> dict[str, dict]:
+    """The shared-prefix, multi-turn and unshared workloads on one server; summaries by kind."""
+    shared = prompts[plan.shared_len][0]
+    shared_prompts = [shared + tail for tail in prompts[plan.tail_len]]
+    c, (unshared_len, unshared_new, unshared_c) = plan.concurrency, plan.unshared
+    return {
+        "shared_prefix": run(Workload(
+            f"shared-prefix {plan.shared_len}+{plan.tail_len}/{plan.new_tokens} c={c} ({tag})",
+            plan.shared_len + plan.tail_len, plan.new_tokens, concurrency=c, json_schema=schema, ignore_eos=False,
+            unique_at=plan.shared_len, **common), shared_prompts),
+        "multi_turn": run(Workload(
+            f"multi-turn {plan.turn_prompt_len}+{plan.turns}x({plan.new_tokens}+{plan.tail_len}) c={c} ({tag})",
+            plan.turn_prompt_len, plan.new_tokens, concurrency=c, turns=plan.turns, turn_tokens=plan.tail_len,
+            **common), prompts[plan.turn_prompt_len]),
+        "unshared": run(Workload(f"unshared {unshared_len}/{unshared_new} c={unshared_c} ({tag})", unshared_len,
+                                 unshared_new, concurrency=unshared_c, **common), prompts[unshared_len]),
+    }
+
+
+def cache_ratios(on: dict, off: dict) -> dict:
+    """Cache on against off: TTFT off / on (> 1: faster with the cache), output tok/s on / off."""
+    def ratio(a, b):
+        return a / b if a is not None and b else None
+    out = {"ttft_p50_off_over_on": ratio(off["ttft_p50_s"], on["ttft_p50_s"]),
+           "ttft_p99_off_over_on": ratio(off["ttft_p99_s"], on["ttft_p99_s"]),
+           "output_tok_s_on_over_off": ratio(on["output_tokens_per_s"], off["output_tokens_per_s"]),
+           "cached_prompt_fraction_on": on["cached_prompt_fraction"]}
+    if "ttft_p50_later_turns_s" in on:
+        out["ttft_p50_later_turns_off_over_on"] = ratio(off["ttft_p50_later_turns_s"], on["ttft_p50_later_turns_s"])
+    return out
+
+
+def fmt_ratio(value) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def line(s: dict) -> str:
@@ -368,7 +490,7 @@ def line(s: dict) -> str:
     return (f"{s['name']:40s} {fmt(s['output_tokens_per_s'], '9.1f')} tok/s  TTFT p50 {fmt(s['ttft_p50_s'], '.3f')}"
             f" p99 {fmt(s['ttft_p99_s'], '.3f')} s  ITL p50 {fmt(s['itl_p50_ms'], '.1f')} p99 {fmt(s['itl_p99_ms'], '.1f')} ms"
             f"  x{fmt(s.get('over_roofline'), '.2f')} roofline  err {s['errors']} fin {s['finish_reasons']}"
-            f" val {s['validation']}")
+            f" val {s['validation']} cached {fmt(s.get('cached_prompt_fraction'), '.2f')}")
 
 
 def main() -> int:

@@ -50,6 +50,18 @@ STATS_FAMILIES = (
     StatsFamily("grammar_disconnects", "counter", "Times the watchdog found grammar_service gone or stuck",
                 lambda s: s.grammar_disconnects),
     StatsFamily("preemptions", "counter", "Requests preempted for lack of KV pages", lambda s: s.num_preemptions),
+    StatsFamily("kv_pages_cached", "gauge", "KV-cache pages the prefix cache keeps that no request holds "
+                "(reused by requests with the same prefix, evicted when pages are needed)",
+                lambda s: s.num_kv_pages_cached),
+    StatsFamily("prefix_cache_query_tokens", "counter", "Tokens of admitted requests looked up in the prefix cache",
+                lambda s: s.prefix_cache_query_tokens),
+    StatsFamily("prefix_cache_hit_tokens", "counter", "Looked-up tokens found in the prefix cache (not prefilled)",
+                lambda s: s.prefix_cache_hit_tokens),
+    StatsFamily("prefix_cache_hit_ratio", "gauge", "Prefix-cache hit tokens over looked-up tokens since start, "
+                "0 to 1 (over a window: rate of hit tokens / rate of query tokens)",
+                lambda s: s.prefix_cache_hit_rate),
+    StatsFamily("prefix_cache_evictions", "counter", "Cached KV pages evicted to make room",
+                lambda s: s.prefix_cache_evictions),
 )
 INFO_LABELS = ("model_name", "device", "dtype", "runner", "version")
 

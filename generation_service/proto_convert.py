@@ -192,7 +192,7 @@ def event_to_proto(event: OutputEvent, request: GenerationRequest,
         response.usage.CopyFrom(pb.Usage(
             prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
             draft_tokens_proposed=usage.draft_tokens_proposed,
-            draft_tokens_accepted=usage.draft_tokens_accepted))
+            draft_tokens_accepted=usage.draft_tokens_accepted, cached_prompt_tokens=usage.cached_prompt_tokens))
     if event.is_final and request.grammar is not None and request.grammar.kind == "json_schema":
         response.validation.CopyFrom(validation_to_proto(validation))
     return response

@@ -119,7 +119,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             max_grammar_bytes=config.max_grammar_bytes, max_message_bytes=config.max_message_bytes,
             max_batch=engine_config.max_batch, max_draft_tokens=engine_config.max_draft_tokens,
             constraint_kinds=list(GRAMMAR_KINDS), prefill_chunk_tokens=engine_config.prefill_chunk_tokens,
-            max_prefill_tokens=engine_config.max_prefill_tokens)
+            max_prefill_tokens=engine_config.max_prefill_tokens, prefix_caching=engine_config.prefix_caching)
 
     def GetEngineStats(self, request: pb.GetEngineStatsRequest, context: grpc.ServicerContext):
         stats = self._engine.stats()
@@ -132,7 +132,11 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             num_draft_tokens_proposed=stats.draft_proposed,
             num_draft_tokens_accepted=stats.draft_accepted, num_steps=stats.steps,
             num_mixed_steps=stats.num_mixed_steps, num_prefill_tokens=stats.num_prefill_tokens,
-            graph_step_seconds=stats.graph_step_s_total, mixed_step_seconds=stats.mixed_step_s_total)
+            graph_step_seconds=stats.graph_step_s_total, mixed_step_seconds=stats.mixed_step_s_total,
+            num_kv_pages_cached=stats.num_kv_pages_cached,
+            num_prefix_cache_query_tokens=stats.prefix_cache_query_tokens,
+            num_prefix_cache_hit_tokens=stats.prefix_cache_hit_tokens,
+            num_prefix_cache_evictions=stats.prefix_cache_evictions)
 
 
 @dataclass

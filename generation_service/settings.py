@@ -42,6 +42,8 @@ SERVE_SETTINGS = SettingsTable("structgen serve", (
                 "(default: 8192 on a GPU, --prefill-chunk-tokens on CPU)", minimum=1),
         Setting("page-size", "tokens per KV-cache page", minimum=1),
         Setting("num-pages", "KV-cache pages (default: sized from the memory budget)", minimum=2),
+        Setting("prefix-caching", "reuse the KV pages of prompt prefixes computed for earlier requests "
+                "(automatic prefix caching; false: every request prefills its whole prompt)"),
         Setting("kv-memory-budget-bytes", "KV-cache bytes when --num-pages is unset "
                 "(default: 256 MiB on CPU, 85% of free GPU memory)"),
         Setting("max-draft-tokens", "most speculative draft tokens per row and step", minimum=0),

@@ -169,6 +169,7 @@ def annotate_final(event) -> None:
     span.set_attribute("gen_ai.response.finish_reasons", [event.finish_reason.value])
     if event.usage is not None:
         span.set_attribute("gen_ai.usage.output_tokens", event.usage.completion_tokens)
+        span.set_attribute("gen_ai.usage.cache_read.input_tokens", event.usage.cached_prompt_tokens)
         span.set_attribute("structgen.drafts.proposed", event.usage.draft_tokens_proposed)
         span.set_attribute("structgen.drafts.accepted", event.usage.draft_tokens_accepted)
 

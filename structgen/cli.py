@@ -65,8 +65,20 @@ def disable_grpc_fork_handlers() -> None:
     os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 
 
+def passive_cpu_waits() -> None:
+    """OpenMP threads that wait for work sleep instead of spinning; call before torch is imported.
+
+    On CPU a forward's parallel regions wait for every torch thread; with threads spinning on all
+    cores, a compile worker that takes one core leaves a descheduled thread behind every region:
+    tokens came an order of magnitude slower while a grammar compiled, and no faster alone
+    (tests/integration/test_real_schemas.py's slow-compile test on 2 cores). An explicit setting
+    in the environment is kept."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
 def main(argv: list[str] | None = None) -> int:
     disable_grpc_fork_handlers()
+    passive_cpu_waits()
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     if argv[:1] == ["grammar"]:  # everything after `grammar` belongs to grammar_service

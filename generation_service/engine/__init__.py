@@ -14,4 +14,5 @@
     stream.py        RequestStream handed to callers
     params.py events.py errors.py   the contract with the server (no grpc here)
     kv_cache.py      paged K/V storage and its page allocator (model engineer)
+    prefix_cache.py  ref-counted pages; full pages keyed by their token prefix, reused, LRU-evicted
 """

@@ -13,6 +13,8 @@ class EngineConfig:
     max_waiting: int = 256             # queued new requests; beyond: QueueFullError
     page_size: int = 16                # tokens per KV page
     num_pages: int | None = None       # None: sized from a memory budget
+    prefix_caching: bool = True        # full KV pages of computed tokens are reused by later requests
+                                       # with the same token prefix (engine/prefix_cache.py)
     max_prompt_tokens: int = 4096
     max_new_tokens_limit: int = 2048
     # Prefill tokens per step while decode rows share it (chunked prefill: each decode row waits
@@ -61,7 +63,7 @@ class EngineStats:
     num_waiting: int
     num_running: int
     num_preempted: int
-    num_kv_pages_used: int
+    num_kv_pages_used: int           # held by requests (0 when idle)
     num_kv_pages_total: int          # allocatable pages (the dummy page excluded)
     num_slots_used: int              # request pool slots held (admitted requests + pending releases)
     num_grammar_matchers: int        # matchers bound in grammar_service by this engine
@@ -79,6 +81,14 @@ class EngineStats:
     num_prefill_tokens: int = 0      # prompt (and recomputed) tokens whose K/V a step computed
     graph_step_s_total: float = 0.0  # engine-loop wall time in graph steps (launch to postprocessed)
     mixed_step_s_total: float = 0.0  # engine-loop wall time in the other steps
+    num_kv_pages_cached: int = 0     # kept for prefix reuse, held by no request (evicted when needed)
+    prefix_cache_query_tokens: int = 0  # tokens of admitted requests looked up in the prefix cache
+    prefix_cache_hit_tokens: int = 0    # ...of which were found cached (not prefilled)
+    prefix_cache_evictions: int = 0     # cached pages evicted to make room
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hit_tokens / self.prefix_cache_query_tokens if self.prefix_cache_query_tokens else 0.0
 
     @property
     def draft_acceptance_rate(self) -> float:

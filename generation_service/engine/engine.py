@@ -45,6 +45,7 @@ from generation_service.engine.grammar_link import GrammarControl, GrammarLink, 
 from generation_service.engine.kv_cache import KVCache, PageAllocator, num_pages_for
 from generation_service.engine.lifecycle import RequestTable
 from generation_service.engine.params import GenerationRequest
+from generation_service.engine.prefix_cache import PrefixCache
 from generation_service.engine.request import Request, RequestStatus
 from generation_service.engine.runner import make_runner, resolve_runner
 from generation_service.engine.sampler import SampleResult, Sampler, SampleRow
@@ -89,6 +90,7 @@ class Engine:
         kv_cache = KVCache(mc.num_layers, num_pages, config.page_size, mc.num_kv_heads, mc.head_dim,
                            dtype, config.device)
         self.allocator = PageAllocator(num_pages)
+        self.prefix_cache = PrefixCache(self.allocator, config.page_size, enabled=config.prefix_caching)
         self.slots = SlotPool(2 * config.max_batch)  # admitted requests + pending matcher releases
         self.proposers = {name: make_proposer(name) for name in PROPOSERS}
         self.runner = make_runner(self.runner_name, loaded.model, kv_cache, mc.vocab_size,
@@ -100,7 +102,7 @@ class Engine:
         self.config = config = replace(config, prefill_chunk_tokens=self.token_budget.with_decode,
                                        max_prefill_tokens=self.token_budget.alone)
         self.scheduler = Scheduler(
-            self.allocator, config.page_size, self.slots, max_batch=config.max_batch,
+            self.prefix_cache, config.page_size, self.slots, max_batch=config.max_batch,
             max_waiting=config.max_waiting, budget=self.token_budget,
             propose_drafts=lambda r, k: self.proposers[r.spec.speculative.proposer].propose(r, k))
         self.sampler = Sampler(config.mask_backend)
@@ -259,7 +261,7 @@ class Engine:
                 num_waiting=len(self.scheduler.waiting) + len(self._inbox),
                 num_running=len(self.scheduler.running),
                 num_preempted=len(self.scheduler.waiting) - self.scheduler.num_waiting_new,
-                num_kv_pages_used=self.allocator.num_used_pages,
+                num_kv_pages_used=self.prefix_cache.num_used_pages,
                 num_kv_pages_total=self.allocator.num_pages - 1,
                 num_slots_used=self.slots.num_used,
                 num_grammar_matchers=self.table.num_bound_matchers,
@@ -271,7 +273,11 @@ class Engine:
                 num_preemptions=self.scheduler.num_preemptions,
                 num_finished=self.table.num_finished, tokens_generated=self.table.tokens_generated,
                 num_mixed_steps=self.num_mixed_steps, num_prefill_tokens=self.num_prefill_tokens,
-                graph_step_s_total=self.step_s_total["graph"], mixed_step_s_total=self.step_s_total["mixed"])
+                graph_step_s_total=self.step_s_total["graph"], mixed_step_s_total=self.step_s_total["mixed"],
+                num_kv_pages_cached=self.prefix_cache.num_cached_pages,
+                prefix_cache_query_tokens=self.prefix_cache.num_query_tokens,
+                prefix_cache_hit_tokens=self.prefix_cache.num_hit_tokens,
+                prefix_cache_evictions=self.prefix_cache.num_evictions)
 
     # ---- the loop ----------------------------------------------------------------------------
     def _loop(self) -> None:

@@ -45,6 +45,7 @@ class Usage:
     completion_tokens: int
     draft_tokens_proposed: int = 0
     draft_tokens_accepted: int = 0
+    cached_prompt_tokens: int = 0   # prompt tokens whose K/V came from the prefix cache, not a prefill
 
 
 @dataclass(frozen=True)

@@ -132,6 +132,7 @@ class RequestTable:
             if not row.is_sampling:
                 if not request.is_finished:
                     request.num_cached = row.seq_len
+                    self.scheduler.store_pages(request)
                 continue
             _, result = next(sampling)
             if request.is_finished:
@@ -141,6 +142,8 @@ class RequestTable:
                     "grammar_service has no matcher for this request"))
                 continue
             kept[id(request)] = self._accept(row, request, result, pushed)
+            if not request.is_finished:  # (a finished one's pages were keyed as they were freed)
+                self.scheduler.store_pages(request)
         for stream in pushed:
             stream.wake()
         return kept
@@ -229,7 +232,7 @@ class RequestTable:
         if reason in (FinishReason.CANCELLED, FinishReason.DEADLINE):
             text += output.flush()  # held-back text that never became a stop string
         usage = Usage(request.num_prompt_tokens, request.num_generated,
-                      request.num_drafts_proposed, request.num_drafts_accepted)
+                      request.num_drafts_proposed, request.num_drafts_accepted, request.num_cached_prompt_tokens)
         stream = self._streams.pop(request.request_id)
         del self._requests[request.request_id]
         self.num_finished += 1

@@ -5,6 +5,8 @@ Token bookkeeping. ``token_ids`` is the prompt followed by every accepted output
 ``token_ids[num_cached:]`` (plus draft tokens, if any) and samples after the last one; so a
 decoding request has exactly one uncached token, and a preempted one (pages dropped,
 ``num_cached = 0``) resumes by prefilling prompt + output again, which reproduces its state.
+A request admitted with a cached prefix (engine/prefix_cache.py) starts at ``num_cached > 0``
+with the shared pages first in ``pages``; it never writes them (positions < num_cached).
 """
 from __future__ import annotations
 
@@ -37,6 +39,10 @@ class Request:
     token_ids: list[int] = field(default_factory=list)
     num_cached: int = 0                           # tokens of token_ids whose K/V is in `pages`
     pages: list[int] = field(default_factory=list)
+    # prefix cache (engine/prefix_cache.py)
+    page_keys: list[bytes] = field(default_factory=list)  # keys of token_ids' first full pages
+    num_stored_pages: int = 0                     # first pages of `pages` the cache has seen full (`store`)
+    num_cached_prompt_tokens: int = 0             # prompt tokens found cached at first admission (usage)
     slot: int | None = None                       # pool index while admitted (step-channel slot)
     # grammar
     compile_future: Future | None = None

@@ -6,11 +6,15 @@ slots, the step's prefill token budget and pages allow. The budget (`TokenBudget
 while decode rows share the step (each of them waits for the whole step, so a long prompt
 delays them by at most one budget's worth of prefill) and large when none does (an idle
 server prefills a long prompt in few steps). Decode rows never count against it. When a running request needs a page and
-none is free, the newest running request is preempted: its pages are freed and it goes back
-to the head of the queue, keeping its slot (and so its grammar matcher); it later re-prefills
-prompt + output and continues with the same tokens. Admission is FIFO and stops at the first
-request that does not fit, so preempted requests resume before new ones start (a compiling
-request with nothing left to prefill is stepped over).
+none is free or cached, the newest running request is preempted: its pages are freed and it
+goes back to the head of the queue, keeping its slot (and so its grammar matcher); it later
+re-prefills prompt + output and continues with the same tokens. Admission is FIFO and stops at
+the first request that does not fit, so preempted requests resume before new ones start (a
+compiling request with nothing left to prefill is stepped over).
+
+Pages come from the PrefixCache (engine/prefix_cache.py): an admitted request first takes the
+cached pages of its longest cached prefix (a preempted one may find its own still there) and
+prefills from there; freed full pages stay cached until `reserve` needs their room.
 """
 from __future__ import annotations
 
@@ -20,7 +24,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from generation_service.engine.errors import QueueFullError
-from generation_service.engine.kv_cache import PageAllocator, num_pages_for
+from generation_service.engine.kv_cache import num_pages_for
+from generation_service.engine.prefix_cache import PrefixCache
 from generation_service.engine.request import Request, RequestStatus
 
 
@@ -109,10 +114,10 @@ class SlotPool:
 
 
 class Scheduler:
-    def __init__(self, allocator: PageAllocator, page_size: int, slots: SlotPool, *,
+    def __init__(self, cache: PrefixCache, page_size: int, slots: SlotPool, *,
                  max_batch: int, max_waiting: int, budget: TokenBudget,
                  propose_drafts: DraftFn | None = None) -> None:
-        self.allocator = allocator
+        self.cache = cache
         self.page_size = page_size
         self.slots = slots
         self.max_batch = max_batch
@@ -181,19 +186,22 @@ class Scheduler:
         return self._row(request, chunk, [])
 
     def _admit(self, request: Request, budget: int) -> ScheduledRow | None:
-        chunk = self._chunk_len(request, budget)
-        if chunk <= 0:
-            return None
         if request.slot is None and not self.slots.can_allocate():
             return None
-        if not self.reserve(request, request.num_cached + chunk):
+        # At least one token is computed (two while compiling: the last one waits to sample).
+        hit = self.cache.match(request, request.num_tokens - (1 if request.can_sample else 2))
+        chunk = self._chunk_len(request, budget)
+        if chunk <= 0 or not self.reserve(request, request.num_cached + chunk):
+            self._drop_pages(request)  # (the matched pages stay cached)
             return None
+        self.cache.count_lookup(request.num_tokens, hit)
         self.waiting.remove(request)
         if request.slot is None:
             request.slot = self.slots.allocate()
         request.status = RequestStatus.RUNNING
         if request.admitted_s is None:  # a preempted request keeps its first admission
             request.admitted_s = time.monotonic()
+            request.num_cached_prompt_tokens = hit
         self.running.append(request)
         return self._row(request, chunk, [])
 
@@ -222,23 +230,33 @@ class Scheduler:
         need = num_pages_for(num_tokens, self.page_size) - len(request.pages)
         if need <= 0:
             return True
-        if not self.allocator.can_allocate(need):
+        if not self.cache.can_allocate(need):
             return False
-        request.pages.extend(self.allocator.allocate(need))
+        request.pages.extend(self.cache.allocate(need))
         return True
 
     def trim_pages(self, request: Request) -> None:
-        """Free pages past the cached tokens (those of rejected drafts)."""
+        """Free pages past the cached tokens (those of rejected drafts: never keyed, never shared)."""
         keep = num_pages_for(request.num_cached, self.page_size)
         if len(request.pages) > keep:
-            self.allocator.free(request.pages[keep:])
+            self.cache.free(request.pages[keep:])
             del request.pages[keep:]
+
+    def store_pages(self, request: Request) -> None:
+        """After a step: key the pages its computed tokens filled, for requests admitted later."""
+        self.cache.store(request)
+
+    def _drop_pages(self, request: Request) -> None:
+        """Free the request's pages, keying the full ones first (they stay cached)."""
+        if request.pages:
+            self.cache.store(request)
+            self.cache.free(request.pages)
+            request.pages = []
+        request.num_cached = request.num_stored_pages = 0
 
     def _preempt_newest(self) -> Request:
         victim = self.running.pop()
-        self.allocator.free(victim.pages)
-        victim.pages = []
-        victim.num_cached = 0
+        self._drop_pages(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_preemptions += 1
         self.waiting.appendleft(victim)
@@ -252,7 +270,4 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        if request.pages:
-            self.allocator.free(request.pages)
-            request.pages = []
-        request.num_cached = 0
+        self._drop_pages(request)

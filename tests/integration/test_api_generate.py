@@ -95,3 +95,18 @@ def test_speculative_settings_keep_greedy_output_and_report_drafts(client):
     usage = drafted.usage
     assert usage.draft_tokens_proposed > 0 and 0 <= usage.draft_tokens_accepted <= usage.draft_tokens_proposed
     assert plain.usage.draft_tokens_proposed == 0
+
+
+def test_a_repeated_prompt_prefix_is_served_from_the_prefix_cache(client):
+    import secrets
+    system = f"[{secrets.token_hex(4)}] Answer in one short sentence and stay polite. " * 6  # no earlier prompt's
+    first = client.generate_text(system + "What is a cat?", max_tokens=8, ignore_eos=True)
+    second = client.generate_text(system + "What is a dog?", max_tokens=8, ignore_eos=True)
+    assert first.usage.cached_prompt_tokens == 0
+    shared = len(client.tokenize(system))
+    assert shared // 2 <= second.usage.cached_prompt_tokens <= shared < second.usage.prompt_tokens
+    again = client.generate_text(system + "What is a cat?", max_tokens=8, ignore_eos=True)
+    assert again.token_ids == first.token_ids  # greedy output as computed without the cache
+    assert again.usage.cached_prompt_tokens >= second.usage.cached_prompt_tokens
+    stats = client.engine_stats()
+    assert stats.num_kv_pages_cached > 0 and stats.num_kv_pages_used == 0 and client.model_info().prefix_caching

@@ -1,6 +1,7 @@
 """benchmarks/serve.py's harness on CPU (the GPU run is the benchmark): the real `structgen serve`
 with the built-in tiny-random model, client processes over gRPC, every workload of the smoke plan measured,
-no call failed, and the free-matched run replays the constrained run's output lengths."""
+no call failed, the free-matched run replays the constrained run's output lengths, and the prefix
+cache finds only the prefixes the prefix-caching workloads share (cache on and off)."""
 from __future__ import annotations
 
 import json
@@ -21,9 +22,11 @@ def test_serve_benchmark_runs_every_workload_on_cpu(tmp_path):
                    cwd=ROOT, check=True, timeout=600, capture_output=True)
     shape = json.loads(out.read_text())["shapes"][0]
     names = [w["name"] for w in shape["workloads"]]
+    prefix = [f"{kind} ({cache})" for cache in ("cache on", "cache off")
+              for kind in ("shared-prefix 256+16/16 c=4", "multi-turn 64+3x(16+16) c=4", "unshared 48/16 c=4")]
     assert names == ["idle-ttft-64"] + [f"{kind} 48/16 c={c}" for c in (1, 4)
-                                        for kind in ("free", "constrained", "free-matched")] + [names[-1]]
-    assert names[-1].startswith("poisson 48/16 0.50x")
+                                        for kind in ("free", "constrained", "free-matched")] + [names[7]] + prefix
+    assert names[7].startswith("poisson 48/16 0.50x")
     for w in shape["workloads"]:
         assert w["errors"] == {} and w["num_finished"] > 0, w
         assert w["num_requests"] == 3 or w["output_tokens_per_s"] > 0, w
@@ -34,3 +37,12 @@ def test_serve_benchmark_runs_every_workload_on_cpu(tmp_path):
         assert abs(matched["mean_output_len"] - constrained["mean_output_len"]) <= 2, (matched, constrained)
         assert matched["constrained_over_matched_free"] > 0
     assert shape["model_info"]["prefill_chunk_tokens"] == 512 and shape["workloads"][1]["engine"]["num_steps"] > 0
+    # prefix caching: requests of the other workloads share no prefix; the shared system prompt
+    # and the resent conversations are found cached, by the cache-on server only
+    assert all(w["cached_prompt_fraction"] == 0 for w in shape["workloads"] if "cache on" not in w["name"])
+    assert by["shared-prefix 256+16/16 c=4 (cache on)"]["cached_prompt_fraction"] > 0.8
+    multi_turn = by["multi-turn 64+3x(16+16) c=4 (cache on)"]
+    assert multi_turn["cached_prompt_fraction"] > 0.2 and multi_turn["ttft_p50_later_turns_s"] is not None
+    assert by["unshared 48/16 c=4 (cache on)"]["cached_prompt_fraction"] == 0
+    assert set(shape["prefix_cache"]) == {"shared_prefix", "multi_turn", "unshared"}
+    assert all(ratio["output_tok_s_on_over_off"] > 0 for ratio in shape["prefix_cache"].values())

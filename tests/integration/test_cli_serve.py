@@ -51,7 +51,8 @@ def own_server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("serve2")
     (folder / "token").write_text(TOKEN + "\n")
     health_port, metrics_port = _free_port(), _free_port()
-    server = start_serve(["--max-new-tokens-limit=256", "--drain-seconds=30",
+    # 120 s of drain: the open streams' 200 tokens end well before it (the drain stops when they do)
+    server = start_serve(["--max-new-tokens-limit=256", "--drain-seconds=120",
                           f"--auth-token-file={folder / 'token'}", f"--health-port={health_port}",
                           f"--metrics-port={metrics_port}", f"--http-port={_free_port()}"], folder / "serve.log")
     server.health_port, server.metrics_port = health_port, metrics_port

@@ -230,6 +230,9 @@ FAMILIES = (
     "structgen_constrained_requests_total", "structgen_grammar_mask_wait_seconds_total",
     "structgen_grammar_steps_total", "structgen_draft_tokens_proposed_total",
     "structgen_draft_tokens_accepted_total", "structgen_rpcs_total", "structgen_finished_requests_total",
+    "structgen_kv_pages_cached", "structgen_prefix_cache_query_tokens_total",
+    "structgen_prefix_cache_hit_tokens_total", "structgen_prefix_cache_hit_ratio",
+    "structgen_prefix_cache_evictions_total",
 )
 
 
@@ -273,6 +276,23 @@ def test_metrics_expose_the_families_and_move(server, stub, model):
     assert _total(after, "structgen_kv_pages_capacity") > 0
     assert 0 <= _total(after, "structgen_kv_cache_usage_ratio") <= 1
     assert _total(after, "structgen_model_info", device="cpu") == 1
+
+
+def test_prefix_cache_metrics_count_the_cached_prompt_tokens(server, stub):
+    prefix = f"[{secrets.token_hex(4)}] You extract fields from invoices and answer in JSON. " * 4
+    _generate(stub, prompt=prefix + "first", stop=pb.StopConditions(max_tokens=2))
+    before = _scrape(server.metrics_url)
+    final = _generate(stub, prompt=prefix + "second", stop=pb.StopConditions(max_tokens=2))[-1]
+    after = _scrape(server.metrics_url)
+    hit = _total(after, "structgen_prefix_cache_hit_tokens_total") - _total(before, "structgen_prefix_cache_hit_tokens_total")
+    queried = (_total(after, "structgen_prefix_cache_query_tokens_total")
+               - _total(before, "structgen_prefix_cache_query_tokens_total"))
+    assert hit == final.usage.cached_prompt_tokens > 0 and queried == final.usage.prompt_tokens
+    assert 0 < _total(after, "structgen_prefix_cache_hit_ratio") <= 1
+    assert _total(after, "structgen_kv_pages_cached") > 0 and _total(after, "structgen_kv_pages_used") == 0
+    stats = stub.GetEngineStats(pb.GetEngineStatsRequest())
+    assert stats.num_kv_pages_cached > 0 and stats.num_prefix_cache_hit_tokens >= hit
+    assert stats.num_prefix_cache_query_tokens >= queried
 
 
 def test_live_exposition_passes_promtool_and_matches_the_docs(server, stub):

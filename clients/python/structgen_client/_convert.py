@@ -104,7 +104,7 @@ def to_chunk(response: pb.GenerateResponse) -> Chunk:
     if response.HasField("usage"):
         u = response.usage
         usage = Usage(u.prompt_tokens, u.completion_tokens, u.draft_tokens_proposed,
-                      u.draft_tokens_accepted)
+                      u.draft_tokens_accepted, u.cached_prompt_tokens)
     validation = None
     if response.HasField("validation"):
         v = response.validation
@@ -121,11 +121,12 @@ def to_chunk(response: pb.GenerateResponse) -> Chunk:
 def to_model_info(r: pb.GetModelInfoResponse) -> ModelInfo:
     return ModelInfo(r.model_name, r.vocab_size, tuple(r.eos_token_ids), r.device, r.max_prompt_tokens,
                      r.max_new_tokens_limit, r.default_max_tokens, r.max_grammar_bytes,
-                     r.max_message_bytes, r.max_batch, r.max_draft_tokens, tuple(r.constraint_kinds))
+                     r.max_message_bytes, r.max_batch, r.max_draft_tokens, tuple(r.constraint_kinds),
+                     r.prefix_caching)
 
 
 def to_engine_stats(r: pb.GetEngineStatsResponse) -> EngineStats:
     return EngineStats(r.num_waiting, r.num_running, r.num_kv_pages_used, r.num_slots_used,
                        r.num_grammar_matchers, r.grammar_available, r.num_kv_pages_total,
                        r.num_finished, r.num_tokens_generated, r.num_draft_tokens_proposed,
-                       r.num_draft_tokens_accepted)
+                       r.num_draft_tokens_accepted, r.num_kv_pages_cached)

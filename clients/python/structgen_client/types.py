@@ -32,6 +32,7 @@ class Usage:
     completion_tokens: int
     draft_tokens_proposed: int = 0
     draft_tokens_accepted: int = 0
+    cached_prompt_tokens: int = 0   # of prompt_tokens, found in the server's prefix cache
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,7 @@ class ModelInfo:
     max_batch: int
     max_draft_tokens: int
     constraint_kinds: tuple[str, ...] = field(default=())
+    prefix_caching: bool = False    # the server reuses KV pages of prompt prefixes it computed before
 
 
 @dataclass(frozen=True)
@@ -125,9 +127,11 @@ class EngineStats:
     num_tokens_generated: int = 0
     num_draft_tokens_proposed: int = 0
     num_draft_tokens_accepted: int = 0
+    num_kv_pages_cached: int = 0    # kept by the prefix cache for reuse, held by no request
 
     @property
     def is_idle(self) -> bool:
-        """No request holds anything: queue, slots, KV pages and grammar matchers all free."""
+        """No request holds anything: queue, slots, KV pages and grammar matchers all free
+        (pages the prefix cache keeps for reuse are held by no request)."""
         return not (self.num_waiting or self.num_running or self.num_kv_pages_used
                     or self.num_slots_used or self.num_grammar_matchers)

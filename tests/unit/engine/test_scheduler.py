@@ -2,6 +2,7 @@ import pytest
 
 from generation_service.engine.errors import QueueFullError
 from generation_service.engine.kv_cache import PageAllocator
+from generation_service.engine.prefix_cache import PrefixCache
 from generation_service.engine.request import RequestStatus
 from generation_service.engine.scheduler import Scheduler, SlotPool, TokenBudget
 
@@ -10,8 +11,8 @@ from tests.unit.engine.conftest import make_request
 PAGE = 4
 
 
-def make_scheduler(num_pages=64, max_batch=4, max_waiting=8, chunk=8, alone=None, drafts=None):
-    return Scheduler(PageAllocator(num_pages), PAGE, SlotPool(2 * max_batch), max_batch=max_batch,
+def make_scheduler(num_pages=64, max_batch=4, max_waiting=8, chunk=8, alone=None, drafts=None, caching=True):
+    return Scheduler(PrefixCache(PageAllocator(num_pages), PAGE, caching), PAGE, SlotPool(2 * max_batch), max_batch=max_batch,
                      max_waiting=max_waiting, budget=TokenBudget(chunk, alone or chunk), propose_drafts=drafts)
 
 
@@ -40,7 +41,7 @@ def test_chunked_prefill_then_decode_with_pages_following_the_tokens():
     assert sizes[:3] == [(8, False), (8, False), (3, True)]
     assert sizes[3] == (1, True)
     s.remove(r)
-    assert s.allocator.num_used_pages == 0
+    assert s.cache.num_used_pages == 0
 
 
 def test_budget_is_shared_and_decodes_do_not_wait_for_prefills():
@@ -84,12 +85,13 @@ def test_queue_limit_raises_queue_full():
 
 
 def test_preemption_frees_pages_keeps_slot_and_resumes_first():
-    s = make_scheduler(num_pages=1 + 4, max_batch=2, chunk=64)  # 4 pages = 16 tokens in all
+    # (no prefix cache: b would resume from a's pages, which hold the same tokens)
+    s = make_scheduler(num_pages=1 + 4, max_batch=2, chunk=64, caching=False)  # 4 pages = 16 tokens in all
     a, b, c = make_request("a", 6), make_request("b", 6), make_request("c", 2)
     for r in (a, b, c):
         s.add(r)
     complete(s.schedule())  # a, b prefilled: 2 pages each, pool empty; c does not fit the batch
-    assert s.allocator.num_free_pages == 0 and c.status is RequestStatus.WAITING
+    assert s.cache.num_free_pages == 0 and c.status is RequestStatus.WAITING
     for _ in range(2):       # a grows to 8 tokens fine; at 9 it needs a 3rd page
         complete(s.schedule())
     batch = s.schedule()
