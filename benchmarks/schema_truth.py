@@ -20,7 +20,7 @@ each token must be in the mask and accepted by the matcher, then EOS. Counted pe
 The service compiles a new grammar twice (sandbox, then in-process: compile_isolation-*.json);
 this measures one compile.
 
-    .venv/bin/python benchmarks/schema_truth.py --machine ci-2core
+    .venv/bin/python benchmarks/schema_truth.py --machine dev-2core
 writes benchmarks/results/schema_truth-<machine>.json and prints a summary.
 """
 from __future__ import annotations
