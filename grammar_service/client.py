@@ -30,6 +30,7 @@ class CompileResult:
     compile_ms: float
     cache_hit: bool
     unenforced: tuple[UnenforcedKeyword, ...]
+    restricted: tuple[UnenforcedKeyword, ...] = ()
 
 
 def spec_to_proto(spec: GrammarSpec, trace_context: dict | None = None) -> grammar_pb2.CompileRequest:
@@ -130,7 +131,8 @@ class GrammarControlClient:
             result.set_result(CompileResult(
                 grammar_id=reply.grammar_id, backend=reply.backend, compile_ms=reply.compile_ms,
                 cache_hit=reply.cached,
-                unenforced=tuple(UnenforcedKeyword(u.keyword, u.pointer, u.reason) for u in reply.unenforced)))
+                unenforced=tuple(UnenforcedKeyword(u.keyword, u.pointer, u.reason) for u in reply.unenforced),
+                restricted=tuple(UnenforcedKeyword(u.keyword, u.pointer, u.reason) for u in reply.restricted)))
 
         call.add_done_callback(done)
         return result

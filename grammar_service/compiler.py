@@ -33,7 +33,9 @@ from grammar_service.backend_choice import compile_with
 from grammar_service.backends import resolve_backend_name
 from grammar_service.backends.base import GrammarBackend, GrammarCompileError
 from grammar_service.config import GrammarServiceConfig
+from grammar_service.restrictions import json_restrictions
 from grammar_service.sandbox import CompileSandbox, SandboxError
+from grammar_service.schema_drafts import as_drafted
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,7 @@ class CompiledEntry:
     compiled: Any                     # backend-specific compiled grammar
     compile_ms: float
     unenforced: tuple[UnenforcedKeyword, ...]
+    restricted: tuple[UnenforcedKeyword, ...] = ()  # valid forms the grammar refuses (restrictions.py)
 
 
 @dataclass(frozen=True)
@@ -214,7 +217,8 @@ class GrammarCompiler:
                 probe = self._sandbox.probe(spec, requested, deadline)
                 started = time.perf_counter()
                 compiled = self._backend_for(probe.backend).compile(spec)
-                return probe.compile_ms + (time.perf_counter() - started) * 1e3, probe.backend, compiled, probe.unenforced
+                return (probe.compile_ms + (time.perf_counter() - started) * 1e3, probe.backend, compiled,
+                        probe.unenforced, restricted())
             if not self._threads.acquire(timeout=max(0.0, deadline - time.monotonic())):
                 raise SandboxError("RESOURCE_EXHAUSTED", "no compile thread became free before the compile timeout "
                                    "(every thread is busy with other grammars); retry later", is_grammar_fault=False)
@@ -223,12 +227,22 @@ class GrammarCompiler:
             timer.daemon = True
             timers.append(timer)
             timer.start()
+            abandoned = None
             try:
                 started = time.perf_counter()
-                backend, compiled, unenforced = compile_with(spec, requested, self._backend_for)
-                return (time.perf_counter() - started) * 1e3, backend, compiled, unenforced
+                done = compile_with(spec, requested, self._backend_for, time_box_s=self._config.auto_time_box_s,
+                                    deadline=deadline)
+                abandoned = done.abandoned
+                return ((time.perf_counter() - started) * 1e3, done.backend, done.grammar, done.unenforced,
+                        restricted())
             finally:
-                self._threads.release()
+                if abandoned is None:
+                    self._threads.release()
+                else:  # auto's time-boxed compile runs on: it keeps its thread's place until it ends
+                    abandoned.add_done_callback(lambda _: self._threads.release())
+
+        def restricted() -> tuple[UnenforcedKeyword, ...]:
+            return json_restrictions(as_drafted(spec.text)) if spec.kind == "json_schema" else ()
 
         def finished(done: Future) -> None:
             with self._lock:
@@ -240,9 +254,9 @@ class GrammarCompiler:
                 return
             exc = done.exception()
             if exc is None:
-                elapsed_ms, backend, compiled, unenforced = done.result()
+                elapsed_ms, backend, compiled, unenforced, restricted_forms = done.result()
                 metrics.COMPILE_SECONDS.labels(spec.kind).observe(elapsed_ms / 1e3)
-                self._store(key, backend, compiled, elapsed_ms, unenforced, result)
+                self._store(key, CompiledEntry(0, backend, compiled, elapsed_ms, unenforced, restricted_forms), result)
             elif isinstance(exc, SandboxError) and exc.timed_out:
                 self._on_timeout(key, spec, result)
             elif isinstance(exc, SandboxError):
@@ -260,12 +274,13 @@ class GrammarCompiler:
 
         self._pool.submit(run).add_done_callback(finished)
 
-    def _store(self, key, backend, compiled, elapsed_ms, unenforced, result: Future) -> None:
+    def _store(self, key, compiled: CompiledEntry, result: Future) -> None:
+        """Caches `compiled` under the next grammar id (its own id is a placeholder)."""
         with self._lock:
             if self._in_flight.get(key) is not result:
                 return  # timed out meanwhile: the negative entry stands until it expires
             del self._in_flight[key]
-            entry = CompiledEntry(self._next_id, backend, compiled, elapsed_ms, unenforced)
+            entry = dataclasses.replace(compiled, grammar_id=self._next_id)
             self._next_id += 1
             self._by_key[key] = entry
             self._by_id[entry.grammar_id] = entry

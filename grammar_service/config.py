@@ -50,6 +50,10 @@ class GrammarServiceConfig:
     slow_fill_ms: float = 0.0
     slow_fill_marker: str = ""
     compile_timeout_s: float = 10.0     # a slower compile (wait for a worker included) is refused and remembered
+    # `auto`: how long the compile of its pick may take when a faster backend that compiles the
+    # schema too is there to serve instead (its unenforced keywords reported); 0 = up to the
+    # compile timeout (less grammar_service/backend_choice.py's reserve for the fallback)
+    auto_time_box_s: float = 0.5
     negative_cache_ttl_s: float = 60.0  # how long a failed/timed-out spec is answered from memory
     max_grammar_bytes: int = 1 << 20    # grammar text (or all choices together) above this is refused
     max_cached_grammars: int = 4096     # compiled grammars kept (least recently used evicted)
@@ -84,7 +88,7 @@ class GrammarServiceConfig:
         for name in ("max_grammar_bytes", "max_cached_grammars", "num_rpc_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("negative_cache_ttl_s", "shutdown_grace_s"):
+        for name in ("negative_cache_ttl_s", "shutdown_grace_s", "auto_time_box_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if (self.tokenizer_dir is None) != (self.vocab_size is None):

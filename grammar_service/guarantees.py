@@ -216,12 +216,15 @@ AUTO_CANDIDATES = ("llguidance", "xgrammar")
 
 @dataclass(frozen=True)
 class AutoChoice:
-    """`auto`'s pick for one grammar; `fallbacks` are tried in order if its compile fails."""
+    """`auto`'s pick for one grammar; `fallbacks` are tried in order if its compile fails.
+    `fast_fallback`: a fallback known to compile the schema that compiles faster than the pick
+    ("" for none), so the pick's compile may be time-boxed (grammar_service/backend_choice.py)."""
 
     backend: str
     unenforced: tuple[UnenforcedKeyword, ...]
     reason: str
     fallbacks: tuple[str, ...] = ()
+    fast_fallback: str = ""
 
 
 @dataclass(frozen=True)
@@ -259,8 +262,11 @@ def rank(candidates: list[Candidate]) -> AutoChoice:
                f"{rest[0].backend}: {num_gaps(rest[0].unenforced)})")
     else:
         why = f"enforces as much as {rest[0].backend} ({num_gaps(best.unenforced)} gap(s)) and compiles faster"
+    faster = [c.backend for c in rest if c.speed_rank < best.speed_rank]
+    if faster:
+        why += f"; {faster[0]} serves if its compile runs past the time box"
     return AutoChoice(best.backend, best.unenforced, f"auto chose {best.backend}: {why}",
-                      tuple(c.backend for c in rest))
+                      tuple(c.backend for c in rest), faster[0] if faster else "")
 
 
 def choose_backend(spec, backend_for: Callable[[str], object], default: str = "xgrammar") -> AutoChoice:
@@ -280,10 +286,11 @@ def choose_backend(spec, backend_for: Callable[[str], object], default: str = "x
             continue
         if name == "llguidance":
             from grammar_service.backends.llguidance import json_options, unsupported
+            from grammar_service.schema_drafts import as_drafted
 
             error, unenforced = unsupported(spec), ()
             if not error:
-                error, unenforced = llguidance_report(spec.text, json_options(spec))
+                error, unenforced = llguidance_report(as_drafted(spec.text), json_options(spec))
             candidates.append(Candidate(name, unenforced, error, speed_rank))
         else:
             candidates.append(Candidate(name, tuple(backend.unenforced_keywords(spec)), "", speed_rank))

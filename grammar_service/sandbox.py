@@ -68,10 +68,11 @@ class CompileSandbox:
     """`num_workers` compile worker processes for one tokenizer; `probe` is thread-safe."""
 
     def __init__(self, tokenizer_dir: str, vocab_size: int, *, num_workers: int, backend_kwargs: dict,
-                 max_compile_memory_mb: int):
+                 max_compile_memory_mb: int, auto_time_box_s: float = 0.0):
         self._ctx = multiprocessing.get_context("forkserver")
         start_forkserver()
-        self._args = (os.getpid(), tokenizer_dir, vocab_size, dict(backend_kwargs), max_compile_memory_mb)
+        self._args = (os.getpid(), tokenizer_dir, vocab_size, dict(backend_kwargs), max_compile_memory_mb,
+                      auto_time_box_s)
         self._cond = threading.Condition()
         self._idle: list[_Worker] = []
         self._busy: set[int] = set()   # pids of workers compiling now
@@ -93,7 +94,7 @@ class CompileSandbox:
             deadline += time.monotonic() - before
         worker = self._acquire(deadline)
         try:
-            worker.conn.send((spec, requested))
+            worker.conn.send((spec, requested, deadline))
             if not worker.conn.poll(max(0.0, deadline - time.monotonic())):
                 self._replace(worker)
                 raise SandboxError("INVALID_ARGUMENT", "", is_grammar_fault=True, timed_out=True)
@@ -106,7 +107,10 @@ class CompileSandbox:
             raise SandboxError("UNAVAILABLE", f"a compile worker failed: {exc!r}", is_grammar_fault=False) from None
         except SandboxError:
             raise
-        self._release(worker)
+        if reply[0] == "ok" and reply[4]:
+            self._replace(worker)  # auto's time-boxed compile still runs in it
+        else:
+            self._release(worker)
         if reply[0] == "ok":
             return ProbeResult(backend=reply[1], unenforced=tuple(reply[2]), compile_ms=reply[3])
         raise SandboxError(reply[1], reply[2], is_grammar_fault=True)

@@ -2,8 +2,10 @@
 
 A worker loads the served tokenizer, builds the backends, caps its own address space and
 then compiles one spec at a time, answering over its pipe:
-`("ready",)` once, then per request `("ok", backend, unenforced, compile_ms)` or
-`("error", status, message)`. Whatever a grammar does in here (a native crash, runaway
+`("ready",)` once, then per `(spec, requested, deadline)` request
+`("ok", backend, unenforced, compile_ms, must_replace)` or `("error", status, message)`;
+`must_replace`: a compile that `auto` left past its time box still runs in this process, which
+the parent then replaces. Whatever a grammar does in here (a native crash, runaway
 memory, runaway time) ends this process only; the parent kills it on its deadline.
 
 It runs the same `compile_with` as grammar_service, so `auto` chooses the same backend, and
@@ -97,12 +99,14 @@ def _check_depth(spec: GrammarSpec) -> None:
         pass
 
 
-def compile_one(spec: GrammarSpec, requested: str, backends: _Backends) -> tuple:
+def compile_one(spec: GrammarSpec, requested: str, backends: _Backends, *, time_box_s: float = 0.0,
+                deadline: float | None = None) -> tuple:
     started = time.perf_counter()
     try:
         if spec.kind in ("json_schema", "structural_tag"):
             _check_depth(spec)
-        name, compiled, unenforced = compile_with(spec, requested, backends)
+        done = compile_with(spec, requested, backends, time_box_s=time_box_s, deadline=deadline)
+        name, compiled, unenforced = done.backend, done.grammar, done.unenforced
         reason = empty_language_reason(spec, name, compiled) or first_step_reason(backends(name), compiled)
     except (GrammarCompileError, ValueError) as exc:
         return ("error", "INVALID_ARGUMENT", str(exc))
@@ -113,11 +117,11 @@ def compile_one(spec: GrammarSpec, requested: str, backends: _Backends) -> tuple
                 "the compile memory limit (max_compile_memory_mb)")
     if reason:
         return ("error", "INVALID_ARGUMENT", f"{spec.kind}: {reason}")
-    return ("ok", name, tuple(unenforced), (time.perf_counter() - started) * 1e3)
+    return ("ok", name, tuple(unenforced), (time.perf_counter() - started) * 1e3, done.abandoned is not None)
 
 
 def worker_main(conn, service_pid: int, tokenizer_dir: str, vocab_size: int, backend_kwargs: dict,
-                max_compile_memory_mb: int) -> None:
+                max_compile_memory_mb: int, auto_time_box_s: float = 0.0) -> None:
     _die_with_parent(service_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches grammar_service, which stops us
     # a slow compile here yields the CPUs to the serving path (the engine, the step loops);
@@ -134,7 +138,7 @@ def worker_main(conn, service_pid: int, tokenizer_dir: str, vocab_size: int, bac
     try:
         conn.send(("ready",))
         while True:
-            spec, requested = conn.recv()
-            conn.send(compile_one(spec, requested, backends))
+            spec, requested, deadline = conn.recv()
+            conn.send(compile_one(spec, requested, backends, time_box_s=auto_time_box_s, deadline=deadline))
     except (EOFError, OSError):  # grammar_service closed the pipe: its end is ours
         os._exit(0)

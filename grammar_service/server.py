@@ -158,7 +158,9 @@ class GrammarServicer(grammar_pb2_grpc.GrammarServiceServicer):
             grammar_id=entry.grammar_id, backend=entry.backend, cached=outcome.cache_hit,
             compile_ms=0.0 if outcome.cache_hit else entry.compile_ms,
             unenforced=[grammar_pb2.UnenforcedKeyword(keyword=u.keyword, pointer=u.pointer, reason=u.reason)
-                        for u in entry.unenforced])
+                        for u in entry.unenforced],
+            restricted=[grammar_pb2.UnenforcedKeyword(keyword=u.keyword, pointer=u.pointer, reason=u.reason)
+                        for u in entry.restricted])
 
     def GetStats(self, request, context):
         return grammar_pb2.GetStatsResponse(**self.service.stats())

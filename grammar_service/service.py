@@ -92,7 +92,8 @@ class GrammarService:
             return None
         return CompileSandbox(tokenizer_dir, vocab_size, num_workers=self.config.num_compile_threads,
                               backend_kwargs=self._backend_kwargs(),
-                              max_compile_memory_mb=self.config.max_compile_memory_mb)
+                              max_compile_memory_mb=self.config.max_compile_memory_mb,
+                              auto_time_box_s=self.config.auto_time_box_s)
 
     def _backend(self, name: str) -> GrammarBackend:
         name = resolve_backend_name(name)

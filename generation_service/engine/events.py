@@ -30,6 +30,9 @@ class GuaranteeReport:
     unenforced: tuple[UnenforcedKeyword, ...] = ()
     compile_ms: float = 0.0
     cache_hit: bool = False
+    # keywords under which the grammar refuses some valid documents (fixed property order...):
+    # the output still matches the schema (grammar_service/restrictions.py)
+    restricted: tuple[UnenforcedKeyword, ...] = ()
 
     @property
     def is_fully_enforced(self) -> bool:

@@ -96,7 +96,7 @@ class RequestTable:
             return
         request.grammar_id = result.grammar_id
         request.guarantee = GuaranteeReport(result.backend, tuple(result.unenforced), result.compile_ms,
-                                            result.cache_hit)
+                                            result.cache_hit, tuple(result.restricted))
         self._streams[request.request_id].put(OutputEvent(guarantee=request.guarantee))
 
     def grammar_rows(self, batch: ScheduledBatch, link: GrammarLink | None) -> list[LinkRow]:

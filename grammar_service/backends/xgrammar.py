@@ -12,6 +12,7 @@ import xgrammar as xgr
 from generation_service.engine.params import GrammarSpec, ReasoningSpan
 from grammar_service.backends.base import GrammarBackend, GrammarCompileError, Matcher, TokenizerData
 from grammar_service.backends.xgrammar_unenforced import find_unenforced
+from grammar_service.schema_drafts import as_drafted
 
 # xgrammar prefixes messages with "[hh:mm:ss] /project/cpp/file.cc:123: " and sometimes
 # "Check failed: (...) is false: "; the user needs neither.
@@ -29,7 +30,7 @@ def _choice_ebnf(choices: Sequence[str]) -> str:
 
 
 def _schema_text(spec: GrammarSpec) -> str:
-    return spec.text if spec.kind == "json_schema" else '{"type": "object"}'
+    return as_drafted(spec.text) if spec.kind == "json_schema" else '{"type": "object"}'
 
 
 def _json_options(spec: GrammarSpec) -> dict:
@@ -171,7 +172,7 @@ class XGrammarBackend(GrammarBackend):
         if spec.kind != "json_schema":
             return ()
         try:
-            schema = json.loads(spec.text)
+            schema = json.loads(as_drafted(spec.text))
         except ValueError:
             return ()  # the compile reports the malformed JSON
         return tuple(find_unenforced(schema))

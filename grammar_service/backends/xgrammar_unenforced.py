@@ -12,12 +12,18 @@ Measured weakenings that are not a keyword being ignored outright: every asserti
 `$ref`, and beside `anyOf`/`oneOf`/`allOf` (but `enum`/`const`, and a parent `type` that
 every branch repeats), is dropped; look-ahead in `pattern` is dropped (look-behind does not
 compile); `pattern` beside an enforced `format` is dropped; `patternProperties` beside
-`properties` lets matching keys take additionalProperties' values (unless that is false);
-strings with minLength/maxLength admit raw control characters.
+`properties` lets matching keys, and the declared properties too, take additionalProperties'
+values (unless that is false); beside `enum`/`const` only the listed values are compiled, every
+other assertion dropped (a gap where a listed value breaks it); strings with
+minLength/maxLength admit raw control characters.
 """
 from __future__ import annotations
 
 from typing import Any, Iterator
+
+# imported with the backend (before a compile worker is ready): the import takes ~1 s, which a
+# first compile would otherwise pay
+import jsonschema
 
 from generation_service.engine.events import UnenforcedKeyword
 
@@ -96,6 +102,32 @@ def _beside_combinator(schema: dict, pointer: str) -> Iterator[UnenforcedKeyword
                                 "only the branches")
 
 
+def _beside_values(schema: dict, pointer: str) -> Iterator[UnenforcedKeyword]:
+    """Measured: beside enum/const xgrammar compiles the listed values alone and drops every
+    other assertion (`{"enum": ["a"], "type": "object"}` takes "a"). A dropped keyword is a gap
+    only where a listed value breaks it, which the validator says; where it cannot tell (a
+    reference it cannot resolve from here), every sibling is reported."""
+    if "const" in schema:
+        values = [schema["const"]]
+    elif isinstance(schema.get("enum"), list):
+        values = schema["enum"]
+    else:
+        return
+    rest = {k: v for k, v in schema.items() if k not in ("enum", "const")}
+    siblings = [k for k in ASSERTIONS if k in rest and k not in IGNORED]
+    if not siblings:
+        return
+    try:
+        validator = jsonschema.Draft202012Validator(rest)
+        broken = {error.relative_schema_path[0] for value in values for error in validator.iter_errors(value)}
+    except Exception:  # noqa: BLE001 -- unresolvable $ref, bad regex...: cannot tell, so report
+        broken = set(siblings)
+    for keyword in siblings:
+        if keyword in broken:
+            yield UnenforcedKeyword(keyword, pointer, f"ignored beside {'const' if 'const' in schema else 'enum'}: "
+                                    "xgrammar compiles only the listed values, and some break it")
+
+
 def _local(schema: dict, pointer: str) -> Iterator[UnenforcedKeyword]:
     """Unenforced keywords of this schema object alone (not its subschemas)."""
     if "$ref" in schema:  # measured: xgrammar compiles the reference and drops every sibling
@@ -105,6 +137,7 @@ def _local(schema: dict, pointer: str) -> Iterator[UnenforcedKeyword]:
                                         "only the referenced schema")
         return
     yield from _beside_combinator(schema, pointer)
+    yield from _beside_values(schema, pointer)
     for keyword, reason in IGNORED.items():
         if keyword in schema:
             yield UnenforcedKeyword(keyword, pointer, reason)
@@ -121,6 +154,8 @@ def _local(schema: dict, pointer: str) -> Iterator[UnenforcedKeyword]:
     if schema.get("patternProperties") and schema.get("properties") and schema.get("additionalProperties") is not False:
         yield UnenforcedKeyword("patternProperties", pointer, "beside properties, keys matching a "
                                 "pattern may take any value allowed to additional properties")
+        yield UnenforcedKeyword("properties", pointer, "beside patternProperties, declared properties "
+                                "may take any value allowed to additional properties")
     for keyword in ("minLength", "maxLength"):
         if keyword not in schema:
             continue
@@ -170,7 +205,7 @@ def find_unenforced(schema: Any, pointer: str = "") -> list[UnenforcedKeyword]:
     """All unenforced keywords in `schema`, depth first, with RFC 6901 pointers."""
     if not isinstance(schema, dict):
         return []
-    found = list(_local(schema, pointer))
+    found = list({(u.keyword, u.pointer): u for u in reversed(list(_local(schema, pointer)))}.values())[::-1]
     for sub, sub_pointer in _children(schema, pointer):
         found.extend(find_unenforced(sub, sub_pointer))
     return found

@@ -23,6 +23,8 @@ def test_json_schema_output_validates_and_reports_its_guarantee(client):
     assert chunks[0].guarantee is not None and not chunks[0].token_ids, \
         "the guarantee report comes before the first token"
     assert chunks[0].guarantee.backend and chunks[0].guarantee.is_fully_enforced
+    # the grammar writes the properties in the listed order: said, not silent
+    assert ("properties", "") in {(r.keyword, r.pointer) for r in chunks[0].guarantee.restricted}
     final = chunks[-1]
     text = "".join(c.text for c in chunks)
     assert final.finish_reason == "grammar_complete", text

@@ -187,7 +187,8 @@ def to_chunk(response: pb.GenerateResponse) -> Chunk:
     if response.HasField("guarantee"):
         g = response.guarantee
         guarantee = Guarantee(g.backend, tuple(UnenforcedKeyword(u.keyword, u.pointer, u.reason)
-                                               for u in g.unenforced), g.compile_ms, g.cache_hit)
+                                               for u in g.unenforced), g.compile_ms, g.cache_hit,
+                              tuple(UnenforcedKeyword(u.keyword, u.pointer, u.reason) for u in g.restricted))
     usage = None
     if response.HasField("usage"):
         u = response.usage

@@ -19,6 +19,8 @@ class Guarantee:
     unenforced: tuple[UnenforcedKeyword, ...] = ()
     compile_ms: float = 0.0
     cache_hit: bool = False
+    # where the grammar refuses some valid forms (property order...); outputs still match
+    restricted: tuple[UnenforcedKeyword, ...] = ()
 
     @property
     def is_fully_enforced(self) -> bool:

@@ -11,6 +11,7 @@ import xgrammar as xgr
 from generation_service.engine.events import UnenforcedKeyword
 from generation_service.engine.params import GrammarSpec
 from grammar_service.compiler import CompileError
+from structgen.schema_validation import validate_output
 
 INT_ARRAY = {"type": "array", "items": {"type": "integer"}}
 AB = {"a": {"type": "integer"}, "b": {"type": "integer"}}
@@ -61,7 +62,17 @@ UNENFORCED = [
     ("patternProperties", {"type": "object", "properties": {"g": {"type": "object"}},
                            "patternProperties": {"^x": {"type": "object"}},
                            "additionalProperties": {"type": "integer"}}, {"x": 1}),
+    # ... and declared properties take them too
+    ("properties", {"type": "object", "properties": {"a": {"type": "integer"}},
+                    "patternProperties": {"^x": {"type": "string"}}}, {"a": "text"}),
+    # beside enum/const only the listed values are compiled: a sibling a listed value breaks is dropped
+    ("type", {"enum": ["a", "b"], "type": "object"}, "a"),
+    ("maximum", {"enum": [1, 10], "maximum": 5}, 10),
+    ("required", {"const": {}, "required": ["a"]}, {}),
 ]
+# reported, though a 2020-12 validator does not assert them either (annotations, an unknown
+# format, draft 7's `dependencies`)
+REPORTED_BEYOND_THE_VALIDATOR = {"contentEncoding", "format", "dependencies"}
 DEFS = {"s": {"type": "string"}, "i": {"type": "integer"}, "o": {"type": "object"}}
 # (keyword, schema at /properties/v, raw JSON of v that is not JSON): length-limited strings
 CONTROL_CHARACTERS = [("maxLength", {"type": "string", "maxLength": 5}, '"a\x01b"'),
@@ -80,6 +91,8 @@ ENFORCED = [
     # enum beside anyOf, and a parent type every branch repeats, stay enforced
     ({"enum": ["a", "b"], "anyOf": [{"type": "string"}, {"type": "integer"}]}, "zzz"),
     ({"type": "object", "anyOf": [{"type": "object", "required": ["a"]}, {"type": "object", "required": ["b"]}]}, 5),
+    # siblings of enum that every listed value keeps are in effect
+    ({"enum": ["a", "b"], "type": "string"}, 1),
     # strings without length limits never admit raw control characters (checked below)
     ({"type": "string", "pattern": "^[a-z]+$"}, "abc1"),
 ]
@@ -101,6 +114,8 @@ def test_unenforced_keyword_is_reported_refused_under_strict_and_truly_unenforce
     entry = service.compile(GrammarSpec("json_schema", text, backend="xgrammar")).result(30).entry
     assert any(u.keyword == keyword and u.pointer == "/properties/v" and u.reason for u in entry.unenforced), entry.unenforced
     assert _grammar_accepts(entry, violating), f"xgrammar now enforces {keyword}: drop it from the list"
+    if keyword not in REPORTED_BEYOND_THE_VALIDATOR:
+        assert not validate_output(text, json.dumps({"v": violating})).valid, "the schema refuses the instance"
     with pytest.raises(CompileError) as info:
         service.compile(GrammarSpec("json_schema", text, strict=True, backend="xgrammar")).result(30)
     assert info.value.status == "INVALID_ARGUMENT"

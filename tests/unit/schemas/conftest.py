@@ -31,3 +31,9 @@ def make_backend(tokenizer_data):
 def backend(request, make_backend):
     """Each registered backend in turn: the slot tests run on all of them."""
     return make_backend(request.param)
+
+
+@pytest.fixture(scope="session")
+def tokenize(make_backend):
+    """Text -> token ids as llguidance's tokenizer splits it (the canonical tokenization)."""
+    return make_backend("llguidance").lltokenizer.tokenize_str

@@ -281,7 +281,7 @@ def test_llguidance_bounded_whitespace_is_refused_because_its_mask_and_matcher_d
     spec = GrammarSpec("json_schema", schema, any_whitespace=True, max_whitespace=1)
     with pytest.raises(GrammarCompileError, match="max_whitespace"):
         llguidance.compile(spec)
-    assert compile_with(spec, "auto", make_backend)[0] == "xgrammar"
+    assert compile_with(spec, "auto", make_backend).backend == "xgrammar"
 
     from grammar_service.backends.llguidance import LLGuidanceGrammar
     from grammar_service.tokenizer import load_tokenizer

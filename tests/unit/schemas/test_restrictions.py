@@ -1,0 +1,65 @@
+"""The guarantee report names what the grammar refuses that the schema allows: each class
+below is a valid document that both backends refuse, and the report names it where it applies;
+`strict` does not refuse for it (the output still matches the schema)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from documents import accepts
+from generation_service.engine.params import GrammarSpec
+from grammar_service.config import GrammarServiceConfig
+from grammar_service.restrictions import json_restrictions
+from grammar_service.service import GrammarService
+from structgen.schema_validation import validate_output
+
+from backend_vocab import VOCAB
+
+AB = {"a": {"type": "integer"}, "b": {"type": "string"}}
+# (keyword, pointer, schema, a valid document in the form the grammar refuses)
+RESTRICTED = [
+    ("properties", "/properties/o", {"type": "object", "properties": {"o": {"type": "object", "properties": AB}}},
+     {"o": {"b": "x", "a": 1}}),
+    ("additionalProperties", "", {"type": "object", "properties": AB}, {"z": 1, "a": 1}),
+    ("type", "", {"type": "integer"}, 6000.0),
+    ("const", "", {"const": 0}, 0.0),
+    ("enum", "/items", {"type": "array", "items": {"enum": [1, 2]}}, [2.0]),
+]
+
+
+@pytest.mark.parametrize("backend_name", ["xgrammar", "llguidance"])
+@pytest.mark.parametrize("keyword,pointer,schema,document", RESTRICTED, ids=[c[0] for c in RESTRICTED])
+def test_a_valid_document_the_grammar_refuses_is_named(make_backend, tokenize, backend_name, keyword, pointer,
+                                                       schema, document):
+    text = json.dumps(schema)
+    assert validate_output(text, json.dumps(document)).valid
+    assert not accepts(make_backend(backend_name), schema, document, tokenize), \
+        f"{backend_name} now takes this form: drop the class from grammar_service/restrictions.py"
+    assert (keyword, pointer) in {(r.keyword, r.pointer) for r in json_restrictions(text)}
+
+
+def test_each_class_is_named_once_with_a_count_of_its_other_places():
+    schema = {"type": "object", "properties": {"p": {"type": "object", "properties": AB},
+                                               "q": {"type": "object", "properties": AB}}}
+    order = [r for r in json_restrictions(json.dumps(schema)) if r.keyword == "properties"]
+    assert [r.pointer for r in order] == [""] and "2 more places" in order[0].reason
+
+
+def test_a_closed_object_with_one_property_has_nothing_to_name():
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "additionalProperties": False}
+    assert json_restrictions(json.dumps(schema)) == ()
+
+
+@pytest.fixture(scope="module")
+def service(mistral_32k_dir):
+    svc = GrammarService(GrammarServiceConfig(tokenizer_dir=mistral_32k_dir, vocab_size=VOCAB))
+    yield svc
+    svc.close()
+
+
+def test_strict_serves_a_schema_with_restrictions_only_and_reports_them(service):
+    text = json.dumps({"type": "object", "properties": AB, "required": ["a", "b"]})
+    outcome = service.compile(GrammarSpec("json_schema", text, strict=True)).result(60)
+    assert outcome.entry.unenforced == ()
+    assert {r.keyword for r in outcome.entry.restricted} == {"properties", "additionalProperties", "type"}
