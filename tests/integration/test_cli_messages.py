@@ -80,7 +80,10 @@ def test_ctrl_c_in_generate_exits_130_and_frees_the_request(live_server, client,
     process = subprocess.Popen([sys.executable, "-m", "structgen.cli", "generate", "--server", live_server.address,
                                 "--max-tokens", "64", "--chat", "Tell me a long story about the sea."],
                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                               # as from a terminal: a shell's background job (make test &) ignores
+                               # SIGINT, and Python keeps an inherited ignore
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert process.stdout.read(1)  # the stream has started
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=60)
