@@ -56,14 +56,10 @@ def find_weight_files(folder: pathlib.Path) -> dict[str, pathlib.Path]:
     return files
 
 
-def load_weights(model: nn.Module, folder: pathlib.Path, device: torch.device, dtype: torch.dtype) -> None:
-    """Assign every parameter of ``model`` (built on the meta device) from the checkpoint.
-
-    Tensors are read straight onto ``device`` and cast to ``dtype``; each name and shape is
-    checked against the model, and a mismatch names the file and the tensor.
-    """
+def names_by_file(folder: pathlib.Path, expected) -> dict[pathlib.Path, list[str]]:
+    """The model's tensor names (``expected``) grouped by the checkpoint file holding each; a
+    tensor the checkpoint lacks is a ModelLoadError, tensors the model does not use a warning."""
     files = find_weight_files(folder)
-    expected = dict(model.named_parameters())
     missing = sorted(set(expected) - set(files))
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
@@ -75,6 +71,17 @@ def load_weights(model: nn.Module, folder: pathlib.Path, device: torch.device, d
     by_file: dict[pathlib.Path, list[str]] = {}
     for name in expected:
         by_file.setdefault(files[name], []).append(name)
+    return by_file
+
+
+def load_weights(model: nn.Module, folder: pathlib.Path, device: torch.device, dtype: torch.dtype) -> None:
+    """Assign every parameter of ``model`` (built on the meta device) from the checkpoint.
+
+    Tensors are read straight onto ``device`` and cast to ``dtype``; each name and shape is
+    checked against the model, and a mismatch names the file and the tensor.
+    """
+    expected = dict(model.named_parameters())
+    by_file = names_by_file(folder, expected)
     state = {}
     for path, names in sorted(by_file.items()):
         with open_safetensors(path, str(device)) as handle:

@@ -21,7 +21,7 @@ from generation_service.model import loader, random_init
 from generation_service.model.config import ModelConfig, ModelLoadError, dtype_name
 from generation_service.model.presets import PRESETS
 from generation_service.model.tokenizer import load_tokenizer
-from generation_service.model.weights import find_weight_files, open_safetensors
+from generation_service.model.weights import names_by_file, open_safetensors
 from generation_service.parallel.group import TensorParallelGroup
 from generation_service.parallel.model import build_on_meta
 from generation_service.parallel.plan import ShardPlan
@@ -114,14 +114,8 @@ def _random_state(model: nn.Module, plan: ShardPlan, device, dtype, seed: int) -
 
 
 def _safetensors_state(model: nn.Module, plan: ShardPlan, folder: pathlib.Path, device, dtype):
-    files = find_weight_files(folder)
-    missing = sorted(name for name, _ in model.named_parameters() if name not in files)
-    if missing:
-        raise ModelLoadError(f"{folder}: tensor(s) missing from the checkpoint: {', '.join(missing[:5])}")
     expected = dict(model.named_parameters())
-    by_file: dict[pathlib.Path, list[str]] = {}
-    for name in expected:
-        by_file.setdefault(files[name], []).append(name)
+    by_file = names_by_file(folder, expected)
     state = {}
     for path, names in sorted(by_file.items()):
         with open_safetensors(path, str(device)) as handle:
