@@ -60,13 +60,18 @@ class ToolCallFormat(abc.ABC):
     name: str = ""
     trigger: str = ""    # the text that starts a call region
     separator: str = ""  # between calls when the output is calls only
+    # one call's text: {call_prefix}{"name": "NAME", "{arguments_key}": ARGUMENTS{call_end}
+    call_prefix: str = ""
+    arguments_key: str = "arguments"
+    call_end: str = "}"
 
     def __init__(self, is_token: Callable[[str], bool] = lambda text: False) -> None:
         """`is_token(text)`: the text is one token of the served tokenizer."""
         self._is_token = is_token
 
-    @abc.abstractmethod
-    def _call_tag(self, tool: Tool, max_whitespace: int | None) -> dict: ...
+    def _call_tag(self, tool: Tool, max_whitespace: int | None) -> dict:
+        return {"type": "tag", "begin": f'{self.call_prefix}{{"name": "{tool.name}", "{self.arguments_key}": ',
+                "content": _arguments_content(tool, max_whitespace), "end": self.call_end}
 
     def grammar(self, tools: tuple[Tool, ...], choice: ToolChoice, single: bool,
                 max_whitespace: int | None) -> dict:
@@ -91,10 +96,8 @@ class HermesFormat(ToolCallFormat):
     trigger = "<tool_call>"
     separator = "\n"
     _END = "</tool_call>"
-
-    def _call_tag(self, tool: Tool, max_whitespace: int | None) -> dict:
-        return {"type": "tag", "begin": f'{self.trigger}\n{{"name": "{tool.name}", "arguments": ',
-                "content": _arguments_content(tool, max_whitespace), "end": "}\n" + self._END}
+    call_prefix = trigger + "\n"
+    call_end = "}\n" + _END
 
     def parse_region(self, text: str):
         end = text.find(self._END)
@@ -109,10 +112,7 @@ class Llama3JsonFormat(ToolCallFormat):
     name = "llama3_json"
     trigger = '{"name": '
     separator = "; "
-
-    def _call_tag(self, tool: Tool, max_whitespace: int | None) -> dict:
-        return {"type": "tag", "begin": f'{{"name": "{tool.name}", "parameters": ',
-                "content": _arguments_content(tool, max_whitespace), "end": "}"}
+    arguments_key = "parameters"
 
     def parse_region(self, text: str):
         decoded = _decode(text)
@@ -129,10 +129,6 @@ class MistralFormat(ToolCallFormat):
     name = "mistral"
     trigger = "[TOOL_CALLS]"
     separator = ", "
-
-    def _call_tag(self, tool: Tool, max_whitespace: int | None) -> dict:
-        return {"type": "tag", "begin": f'{{"name": "{tool.name}", "arguments": ',
-                "content": _arguments_content(tool, max_whitespace), "end": "}"}
 
     def grammar(self, tools, choice, single, max_whitespace) -> dict:
         chosen = [t for t in tools if choice.mode != "named" or t.name == choice.name]
