@@ -74,6 +74,26 @@ class _Driver:
             raise RuntimeError(f"{what} failed: CUresult {result}")
         return None
 
+    def make_context_current(self, device: int) -> None:
+        """Make `device`'s primary context (torch's) current on this thread if none is. NOTE: a
+        thread that made no CUDA runtime call has none (structgen serve builds the engine in a
+        helper thread and starts it in the main one), and driver calls there fail with
+        CUDA_ERROR_INVALID_CONTEXT; the runtime binds it lazily, the driver never does."""
+        if self._cu is not None:
+            cu = self._cu
+            if not int(self._check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent") or 0):
+                dev = self._check(cu.cuDeviceGet(device), "cuDeviceGet")
+                self._check(cu.cuCtxSetCurrent(self._check(cu.cuDevicePrimaryCtxRetain(dev),
+                                                           "cuDevicePrimaryCtxRetain")), "cuCtxSetCurrent")
+            return
+        lib, ctx = self._lib, ctypes.c_void_p()
+        self._check(lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+        if not ctx.value:
+            dev = ctypes.c_int()
+            self._check(lib.cuDeviceGet(ctypes.byref(dev), device), "cuDeviceGet")
+            self._check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+            self._check(lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
     def host_register(self, host_ptr: int, nbytes: int) -> int:
         flags = CU_MEMHOSTREGISTER_DEVICEMAP | CU_MEMHOSTREGISTER_PORTABLE
         if self._cu is not None:
@@ -175,7 +195,7 @@ class MappedChannel:
         if not torch.cuda.is_available():
             raise CudaUnavailable("no CUDA device")
         torch.cuda.init()
-        torch.cuda.current_stream()  # NOTE: makes the primary context current on this thread
+        driver().make_context_current(torch.cuda.current_device())
         nbytes = region_bytes(channel.geometry)
         host_ptr = channel.buffer.ctypes.data  # mmap: page-aligned, nbytes a multiple of 4096
         device_ptr = driver().host_register(host_ptr, nbytes)
@@ -187,6 +207,8 @@ class MappedChannel:
         """Unregister. Every graph that touches the region must be destroyed before this."""
         if self.host_ptr:
             self._words = None
+            import torch
+            driver().make_context_current(torch.cuda.current_device())
             driver().host_unregister(self.host_ptr)
             self.host_ptr = self.device_ptr = 0
 

@@ -29,6 +29,30 @@ def mapped():
     chan.close()
 
 
+def test_register_and_close_on_threads_that_made_no_cuda_call():
+    """structgen serve builds the engine in a helper thread and registers the channel in the
+    main one: the driver call there must find torch's context (CUDA_ERROR_INVALID_CONTEXT once)."""
+    chan = StepChannel.create(GEOM)
+    outcome = {}
+
+    def on_a_new_thread(name, call):
+        def run():
+            try:
+                outcome[name] = call()
+            except Exception as error:  # noqa: BLE001 -- reported below
+                outcome[name] = error
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join()
+        assert not isinstance(outcome[name], Exception), outcome[name]
+    try:
+        on_a_new_thread("register", lambda: MappedChannel.register(chan))
+        assert outcome["register"].device_ptr
+        on_a_new_thread("close", outcome["register"].close)
+    finally:
+        chan.close()
+
+
 def test_device_views_alias_the_shared_region(mapped):
     chan = mapped.channel
     rng = np.random.default_rng(0)
