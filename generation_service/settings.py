@@ -53,6 +53,8 @@ SERVE_SETTINGS = SettingsTable("structgen serve", (
                 choices=("auto", "cuda_graph", "eager")),
         Setting("overlap", "under CUDA graphs, launch decode step N+1 before reading N "
                 "(default: on under CUDA graphs)"),
+        Setting("pipeline-mixed", "launch a mixed step (prompt chunks beside decode rows) before the previous "
+                "step's text is streamed (default: on under CUDA graphs)"),
         Setting("verify-graphs", "under CUDA graphs, run speculative verify steps as graphs too"),
         Setting("tensor-parallel", "processes the model is sharded over, one per GPU on cuda (cuda:0..N-1 "
                 "of the visible ones) or sharing the cores on cpu; > 1 runs the eager runner, no CUDA graphs",

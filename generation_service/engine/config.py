@@ -33,6 +33,8 @@ class EngineConfig:
     mask_backend: str = "torch"        # grammar-mask application (sampler.MASK_BACKENDS)
     overlap: bool | None = None        # launch decode step N+1 before reading step N (None: on
                                        # under the cuda_graph runner; other runners never overlap)
+    pipeline_mixed: bool | None = None  # mixed steps: launch step N+1 before streaming step N's text
+                                        # (None: on under the cuda_graph runner, whose forward is async)
     verify_graphs: bool = True         # cuda_graph runner: rows with speculative drafts replay captured
                                        # verify steps (rows x 1 + max_draft_tokens) instead of eager ones
                                        # (H200: 10-50x faster per step, benchmarks/results/verify-h200.json)

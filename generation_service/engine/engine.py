@@ -128,6 +128,10 @@ class Engine:
         if config.overlap and not self._overlap:
             log.warning("overlap needs the cuda_graph runner; runner %s steps one at a time", self.runner_name)
         self._in_flight: InFlight | None = None   # a launched decode step not yet read
+        # Mixed steps launch N+1 before streaming N (`_step_pipelined`); on by default where the
+        # forward is asynchronous (CUDA graphs): there it hides that host work behind the GPU.
+        self._pipeline_mixed = (config.pipeline_mixed if config.pipeline_mixed is not None
+                                else self.runner_name == "cuda_graph")
         self.num_mixed_steps = 0
         self.num_prefill_tokens = 0
         self.step_s_total = {"graph": 0.0, "mixed": 0.0}  # engine-loop wall time per step kind
@@ -305,6 +309,8 @@ class Engine:
         if self._in_flight is not None:  # stopped with a step on the GPU: read it (watchdog)
             in_flight, self._in_flight = self._in_flight, None
             self._finish(in_flight.batch, in_flight.step, *self.runner.collect(in_flight.launch, self.link), True)
+        with self._lock:
+            self._deliver_deferred()
 
     def step(self) -> bool:
         """One engine step; False when there was nothing to do."""
@@ -317,11 +323,21 @@ class Engine:
             self._apply_inbox()
             self.table.poll(self.link)  # compiles, deadlines, grammar reconnect
             batch = self.scheduler.schedule(self.config.max_draft_tokens)
-            rows = self.table.grammar_rows(batch, self.link)
-            if batch.is_empty and not rows:
-                return False
             graphed = getattr(self.runner, "can_graph", None) is not None and self.runner.can_graph(batch)
-            step = self.link.begin(rows, gpu=graphed) if rows else None
+            pipelined = self._pipeline_mixed and bool(batch.rows) and not graphed
+            delivered = bool(self.table.deferred)
+            if not pipelined:
+                if self._deliver_deferred():  # a stop string found now ends its row of `batch`
+                    batch = ScheduledBatch([row for row in batch.rows if not row.request.is_finished])
+                    graphed = graphed and self.runner.can_graph(batch)
+                rows = self.table.grammar_rows(batch, self.link)
+                if batch.is_empty and not rows:
+                    return delivered
+                step = self.link.begin(rows, gpu=graphed) if rows else None
+        if pipelined:
+            self._step_pipelined(batch)
+            self.step_s_total["mixed"] += time.perf_counter() - start
+            return True
         if graphed:  # the GPU writes the outputs and outputs_seq of a grammar step
             launch = self.runner.launch(batch, step, self.link)
             if self._overlap:
@@ -342,11 +358,38 @@ class Engine:
         self.step_s_total["graph" if graphed else "mixed"] += time.perf_counter() - start
         return True
 
-    def _finish(self, batch: ScheduledBatch, step: int | None, samples: list[SampleResult],
-                masks: StepMasks | None, graphed: bool, rows: list[LinkRow] = ()) -> None:
-        """Postprocess a step; a host-side grammar step then publishes its accepted tokens."""
+    def _step_pipelined(self, batch: ScheduledBatch) -> None:
+        """A mixed step whose forward is launched before the previous step's text is streamed:
+        launch, begin its grammar step, deliver the previous step's deferred tokens (detokenize,
+        stop strings, stream events: host work the GPU no longer waits for), wait for the
+        masks, sample (the host's one sync), then accept the tokens (what the next schedule
+        needs) and defer their delivery to the next step. A row that a deferred stop string
+        ends has its sample in this step dropped (postprocess skips finished requests)."""
+        forward_started = time.perf_counter()
+        logits = self.runner.run(batch)
         with self._lock:
-            kept = self.table.postprocess(batch, samples, step, masks, self.link)
+            rows = self.table.grammar_rows(batch, self.link)
+            step = self.link.begin(rows) if rows else None
+            self._deliver_deferred()
+        if self.link is not None:
+            self.link.forward_done(step, time.perf_counter() - forward_started)
+        masks = self.link.wait(step) if step is not None else None
+        samples = self._sample(batch, logits, masks)
+        self.num_mixed_steps += 1
+        self.num_prefill_tokens += batch.num_prefill_tokens
+        self._finish(batch, step, samples, masks, False, rows, defer=True)
+
+    def _deliver_deferred(self) -> bool:
+        """Stream the tokens the last pipelined step deferred (engine lock held); whether a
+        request ended by it (a stop string)."""
+        return bool(self.table.deferred) and self.table.deliver()
+
+    def _finish(self, batch: ScheduledBatch, step: int | None, samples: list[SampleResult],
+                masks: StepMasks | None, graphed: bool, rows: list[LinkRow] = (), defer: bool = False) -> None:
+        """Postprocess a step; a host-side grammar step then publishes its accepted tokens.
+        defer: the step's text and stream events wait in the table's `deferred` (`_step_pipelined`)."""
+        with self._lock:
+            kept = self.table.postprocess(batch, samples, step, masks, self.link, defer)
             if step is not None and not graphed:
                 self.link.publish(step, [kept.get(id(row.request), []) for row in rows])
             self.num_steps += 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 from generation_service.engine.errors import (
@@ -24,6 +25,15 @@ from generation_service.engine.stream import RequestStream
 from step_channel import ERR_NO_MATCHER, ERR_TOKEN_REJECTED, ERR_UNKNOWN_GRAMMAR, VALID_LATE
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Deferred:
+    """A token accepted by a pipelined step whose text and stream event are still to come."""
+
+    request: Request
+    token: int
+    logprobs: list
 
 
 class RequestTable:
@@ -42,6 +52,8 @@ class RequestTable:
         self.num_finished = 0
         self.num_late_rows = 0                 # sampling rows skipped: their masks were late
         self.tokens_generated = 0
+        # request_id -> its token accepted by a pipelined step, not yet streamed (`deliver`)
+        self.deferred: dict[str, Deferred] = {}
         # Called with each finished Request (engine thread, lock held): traces, metrics.
         self.finish_listeners: list[Callable[[Request], None]] = []
 
@@ -115,8 +127,11 @@ class RequestTable:
 
     # ---- after a step ------------------------------------------------------------------------
     def postprocess(self, batch: ScheduledBatch, samples: list[SampleResult], step: int | None,
-                    masks: StepMasks | None, link: GrammarLink | None) -> dict[int, list[int]]:
-        """Apply a step's results; returns accepted tokens per request (by id()) for the channel."""
+                    masks: StepMasks | None, link: GrammarLink | None, defer: bool = False) -> dict[int, list[int]]:
+        """Apply a step's results; returns accepted tokens per request (by id()) for the channel.
+        defer (a pipelined mixed step, engine.py): a one-token row that no token stop ends is
+        only accepted here (the scheduler's state); its text, stop strings and stream event wait
+        in `deferred` for `deliver`, which runs while the GPU computes the next step."""
         if step is not None:
             if masks is None:
                 self._on_grammar_lost()
@@ -146,28 +161,54 @@ class RequestTable:
             if valid == VALID_LATE:  # its mask was not ready: sampled again next step
                 self._skip(row, request)
                 continue
-            kept[id(request)] = self._accept(row, request, result, pushed)
+            kept[id(request)] = self._accept(row, request, result, pushed, defer)
             if not request.is_finished:  # (a finished one's pages were keyed as they were freed)
                 self.scheduler.store_pages(request)
         for stream in pushed:
             stream.wake()
         return kept
 
-    def _accept(self, row, request: Request, result: SampleResult, pushed: list[RequestStream]) -> list[int]:
+    def _accept(self, row, request: Request, result: SampleResult, pushed: list[RequestStream],
+                defer: bool) -> list[int]:
         if row.drafts:
             self._accept_drafts(row, request, result)
         else:  # K/V is valid for the known tokens
             request.num_cached = row.seq_len
         if request.first_token_s is None and result.token_ids:
             request.first_token_s = time.monotonic()
-        delta = self._outputs[request.request_id].process(result.token_ids, result.logprobs)
+        output = self._outputs[request.request_id]
+        if defer and len(result.token_ids) == 1:
+            token = result.token_ids[0]
+            reason = output.accept(token)
+            if reason is None:
+                self.deferred[request.request_id] = Deferred(request, token, result.logprobs)
+                return [token]
+            delta = output.finish_accepted(token, reason, result.logprobs)
+        else:
+            delta = output.process(result.token_ids, result.logprobs)
+        self._emit(request, delta, pushed)
+        return delta.token_ids
+
+    def _emit(self, request: Request, delta, pushed: list[RequestStream]) -> None:
         if delta.finish_reason is not None:
             self.finish(request, delta.finish_reason, None, delta.token_ids, delta.text, delta.logprobs)
         elif delta.token_ids:
             stream = self._streams[request.request_id]
             stream.push(OutputEvent.of_tokens(tuple(delta.token_ids), delta.text, tuple(delta.logprobs)))
             pushed.append(stream)
-        return delta.token_ids
+
+    def deliver(self) -> bool:
+        """The text, stop strings and stream events of the tokens `postprocess` deferred;
+        whether a stop string ended a request."""
+        pushed: list[RequestStream] = []
+        deferred, self.deferred = self.deferred, {}
+        num_finished = self.num_finished
+        for item in deferred.values():
+            request = item.request
+            self._emit(request, self._outputs[request.request_id].render(item.token, item.logprobs), pushed)
+        for stream in pushed:
+            stream.wake()
+        return self.num_finished != num_finished
 
     def _skip(self, row, request: Request) -> None:
         """A late row accepts nothing: K/V stays valid up to its last known token, which the next
@@ -243,6 +284,10 @@ class RequestTable:
             request.slot = None
         request.is_matcher_bound = False  # (a pending compile just finishes into the cache)
         output = self._outputs.pop(request.request_id)
+        pending = self.deferred.pop(request.request_id, None)
+        if pending is not None:  # ended (cancel, deadline, error) before its last token was streamed
+            token_ids, logprobs = [pending.token, *token_ids], [*pending.logprobs[:1], *logprobs]
+            text = output.render(pending.token, pending.logprobs).text + text
         if reason in (FinishReason.CANCELLED, FinishReason.DEADLINE):
             text += output.flush()  # held-back text that never became a stop string
         usage = Usage(request.num_prompt_tokens, request.num_generated,

@@ -43,16 +43,34 @@ class OutputProcessor:
         kept, texts, reason = [], [], None
         for token in token_ids:
             kept.append(token)
-            self.request.token_ids.append(token)
-            reason = self._token_stop(token)
-            is_text = reason not in (FinishReason.STOP_TOKEN, FinishReason.GRAMMAR_COMPLETE)
-            text, is_string_stop = self._text([token] if is_text else [], final=reason is not None)
+            reason = self.accept(token)
+            text, reason = self._render(token, reason)
             texts.append(text)
-            if is_string_stop:
-                reason = FinishReason.STOP_STRING
             if reason is not None:
                 break
         return Delta(kept, "".join(texts), logprobs[:len(kept)], reason)
+
+    def accept(self, token: int) -> FinishReason | None:
+        """Append one token to the request (what the scheduler needs of it); the stop it makes
+        by itself (a stop token, max_new_tokens), or None. `render` then gives its text."""
+        self.request.token_ids.append(token)
+        return self._token_stop(token)
+
+    def render(self, token: int, logprobs: list[TokenLogprob]) -> Delta:
+        """The delta of a token `accept` took without a stop: its text, and STOP_STRING if a
+        stop string ends in it. Called before the next `accept` (the detokenizer's order)."""
+        text, reason = self._render(token, None)
+        return Delta([token], text, logprobs[:1], reason)
+
+    def finish_accepted(self, token: int, reason: FinishReason, logprobs: list[TokenLogprob]) -> Delta:
+        """The final delta of a token `accept` found a stop for."""
+        text, reason = self._render(token, reason)
+        return Delta([token], text, logprobs[:1], reason)
+
+    def _render(self, token: int, reason: FinishReason | None) -> tuple[str, FinishReason | None]:
+        is_text = reason not in (FinishReason.STOP_TOKEN, FinishReason.GRAMMAR_COMPLETE)
+        text, is_string_stop = self._text([token] if is_text else [], final=reason is not None)
+        return text, FinishReason.STOP_STRING if is_string_stop else reason
 
     def _token_stop(self, token: int) -> FinishReason | None:
         if token in self.eos_token_ids and self._is_eos_a_stop:

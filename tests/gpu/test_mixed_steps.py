@@ -87,6 +87,27 @@ def test_staggered_mixed_steps_give_the_eager_engines_greedy_tokens(model_spec):
     check_settled(stats)
 
 
+def test_pipelined_mixed_steps_give_the_serial_tokens(model_spec, grammar_service):
+    """Mixed steps launched before the previous step's text is streamed (the default under the
+    graphs) give the tokens of mixed steps run one at a time, and constrained rows stay valid."""
+    import jsonschema
+    from grammar_service.client import GrammarControlClient
+    extra = dict(prefill_chunk_tokens=32, max_prefill_tokens=64, max_prompt_tokens=1024)
+    runs = {}
+    for pipelined in (False, True):
+        config = engine_config(model_spec, "cuda_graph", pipeline_mixed=pipelined, **extra)
+        engine, results, stats, log = staggered(config, GrammarControlClient(grammar_service.address), json_rows=2)
+        assert engine._pipeline_mixed is pipelined and log.num_mixed >= 5, log.steps
+        for r in results[-2:]:
+            assert r.error is None and r.finish_reason is FinishReason.GRAMMAR_COMPLETE, (r.error, r.text)
+            jsonschema.validate(json.loads(r.text), SCHEMA)
+        check_settled(stats)
+        runs[pipelined] = engine, results[:-2]
+    prompts = PROMPTS[:2] + [LONG, PROMPTS[2], LONG[::-1], PROMPTS[3]]
+    num_identical = check_greedy_rows(runs[True][0], prompts, runs[False][1], runs[True][1])
+    print(f"pipelined == serial on {num_identical}/{len(prompts)} requests")
+
+
 def test_constrained_rows_stay_valid_beside_prefill_chunks(model_spec, grammar_service):
     import jsonschema
     from grammar_service.client import GrammarControlClient
