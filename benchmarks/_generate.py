@@ -41,7 +41,8 @@ def run_generations(corpus, compiled: dict[str, set[str]], num: int, max_new_tok
                     max_batch: int = 32, timeout_s: float = 600) -> dict[str, dict[str, dict]]:
     """{backend: {schema: row}} for the schemas each backend compiled (`compiled[backend]`)."""
     from generation_service.engine.events import FinishReason
-    from generation_service.engine.params import GenerationRequest, GrammarSpec, SamplingParams
+    from generation_service.engine.params import GenerationRequest, SamplingParams
+    from grammar_contract.spec import GrammarSpec
     from tests.integration.test_engine_support import collect, make_engine, start_grammar_service
 
     folder = pathlib.Path(tempfile.mkdtemp(prefix="structgen-bench-gen-"))

@@ -72,8 +72,8 @@ class Counters:
     @classmethod
     def of(cls, engine: Engine) -> "Counters":
         stats, runner = engine.stats(), engine.runner
-        return cls(stats.steps, getattr(runner, "num_graph_steps", 0), getattr(runner, "num_verify_steps", 0),
-                   getattr(runner, "num_chained_steps", 0), stats.draft_proposed, stats.draft_accepted)
+        return cls(stats.steps, runner.num_graph_steps, runner.num_verify_steps,
+                   runner.num_chained_steps, stats.draft_proposed, stats.draft_accepted)
 
     def minus(self, earlier: "Counters") -> "Counters":
         return Counters(*(getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)))

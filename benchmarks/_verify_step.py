@@ -21,7 +21,7 @@ from generation_service.engine.engine import Engine
 from generation_service.engine.kv_cache import num_pages_for
 from generation_service.engine.params import GenerationRequest, SamplingParams, SpeculativeParams
 from generation_service.engine.request import Request
-from generation_service.engine.sampler import SampleRow
+from generation_service.engine.sample_row import SampleRow
 from generation_service.engine.scheduler import ScheduledBatch, ScheduledRow
 
 from tests.integration.test_engine_support import wait_settled

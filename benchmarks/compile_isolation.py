@@ -25,7 +25,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def _specs(limit: int):
     from benchmarks.corpus import load_corpus
-    from generation_service.engine.params import GrammarSpec
+    from grammar_contract.spec import GrammarSpec
 
     schemas = sorted(load_corpus(), key=lambda s: s.size_bytes)[:limit]
     specs = [(s.name, GrammarSpec(kind="json_schema", text=s.text, backend="xgrammar")) for s in schemas]
@@ -47,7 +47,7 @@ def _timed(service, spec) -> tuple[float, str]:
 
 
 def _service(tokenizer_dir: str, isolate: bool):
-    from generation_service.engine.params import GrammarSpec
+    from grammar_contract.spec import GrammarSpec
     from grammar_service.config import GrammarServiceConfig
     from grammar_service.service import GrammarService
 

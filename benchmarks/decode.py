@@ -379,12 +379,12 @@ def engine_decode(preset: str, batches: list[int], context: int, new_tokens: int
     decode of random prompts, free and (with grammar_service at `grammar_address`) every row
     constrained by SCHEMA: graph step + the host loop around it."""
     from generation_service.engine.engine import Engine, EngineConfig
-    from generation_service.engine.params import GrammarSpec
+    from grammar_contract.spec import GrammarSpec
     max_batch = max(batches)
     pages_per_row = -(-(context + new_tokens + 8) // PAGE_SIZE)
     client = None
     if grammar_address is not None:
-        from grammar_service.client import GrammarControlClient
+        from grammar_contract.client import GrammarControlClient
         client = GrammarControlClient(grammar_address)
     engine = Engine(EngineConfig(model=model_spec, device="cuda", dtype="bfloat16", runner="cuda_graph",
                                  max_batch=max_batch, num_pages=1 + max_batch * pages_per_row,
@@ -435,7 +435,7 @@ def _engine_run(engine, preset: str, batch: int, mode: str, context: int, new_to
     first = sum(num_tokens)
     runner = engine.runner
     t0, steps0 = time.perf_counter(), engine.num_steps
-    graph0, chained0 = getattr(runner, "num_graph_steps", 0), getattr(runner, "num_chained_steps", 0)
+    graph0, chained0 = runner.num_graph_steps, runner.num_chained_steps
     for i, stream in enumerate(streams):
         while finals[i] is None:
             event = stream.get(timeout=300)
@@ -449,8 +449,8 @@ def _engine_run(engine, preset: str, batch: int, mode: str, context: int, new_to
         reasons[f.finish_reason.name] = reasons.get(f.finish_reason.name, 0) + 1
     decoded = sum(num_tokens) - first
     row = {"preset": preset, "batch": batch, "mode": mode, "overlap": overlap, "runner": "cuda_graph",
-           "steps": steps, "graph_steps": getattr(runner, "num_graph_steps", 0) - graph0,
-           "chained_steps": getattr(runner, "num_chained_steps", 0) - chained0,
+           "steps": steps, "graph_steps": runner.num_graph_steps - graph0,
+           "chained_steps": runner.num_chained_steps - chained0,
            "ms_per_step": elapsed / max(1, steps) * 1e3, "tokens_per_s": decoded / elapsed,
            "tokens_decoded": decoded, "finish_reasons": reasons, "errors": errors[:3],
            "vocab_size": vocab}

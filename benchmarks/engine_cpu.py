@@ -23,9 +23,8 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from generation_service.engine.params import (  # noqa: E402
-    GenerationRequest, GrammarSpec, SamplingParams, SpeculativeParams,
-)
+from generation_service.engine.params import GenerationRequest, SamplingParams, SpeculativeParams
+from grammar_contract.spec import GrammarSpec
 from tests.integration.test_engine_support import make_engine, run_all, start_grammar_service  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}},

@@ -92,7 +92,7 @@ class _Column:
         self.compile(warm, 60.0)
 
     def compile(self, text: str, compile_timeout_s: float) -> dict:
-        from generation_service.engine.params import GrammarSpec
+        from grammar_contract.spec import GrammarSpec
         from grammar_service.backend_choice import compile_with
         from grammar_service.backends.base import GrammarCompileError
         from grammar_service.restrictions import json_restrictions

@@ -22,7 +22,7 @@ Corpus: benchmarks/corpus.py (>= 20 schemas shipped by installed packages). Per 
   and violations the stream's guarantee report does not explain (same check as the walks).
   `--no-generations` skips it.
 Per backend: compile median/p90/max, errors, timeouts, keyword counts, validity totals;
-per schema: `auto`'s choice (grammar_service.guarantees.rank with measured compile times).
+per schema: `auto`'s choice (grammar_service.auto_choice.rank with measured compile times).
 
     .venv/bin/python benchmarks/schemas.py --machine ci-2core        # ~10 min on 2 cores
 writes benchmarks/results/schemas-<machine>.json and prints a table.
@@ -82,7 +82,7 @@ class _Walker:
                 set(text) <= STRUCTURAL_CHARS or text in ("true", "false", "null"))
 
     def run(self, name: str, text: str, num_walks: int, max_tokens: int, seed: int, walk_budget_s: float) -> dict:
-        from generation_service.engine.params import GrammarSpec
+        from grammar_contract.spec import GrammarSpec
         from grammar_service.backends.base import GrammarCompileError
 
         spec = GrammarSpec("json_schema", text)
@@ -215,8 +215,8 @@ def summarize(backend: str, rows: list[dict]) -> dict:
 
 
 def auto_choice(by_backend: dict[str, dict]) -> dict:
-    from generation_service.engine.events import UnenforcedKeyword
-    from grammar_service.guarantees import Candidate, num_gaps, rank
+    from grammar_contract.report import UnenforcedKeyword
+    from grammar_service.auto_choice import Candidate, num_gaps, rank
 
     candidates = []
     for name, row in by_backend.items():

@@ -12,9 +12,10 @@ from generation_service import proto_turn
 from generation_service.assistant.turn import AssistantTurn, plan_turn
 from generation_service.config import ServeConfig
 from generation_service.engine.errors import InvalidRequestError, LimitExceededError
-from generation_service.engine.events import FinishReason, GuaranteeReport, OutputEvent
-from generation_service.engine.params import (GenerationRequest, GrammarSpec, SamplingParams,
-                                              SpeculativeParams)
+from generation_service.engine.events import FinishReason, OutputEvent
+from grammar_contract.report import GuaranteeReport
+from generation_service.engine.params import GenerationRequest, SamplingParams, SpeculativeParams
+from grammar_contract.spec import GrammarSpec
 from generation_service.proto_enums import enum_name
 from structgen.json_limits import JsonDepthError, loads_limited
 from structgen.schema_validation import ValidationResult

@@ -21,7 +21,7 @@ from generation_service.config import ServeConfig
 from generation_service.engine.errors import (DeadlineExceededError, EngineError, LimitExceededError,
                                               ShuttingDownError)
 from generation_service.engine.events import FinishReason
-from generation_service.engine.params import GRAMMAR_KINDS
+from grammar_contract.spec import GRAMMAR_KINDS
 from generation_service.interceptors import (BearerTokenInterceptor, DecodeInHandlerInterceptor,
                                              ErrorMappingInterceptor)
 import structgen

@@ -18,7 +18,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from generation_service.engine.params import GrammarSpec
+from grammar_contract.spec import GrammarSpec
+from grammar_service.auto_choice import choose_backend
 from grammar_service.backends import DEFAULT_BACKEND
 from grammar_service.backends.base import GrammarBackend, GrammarCompileError
 
@@ -104,12 +105,10 @@ def auto_plan(spec: GrammarSpec, backend_for: BackendFor) -> tuple[tuple[str, ..
     """Backends to try for `auto`, best first, the unenforced keywords already known, and the
     backend whose compile is time-boxed ("" for none).
 
-    The order is grammar_service.guarantees.choose_backend's, unchanged (issue 8's rule: the
+    The order is grammar_service.auto_choice.choose_backend's, unchanged (issue 8's rule: the
     backend that enforces more of the schema, then the one that compiles faster); the
     trade-off against mask-fill speed is in docs/guarantees.md.
     """
-    from grammar_service.guarantees import choose_backend
-
     choice = choose_backend(spec, backend_for, DEFAULT_BACKEND)
     boxed = choice.backend if choice.fast_fallback else ""
     return (choice.backend, *choice.fallbacks), {choice.backend: choice.unenforced}, boxed

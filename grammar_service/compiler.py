@@ -26,8 +26,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from generation_service.engine.events import UnenforcedKeyword
-from generation_service.engine.params import GrammarSpec
+from grammar_contract.report import UnenforcedKeyword
+from grammar_contract.spec import GrammarSpec
 from grammar_service import metrics
 from grammar_service.backend_choice import compile_with
 from grammar_service.backends import resolve_backend_name

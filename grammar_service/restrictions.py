@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-from generation_service.engine.events import UnenforcedKeyword
+from grammar_contract.report import UnenforcedKeyword
 from grammar_service.guarantees import iter_subschemas
 
 _ORDER = "declared properties are written in the order the schema lists them: a valid document in another order is refused"

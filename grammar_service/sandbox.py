@@ -23,7 +23,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from generation_service.engine.events import UnenforcedKeyword
+from grammar_contract.report import UnenforcedKeyword
 
 log = logging.getLogger(__name__)
 

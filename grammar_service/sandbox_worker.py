@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from generation_service.engine.params import GrammarSpec
+from grammar_contract.spec import GrammarSpec
 from grammar_service.backend_choice import compile_with
 from grammar_service.backends import available_backends, load_backend_class, resolve_backend_name
 from grammar_service.backends.base import GrammarCompileError

@@ -20,7 +20,7 @@ import grpc
 import prometheus_client
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from generation_service.engine.params import GrammarSpec, ReasoningSpan
+from grammar_contract.spec import GrammarSpec, ReasoningSpan
 from structgen import telemetry
 from structgen.signals import StopSignals
 from grammar_service.backends import available_backends, load_backend_class

@@ -11,7 +11,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable
 
-from generation_service.engine.params import GrammarSpec
+from grammar_contract.spec import GrammarSpec
 from grammar_service.backends import DEFAULT_BACKEND, load_backend_class, resolve_backend_name
 from grammar_service.backends.base import GrammarBackend, TokenizerData
 from grammar_service.compiler import GrammarCompiler

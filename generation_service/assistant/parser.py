@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from generation_service.assistant.formats import ToolCallFormat
 from generation_service.assistant.tools import ToolCall, new_call_id
-from generation_service.engine.params import ReasoningSpan
+from grammar_contract.spec import ReasoningSpan
 
 
 @dataclass

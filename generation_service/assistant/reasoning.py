@@ -12,7 +12,7 @@ import functools
 from dataclasses import dataclass
 from typing import Literal
 
-from generation_service.engine.params import ReasoningSpan
+from grammar_contract.spec import ReasoningSpan
 
 KNOWN_MARKERS = (("<think>", "</think>"),)  # Qwen3, QwQ, DeepSeek-R1 and the models distilled from it
 ReasoningMode = Literal["default", "enabled", "disabled"]

@@ -17,7 +17,7 @@ from generation_service.assistant.formats import FORMATS, ToolCallFormat, detect
 from generation_service.assistant.parser import CallExtractor, TurnParser
 from generation_service.assistant.reasoning import ReasoningRequest, model_markers, reasoning_span
 from generation_service.assistant.tools import Tool, ToolCall, ToolChoice, check_tools, validate_call
-from generation_service.engine.params import GrammarSpec, ReasoningSpan
+from grammar_contract.spec import GrammarSpec, ReasoningSpan
 from structgen.schema_validation import ValidationResult
 
 # Free text after the span: what a reasoning budget without a constraint is enforced over.

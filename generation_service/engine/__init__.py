@@ -5,14 +5,17 @@
     request.py       Request and its states; token bookkeeping as derived properties
     validation.py    synchronous checks of a submitted request (limits, vocabulary)
     scheduler.py     continuous batching, chunked prefill, KV pages, preemption by recompute
-    runner.py        ScheduledBatch -> ForwardBatch -> logits (eager; CUDA graphs plug in)
+    runner.py        the runner interface, and its eager ScheduledBatch -> logits
+    runners.py       runners by name (eager, cuda_graph, tensor_parallel), imported lazily
     sampler.py       NaN -> grammar mask -> temperature/top-k/top-p -> token, per-request seeds
+    sample_row.py    SampleRow: one row's sampling work (sampler and logits processing read it)
     speculative.py   draft proposers (n-gram) and the greedy / rejection verification rules
     grammar_link.py  the step channel from the engine's side, with the watchdog
     lifecycle.py     RequestTable: compile results, deadlines, events, finishing, releases
     output.py        detokenization, stop tokens / strings / max tokens per request
     stream.py        RequestStream handed to callers
-    params.py events.py errors.py   the contract with the server (no grpc here)
+    params.py events.py errors.py   the contract with the server (no grpc here); the
+                     grammar spec, report and errors are grammar_contract's
     kv_cache.py      paged K/V storage and its page allocator (model engineer)
     prefix_cache.py  ref-counted pages; full pages keyed by their token prefix, reused, LRU-evicted
 """

@@ -47,12 +47,13 @@ from generation_service.engine.lifecycle import RequestTable
 from generation_service.engine.params import GenerationRequest
 from generation_service.engine.prefix_cache import PrefixCache
 from generation_service.engine.request import Request, RequestStatus
-from generation_service.engine.runner import make_runner, resolve_runner
-from generation_service.engine.sampler import SampleResult, Sampler, SampleRow
+from generation_service.engine.runners import make_runner, resolve_runner
+from generation_service.engine.sample_row import SampleRow
+from generation_service.engine.sampler import Sampler, SampleResult
 from generation_service.engine.scheduler import ScheduledBatch, ScheduledRow, Scheduler, SlotPool, TokenBudget
 from generation_service.engine.speculative import PROPOSERS, make_proposer
 from generation_service.engine.stream import RequestStream
-from generation_service.engine.validation import validate_request
+from generation_service.engine.validation import RequestLimits, validate_request
 from step_channel import Geometry
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,10 @@ class Engine:
         self.sampler = Sampler(config.mask_backend)
         eos = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids if self.tokenizer else ())
         self.eos_token_ids = tuple(sorted(eos))
+        self.limits = RequestLimits(
+            vocab_size=mc.vocab_size, max_positions=mc.max_position_embeddings,
+            max_prompt_tokens=config.max_prompt_tokens, max_new_tokens_limit=config.max_new_tokens_limit,
+            page_size=config.page_size, num_usable_pages=num_pages - 1, has_tokenizer=self.tokenizer is not None)
         self.link = self._make_link(grammar)
         self.table = RequestTable(self.scheduler, self.slots, self.tokenizer, self.eos_token_ids)
         self._lock = threading.Lock()
@@ -124,7 +129,7 @@ class Engine:
         self._is_accepting = True
         self._is_stopped = False
         self.num_steps = 0
-        self._overlap = config.overlap is not False and hasattr(self.runner, "launch")
+        self._overlap = config.overlap is not False and self.runner.supports_overlap
         if config.overlap and not self._overlap:
             log.warning("overlap needs the cuda_graph runner; runner %s steps one at a time", self.runner_name)
         self._in_flight: InFlight | None = None   # a launched decode step not yet read
@@ -203,9 +208,7 @@ class Engine:
             self._is_stopped = True
             self._wake.set()
             self._thread.join(timeout=30)
-        close_runner = getattr(self.runner, "close", None)
-        if close_runner is not None:  # NOTE: graphs and registration go before the region
-            close_runner()
+        self.runner.close()  # NOTE: graphs and registration go before the region
         if self.link is not None:
             self.link.close()
 
@@ -225,7 +228,7 @@ class Engine:
         ShuttingDownError. Constrained requests start compiling at once."""
         if not self._is_accepting:
             raise ShuttingDownError("the engine is shutting down")
-        validate_request(spec, self)
+        validate_request(spec, self.limits)
         seed = spec.sampling.seed if spec.sampling.seed is not None else secrets.randbits(63)
         stop_ids = frozenset(spec.sampling.stop_token_ids)
         request = Request(spec, stop_ids, seed, eos_token_ids=frozenset(self.eos_token_ids))
@@ -323,7 +326,7 @@ class Engine:
             self._apply_inbox()
             self.table.poll(self.link)  # compiles, deadlines, grammar reconnect
             batch = self.scheduler.schedule(self.config.max_draft_tokens)
-            graphed = getattr(self.runner, "can_graph", None) is not None and self.runner.can_graph(batch)
+            graphed = self.runner.can_graph(batch)
             pipelined = self._pipeline_mixed and bool(batch.rows) and not graphed
             delivered = bool(self.table.deferred)
             if not pipelined:

@@ -1,13 +1,18 @@
-"""Engine errors. Each carries the status the gRPC edge maps it to (no grpc import here)."""
+"""Engine errors. Each carries the status the gRPC edge maps it to (no grpc import here).
+
+The errors a grammar compile ends in are the grammar contract's (grammar_contract/errors.py):
+the control client raises them and the engine raises QueueFullError and DeadlineExceededError
+for its own limits, so they are named here with the rest of what the edge maps.
+"""
 from __future__ import annotations
 
+from grammar_contract.errors import (DeadlineExceededError, GrammarError, GrammarUnavailableError, QueueFullError,
+                                     StatusError)
 
-class EngineError(Exception):
-    status = "INTERNAL"  # name of a grpc.StatusCode
+EngineError = StatusError  # one base: the edge maps every error of either process by its `status`
 
-    def __init__(self, message: str):
-        super().__init__(message)
-        self.message = message
+__all__ = ["EngineError", "InvalidRequestError", "LimitExceededError", "QueueFullError", "GrammarError",
+           "GrammarUnavailableError", "DeadlineExceededError", "CancelledError", "ShuttingDownError"]
 
 
 class InvalidRequestError(EngineError):
@@ -17,24 +22,6 @@ class InvalidRequestError(EngineError):
 class LimitExceededError(EngineError):
     """A configured limit (prompt tokens, max new tokens, grammar size); says which and its value."""
     status = "OUT_OF_RANGE"
-
-
-class QueueFullError(EngineError):
-    status = "RESOURCE_EXHAUSTED"
-
-
-class GrammarError(EngineError):
-    """The grammar does not compile, or strict mode refused unenforced keywords."""
-    status = "INVALID_ARGUMENT"
-
-
-class GrammarUnavailableError(EngineError):
-    """grammar_service is down or stuck; constrained requests fail, free ones continue."""
-    status = "UNAVAILABLE"
-
-
-class DeadlineExceededError(EngineError):
-    status = "DEADLINE_EXCEEDED"
 
 
 class CancelledError(EngineError):

@@ -4,6 +4,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from grammar_contract.report import GuaranteeReport
+
 
 class FinishReason(enum.Enum):
     STOP_TOKEN = "stop_token"       # EOS or a stop token id
@@ -13,30 +15,6 @@ class FinishReason(enum.Enum):
     CANCELLED = "cancelled"
     DEADLINE = "deadline"
     ERROR = "error"                 # see OutputEvent.error
-
-
-@dataclass(frozen=True)
-class UnenforcedKeyword:
-    keyword: str   # e.g. "uniqueItems"
-    pointer: str   # JSON pointer into the schema, e.g. "/properties/tags"
-    reason: str = ""
-
-
-@dataclass(frozen=True)
-class GuaranteeReport:
-    """Sent before the first token of a constrained request."""
-
-    backend: str
-    unenforced: tuple[UnenforcedKeyword, ...] = ()
-    compile_ms: float = 0.0
-    cache_hit: bool = False
-    # keywords under which the grammar refuses some valid documents (fixed property order...):
-    # the output still matches the schema (grammar_service/restrictions.py)
-    restricted: tuple[UnenforcedKeyword, ...] = ()
-
-    @property
-    def is_fully_enforced(self) -> bool:
-        return not self.unenforced
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ from typing import Any, Callable, Protocol
 import numpy as np
 import torch
 
-from generation_service.engine.params import GrammarSpec
+from grammar_contract.spec import GrammarSpec
 from generation_service.engine.request import Request
 from step_channel import (
     FLAG_CONSTRAINED, FLAG_FRESH, FLAG_RELEASE, MASK_OK, MASK_RELEASED_BY_WATCHDOG, Geometry,
@@ -58,7 +58,7 @@ FORWARD_EWMA_WEIGHT = 0.2  # of the newest forward in the mean forward time (`fo
 
 
 class GrammarControl(Protocol):
-    """The control client of grammar_service (grammar_service/client.py), duck-typed here
+    """The control client of grammar_service (grammar_contract/client.py), duck-typed here
     so that engine/ never imports grpc."""
 
     def open_channel(self, name: str, geometry: Geometry, *, max_slots: int, first_step: int,

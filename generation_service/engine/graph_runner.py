@@ -85,10 +85,13 @@ def graph_buckets(max_batch: int) -> tuple[int, ...]:
 
 
 class CudaGraphRunner(ModelRunner):
-    """ModelRunner plus `can_graph` / `decode`. Invariants: the graphs are captured over at
+    """ModelRunner whose `can_graph` batches replay captured steps (`launch` / `collect`,
+    overlapped when the engine asks). Invariants: the graphs are captured over at
     most one registered region (`channel`); the GPU's channel step counter equals the link's
     step number whenever a grammar step is replayed; rows [0, B) of the persistent buffers
     are rewritten from the scheduler before every replay."""
+
+    supports_overlap = True
 
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, vocab_size: int, *,
                  max_batch: int, filters: bool = True, verify_width: int = 0,

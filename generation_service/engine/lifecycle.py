@@ -15,7 +15,8 @@ from typing import Callable
 from generation_service.engine.errors import (
     DeadlineExceededError, EngineError, GrammarError, GrammarUnavailableError,
 )
-from generation_service.engine.events import FinishReason, GuaranteeReport, OutputEvent, Usage
+from generation_service.engine.events import FinishReason, OutputEvent, Usage
+from grammar_contract.report import GuaranteeReport
 from generation_service.engine.grammar_link import GrammarLink, LinkRow, RowResult, StepMasks
 from generation_service.engine.output import OutputProcessor
 from generation_service.engine.request import Request, RequestStatus

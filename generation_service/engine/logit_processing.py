@@ -26,12 +26,10 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from generation_service.engine.sampler import SampleRow
+from generation_service.engine.sample_row import SampleRow
 
 _MAX_LOGIT = 1e4  # far above any logit a softmax tells apart from certainty
 

@@ -16,7 +16,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from generation_service.engine.errors import EngineError
-from generation_service.engine.events import FinishReason, GuaranteeReport
+from generation_service.engine.events import FinishReason
+from grammar_contract.report import GuaranteeReport
 from generation_service.engine.params import GenerationRequest
 
 

@@ -1,9 +1,11 @@
 """ModelRunner: a ScheduledBatch -> ForwardBatch -> logits of the positions that sample.
 
-This is the eager path (CPU, prefill and other non-graph batches on the GPU); its logits
-stay on the device for the Sampler (`Sampler.__call__`: CUDA logits sample like the graphs). The CUDA-graph
-runner (`graph_runner.CudaGraphRunner`, runner "cuda_graph") adds `can_graph` / `decode`:
-decode-only batches replay a captured step (sampling inside), the rest come here.
+The base class is the one interface the engine drives every runner through, and the eager
+path (CPU, prefill and other non-graph batches on the GPU); its logits stay on the device for
+the Sampler (`Sampler.__call__`: CUDA logits sample like the graphs). The CUDA-graph runner
+(`graph_runner.CudaGraphRunner`, runner "cuda_graph") answers `can_graph` for decode-only
+batches and replays a captured step for them (`launch` / `collect`, sampling inside); the rest
+come to `run`. Runners are built by name in engine/runners.py.
 """
 from __future__ import annotations
 
@@ -44,6 +46,23 @@ def prepare(batch: ScheduledBatch, device: torch.device) -> ForwardBatch:
 
 
 class ModelRunner:
+    """The eager runner, and the interface of every runner.
+
+    Graphed steps: `can_graph(batch)` True means the engine calls `launch` then `collect` for
+    that batch instead of `run`; False (always, here) means `run`. `supports_overlap`: a
+    launched step may stay in flight while the engine launches the next (`collect` later);
+    only a runner that graphs supports it. `channel` is the step channel the graphs are
+    captured over (None: none), `max_pages_per_row` the page-table width they were captured
+    with. `close` releases what the runner holds before the step channel is unmapped.
+    """
+
+    supports_overlap = False
+    channel = None   # the StepChannel a graphed step reads its masks from (graph runners)
+    # graphed steps so far; graph runners count them, the eager runner never has any
+    num_graph_steps = 0
+    num_chained_steps = 0
+    num_verify_steps = 0
+
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, vocab_size: int) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -74,33 +93,22 @@ class ModelRunner:
         """The engine started with a connected grammar link: prepare what its steps need
         (nothing here; the graph runner captures the channel's graphs)."""
 
+    def can_graph(self, batch: ScheduledBatch) -> bool:
+        """Whether `batch` runs as a captured step (`launch` / `collect`); never here."""
+        return False
 
-# Runners by name (EngineConfig.runner). "cuda_graph" imports its module (and CUDA) lazily.
-RUNNERS: dict[str, type[ModelRunner]] = {"eager": ModelRunner}
-RUNNER_NAMES = ("auto", "eager", "cuda_graph")
+    def launch(self, batch: ScheduledBatch, step: int | None, link=None, chained: bool = False):
+        """Start a batch that `can_graph`; a handle for `collect`. Only graph runners."""
+        raise NotImplementedError(f"{type(self).__name__} runs no captured steps (can_graph is False)")
 
+    def collect(self, launched, link=None):
+        """(samples, masks) of a launched step. Only graph runners."""
+        raise NotImplementedError(f"{type(self).__name__} runs no captured steps (can_graph is False)")
 
-def resolve_runner(name: str, device: str, tensor_parallel: int = 1) -> str:
-    """"auto": cuda_graph on a CUDA device, eager otherwise; "tensor_parallel" (the eager
-    forward, broadcast to the other ranks) when the model is sharded."""
-    if tensor_parallel > 1:
-        return "tensor_parallel"
-    if name != "auto":
-        return name
-    return "cuda_graph" if str(device).startswith("cuda") and torch.cuda.is_available() else "eager"
+    @property
+    def max_pages_per_row(self) -> int:
+        """Pages a row may hold in a captured step. Only graph runners."""
+        raise NotImplementedError(f"{type(self).__name__} runs no captured steps (can_graph is False)")
 
-
-def make_runner(name: str, model: torch.nn.Module, kv_cache: KVCache, vocab_size: int,
-                **options) -> ModelRunner:
-    """`options` go to runners that take them (cuda_graph: max_batch)."""
-    if name == "cuda_graph" and name not in RUNNERS:
-        from generation_service.engine.graph_runner import CudaGraphRunner
-        RUNNERS[name] = CudaGraphRunner
-    if name == "tensor_parallel" and name not in RUNNERS:
-        from generation_service.parallel.runner import TensorParallelRunner
-        RUNNERS[name] = TensorParallelRunner
-    if name not in RUNNERS:
-        raise ValueError(f"unknown runner {name!r}; available: {sorted(set(RUNNERS) | {'cuda_graph'})}")
-    if name == "eager":
-        return RUNNERS[name](model, kv_cache, vocab_size)
-    return RUNNERS[name](model, kv_cache, vocab_size, **options)
+    def close(self) -> None:
+        """Release what the runner holds (graphs, registrations); nothing here."""

@@ -20,63 +20,16 @@ above (see `SampleRow.can_sample_on_device`); the CPU device path is unchanged.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from generation_service.engine.events import TokenLogprob
 from generation_service.engine.logit_processing import LogitProcessing
-from generation_service.engine.params import SamplingParams
+from generation_service.engine.sample_row import SampleRow
 from generation_service.engine.speculative import accept_greedy, accept_rejection
-
-if TYPE_CHECKING:
-    from generation_service.engine.scheduler import ScheduledRow
 
 _MASK64 = (1 << 64) - 1
 _BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
-
-
-@dataclass
-class SampleRow:
-    """The sampling work of one scheduled row: 1 + len(drafts) consecutive logit rows."""
-
-    params: SamplingParams
-    seed: int
-    first_index: int                 # generated-token index that position 0 produces
-    drafts: list[int] = field(default_factory=list)
-    is_constrained: bool = False
-    position: int | None = None      # of the token whose logits row 0 holds; None: CPU sampler
-    # token history, set only for rows whose params use logits processing
-    prompt_ids: tuple[int, ...] = ()
-    output_ids: list[int] = field(default_factory=list)  # generated before position 0
-    end_token_ids: frozenset[int] = frozenset()           # what min_tokens holds back
-
-    @classmethod
-    def of(cls, row: ScheduledRow, is_constrained: bool) -> SampleRow:
-        """The sampling work of a scheduled sampling row. Its logit rows belong to its last
-        1 + drafts input tokens, so row 0 is the token at seq_len - num_positions (a decode
-        row: num_cached, the position the decode graphs sample at)."""
-        request = row.request
-        sample = cls(request.sampling, request.sample_seed, request.num_generated, list(row.drafts),
-                     is_constrained, position=row.seq_len - row.num_positions)
-        if request.sampling.uses_logit_processing:
-            sample.prompt_ids, sample.output_ids = request.spec.prompt_ids, request.output_ids
-            sample.end_token_ids = request.end_token_ids
-        return sample
-
-    @property
-    def num_positions(self) -> int:
-        return 1 + len(self.drafts)
-
-    @property
-    def can_sample_on_device(self) -> bool:
-        """One position with a known token position: mask_sample draws what a graph step
-        would. Draft-verify rows stay on the CPU: their rule (`accept_rejection`, noise from
-        mix_seed generators) is not mask_sample's. Without `EngineConfig.verify_graphs` no
-        graph runs them, so the CPU rule is what every verify step of a request uses; with
-        it, graphed verify steps draw per position with mask_sample and accept a draft iff
-        the draw equals it (docs/gpu.md)."""
-        return not self.drafts and self.position is not None
 
 
 @dataclass

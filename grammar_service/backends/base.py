@@ -31,7 +31,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from generation_service.engine.params import GrammarSpec
+from grammar_contract.spec import GrammarSpec
 
 
 class GrammarCompileError(ValueError):

@@ -29,7 +29,7 @@ from typing import Callable, Iterator, Sequence
 import llguidance as llg
 import numpy as np
 
-from generation_service.engine.params import GrammarSpec, ReasoningSpan
+from grammar_contract.spec import GrammarSpec, ReasoningSpan
 from grammar_service.backends.base import GrammarBackend, GrammarCompileError, Matcher, TokenizerData
 from grammar_service.backends.llguidance_tags import structural_tag_grammar
 from grammar_service.config import llguidance_lanes

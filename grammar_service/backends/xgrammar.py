@@ -9,7 +9,7 @@ from typing import Callable, Sequence
 import numpy as np
 import xgrammar as xgr
 
-from generation_service.engine.params import GrammarSpec, ReasoningSpan
+from grammar_contract.spec import GrammarSpec, ReasoningSpan
 from grammar_service.backends.base import GrammarBackend, GrammarCompileError, Matcher, TokenizerData
 from grammar_service.backends.xgrammar_unenforced import find_unenforced
 from grammar_service.schema_drafts import as_drafted

@@ -25,7 +25,7 @@ from typing import Any, Iterator
 # first compile would otherwise pay
 import jsonschema
 
-from generation_service.engine.events import UnenforcedKeyword
+from grammar_contract.report import UnenforcedKeyword
 
 ENFORCED_FORMATS = frozenset({
     "date", "time", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "uuid",

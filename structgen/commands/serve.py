@@ -160,7 +160,7 @@ class ServeStack:
 
     def _build_engine(self):
         from generation_service.engine.engine import Engine  # torch: seconds
-        from grammar_service.client import GrammarControlClient
+        from grammar_contract.client import GrammarControlClient
         if self._ranks is not None:  # rank 0 joins once every worker has loaded its shard
             self._ranks.join()
         return Engine(self._engine_config, GrammarControlClient(self.grammar_address))

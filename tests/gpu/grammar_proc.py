@@ -15,7 +15,7 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
-from generation_service.engine.params import GrammarSpec  # noqa: E402
+from grammar_contract.spec import GrammarSpec  # noqa: E402
 from grammar_service.config import GrammarServiceConfig  # noqa: E402
 from grammar_service.service import GrammarService  # noqa: E402
 from step_channel import StepChannel  # noqa: E402

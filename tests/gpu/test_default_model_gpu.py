@@ -9,7 +9,8 @@ import pytest
 
 from gpu_helpers import check_greedy_rows, check_settled, engine_config, greedy, run_engine
 from generation_service.engine.events import FinishReason
-from generation_service.engine.params import GenerationRequest, GrammarSpec, SamplingParams
+from generation_service.engine.params import GenerationRequest, SamplingParams
+from grammar_contract.spec import GrammarSpec
 
 pytestmark = pytest.mark.gpu
 PROMPTS = ["The capital of France is", "Here is a short poem about the sea:", "def add(a, b):"]
@@ -31,7 +32,7 @@ def test_default_model_graphs_equal_eager():
 
 def test_default_model_answers_a_schema_in_its_chat_template(grammar_service):
     import jsonschema
-    from grammar_service.client import GrammarControlClient
+    from grammar_contract.client import GrammarControlClient
 
     grammar = GrammarSpec("json_schema", json.dumps(SCHEMA), any_whitespace=False)
     question = [{"role": "user", "content": "Invent a person with a name and an age, as JSON."}]

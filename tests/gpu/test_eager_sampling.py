@@ -9,7 +9,8 @@ import torch
 
 from gpu_helpers import write_random_checkpoint
 from generation_service.engine.params import SamplingParams
-from generation_service.engine.sampler import Sampler, SampleRow
+from generation_service.engine.sample_row import SampleRow
+from generation_service.engine.sampler import Sampler
 
 pytestmark = pytest.mark.gpu
 VOCAB = 131072

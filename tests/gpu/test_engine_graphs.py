@@ -11,7 +11,8 @@ from gpu_helpers import (
     NEW_TOKENS, PROMPTS, SCHEMA, TOKENIZER_DIR, check_greedy_rows, check_settled, engine_config, greedy, run_engine,
 )
 from generation_service.engine.events import FinishReason
-from generation_service.engine.params import GenerationRequest, GrammarSpec, SamplingParams
+from generation_service.engine.params import GenerationRequest, SamplingParams
+from grammar_contract.spec import GrammarSpec
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not (TOKENIZER_DIR / "tokenizer.json").is_file(),
                                                   reason="no Tekken tokenizer")]
@@ -41,7 +42,7 @@ def test_graph_engine_greedy_equals_eager_and_filters_run_in_graphs(model_spec):
 
 def test_constrained_json_valid_under_graphs_with_grammar_service_process(model_spec, grammar_service):
     import jsonschema
-    from grammar_service.client import GrammarControlClient
+    from grammar_contract.client import GrammarControlClient
     grammar = GrammarSpec("json_schema", json.dumps(SCHEMA), any_whitespace=False)
     requests = [lambda engine, i=i: GenerationRequest(
         f"json{i}", tuple(engine.tokenizer.encode(PROMPTS[i])), SamplingParams(max_new_tokens=200),
@@ -63,7 +64,7 @@ def test_constrained_json_valid_under_graphs_with_grammar_service_process(model_
 
 
 def test_watchdog_releases_a_graph_waiting_for_a_dead_grammar_service(model_spec, tmp_path):
-    from grammar_service.client import GrammarControlClient
+    from grammar_contract.client import GrammarControlClient
     from tests.integration.test_engine_grammar_failures import interrupt_mid_stream
     from tests.integration.test_engine_support import start_grammar_service
     service = start_grammar_service(tmp_path)
@@ -90,7 +91,7 @@ def test_overlap_gives_the_serial_tokens_and_overlaps(model_spec, grammar_servic
     steps (greedy, seeded sampling, constrained JSON, rows ending at different steps), most
     steps launched before the previous one was read, nothing left behind."""
     import jsonschema
-    from grammar_service.client import GrammarControlClient
+    from grammar_contract.client import GrammarControlClient
     grammar = GrammarSpec("json_schema", json.dumps(SCHEMA), any_whitespace=False)
     requests = [greedy(i, p, max_new_tokens=8 + 9 * i) for i, p in enumerate(PROMPTS)]
     requests += [greedy(10, PROMPTS[1], temperature=0.8, seed=3, max_new_tokens=40)]

@@ -13,7 +13,8 @@ from gpu_helpers import (NEW_TOKENS, PROMPTS, TOKENIZER_DIR, engine_config, gree
                          teacher_forced_logits)
 from generation_service.engine.events import FinishReason
 from generation_service.engine.params import SamplingParams
-from generation_service.engine.sampler import Sampler, SampleRow
+from generation_service.engine.sample_row import SampleRow
+from generation_service.engine.sampler import Sampler
 from tests.unit.engine.test_logit_processing import reference
 
 pytestmark = pytest.mark.gpu

@@ -22,7 +22,8 @@ from gpu_helpers import (
     PROMPTS, SCHEMA, TOKENIZER_DIR, check_greedy_rows, check_settled, engine_config, greedy, run_engine,
 )
 from generation_service.engine.events import FinishReason
-from generation_service.engine.params import GenerationRequest, GrammarSpec, SamplingParams
+from generation_service.engine.params import GenerationRequest, SamplingParams
+from grammar_contract.spec import GrammarSpec
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not (TOKENIZER_DIR / "tokenizer.json").is_file(),
                                                   reason="no Tekken tokenizer")]
@@ -91,7 +92,7 @@ def test_pipelined_mixed_steps_give_the_serial_tokens(model_spec, grammar_servic
     """Mixed steps launched before the previous step's text is streamed (the default under the
     graphs) give the tokens of mixed steps run one at a time, and constrained rows stay valid."""
     import jsonschema
-    from grammar_service.client import GrammarControlClient
+    from grammar_contract.client import GrammarControlClient
     extra = dict(prefill_chunk_tokens=32, max_prefill_tokens=64, max_prompt_tokens=1024)
     runs = {}
     for pipelined in (False, True):
@@ -110,7 +111,7 @@ def test_pipelined_mixed_steps_give_the_serial_tokens(model_spec, grammar_servic
 
 def test_constrained_rows_stay_valid_beside_prefill_chunks(model_spec, grammar_service):
     import jsonschema
-    from grammar_service.client import GrammarControlClient
+    from grammar_contract.client import GrammarControlClient
     config = engine_config(model_spec, "cuda_graph", prefill_chunk_tokens=32, max_prefill_tokens=64,
                            max_prompt_tokens=1024)
     engine, results, stats, log = staggered(config, GrammarControlClient(grammar_service.address), json_rows=3)

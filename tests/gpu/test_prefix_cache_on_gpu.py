@@ -18,7 +18,8 @@ import pytest
 
 from gpu_helpers import SCHEMA, TOKENIZER_DIR, check_greedy_rows, check_settled, engine_config
 from generation_service.engine.events import FinishReason
-from generation_service.engine.params import GenerationRequest, GrammarSpec, SamplingParams, SpeculativeParams
+from generation_service.engine.params import GenerationRequest, SamplingParams, SpeculativeParams
+from grammar_contract.spec import GrammarSpec
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not (TOKENIZER_DIR / "tokenizer.json").is_file(),
                                                   reason="no Tekken tokenizer")]
@@ -75,7 +76,7 @@ def test_shared_prefix_hits_and_gives_the_cache_off_greedy_tokens(model_spec):
 
 def test_a_small_pool_with_drafts_and_json_rows_preempts_evicts_and_stays_correct(model_spec, grammar_service):
     import jsonschema
-    from grammar_service.client import GrammarControlClient
+    from grammar_contract.client import GrammarControlClient
     options = {0: dict(drafts=3, new_tokens=96), 1: dict(constrained=True), 2: dict(new_tokens=96),
                3: dict(drafts=3, new_tokens=96), 4: dict(constrained=True, drafts=2), 5: dict(drafts=3, new_tokens=96)}
     config = engine_config(model_spec, "cuda_graph", max_draft_tokens=3, **CHUNKS)

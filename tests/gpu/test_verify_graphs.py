@@ -13,7 +13,8 @@ from gpu_helpers import (
     write_random_checkpoint,
 )
 from generation_service.engine.events import FinishReason
-from generation_service.engine.params import GenerationRequest, GrammarSpec, SamplingParams, SpeculativeParams
+from generation_service.engine.params import GenerationRequest, SamplingParams, SpeculativeParams
+from grammar_contract.spec import GrammarSpec
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not (TOKENIZER_DIR / "tokenizer.json").is_file(),
                                                   reason="no Tekken tokenizer")]
@@ -67,7 +68,7 @@ def test_verify_graphs_give_the_eager_verify_tokens(model_spec, tied_model_spec,
 
 def test_constrained_json_with_drafts_in_verify_graphs(model_spec, grammar_service):
     import jsonschema
-    from grammar_service.client import GrammarControlClient
+    from grammar_contract.client import GrammarControlClient
     grammar = GrammarSpec("json_schema", json.dumps(SCHEMA), any_whitespace=False)
     requests = [lambda engine, i=i: GenerationRequest(
         f"json{i}", tuple(engine.tokenizer.encode(JSON_PROMPT + " " * i)), SamplingParams(max_new_tokens=200),

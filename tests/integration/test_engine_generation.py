@@ -11,9 +11,8 @@ from generation_service.engine.errors import (
     InvalidRequestError, LimitExceededError,
 )
 from generation_service.engine.events import FinishReason
-from generation_service.engine.params import (
-    GenerationRequest, GrammarSpec, SamplingParams, SpeculativeParams,
-)
+from generation_service.engine.params import GenerationRequest, SamplingParams, SpeculativeParams
+from grammar_contract.spec import GrammarSpec
 from tests.integration.test_engine_support import (
     collect, make_engine, run_all, shared_grammar_service, shared_model, wait_settled,
 )
@@ -157,7 +156,7 @@ def test_stop_strings_and_max_tokens_end_with_their_reason(engine):
 
 
 def test_cancel_frees_pages_slots_and_matchers(engine, grammar_service):
-    from grammar_service.client import GrammarControlClient
+    from grammar_contract.client import GrammarControlClient
 
     wait_settled(engine)  # earlier tests' matchers are released
     streams = [engine.submit(request(engine, "c-free", PROMPTS[0], max_new_tokens=400, ignore_eos=True)),

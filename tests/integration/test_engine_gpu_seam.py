@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from generation_service.engine.events import FinishReason
-from generation_service.engine.params import GenerationRequest, GrammarSpec, SamplingParams
+from generation_service.engine.params import GenerationRequest, SamplingParams
+from grammar_contract.spec import GrammarSpec
 from generation_service.engine.sampler import unpack_bitmask
 from generation_service.engine.scheduler import ScheduledBatch
 from generation_service.model.forward_batch import build_forward_batch
@@ -104,7 +105,7 @@ class FakeGpu:
 
 def graph_engine(monkeypatch, grammar_address, **config):
     """An engine whose runner is CudaGraphRunner over FakeGpu."""
-    from generation_service.engine import graph_runner, runner
+    from generation_service.engine import graph_runner, runner, runners
     from generation_service.engine.graph_runner import CudaGraphRunner
 
     def fake_init(self, model, kv_cache, vocab_size, *, max_batch, filters=True, verify_width=0,
@@ -132,7 +133,7 @@ def graph_engine(monkeypatch, grammar_address, **config):
 
     monkeypatch.setattr(CudaGraphRunner, "__init__", fake_init)
     monkeypatch.setattr("step_channel.cuda.MappedChannel", FakeMapped)
-    monkeypatch.setitem(runner.RUNNERS, "cuda_graph", CudaGraphRunner)
+    monkeypatch.setitem(runners.RUNNERS, "cuda_graph", CudaGraphRunner)
     assert graph_runner.CudaGraphRunner is CudaGraphRunner
     config.setdefault("prefill_chunk_tokens", 512)  # not measured: FakeGpu has no device to time
     return make_engine(grammar_address, model=shared_model(), runner="cuda_graph", max_draft_tokens=0, **config)

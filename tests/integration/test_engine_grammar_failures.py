@@ -10,7 +10,8 @@ import pytest
 
 from generation_service.engine.errors import ShuttingDownError
 from generation_service.engine.events import FinishReason
-from generation_service.engine.params import GenerationRequest, GrammarSpec, SamplingParams
+from generation_service.engine.params import GenerationRequest, SamplingParams
+from grammar_contract.spec import GrammarSpec
 from tests.integration.test_engine_support import (
     collect, make_engine, start_grammar_service, wait_settled,
 )
@@ -47,7 +48,7 @@ def interrupt_mid_stream(engine, action, num_disconnects):
 
 
 def wait_reconnected_and_constrained_works(engine, address):
-    from grammar_service.client import GrammarControlClient
+    from grammar_contract.client import GrammarControlClient
 
     deadline = time.monotonic() + 60
     while not engine.stats().grammar_available:

@@ -9,7 +9,8 @@ import pytest
 
 from generation_service.engine.errors import QueueFullError
 from generation_service.engine.events import FinishReason
-from generation_service.engine.params import GenerationRequest, GrammarSpec, SamplingParams, SpeculativeParams
+from generation_service.engine.params import GenerationRequest, SamplingParams, SpeculativeParams
+from grammar_contract.spec import GrammarSpec
 from tests.integration.test_engine_support import (
     make_engine, run_all, shared_grammar_service, shared_model, wait_settled,
 )

@@ -13,7 +13,8 @@ import time
 from dataclasses import dataclass, field
 
 from generation_service.engine.engine import Engine, EngineConfig
-from generation_service.engine.events import FinishReason, GuaranteeReport, Usage
+from generation_service.engine.events import FinishReason, Usage
+from grammar_contract.report import GuaranteeReport
 from generation_service.engine.stream import RequestStream
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -55,7 +56,7 @@ def start_grammar_service(folder: pathlib.Path, name: str = "grammar") -> Gramma
 
 
 def make_engine(grammar_address: str | None = None, **config) -> Engine:
-    from grammar_service.client import GrammarControlClient
+    from grammar_contract.client import GrammarControlClient
 
     client = GrammarControlClient(grammar_address) if grammar_address else None
     engine = Engine(EngineConfig(**config), client)

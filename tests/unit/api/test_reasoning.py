@@ -8,7 +8,7 @@ from generation_service.assistant.parser import ReasoningSplitter, TurnParser
 from generation_service.assistant.reasoning import ReasoningMarkers, ReasoningRequest, model_markers, reasoning_span
 from generation_service.assistant.tools import Tool, ToolChoice
 from generation_service.assistant.turn import plan_turn
-from generation_service.engine.params import GrammarSpec, ReasoningSpan
+from grammar_contract.spec import GrammarSpec, ReasoningSpan
 from generation_service.model.tokenizer import Tokenizer
 
 QWEN_SPAN = ReasoningSpan("<think>", "</think>", "\n\n")

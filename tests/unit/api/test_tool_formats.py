@@ -13,7 +13,7 @@ from generation_service.model.tokenizer import Tokenizer
 from grammar_service.backends.llguidance import LLGuidanceBackend
 from grammar_service.backends.xgrammar import XGrammarBackend
 from grammar_service.tokenizer import load_tokenizer
-from generation_service.engine.params import GrammarSpec
+from grammar_contract.spec import GrammarSpec
 
 WEATHER = Tool("get_weather", "", {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
                                    "required": ["city", "unit"], "additionalProperties": False})

@@ -50,7 +50,7 @@ def make_link(control, timeout_s=0.3):
 def constrained(rid, slot, grammar_id=7):
     request = make_request(rid)
     request.spec = request.spec.__class__(rid, request.spec.prompt_ids, grammar=__import__(
-        "generation_service.engine.params", fromlist=["GrammarSpec"]).GrammarSpec("regex", "a+"))
+        "grammar_contract.spec", fromlist=["GrammarSpec"]).GrammarSpec("regex", "a+"))
     request.slot, request.grammar_id = slot, grammar_id
     return request
 

@@ -10,7 +10,8 @@ import torch
 
 from generation_service.engine.logit_processing import LogitProcessing
 from generation_service.engine.params import SamplingParams
-from generation_service.engine.sampler import Sampler, SampleRow
+from generation_service.engine.sample_row import SampleRow
+from generation_service.engine.sampler import Sampler
 from tests.unit.engine.test_sampler import bitmask_allowing
 
 V = 64

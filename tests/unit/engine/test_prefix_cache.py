@@ -5,7 +5,7 @@ import random
 import pytest
 
 from generation_service.engine.kv_cache import PageAllocator
-from generation_service.engine.params import GrammarSpec
+from grammar_contract.spec import GrammarSpec
 from generation_service.engine.prefix_cache import PrefixCache
 from generation_service.engine.request import RequestStatus
 from generation_service.engine.scheduler import Scheduler, SlotPool, TokenBudget

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from generation_service.engine.params import SamplingParams
-from generation_service.engine.sampler import Sampler, SampleRow, mix_seed, unpack_bitmask
+from generation_service.engine.sample_row import SampleRow
+from generation_service.engine.sampler import mix_seed, Sampler, unpack_bitmask
 from generation_service.engine.speculative import accept_rejection
 
 V = 64

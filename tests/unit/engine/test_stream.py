@@ -7,9 +7,8 @@ import threading
 import pytest
 
 from generation_service.engine.errors import EngineError
-from generation_service.engine.events import (
-    FinishReason, GuaranteeReport, OutputEvent, TokenLogprob, Usage,
-)
+from generation_service.engine.events import FinishReason, OutputEvent, TokenLogprob, Usage
+from grammar_contract.report import GuaranteeReport
 from generation_service.engine.stream import RequestStream, coalesce
 
 

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from channel_driver import ChannelDriver
-from generation_service.engine.params import GrammarSpec
+from grammar_contract.spec import GrammarSpec
 from grammar_service.config import GrammarServiceConfig
 from grammar_service.service import GrammarService
 from step_channel import Geometry, StepChannel

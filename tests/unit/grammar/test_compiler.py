@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from generation_service.engine.params import GrammarSpec
+from grammar_contract.spec import GrammarSpec
 from grammar_service.backends.base import GrammarBackend
 from grammar_service.compiler import CompileError, GrammarCompiler
 from grammar_service.config import GrammarServiceConfig

@@ -8,7 +8,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from channel_driver import Row, allowed_tokens, is_allowed
-from generation_service.engine.params import GrammarSpec
+from grammar_contract.spec import GrammarSpec
 from grammar_service.loop import StepLoop
 from real_tokenizers import continuation_ids
 from step_channel import (

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from generation_service.engine.params import GrammarSpec
+from grammar_contract.spec import GrammarSpec
 from grammar_service.compiler import CompileError
 from grammar_service.config import GrammarServiceConfig
 from grammar_service.emptiness import unproductive_rules

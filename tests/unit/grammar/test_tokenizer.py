@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from channel_driver import allowed_tokens
-from generation_service.engine.params import GrammarSpec
+from grammar_contract.spec import GrammarSpec
 from grammar_service.backends import load_backend_class
 from grammar_service.tokenizer import load_tokenizer
 

@@ -8,8 +8,8 @@ import json
 import pytest
 import xgrammar as xgr
 
-from generation_service.engine.events import UnenforcedKeyword
-from generation_service.engine.params import GrammarSpec
+from grammar_contract.report import UnenforcedKeyword
+from grammar_contract.spec import GrammarSpec
 from grammar_service.compiler import CompileError
 from structgen.schema_validation import validate_output
 

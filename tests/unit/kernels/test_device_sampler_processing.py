@@ -6,7 +6,8 @@ import math
 import torch
 
 from generation_service.engine.params import SamplingParams
-from generation_service.engine.sampler import Sampler, SampleRow, sample_on_device
+from generation_service.engine.sample_row import SampleRow
+from generation_service.engine.sampler import sample_on_device, Sampler
 from tests.unit.engine.test_logit_processing import reference
 from tests.unit.engine.test_sampler import bitmask_allowing
 

@@ -7,7 +7,7 @@ import json
 import numpy as np
 
 from backend_vocab import EOS
-from generation_service.engine.params import GrammarSpec
+from grammar_contract.spec import GrammarSpec
 
 
 def takes(backend, compiled, text: str, tokenize) -> bool:

@@ -9,10 +9,10 @@ import time
 import pytest
 
 from benchmarks.corpus import get_schema
-from generation_service.engine.params import GrammarSpec
+from grammar_contract.spec import GrammarSpec
 from grammar_service.backend_choice import FALLBACK_RESERVE_S, compile_with
 from grammar_service.config import GrammarServiceConfig
-from grammar_service.guarantees import choose_backend
+from grammar_service.auto_choice import choose_backend
 from grammar_service.service import GrammarService
 
 from backend_vocab import VOCAB

@@ -10,7 +10,7 @@ import pytest
 
 from benchmarks.corpus import get_schema
 from channel_driver import ChannelDriver, Row, allowed_tokens, is_allowed
-from generation_service.engine.params import GrammarSpec
+from grammar_contract.spec import GrammarSpec
 from grammar_service.backends import available_backends
 from grammar_service.config import GrammarServiceConfig
 from grammar_service.service import GrammarService

@@ -7,13 +7,12 @@ import json
 import pytest
 
 from benchmarks.corpus import get_schema
-from generation_service.engine.events import UnenforcedKeyword
-from generation_service.engine.params import GrammarSpec
+from grammar_contract.report import UnenforcedKeyword
+from grammar_contract.spec import GrammarSpec
 from grammar_service.compiler import CompileError
 from grammar_service.config import GrammarServiceConfig
-from grammar_service.guarantees import (
-    Candidate, choose_backend, num_gaps, rank, reconcile_llguidance_warnings,
-)
+from grammar_service.auto_choice import Candidate, choose_backend, num_gaps, rank
+from grammar_service.guarantees import reconcile_llguidance_warnings
 from grammar_service.service import GrammarService
 
 EOS, VOCAB = 2, 32768  # "</s>" and the size of the Mistral v3 vocabulary (conftest.py)

@@ -12,7 +12,7 @@ import pytest
 
 from benchmarks.corpus import get_schema
 from channel_driver import ChannelDriver, Row, is_allowed
-from generation_service.engine.params import GrammarSpec
+from grammar_contract.spec import GrammarSpec
 from grammar_service.backends.llguidance import LLGuidanceBackend
 from grammar_service.config import GrammarServiceConfig
 from grammar_service.service import GrammarService

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from generation_service.engine.params import GrammarSpec
+from grammar_contract.spec import GrammarSpec
 from grammar_service.persist import CompiledGrammarStore, codec_for, xgrammar_codec
 
 FP = "ab" * 32

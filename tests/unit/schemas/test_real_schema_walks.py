@@ -12,7 +12,7 @@ import pytest
 
 from benchmarks.corpus import get_schema
 from channel_driver import allowed_tokens
-from generation_service.engine.params import GrammarSpec
+from grammar_contract.spec import GrammarSpec
 from structgen.schema_validation import unexplained_violations, validate_output
 
 EOS = 2  # "</s>" in the Mistral v3 vocabulary

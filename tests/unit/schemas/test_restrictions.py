@@ -8,7 +8,7 @@ import json
 import pytest
 
 from documents import accepts
-from generation_service.engine.params import GrammarSpec
+from grammar_contract.spec import GrammarSpec
 from grammar_service.config import GrammarServiceConfig
 from grammar_service.restrictions import json_restrictions
 from grammar_service.service import GrammarService

@@ -9,7 +9,7 @@ import pytest
 
 from benchmarks.corpus import get_schema
 from documents import accepts
-from generation_service.engine.params import GrammarSpec
+from grammar_contract.spec import GrammarSpec
 from grammar_service.schema_drafts import as_drafted
 from structgen.schema_validation import validate_output
 

@@ -1,36 +1,24 @@
 """The control client generation_service uses to talk to grammar_service (gRPC, control only).
 
-The engine never imports grpc: it is handed a GrammarControlClient. Errors come back as the
-engine's own types: GrammarError (the grammar is bad or refused: INVALID_ARGUMENT),
-GrammarUnavailableError (the service is down, not ready or failed: everything else), and
-step_channel.ChannelError from open_channel when the service refuses the region or the
+The engine never imports grpc: it is handed a GrammarControlClient (structgen serve and the
+tests build it). Errors come back as the contract's types (grammar_contract.errors):
+GrammarError (the grammar is bad or refused: INVALID_ARGUMENT), GrammarUnavailableError (the
+service is down, not ready or failed: everything else), and step_channel.ChannelError from open_channel when the service refuses the region or the
 tokenizer (the message says what differs).
 """
 from __future__ import annotations
 
 import concurrent.futures
 import threading
-from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from generation_service.engine.errors import (DeadlineExceededError, GrammarError, GrammarUnavailableError,
-                                              QueueFullError)
-from generation_service.engine.events import UnenforcedKeyword
-from generation_service.engine.params import GrammarSpec
+from grammar_contract.errors import DeadlineExceededError, GrammarError, GrammarUnavailableError, QueueFullError
+from grammar_contract.report import CompileResult, UnenforcedKeyword
+from grammar_contract.spec import GrammarSpec
 from step_channel import ChannelError, Geometry
 from structgen.v1 import grammar_pb2, grammar_pb2_grpc
-
-
-@dataclass(frozen=True)
-class CompileResult:
-    grammar_id: int
-    backend: str
-    compile_ms: float
-    cache_hit: bool
-    unenforced: tuple[UnenforcedKeyword, ...]
-    restricted: tuple[UnenforcedKeyword, ...] = ()
 
 
 def spec_to_proto(spec: GrammarSpec, trace_context: dict | None = None) -> grammar_pb2.CompileRequest:
