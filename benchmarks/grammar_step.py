@@ -61,8 +61,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # tests/: the real tokenizers and the channel driver
 
 from channel_driver import Row  # noqa: E402
-from grammar_contract.spec import GrammarSpec  # noqa: E402
 from grammar_contract.client import GrammarControlClient  # noqa: E402
+from grammar_contract.spec import GrammarSpec  # noqa: E402
 from grammar_service.config import GrammarServiceConfig, llguidance_fill_threads, llguidance_lanes  # noqa: E402
 from real_tokenizers import VOCAB_SIZES, continuation_ids, tokenizer_dir  # noqa: E402
 from step_channel import FLAG_CONSTRAINED, FLAG_FRESH, Geometry, StepChannel  # noqa: E402

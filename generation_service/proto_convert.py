@@ -13,10 +13,10 @@ from generation_service.assistant.turn import AssistantTurn, plan_turn
 from generation_service.config import ServeConfig
 from generation_service.engine.errors import InvalidRequestError, LimitExceededError
 from generation_service.engine.events import FinishReason, OutputEvent
-from grammar_contract.report import GuaranteeReport
 from generation_service.engine.params import GenerationRequest, SamplingParams, SpeculativeParams
-from grammar_contract.spec import GrammarSpec
 from generation_service.proto_enums import enum_name
+from grammar_contract.report import GuaranteeReport
+from grammar_contract.spec import GrammarSpec
 from structgen.json_limits import JsonDepthError, loads_limited
 from structgen.schema_validation import ValidationResult
 from structgen.v1 import generation_pb2 as pb

@@ -21,9 +21,9 @@ from generation_service.config import ServeConfig
 from generation_service.engine.errors import (DeadlineExceededError, EngineError, LimitExceededError,
                                               ShuttingDownError)
 from generation_service.engine.events import FinishReason
-from grammar_contract.spec import GRAMMAR_KINDS
 from generation_service.interceptors import (BearerTokenInterceptor, DecodeInHandlerInterceptor,
                                              ErrorMappingInterceptor)
+from grammar_contract.spec import GRAMMAR_KINDS
 import structgen
 from structgen import telemetry
 from structgen.reflection import enable_reflection

@@ -41,8 +41,8 @@ from typing import Any, Callable, Protocol
 import numpy as np
 import torch
 
-from grammar_contract.spec import GrammarSpec
 from generation_service.engine.request import Request
+from grammar_contract.spec import GrammarSpec
 from step_channel import (
     FLAG_CONSTRAINED, FLAG_FRESH, FLAG_RELEASE, MASK_OK, MASK_RELEASED_BY_WATCHDOG, Geometry,
     StepChannel,

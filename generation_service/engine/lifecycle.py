@@ -16,13 +16,13 @@ from generation_service.engine.errors import (
     DeadlineExceededError, EngineError, GrammarError, GrammarUnavailableError,
 )
 from generation_service.engine.events import FinishReason, OutputEvent, Usage
-from grammar_contract.report import GuaranteeReport
 from generation_service.engine.grammar_link import GrammarLink, LinkRow, RowResult, StepMasks
 from generation_service.engine.output import OutputProcessor
 from generation_service.engine.request import Request, RequestStatus
 from generation_service.engine.sampler import SampleResult
 from generation_service.engine.scheduler import ScheduledBatch, Scheduler, SlotPool
 from generation_service.engine.stream import RequestStream
+from grammar_contract.report import GuaranteeReport
 from step_channel import ERR_NO_MATCHER, ERR_TOKEN_REJECTED, ERR_UNKNOWN_GRAMMAR, VALID_LATE
 
 log = logging.getLogger(__name__)

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 from generation_service.engine.errors import EngineError
 from generation_service.engine.events import FinishReason
-from grammar_contract.report import GuaranteeReport
 from generation_service.engine.params import GenerationRequest
+from grammar_contract.report import GuaranteeReport
 
 
 class RequestStatus(enum.Enum):

@@ -13,11 +13,11 @@ from generation_service.assistant.turn import AssistantTurn
 from generation_service.config import ServeConfig
 from generation_service.engine.errors import InvalidRequestError, LimitExceededError
 from generation_service.engine.params import GenerationRequest, SamplingParams, SpeculativeParams
-from grammar_contract.spec import GrammarSpec
 from generation_service.openai_http import tools
 from generation_service.openai_http.errors import ApiError
 from generation_service.openai_http.schemas import (ChatCompletionRequest, ChatMessage, CompletionRequest,
                                                     MAX_STOP_STRINGS, SamplingBody)
+from grammar_contract.spec import GrammarSpec
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"

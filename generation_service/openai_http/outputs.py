@@ -16,11 +16,11 @@ from google.protobuf.json_format import MessageToDict
 from generation_service import proto_convert
 from generation_service.engine.errors import DeadlineExceededError, EngineError
 from generation_service.engine.events import FinishReason, TokenLogprob, Usage
-from grammar_contract.report import GuaranteeReport
 from generation_service.engine.params import GenerationRequest
 from generation_service.openai_http.choices import ChoiceEvent
 from generation_service.assistant.tools import ToolCall
 from generation_service.assistant.turn import AssistantTurn
+from grammar_contract.report import GuaranteeReport
 from structgen.schema_validation import ValidationResult
 
 

@@ -13,10 +13,10 @@ import torch
 
 from generation_service.engine.events import FinishReason
 from generation_service.engine.params import GenerationRequest, SamplingParams
-from grammar_contract.spec import GrammarSpec
 from generation_service.engine.sampler import unpack_bitmask
 from generation_service.engine.scheduler import ScheduledBatch
 from generation_service.model.forward_batch import build_forward_batch
+from grammar_contract.spec import GrammarSpec
 from tests.integration.test_engine_support import (
     collect, make_engine, run_all, shared_grammar_service, shared_model, start_grammar_service, wait_settled,
 )

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 from generation_service.engine.engine import Engine, EngineConfig
 from generation_service.engine.events import FinishReason, Usage
-from grammar_contract.report import GuaranteeReport
 from generation_service.engine.stream import RequestStream
+from grammar_contract.report import GuaranteeReport
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

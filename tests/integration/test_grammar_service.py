@@ -11,10 +11,10 @@ import sys
 import pytest
 
 from channel_driver import ChannelDriver, Row, is_allowed
+from grammar_contract.client import GrammarControlClient
 from grammar_contract.errors import GrammarError
 from grammar_contract.spec import GrammarSpec
 from grammar_service.backends import available_backends
-from grammar_contract.client import GrammarControlClient
 from real_tokenizers import continuation_ids
 from step_channel import ERR_NONE, ChannelError, Geometry, StepChannel
 from structgen.supervisor import wait_healthy

@@ -18,8 +18,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from channel_driver import ChannelDriver, Row
-from grammar_contract.spec import GrammarSpec
 from grammar_contract.client import GrammarControlClient
+from grammar_contract.spec import GrammarSpec
 from real_tokenizers import continuation_ids
 from step_channel import Geometry, StepChannel
 from structgen.supervisor import wait_healthy

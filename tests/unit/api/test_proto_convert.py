@@ -5,9 +5,9 @@ import pytest
 from generation_service.config import ServeConfig
 from generation_service.engine.errors import InvalidRequestError, LimitExceededError, QueueFullError
 from generation_service.engine.events import FinishReason, OutputEvent, Usage
-from grammar_contract.report import GuaranteeReport
 from generation_service.interceptors import status_of
 from generation_service.proto_convert import event_to_proto, to_generation_request, validation_to_proto
+from grammar_contract.report import GuaranteeReport
 from structgen.schema_validation import validate_output
 from structgen.v1 import generation_pb2 as pb
 

@@ -8,8 +8,8 @@ from generation_service.assistant.parser import ReasoningSplitter, TurnParser
 from generation_service.assistant.reasoning import ReasoningMarkers, ReasoningRequest, model_markers, reasoning_span
 from generation_service.assistant.tools import Tool, ToolChoice
 from generation_service.assistant.turn import plan_turn
-from grammar_contract.spec import GrammarSpec, ReasoningSpan
 from generation_service.model.tokenizer import Tokenizer
+from grammar_contract.spec import GrammarSpec, ReasoningSpan
 
 QWEN_SPAN = ReasoningSpan("<think>", "</think>", "\n\n")
 

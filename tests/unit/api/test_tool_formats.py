@@ -10,10 +10,10 @@ from generation_service.assistant.formats import FORMATS, detect_format
 from generation_service.assistant.parser import CallExtractor
 from generation_service.assistant.tools import Tool, ToolCall, ToolChoice, validate_call
 from generation_service.model.tokenizer import Tokenizer
+from grammar_contract.spec import GrammarSpec
 from grammar_service.backends.llguidance import LLGuidanceBackend
 from grammar_service.backends.xgrammar import XGrammarBackend
 from grammar_service.tokenizer import load_tokenizer
-from grammar_contract.spec import GrammarSpec
 
 WEATHER = Tool("get_weather", "", {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
                                    "required": ["city", "unit"], "additionalProperties": False})

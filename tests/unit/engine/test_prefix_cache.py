@@ -5,10 +5,10 @@ import random
 import pytest
 
 from generation_service.engine.kv_cache import PageAllocator
-from grammar_contract.spec import GrammarSpec
 from generation_service.engine.prefix_cache import PrefixCache
 from generation_service.engine.request import RequestStatus
 from generation_service.engine.scheduler import Scheduler, SlotPool, TokenBudget
+from grammar_contract.spec import GrammarSpec
 
 from tests.unit.engine.conftest import make_request
 

@@ -8,8 +8,8 @@ import pytest
 
 from generation_service.engine.errors import EngineError
 from generation_service.engine.events import FinishReason, OutputEvent, TokenLogprob, Usage
-from grammar_contract.report import GuaranteeReport
 from generation_service.engine.stream import RequestStream, coalesce
+from grammar_contract.report import GuaranteeReport
 
 
 def tokens(*ids: int) -> OutputEvent:

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from chat_checkpoints import write_checkpoint
-from grammar_contract.spec import GrammarSpec, ReasoningSpan
 from generation_service.model.tokenizer import Tokenizer
+from grammar_contract.spec import GrammarSpec, ReasoningSpan
 from grammar_service.backends.base import GrammarCompileError
 from grammar_service.backends.llguidance import LLGuidanceBackend
 from grammar_service.backends.xgrammar import XGrammarBackend

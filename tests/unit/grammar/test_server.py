@@ -9,9 +9,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
+from grammar_contract.client import GrammarControlClient, spec_to_proto
 from grammar_contract.errors import GrammarUnavailableError
 from grammar_contract.spec import GrammarSpec, ReasoningSpan
-from grammar_contract.client import GrammarControlClient, spec_to_proto
 from grammar_service.config import GrammarServiceConfig
 from grammar_service.server import RunningServer, build_parser, main, spec_from_proto
 from grammar_service.settings import GRAMMAR_SETTINGS
