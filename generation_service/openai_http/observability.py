@@ -98,7 +98,6 @@ def start_choices(specs: list, operation: str, model: str, response_id: str) -> 
     span = trace.get_current_span()
     if span.is_recording():
         span.set_attribute("gen_ai.response.id", response_id)
-        span.set_attribute("gen_ai.usage.input_tokens", sum(len(spec.prompt_ids) for spec in specs))
         if len(specs) > 1:
             span.set_attribute("gen_ai.request.choice.count", len(specs))
     return traced
@@ -121,7 +120,8 @@ def annotate_response(usage, finish_reasons: list[str]) -> None:
 
 
 def mark_failed(message: str) -> None:
-    """A stream that already answered 200 failed later (its `error` event)."""
+    """The current (server) span failed: an answer of 400 or more, or a stream that had
+    answered 200 and failed later (its `error` event)."""
     span = trace.get_current_span()
     if span.is_recording():
         span.set_status(Status(StatusCode.ERROR, message))

@@ -308,6 +308,8 @@ def test_http_constrained_request_joins_the_compile_span_and_n_choices_add_up(ap
     assert span.attributes["structgen.grammar.kind"] == "json_schema"
     assert span.attributes["gen_ai.usage.output_tokens"] == answer.usage.completion_tokens
     assert len(span.attributes["gen_ai.response.finish_reasons"]) == 2
+    assert span.attributes["gen_ai.request.choice.count"] == 2
+    assert span.attributes["gen_ai.usage.input_tokens"] == answer.usage.prompt_tokens
     decodes = [s for s in receiver.spans if s.trace_id == trace_id and s.name == "structgen.decode"]
     assert len(decodes) == 2 and {d.parent_span_id for d in decodes} == {span.span_id}
 
