@@ -13,6 +13,7 @@ import socket
 import subprocess
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import grpc
@@ -399,8 +400,11 @@ def test_http_requests_are_counted_and_timed(server, api, model):
     with pytest.raises(openai.BadRequestError):
         api.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=4,
                                     temperature=-1)
+    with pytest.raises(urllib.error.HTTPError) as unknown:  # one label for every unknown path
+        urllib.request.urlopen(f"{server.http_url}/v1/no-such-route/{secrets.token_hex(4)}", timeout=30)
+    assert unknown.value.code == 404
     after = _scrape_when(server.metrics_url, lambda after: _total(after, "structgen_http_requests_total")
-                         - _total(before, "structgen_http_requests_total") >= 3)
+                         - _total(before, "structgen_http_requests_total") >= 4)
 
     def moved(name, **labels):
         return _total(after, name, **labels) - _total(before, name, **labels)
@@ -408,7 +412,8 @@ def test_http_requests_are_counted_and_timed(server, api, model):
     assert moved("structgen_http_requests_total", route="/v1/completions", code="200") == 1
     assert moved("structgen_http_requests_total", route="/v1/chat/completions", code="200") == 1
     assert moved("structgen_http_requests_total", route="/v1/chat/completions", code="400") == 1
-    assert moved("structgen_http_requests_total") == 3
+    assert moved("structgen_http_requests_total", route="unmatched", code="404") == 1
+    assert moved("structgen_http_requests_total") == 4
     assert chunks[-1].choices[0].finish_reason == "length" and answer.usage.completion_tokens == 5
     assert moved("structgen_time_to_first_token_seconds_count") == 2
     assert moved("structgen_generated_tokens_total", constrained="false") == 5 + 3
