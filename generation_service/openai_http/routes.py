@@ -152,6 +152,6 @@ def create_app(state: FrontState) -> FastAPI:
     app.add_api_route("/health", health, methods=["GET"])
     if state.auth_header is not None:
         app.add_middleware(BearerTokenAuth, expected=state.auth_header)
-    # added last, so outermost of ours: auth refusals are traced and counted too
+    # added last, so outermost of ours: auth refusals are counted (and their spans ERROR) too
     app.add_middleware(observability.HttpObservability)
     return app
