@@ -4,12 +4,13 @@
 # Carry (all ignored paths): structgen/v1 (generated protos: `make protos`), .whl and .bench.
 # .whl (../shared/device/wheels.sh .whl NAME==VERSION ...): xgrammar 0.2.9 + apache-tvm-ffi, pydantic,
 #   pydantic-core, annotated-types, typing-inspection, typing-extensions, attrs; for grammar_service over
-#   gRPC grpcio 1.85.3, grpcio-health-checking/-reflection 1.85.1, protobuf 7.36.2, jsonschema 4.26.0;
-#   for the HTTP front (serve.py --plan http) fastapi 0.165.0, starlette 1.10.0, uvicorn 0.54.0, httptools 0.9.0;
-#   gguf 0.19.0
+#   gRPC grpcio 1.85.3, grpcio-health-checking/-reflection 1.85.1, protobuf 7.36.2, jsonschema 4.26.0
 #   (+ -specifications, referencing, rpds-py), opentelemetry-api/-sdk 1.45.2 + semantic-conventions
 #   0.66b2 (the device image lacks these), and llguidance 1.9.1 (abi3, manylinux_2_31):
-#   grammar_service's auto backend then picks it, as in the GPU image.
+#   grammar_service's auto backend then picks it, as in the GPU image; for the HTTP front
+#   (serve.py --plan http) fastapi 0.165.0, starlette 1.10.0, uvicorn 0.54.0, httptools 0.9.0; gguf 0.19.0.
+#   (The built-in default model's 94 MiB GGUF does not fit the 64 MiB transfer: tests/gpu/test_default_model_gpu.py
+#   cannot run there.)
 # .bench: the real tokenizers as tgz, made here from the converted copies:
 #   tar czf .bench/<name>.tgz -C ~/.cache/structgen/tokenizers <name>   (tekken_131k, mistral_32k)
 #   run: bash benchmarks/device_run.sh [tests|serve|bench|verify|profile|gemv|grammar|ab|all|a,b,...] [extra decode.py args...]

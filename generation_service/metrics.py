@@ -1,14 +1,17 @@
 """Prometheus metrics of generation_service (served on `serve --metrics-port`, path /metrics).
 
-Three sources, none of them on the engine's step path:
-- `observe(stream, request)` wraps the events of one Generate at the gRPC edge: time to
-  first token, inter-token latency, request duration, prompt and generated tokens per
-  request, finish reasons, grammar compile time and cache hits -- what a client experiences.
+The sources, none of them on the engine's step path:
+- `observe(stream, request)` wraps the events of one engine request at either edge (a gRPC
+  Generate, or one choice of an HTTP completion): time to first token, inter-token latency,
+  request duration, prompt and generated tokens per request, finish reasons, grammar
+  compile time and cache hits -- what a client experiences.
 - `record_finished(request)`, an engine finish listener: time in queue, in prefill and in
   decode per request, from the engine's own stamps.
 - `engine_metrics.EngineCollector` reads `Engine.stats()` at scrape time (queue depth, KV
   cache use, drafts, ...) and exports `structgen_model_info`.
 - `StatusInterceptor` counts every rpc by method and final status code.
+- `openai_http.observability.HttpObservability` counts every HTTP API request by route
+  and status code (`http_requests`); its completions go through `observe` as Generate's do.
 
 All families are prefixed `structgen_` and carry `model_name`; `get()` returns the process's
 one set, registered in prometheus_client's default registry (which also has the process_*
@@ -92,6 +95,10 @@ class GenerationMetrics:
             ["kind", "cache"])
         self.rpcs = counter("structgen_rpcs", "RPCs handled, by method and final status code "
                             "(errors: code!=\"OK\")", ["method", "code"])
+        self.http_requests = counter(
+            "structgen_http_requests", "HTTP API requests (--http-port), by route template and HTTP status "
+            "code once the answer is over (499: the client left first; errors: code=~\"4..|5..\")",
+            ["route", "code"])
         self._collector: EngineCollector | None = None
 
     def watch(self, engine, version: str = "") -> None:

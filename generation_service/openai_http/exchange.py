@@ -16,13 +16,13 @@ from typing import AsyncIterator, Protocol
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from generation_service.openai_http import observability
 from generation_service.openai_http.choices import ChoiceStreams
 from generation_service.openai_http.errors import ApiError
+from generation_service.openai_http.observability import CLIENT_CLOSED
 from generation_service.openai_http.outputs import ChoiceOutput, Piece
-from generation_service.openai_http.render import ResponseMeta
+from generation_service.openai_http.render import ResponseMeta, usage
 from generation_service.openai_http.responses import Model
-
-CLIENT_CLOSED = 499  # what nginx logs for a client that left before the answer
 
 
 class Format(Protocol):
@@ -47,10 +47,13 @@ class Exchange:
         events = self.streams.events()
         try:
             if not stream:
-                return await self._whole(events)
+                try:
+                    return await self._whole(events)
+                finally:
+                    self._end()
             first = await self._first_pieces(events)
         except BaseException:
-            self.streams.cancel()
+            self._end()
             raise
         return StreamingResponse(self._sse(events, first), media_type="text/event-stream",
                                  headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
@@ -71,6 +74,7 @@ class Exchange:
             self.streams.cancel()
             return Response(status_code=CLIENT_CLOSED)
         collecting.result()  # raises a failed choice's error
+        self._annotate()
         return JSONResponse(self.format.whole(self.meta, self.outputs).dump())
 
     async def _first_pieces(self, events: AsyncIterator) -> list[tuple[ChoiceOutput, Piece]]:
@@ -95,15 +99,26 @@ class Exchange:
                 try:
                     piece = output.add(item)
                 except Exception as error:  # noqa: BLE001 -- reported in the stream, then it ends
-                    yield f"data: {json.dumps(ApiError.of(error).body())}\n\n"
+                    failure = ApiError.of(error)
+                    observability.mark_failed(failure.message)
+                    yield f"data: {json.dumps(failure.body())}\n\n"
                     return
                 if (chunk := format_.chunk(meta, output, piece)) is not None:
                     yield _event(chunk)
             if self.include_usage:
                 yield _event(format_.usage_chunk(meta, self.outputs))
+            self._annotate()
             yield "data: [DONE]\n\n"
         finally:  # finished, failed, or the client left (the task is cancelled): free what is left
-            self.streams.cancel()
+            self._end()
+
+    def _annotate(self) -> None:
+        reasons = [o.engine_reason.value for o in self.outputs if o.engine_reason is not None]
+        observability.annotate_response(usage(self.meta, self.outputs), reasons)
+
+    def _end(self) -> None:
+        self.streams.cancel()
+        observability.end_choices(self.streams.specs)
 
 
 async def _disconnected(request: Request) -> None:

@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from generation_service.config import ServeConfig
-from generation_service.openai_http import convert, errors
+from generation_service.openai_http import convert, errors, observability
 from generation_service.openai_http import responses as r
 from generation_service.openai_http.choices import ChoiceStreams
 from generation_service.openai_http.errors import ApiError
@@ -87,10 +87,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     _accepting(state, body)
     response_id = convert.new_id("chatcmpl")
     specs, turn = convert.chat_requests(body, response_id, state.engine, state.config)
-    outputs = [ChoiceOutput(i, spec, turn, body.structgen.return_token_ids) for i, spec in enumerate(specs)]
-    exchange = Exchange(request, ChoiceStreams(state.engine, specs, turn), outputs, _meta(state, response_id, body),
-                        ChatFormat(body.includes_usage), body.includes_usage)
-    return await exchange.respond(body.stream)
+    meta = _meta(state, response_id, body)
+    return await _respond(request, state, body, "chat", specs, turn, meta, ChatFormat(body.includes_usage))
 
 
 async def completions(body: CompletionRequest, request: Request):
@@ -98,10 +96,23 @@ async def completions(body: CompletionRequest, request: Request):
     _accepting(state, body)
     response_id = convert.new_id("cmpl")
     specs = convert.completion_requests(body, response_id, state.engine, state.config)
-    outputs = [ChoiceOutput(i, spec, return_token_ids=body.structgen.return_token_ids)
-               for i, spec in enumerate(specs)]
-    exchange = Exchange(request, ChoiceStreams(state.engine, specs), outputs, _meta(state, response_id, body),
-                        CompletionFormat(body.includes_usage, {}), body.includes_usage)
+    meta = _meta(state, response_id, body)
+    return await _respond(request, state, body, "text_completion", specs, None, meta,
+                          CompletionFormat(body.includes_usage, {}))
+
+
+async def _respond(request: Request, state: FrontState, body: SamplingBody, operation: str, specs, turn,
+                   meta: ResponseMeta, format_):
+    """Submit the choices and answer; the server span becomes `{operation} {model}` (as on
+    gRPC) and the engine's spans join its trace."""
+    specs = observability.start_choices(specs, operation, state.engine.model_name, meta.id)
+    try:
+        outputs = [ChoiceOutput(i, spec, turn, body.structgen.return_token_ids) for i, spec in enumerate(specs)]
+        exchange = Exchange(request, ChoiceStreams(state.engine, specs, turn), outputs, meta, format_,
+                            body.includes_usage)
+    except BaseException:
+        observability.end_choices(specs)
+        raise
     return await exchange.respond(body.stream)
 
 
@@ -130,7 +141,8 @@ async def health(request: Request):
 
 
 def create_app(state: FrontState) -> FastAPI:
-    app = FastAPI(title="structgen OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="structgen OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None,
+                  telemetry=observability.TELEMETRY)
     app.state.front = state
     errors.install(app)
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
@@ -140,4 +152,6 @@ def create_app(state: FrontState) -> FastAPI:
     app.add_api_route("/health", health, methods=["GET"])
     if state.auth_header is not None:
         app.add_middleware(BearerTokenAuth, expected=state.auth_header)
+    # added last, so outermost of ours: auth refusals are counted (and their spans ERROR) too
+    app.add_middleware(observability.HttpObservability)
     return app

@@ -13,9 +13,12 @@ import socket
 import subprocess
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import grpc
+import jsonschema
+import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
@@ -54,7 +57,8 @@ def server(receiver, tmp_path_factory):
     metrics_port, health_port = _free_port(), _free_port()
     limits = {**LIMITS, "max_new_tokens_limit": MAX_TOKENS_LIMIT}
     args = [f"--{name.replace('_', '-')}={value}" for name, value in limits.items()]
-    args += [f"--metrics-port={metrics_port}", f"--drain-seconds={DRAIN_S}", f"--health-port={health_port}"]
+    args += [f"--metrics-port={metrics_port}", f"--drain-seconds={DRAIN_S}", f"--health-port={health_port}",
+             f"--http-port={_free_port()}"]
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_EXPORTER_OTLP_INSECURE": "true",
            "OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_TRACES_SAMPLER": "parentbased_always_on"}
     with pytest.MonkeyPatch.context() as patch:
@@ -82,6 +86,12 @@ def model(stub) -> str:
     return stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30).model_name
 
 
+@pytest.fixture(scope="module")
+def api(server):
+    with openai.OpenAI(base_url=server.http_url + "/v1", api_key="unused", max_retries=0, timeout=120) as api:
+        yield api
+
+
 def _spans_of(receiver, trace_id: str, names: set[str], timeout_s: float = 30) -> dict:
     spans = receiver.wait_for(
         lambda spans: names <= {s.name for s in spans if s.trace_id == trace_id}, timeout_s=timeout_s)
@@ -102,6 +112,17 @@ def _scrape(url: str) -> dict[str, float]:
         for sample in family.samples:
             labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
             samples[f"{sample.name}{{{labels}}}"] = sample.value
+    return samples
+
+
+def _scrape_when(url: str, ready, timeout_s: float = 10) -> dict[str, float]:
+    """A scrape where `ready(samples)` holds (or the last one after `timeout_s`): a request
+    is counted once its answer is over, which the client may see a moment before."""
+    deadline = time.monotonic() + timeout_s
+    samples = _scrape(url)
+    while not ready(samples) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        samples = _scrape(url)
     return samples
 
 
@@ -217,6 +238,96 @@ def test_failed_rpc_span_has_its_status(stub, receiver):
     assert span.status_code == 2  # ERROR
 
 
+HTTP_CASES = [("chat", False), ("chat", True), ("text_completion", False), ("text_completion", True)]
+
+
+def _http_completion(api, model, operation, stream, traceparent, **options):
+    """One request over the HTTP API; returns (its id, its usage, finish reasons)."""
+    create = api.chat.completions.create if operation == "chat" else api.completions.create
+    prompt = {"messages": [{"role": "user", "content": "Hi"}]} if operation == "chat" else {"prompt": "Hello"}
+    extra = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
+    answer = create(model=model, extra_headers={"traceparent": traceparent}, **prompt, **extra, **options)
+    if not stream:
+        return answer.id, answer.usage, [c.finish_reason for c in answer.choices]
+    chunks = list(answer)
+    return chunks[0].id, chunks[-1].usage, [c.choices[0].finish_reason for c in chunks if c.choices
+                                             and c.choices[0].finish_reason]
+
+
+@pytest.mark.parametrize("operation,stream", HTTP_CASES, ids=[f"{o}-{'stream' if s else 'whole'}" for o, s in HTTP_CASES])
+def test_http_completion_gets_the_generate_span(api, receiver, model, operation, stream):
+    """The HTTP port's server span is the gRPC Generate span: same name and gen_ai.*
+    attributes, in the caller's trace, with the engine's spans as its children."""
+    trace_id, caller_span_id = secrets.token_hex(16), secrets.token_hex(8)
+    response_id, usage, reasons = _http_completion(
+        api, model, operation, stream, f"00-{trace_id}-{caller_span_id}-01", max_tokens=6, temperature=0.5,
+        top_p=0.9, seed=7, extra_body={"structgen": {"ignore_eos": True}})
+    assert reasons == ["length"] and usage.completion_tokens == 6
+    name = f"{operation} {model}"
+    ours = _spans_of(receiver, trace_id, {name, "structgen.queue", "structgen.prefill", "structgen.decode"})
+    span = ours[name]
+    assert span.parent_span_id == caller_span_id and span.kind == 2  # SERVER
+    assert span.service == "structgen" and span.status_code == 0
+    attributes = span.attributes
+    assert {k: attributes[k] for k in ("gen_ai.operation.name", "gen_ai.provider.name", "gen_ai.request.model",
+                                       "gen_ai.response.model", "gen_ai.response.id", "gen_ai.request.max_tokens",
+                                       "gen_ai.request.seed", "gen_ai.usage.input_tokens",
+                                       "gen_ai.usage.output_tokens", "gen_ai.response.finish_reasons")} == {
+        "gen_ai.operation.name": operation, "gen_ai.provider.name": "structgen", "gen_ai.request.model": model,
+        "gen_ai.response.model": model, "gen_ai.response.id": response_id, "gen_ai.request.max_tokens": 6,
+        "gen_ai.request.seed": 7, "gen_ai.usage.input_tokens": usage.prompt_tokens,
+        "gen_ai.usage.output_tokens": 6, "gen_ai.response.finish_reasons": ["max_tokens"]}
+    assert abs(attributes["gen_ai.request.temperature"] - 0.5) < 1e-6
+    assert abs(attributes["gen_ai.request.top_p"] - 0.9) < 1e-6
+    route = "/v1/chat/completions" if operation == "chat" else "/v1/completions"
+    assert attributes["http.route"] == route and attributes["http.request.method"] == "POST"
+    assert attributes["http.response.status_code"] == 200
+    latency = {k: attributes[f"gen_ai.latency.{k}"] for k in ("time_in_queue", "time_to_first_token", "e2e")}
+    assert 0 <= latency["time_in_queue"] <= latency["time_to_first_token"] <= latency["e2e"]
+    for child in ("structgen.queue", "structgen.prefill", "structgen.decode"):
+        assert ours[child].parent_span_id == span.span_id, child
+        assert span.start_ns <= ours[child].start_ns <= ours[child].end_ns <= span.end_ns
+
+
+def test_http_constrained_request_joins_the_compile_span_and_n_choices_add_up(api, receiver, model):
+    trace_id = secrets.token_hex(16)
+    schema = {"type": "object", "properties": {f"k{secrets.token_hex(3)}": {"type": "boolean"}},
+              "additionalProperties": False}
+    answer = api.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "JSON:"}], max_tokens=24, n=2,
+        response_format={"type": "json_schema", "json_schema": {"name": "flag", "schema": schema}},
+        extra_headers={"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"},
+        extra_body={"structgen": {"max_whitespace": 1}})
+    for choice in answer.choices:
+        if choice.finish_reason == "stop":
+            jsonschema.validate(json.loads(choice.message.content), schema)
+    name = f"chat {model}"
+    ours = _spans_of(receiver, trace_id, {name, "grammar.compile", "structgen.decode"})
+    span = ours[name]
+    assert ours["grammar.compile"].parent_span_id == span.span_id
+    assert ours["grammar.compile"].service == "structgen-grammar"
+    assert span.attributes["structgen.grammar.kind"] == "json_schema"
+    assert span.attributes["gen_ai.usage.output_tokens"] == answer.usage.completion_tokens
+    assert len(span.attributes["gen_ai.response.finish_reasons"]) == 2
+    assert span.attributes["gen_ai.request.choice.count"] == 2
+    assert span.attributes["gen_ai.usage.input_tokens"] == answer.usage.prompt_tokens
+    decodes = [s for s in receiver.spans if s.trace_id == trace_id and s.name == "structgen.decode"]
+    assert len(decodes) == 2 and {d.parent_span_id for d in decodes} == {span.span_id}
+
+
+def test_failed_http_request_span_has_its_status(api, receiver, model):
+    trace_id = secrets.token_hex(16)
+    with pytest.raises(openai.BadRequestError):
+        api.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "x"}], max_tokens=4,
+            response_format={"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": 5}}},
+            extra_headers={"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"})
+    name = f"chat {model}"
+    span = _spans_of(receiver, trace_id, {name})[name]
+    assert span.attributes["http.response.status_code"] == 400
+    assert span.status_code == 2  # ERROR, as the gRPC span of INVALID_ARGUMENT
+
+
 # ---- metrics -----------------------------------------------------------------------------------
 FAMILIES = (
     "structgen_time_to_first_token_seconds_bucket", "structgen_inter_token_latency_seconds_bucket",
@@ -232,7 +343,7 @@ FAMILIES = (
     "structgen_draft_tokens_accepted_total", "structgen_rpcs_total", "structgen_finished_requests_total",
     "structgen_kv_pages_cached", "structgen_prefix_cache_query_tokens_total",
     "structgen_prefix_cache_hit_tokens_total", "structgen_prefix_cache_hit_ratio",
-    "structgen_prefix_cache_evictions_total",
+    "structgen_prefix_cache_evictions_total", "structgen_http_requests_total",
 )
 
 
@@ -276,6 +387,62 @@ def test_metrics_expose_the_families_and_move(server, stub, model):
     assert _total(after, "structgen_kv_pages_capacity") > 0
     assert 0 <= _total(after, "structgen_kv_cache_usage_ratio") <= 1
     assert _total(after, "structgen_model_info", device="cpu") == 1
+
+
+def test_http_requests_are_counted_and_timed(server, api, model):
+    """The HTTP port's requests: by route and status, and in the per-request generation
+    families (time to first token, tokens, engine times) as Generate's are."""
+    before = _scrape(server.metrics_url)
+    answer = api.completions.create(model=model, prompt="one two", max_tokens=5,
+                                    extra_body={"structgen": {"ignore_eos": True}})
+    chunks = list(api.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                              max_tokens=3, stream=True, extra_body={"structgen": {"ignore_eos": True}}))
+    with pytest.raises(openai.BadRequestError):
+        api.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                    temperature=-1)
+    with pytest.raises(urllib.error.HTTPError) as unknown:  # one label for every unknown path
+        urllib.request.urlopen(f"{server.http_url}/v1/no-such-route/{secrets.token_hex(4)}", timeout=30)
+    assert unknown.value.code == 404
+    after = _scrape_when(server.metrics_url, lambda after: _total(after, "structgen_http_requests_total")
+                         - _total(before, "structgen_http_requests_total") >= 4)
+
+    def moved(name, **labels):
+        return _total(after, name, **labels) - _total(before, name, **labels)
+
+    assert moved("structgen_http_requests_total", route="/v1/completions", code="200") == 1
+    assert moved("structgen_http_requests_total", route="/v1/chat/completions", code="200") == 1
+    assert moved("structgen_http_requests_total", route="/v1/chat/completions", code="400") == 1
+    assert moved("structgen_http_requests_total", route="unmatched", code="404") == 1
+    assert moved("structgen_http_requests_total") == 4
+    assert chunks[-1].choices[0].finish_reason == "length" and answer.usage.completion_tokens == 5
+    assert moved("structgen_time_to_first_token_seconds_count") == 2
+    assert moved("structgen_generated_tokens_total", constrained="false") == 5 + 3
+    assert moved("structgen_request_duration_seconds_count") == 2
+    assert moved("structgen_request_queue_time_seconds_count") == 2
+    assert moved("structgen_finished_requests_total", finish_reason="max_tokens") == 2
+    assert moved("structgen_rpcs_total") == 0  # the gRPC count is the gRPC port's alone
+
+
+def test_http_client_leaving_mid_stream_is_499_and_an_error_span(server, api, receiver, model):
+    before = _scrape(server.metrics_url)
+    trace_id = secrets.token_hex(16)
+    stream = api.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Count"}], max_tokens=MAX_TOKENS_LIMIT, stream=True,
+        extra_body={"structgen": {"ignore_eos": True}},
+        extra_headers={"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"})
+    next(iter(stream))
+    stream.close()
+    name = f"chat {model}"
+    span = _spans_of(receiver, trace_id, {name})[name]  # exported once the server saw the client leave
+    assert span.status_code == 2
+
+    def moved(samples, name, **labels):
+        return _total(samples, name, **labels) - _total(before, name, **labels)
+
+    # the engine frees the request on its next step
+    after = _scrape_when(server.metrics_url, lambda after: moved(after, "structgen_finished_requests_total"))
+    assert moved(after, "structgen_http_requests_total", route="/v1/chat/completions", code="499") == 1
+    assert moved(after, "structgen_finished_requests_total", finish_reason="cancelled") == 1
 
 
 def test_prefix_cache_metrics_count_the_cached_prompt_tokens(server, stub):
