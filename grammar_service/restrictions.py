@@ -2,10 +2,12 @@
 
 Both backends (xgrammar 0.2.9, llguidance 1.9.1) write an object's declared properties in
 the order the schema lists them, and any undeclared property after them, and write numbers in
-one form (`0`, never `0.0` or `0e0`, for `const: 0` and for integers). A document that
-differs only in such a form matches the schema and is refused by the grammar. That never
-makes an output invalid, so `strict` does not refuse for it, but the guarantee report names
-each class with the first place it applies (tests/unit/schemas/test_restrictions.py feeds a
+one form (`0`, never `0.0` or `0e0`, for `const: 0` and for integers). Properties declared
+across `allOf` branches that do not fold into one object (grammar_service/allof_merge.py) get
+a fixed order too: llguidance writes them branch by branch, xgrammar the kept branch's first.
+A document that differs only in such a form matches the schema and is refused by the
+grammar. That never makes an output invalid, so `strict` does not refuse for it, but the
+guarantee report names each class with the first place it applies (tests/unit/schemas/test_restrictions.py feeds a
 valid document of each class to both backends).
 """
 from __future__ import annotations
@@ -17,12 +19,21 @@ from grammar_service.guarantees import iter_subschemas
 
 _ORDER = "declared properties are written in the order the schema lists them: a valid document in another order is refused"
 _PLACE = "undeclared properties are written after the declared ones: a valid document with one before them is refused"
+_SPLIT = ("properties declared across allOf branches that do not fold into one object are written in a "
+          "fixed order: a valid document in another order is refused")
 _INTEGER = "integers are written without a fraction or exponent: 1.0 and 1e0 are refused"
 _LISTED = "listed numbers are written as the schema lists them: 0.0 for 0 is refused"
 
 
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _declaring_parts(schema: dict) -> int:
+    """How many of the schema object and its `allOf` branches declare properties."""
+    parts = [schema, *(b for b in schema.get("allOf") or () if isinstance(b, dict))] \
+        if isinstance(schema.get("allOf"), list) else [schema]
+    return sum(1 for part in parts if isinstance(part.get("properties"), dict) and part["properties"])
 
 
 def _classes(schema: dict) -> list[tuple[str, str]]:
@@ -33,6 +44,8 @@ def _classes(schema: dict) -> list[tuple[str, str]]:
         found.append(("properties", _ORDER))
     if isinstance(properties, dict) and properties and schema.get("additionalProperties") is not False:
         found.append(("additionalProperties", _PLACE))
+    if _declaring_parts(schema) > 1:  # allOf left unfolded (grammar_service/allof_merge.py)
+        found.append(("allOf", _SPLIT))
     types = schema.get("type")
     if types == "integer" or (isinstance(types, list) and "integer" in types):
         found.append(("type", _INTEGER))

@@ -11,8 +11,12 @@ declares (the final validation, structgen/schema_validation.py, picks the valida
   `definitions` / `$defs` (the targets of JSON pointers, which resolve in the document whatever
   the draft) and the root's `$schema` / `$id` / `id`.
 
-Only keys are removed, so every JSON pointer into the rewritten schema names the same place in
-the original: guarantee reports keep pointing into what the user wrote.
+Then `allOf` object branches are folded into their parent where that is exact
+(grammar_service/allof_merge.py), so that both backends compile one object.
+
+The draft rewrite only removes keys, so every JSON pointer into its result names the same place
+in the original. A folded branch moves: a report entry about what it held points at the parent
+that now holds it (`/properties/b`, not `/allOf/1/properties/b`); nothing else moves.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import functools
 import json
 import re
 
+from grammar_service.allof_merge import fold_all_of
 from grammar_service.guarantees import iter_subschemas
 
 _SIBLINGS_IGNORED = re.compile(r"^https?://json-schema\.org/draft-0[3-7]/schema#?$")
@@ -50,13 +55,17 @@ def _drop_ref_siblings(schema: dict) -> bool:
 @functools.lru_cache(maxsize=_MAX_CACHED)
 def as_drafted(schema_text: str) -> str:
     """The schema text a backend compiles: `schema_text` itself unless its draft changes what
-    it means (module doc). Malformed JSON is returned as is, for the backend to report."""
-    if "$ref" not in schema_text or "draft-0" not in schema_text:
+    it means, or an `allOf` folds (module doc). Malformed JSON is returned as is, for the
+    backend to report."""
+    drafted = "$ref" in schema_text and "draft-0" in schema_text
+    if not drafted and "allOf" not in schema_text:
         return schema_text
     try:
         schema = json.loads(schema_text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return schema_text
-    if not ignores_ref_siblings(schema) or not _drop_ref_siblings(schema):
+    dropped = drafted and ignores_ref_siblings(schema) and _drop_ref_siblings(schema)
+    folded = "allOf" in schema_text and fold_all_of(schema)
+    if not dropped and not folded:
         return schema_text
     return json.dumps(schema, ensure_ascii=False)
