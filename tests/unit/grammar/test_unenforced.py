@@ -31,8 +31,9 @@ UNENFORCED = [
     ("dependentSchemas", {"type": "object", "properties": AB, "dependentSchemas": {"a": {"required": ["b"]}}}, {"a": 1}),
     ("dependentRequired", {"type": "object", "properties": AB, "dependentRequired": {"a": ["b"]}}, {"a": 1}),
     ("dependencies", {"type": "object", "properties": AB, "dependencies": {"a": ["b"]}}, {"a": 1}),
-    ("allOf", {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
-                         {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}]}, {"a": 1}),
+    # branches beside `$ref` do not fold into one object (grammar_service/allof_merge.py)
+    ("allOf", {"allOf": [{"$ref": "#/$defs/o", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                         {"$ref": "#/$defs/o", "properties": {"b": {"type": "integer"}}, "required": ["b"]}]}, {"a": 1}),
     ("oneOf", {"oneOf": [{"type": "integer"}, {"type": "number"}]}, 3),
     ("contentEncoding", {"type": "string", "contentEncoding": "base64"}, "!!!"),
     # keywords beside $ref are dropped (the reference alone is compiled)
@@ -52,7 +53,7 @@ UNENFORCED = [
                   "anyOf": [{"type": "object", "required": ["b"]}, {"type": "object", "required": ["c"]}]}, {"b": 1}),
     ("minimum", {"type": "integer", "minimum": 5,
                  "anyOf": [{"type": "integer", "maximum": 100}, {"type": "integer", "multipleOf": 2}]}, 1),
-    ("maxLength", {"type": "string", "maxLength": 2, "allOf": [{"type": "string"}]}, "abcd"),
+    ("maxLength", {"type": "string", "maxLength": 2, "allOf": [{"type": "string", "maxLength": 10}]}, "abcd"),
     # pattern beside an enforced format is dropped (citation-file-format's license-url)
     ("pattern", {"type": "string", "format": "uri", "pattern": "^(https|http)://.+"}, "mailto:a"),
     ("pattern", {"type": "string", "format": "date", "pattern": "^19"}, "2024-01-02"),
@@ -88,6 +89,9 @@ ENFORCED = [
     ({"type": "string", "format": "date"}, "2024-13-45x"),
     ({"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 2}, {"a": 1}),
     ({"oneOf": [{"type": "integer"}, {"type": "string"}]}, True),
+    # properties split across allOf branches, folded into one object before the compile
+    ({"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}]}, {"a": 1}),
     # enum beside anyOf, and a parent type every branch repeats, stay enforced
     ({"enum": ["a", "b"], "anyOf": [{"type": "string"}, {"type": "integer"}]}, "zzz"),
     ({"type": "object", "anyOf": [{"type": "object", "required": ["a"]}, {"type": "object", "required": ["b"]}]}, 5),
