@@ -6,14 +6,15 @@
 - `log`: a progress line with the time of day;
 - model specs: `preset_config` and `random_model_folder` (a preset's shape with another
   vocabulary and a real tokenizer beside it, for `--model random:<folder>/config.json`);
-- servers: `ServeProcess` (`structgen serve` in its own process, up once it says where it
-  listens), `free_port`.
+- processes: `ServeProcess` (`structgen serve` in its own process, up once it says where it
+  listens), `free_port`, `WorkerProcess` (a spawned worker fed over a pipe, restarted after a kill).
 
 No torch at import: CPU-only benchmarks import this too.
 """
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
 import pathlib
 import re
@@ -169,3 +170,33 @@ class ServeProcess:
         except subprocess.TimeoutExpired:
             self.process.kill()
             return self.process.wait()
+
+
+class WorkerProcess:
+    """A worker in a spawned process, fed jobs over a pipe (`conn`): started by the first
+    `send` and again after `kill` (a job past its time). `target(conn, *args)` sends "ready"
+    once it can take work, then answers jobs until it receives None."""
+
+    def __init__(self, name: str, target, args: tuple, start_timeout_s: float) -> None:
+        self.name, self.target, self.args, self.start_timeout_s = name, target, args, start_timeout_s
+        self.proc = self.conn = None
+
+    def send(self, job) -> None:
+        if self.proc is None or not self.proc.is_alive():
+            ctx = mp.get_context("spawn")
+            self.conn, child = ctx.Pipe()
+            self.proc = ctx.Process(target=self.target, args=(child, *self.args), daemon=True)
+            self.proc.start()
+            if not self.conn.poll(self.start_timeout_s) or self.conn.recv() != "ready":
+                raise RuntimeError(f"{self.name} did not start")
+        self.conn.send(job)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join()
+        self.proc = None
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.conn.send(None)
+            self.proc.join(10)

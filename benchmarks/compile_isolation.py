@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
                "cache_hit_ms_median": {k: round(v, 3) for k, v in hits.items()}}
     print(json.dumps(summary))
     out = write_result(ROOT / "benchmarks" / "results" / f"compile_isolation-{args.label}.json", {
-        "benchmark": "compile_isolation", "command": command_line("python -m benchmarks.compile_isolation", argv or None),
+        "benchmark": "compile_isolation",
+        "command": command_line("python -m benchmarks.compile_isolation", argv or None),
         "commit": code_commit(), "machine": {"cpus": len(os.sched_getaffinity(0)), "python": platform.python_version()},
         "tokenizer": "mistral_32k", "summary": summary, "specs": rows})
     print(f"wrote {out}")

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import pathlib
 import platform
@@ -40,7 +39,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # tests/: the real tokenizers
 
 from benchmarks._harness import (  # noqa: E402
-    command_line, default_machine, nearest_rank, utc_now, versions, write_result,
+    WorkerProcess, command_line, default_machine, nearest_rank, utc_now, versions, write_result,
 )
 from benchmarks._instances import instances_for  # noqa: E402
 from benchmarks.corpus import load_wide_corpus  # noqa: E402
@@ -170,48 +169,31 @@ def _worker(conn, column: str, tokenizer_name: str, vocab_size: int, time_box_s:
 
 class _Pool:
     def __init__(self, column: str, args):
-        self.column, self.args, self.proc = column, args, None
-
-    def _start(self) -> None:
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        a = self.args
-        self.proc = ctx.Process(target=_worker, args=(child, self.column, a.tokenizer, a.vocab_size, a.time_box),
-                                daemon=True)
-        self.proc.start()
-        if not self.conn.poll(300) or self.conn.recv() != "ready":
-            raise RuntimeError(f"{self.column} worker did not start")
-
-    def _kill(self) -> None:
-        self.proc.kill()
-        self.proc.join()
-        self.proc = None
+        self.args = args
+        self.worker = WorkerProcess(f"{column} worker", _worker,
+                                    (column, args.tokenizer, args.vocab_size, args.time_box), 300)
 
     def run(self, name: str, text: str, instances: list) -> dict:
-        if self.proc is None or not self.proc.is_alive():
-            self._start()
-        a = self.args
-        self.conn.send((name, text, [i.to_json() for i in instances], a.compile_timeout))
-        if not self.conn.poll(a.compile_timeout + 5):
-            self._kill()
+        a, worker = self.args, self.worker
+        worker.send((name, text, [i.to_json() for i in instances], a.compile_timeout))
+        if not worker.conn.poll(a.compile_timeout + 5):
+            worker.kill()
             return {"timeout": True, "compile_error": f"compile did not finish within {a.compile_timeout:g} s"}
-        _, row = self.conn.recv()
+        _, row = worker.conn.recv()
         if "compile_error" not in row:
-            if self.conn.poll(a.feed_timeout):
-                row.update(self.conn.recv()[1])
+            if worker.conn.poll(a.feed_timeout):
+                row.update(worker.conn.recv()[1])
             else:
-                self._kill()
+                worker.kill()
                 row["feed_error"] = f"feeding the instances took over {a.feed_timeout:g} s"
                 return row
-        if self.conn.recv() == "restart":
-            self.proc.join(10)
-            self._kill()
+        if worker.conn.recv() == "restart":
+            worker.proc.join(10)
+            worker.kill()
         return row
 
     def close(self) -> None:
-        if self.proc is not None:
-            self.conn.send(None)
-            self.proc.join(10)
+        self.worker.close()
 
 
 # --- summary ------------------------------------------------------------------------------

@@ -30,7 +30,6 @@ writes benchmarks/results/schemas-<machine>.json and prints a table.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import pathlib
 import platform
@@ -44,7 +43,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # tests/: the real tokenizers
 
 from benchmarks._generate import PROMPT, judge, run_generations, summarize_generations  # noqa: E402
 from benchmarks._harness import (  # noqa: E402
-    default_machine, nearest_rank, utc_now, versions, write_result,
+    WorkerProcess, default_machine, nearest_rank, utc_now, versions, write_result,
 )
 from benchmarks.corpus import load_corpus  # noqa: E402
 
@@ -148,35 +147,21 @@ class _Pool:
     """One worker process per backend; a schema past its timeout kills and restarts it."""
 
     def __init__(self, backend: str, args):
-        self.backend, self.args, self.proc = backend, args, None
-
-    def _start(self):
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker, args=(child, self.backend, self.args.tokenizer,
-                                                      self.args.vocab_size), daemon=True)
-        self.proc.start()
-        if not self.conn.poll(120) or self.conn.recv() != "ready":
-            raise RuntimeError(f"{self.backend} worker did not start")
+        self.args = args
+        self.worker = WorkerProcess(f"{backend} worker", _worker, (backend, args.tokenizer, args.vocab_size), 120)
 
     def run(self, name: str, text: str) -> dict:
-        if self.proc is None or not self.proc.is_alive():
-            self._start()
         a = self.args
-        self.conn.send((name, text, a.walks, a.max_tokens, a.seed, a.walk_timeout))
+        self.worker.send((name, text, a.walks, a.max_tokens, a.seed, a.walk_timeout))
         budget = a.compile_timeout + a.walk_timeout + 10  # the walks stop themselves at walk_timeout
-        if self.conn.poll(budget):
-            return self.conn.recv()
-        self.proc.kill()
-        self.proc.join()
-        self.proc = None
+        if self.worker.conn.poll(budget):
+            return self.worker.conn.recv()
+        self.worker.kill()
         return {"schema": name, "timeout_s": a.compile_timeout,
                 "compile_error": f"compile did not finish within {a.compile_timeout:g} s"}
 
     def close(self):
-        if self.proc is not None:
-            self.conn.send(None)
-            self.proc.join(10)
+        self.worker.close()
 
 
 # --- aggregation ---------------------------------------------------------------------------

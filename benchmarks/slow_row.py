@@ -171,9 +171,10 @@ def main(argv: list[str] | None = None) -> int:
                "slow_rows_valid": all(r["slow_row"]["valid"] for r in runs["slow"] + runs["lockstep"])}
     result = {"benchmark": "slow_row", "label": args.label,
               "command": command_line("python benchmarks/slow_row.py", argv),
-              "commit": code_commit(), "machine": {"cpus": len(os.sched_getaffinity(0)), "python": platform.python_version(),
-                                            "device": args.device,
-                                            "load_average_1m": [round(load_before, 1), round(os.getloadavg()[0], 1)]},
+              "commit": code_commit(),
+              "machine": {"cpus": len(os.sched_getaffinity(0)), "python": platform.python_version(),
+                          "device": args.device,
+                          "load_average_1m": [round(load_before, 1), round(os.getloadavg()[0], 1)]},
               "settings": {"num_ordinary": args.num_ordinary, "max_tokens": args.max_tokens,
                            "slow_fill_ms": args.slow_fill_ms, "repeats": args.repeats},
               "summary": summary, "runs": runs}
