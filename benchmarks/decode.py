@@ -47,6 +47,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._gpu_timing import copy_bandwidth_gbs, graph_ms, weight_bytes_read  # noqa: E402
 from benchmarks._harness import command_line, log, random_model_folder, utc_now, write_result  # noqa: E402
 from generation_service.engine.cuda_graphs import (  # noqa: E402
     FREE, NOWAIT, PREPUBLISHED, WAIT_EVEN, WAIT_ODD, with_serial,
@@ -100,22 +101,6 @@ SCHEMA = {  # a typical extraction schema: strings, numbers, enums, a nested arr
 }
 
 
-def copy_bandwidth_gbs(nbytes: int = 4 << 30, reps: int = 10) -> float:
-    """Device-to-device copy, bytes read + written per second (median of reps)."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(reps + 2):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    del src, dst
-    return 2 * nbytes / sorted(times[2:])[len(times[2:]) // 2] / 1e9
-
-
 WAIT_STAMP_SLOTS = 8192  # --wait-stamps: steps of one mode's run the ring holds
 
 
@@ -130,14 +115,6 @@ def wait_stamps_summary(stamps: torch.Tensor, first: int, end: int) -> dict:
     at = lambda q: us[min(len(us) - 1, int(q * len(us)))]  # noqa: E731
     return {"p50": at(0.5), "p90": at(0.9), "p99": at(0.99), "max": us[-1], "mean": sum(us) / len(us),
             "over_10us": sum(u > 10 for u in us) / len(us)}
-
-
-def weight_bytes_read(model) -> int:
-    cfg = model.config
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    if not cfg.tie_word_embeddings:  # the input embedding is gathered, not read whole
-        total -= model.model.embed_tokens.weight.numel() * model.model.embed_tokens.weight.element_size()
-    return total
 
 
 class Bench:
@@ -323,27 +300,6 @@ class Bench:
         del runner, model, kv
         torch.cuda.empty_cache()
         return out
-
-
-def graph_ms(fn, reps: int = 30) -> float:
-    """Median replay time of fn captured as one CUDA graph."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()
-    stream.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        fn()
-    times = []
-    for _ in range(reps + 3):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    graph.reset()
-    return sorted(times[3:])[reps // 2]
 
 
 def engine_model_spec(preset: str, tokenizer_dir: str, folder: pathlib.Path) -> str:

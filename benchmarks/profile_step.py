@@ -44,8 +44,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 # the decode table's floor, computed the same way (benchmarks/, the script's folder)
+from benchmarks._gpu_timing import copy_bandwidth_gbs, graph_ms, weight_bytes_read  # noqa: E402
 from benchmarks._harness import log, write_result  # noqa: E402
-from decode import copy_bandwidth_gbs, graph_ms, weight_bytes_read  # noqa: E402
 
 VOCAB = 131072
 PAGE_SIZE = 16
