@@ -15,11 +15,10 @@ import pathlib
 import platform
 import subprocess
 import sys
-import time
 
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from benchmarks._harness import ROOT, command_line, utc_now
 
 
 def code_version() -> dict:
@@ -57,7 +56,7 @@ def header(args) -> dict:
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    return {"command": "python " + " ".join(sys.argv), "device": device_name(args.device),
+    return {"command": command_line(f"python {sys.argv[0]}"), "device": device_name(args.device),
             "torch": torch.__version__, "triton": triton_version, "python": platform.python_version(),
-            **code_version(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "args": vars(args),
+            **code_version(), "started": utc_now(), "args": vars(args),
             "workload": "prompt P x repeats (random ids); drafts: see workloads; greedy unless --temperature"}

@@ -21,7 +21,7 @@ from generation_service.engine.params import GenerationRequest, SamplingParams, 
 from generation_service.engine.request import Request
 from generation_service.engine.speculative import DraftProposer
 
-from decode import log  # benchmarks/decode.py
+from benchmarks._harness import log
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from generation_service.engine.scheduler import ScheduledBatch, ScheduledRow
 
 from tests.integration.test_engine_support import wait_settled
 
-from decode import log  # benchmarks/decode.py
+from benchmarks._harness import log
 
 
 def num(value, spec: str) -> str:

@@ -16,11 +16,13 @@ import os
 import pathlib
 import platform
 import statistics
-import subprocess
 import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks._harness import code_commit, command_line, write_result  # noqa: E402
 
 
 def _specs(limit: int):
@@ -91,12 +93,11 @@ def main(argv: list[str] | None = None) -> int:
                "cold_extra_ms_median": round(statistics.median(extra), 1),
                "cache_hit_ms_median": {k: round(v, 3) for k, v in hits.items()}}
     print(json.dumps(summary))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    out = ROOT / "benchmarks" / "results" / f"compile_isolation-{args.label}.json"
-    out.write_text(json.dumps({
-        "benchmark": "compile_isolation", "command": " ".join(["python -m benchmarks.compile_isolation", *(argv or sys.argv[1:])]),
-        "commit": commit, "machine": {"cpus": len(os.sched_getaffinity(0)), "python": platform.python_version()},
-        "tokenizer": "mistral_32k", "summary": summary, "specs": rows}, indent=1) + "\n")
+    out = write_result(ROOT / "benchmarks" / "results" / f"compile_isolation-{args.label}.json", {
+        "benchmark": "compile_isolation",
+        "command": command_line("python -m benchmarks.compile_isolation", argv or None),
+        "commit": code_commit(), "machine": {"cpus": len(os.sched_getaffinity(0)), "python": platform.python_version()},
+        "tokenizer": "mistral_32k", "summary": summary, "specs": rows})
     print(f"wrote {out}")
     os._exit(0)  # skip finalizing xgrammar objects (seconds)
 

@@ -38,7 +38,6 @@ import json
 import os
 import pathlib
 import platform
-import shutil
 import subprocess
 import sys
 import time
@@ -48,6 +47,8 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._gpu_timing import copy_bandwidth_gbs, graph_ms, weight_bytes_read  # noqa: E402
+from benchmarks._harness import command_line, log, random_model_folder, utc_now, write_result  # noqa: E402
 from generation_service.engine.cuda_graphs import (  # noqa: E402
     FREE, NOWAIT, PREPUBLISHED, WAIT_EVEN, WAIT_ODD, with_serial,
 )
@@ -100,26 +101,6 @@ SCHEMA = {  # a typical extraction schema: strings, numbers, enums, a nested arr
 }
 
 
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def copy_bandwidth_gbs(nbytes: int = 4 << 30, reps: int = 10) -> float:
-    """Device-to-device copy, bytes read + written per second (median of reps)."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(reps + 2):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    del src, dst
-    return 2 * nbytes / sorted(times[2:])[len(times[2:]) // 2] / 1e9
-
-
 WAIT_STAMP_SLOTS = 8192  # --wait-stamps: steps of one mode's run the ring holds
 
 
@@ -134,14 +115,6 @@ def wait_stamps_summary(stamps: torch.Tensor, first: int, end: int) -> dict:
     at = lambda q: us[min(len(us) - 1, int(q * len(us)))]  # noqa: E731
     return {"p50": at(0.5), "p90": at(0.9), "p99": at(0.99), "max": us[-1], "mean": sum(us) / len(us),
             "over_10us": sum(u > 10 for u in us) / len(us)}
-
-
-def weight_bytes_read(model) -> int:
-    cfg = model.config
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    if not cfg.tie_word_embeddings:  # the input embedding is gathered, not read whole
-        total -= model.model.embed_tokens.weight.numel() * model.model.embed_tokens.weight.element_size()
-    return total
 
 
 class Bench:
@@ -329,47 +302,13 @@ class Bench:
         return out
 
 
-def graph_ms(fn, reps: int = 30) -> float:
-    """Median replay time of fn captured as one CUDA graph."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()
-    stream.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        fn()
-    times = []
-    for _ in range(reps + 3):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    graph.reset()
-    return sorted(times[3:])[reps // 2]
-
-
 def engine_model_spec(preset: str, tokenizer_dir: str, folder: pathlib.Path) -> str:
     """random:<preset> with the decode table's vocab and the Tekken tokenizer beside it (a
     constrained request needs the tokenizer grammar_service compiles for); random:<preset>
     (vocab 128256, no tokenizer: free only) without the tokenizer."""
-    tok = pathlib.Path(tokenizer_dir)
-    if not (tok / "tokenizer.json").is_file():
+    if not (pathlib.Path(tokenizer_dir) / "tokenizer.json").is_file():
         return f"random:{preset}"
-    c = PRESETS[preset]
-    config = {"architectures": [c.architecture], "model_type": "llama", "vocab_size": VOCAB,
-              "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
-              "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads,
-              "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim, "hidden_act": "silu",
-              "max_position_embeddings": 4096, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
-              "tie_word_embeddings": c.tie_word_embeddings, "bos_token_id": 1, "eos_token_id": 2,
-              "dtype": "bfloat16"}
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        if (tok / name).is_file():
-            shutil.copy(tok / name, folder / name)
+    random_model_folder(preset, tokenizer_dir, folder, VOCAB, max_positions=4096)
     return f"random:{folder / 'config.json'}"
 
 
@@ -507,9 +446,8 @@ def main() -> int:
     args = ap.parse_args()
     args.batches = sorted(args.batches)
     torch.manual_seed(0)
-    result = {"command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name(),
-              "torch": torch.__version__, "python": platform.python_version(),
-              "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    result = {"command": command_line(f"python {sys.argv[0]}"), "device": torch.cuda.get_device_name(),
+              "torch": torch.__version__, "python": platform.python_version(), "started": utc_now(),
               "mask_source": "grammar_service StepLoop (xgrammar) in its own process, through the step channel",
               "schema": SCHEMA, "context_tokens": args.context}
     bw = copy_bandwidth_gbs()
@@ -576,8 +514,7 @@ def main() -> int:
         finally:
             if grammar is not None:
                 grammar.stop()
-    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
+    write_result(args.out, result)
     summary(result)
     return 0
 

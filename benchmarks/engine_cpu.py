@@ -23,6 +23,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._harness import code_commit, command_line, write_result  # noqa: E402
 from generation_service.engine.params import GenerationRequest, SamplingParams, SpeculativeParams
 from grammar_contract.spec import GrammarSpec
 from tests.integration.test_engine_support import make_engine, run_all, start_grammar_service  # noqa: E402
@@ -82,9 +83,10 @@ def main() -> int:
         accept = "-" if row["draft_acceptance"] is None else f"{row['draft_acceptance']:.2f}"
         print(f"{row['workload']:<12} {row['tokens_per_s']:>8} {row['steps']:>6} {row['ms_per_step']:>8} "
               f"{accept:>7} {row['grammar_wait_ms_per_step']:>12}")
-    out = ROOT / "benchmarks" / "results" / f"engine_cpu-{args.machine}.json"
-    out.write_text(json.dumps({"machine": args.machine, "model": args.model, "args": vars(args), "results": rows},
-                              indent=2) + "\n")
+    out = write_result(ROOT / "benchmarks" / "results" / f"engine_cpu-{args.machine}.json",
+                       {"machine": args.machine, "model": args.model, "args": vars(args), "results": rows,
+                        "command": command_line(f".venv/bin/python {sys.argv[0]}"), "code_commit": code_commit()},
+                       indent=2)
     print(f"wrote {out}")
     return 0
 

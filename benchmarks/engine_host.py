@@ -37,6 +37,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._documents import DOCUMENTS  # noqa: E402
+from benchmarks._harness import code_commit, command_line, write_result  # noqa: E402
 from generation_service.engine.events import FinishReason  # noqa: E402
 from generation_service.engine.kv_cache import PageAllocator  # noqa: E402
 from generation_service.engine.lifecycle import RequestTable  # noqa: E402
@@ -211,8 +212,9 @@ def main() -> int:
               flush=True)
     if args.out is not None:
         result = {"benchmark": "engine_host", "machine": args.machine, "python": platform.python_version(),
-                  "tokenizer": "tiny-random (Mistral 32k SentencePiece)", "rows": rows}
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+                  "tokenizer": "tiny-random (Mistral 32k SentencePiece)", "rows": rows,
+                  "command": command_line(f".venv/bin/python {sys.argv[0]}"), "code_commit": code_commit()}
+        write_result(args.out, result, indent=2)
     return 0
 
 

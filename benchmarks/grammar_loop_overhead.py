@@ -11,7 +11,6 @@ waits). Reported: run_step p50 and min, and the phases per step (StepLoop.phases
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import platform
 import statistics
@@ -21,6 +20,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._harness import command_line, write_result  # noqa: E402
 from grammar_service.backends.base import GrammarBackend, Matcher  # noqa: E402
 from grammar_service.loop import StepLoop  # noqa: E402
 from step_channel import FLAG_CONSTRAINED, FLAG_FRESH, Geometry, StepChannel  # noqa: E402
@@ -110,9 +110,8 @@ def main() -> int:
               f"min {r['step_us_min']:.0f} us; per step advance {ph['advance']:.0f}, fill {ph['fill']:.0f}, "
               f"bookkeeping {ph['bookkeeping']:.0f} us")
     if args.out:
-        pathlib.Path(args.out).write_text(json.dumps(
-            {"benchmark": "grammar_loop_overhead", "python": platform.python_version(),
-             "command": "python " + " ".join(sys.argv), "runs": runs}, indent=1))
+        write_result(args.out, {"benchmark": "grammar_loop_overhead", "python": platform.python_version(),
+                                "command": command_line(f"python {sys.argv[0]}"), "runs": runs})
     return 0
 
 

@@ -47,7 +47,6 @@ import json
 import os
 import pathlib
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -60,6 +59,7 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # tests/: the real tokenizers and the channel driver
 
+from benchmarks._harness import command_line, default_machine, free_port, utc_now, versions, write_result  # noqa: E402
 from channel_driver import Row  # noqa: E402
 from grammar_contract.client import GrammarControlClient  # noqa: E402
 from grammar_contract.spec import GrammarSpec  # noqa: E402
@@ -199,12 +199,6 @@ def run_random(engine: Engine, grammar_ids, batch: int, num_steps: int, seed: in
 
 
 PHASES = ("advance", "fill", "bookkeeping")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --advance variant -> grammar_service --min-parallel-advance-rows (None: the service's default)
@@ -407,22 +401,14 @@ def _ratios(ab: dict, suffix: str) -> str:
     return ", ".join(f"{label} x{ab[f'{key}_{suffix}']:.2f}" for key, label in names)
 
 
-def _version(package: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        return version(package)
-    except PackageNotFoundError:
-        return ""
-
-
 def run_info(args) -> dict:
     """What a result file says about the run besides its figures."""
     num_cpus = len(os.sched_getaffinity(0))
     default_lanes = GrammarServiceConfig().num_llguidance_lanes
     return {
         "benchmark": "grammar_step", "machine": args.machine, "cpu_count": os.cpu_count(), "cpus_available": num_cpus,
-        "platform": platform.platform(), "processor": platform.processor(), "xgrammar": _version("xgrammar"),
-        "llguidance": _version("llguidance"), "command": "python " + " ".join(sys.argv),
+        "platform": platform.platform(), "processor": platform.processor(),
+        **versions(("xgrammar", "llguidance")), "command": command_line(f"python {sys.argv[0]}"),
         "repeats": args.repeats, "advance": args.advance, "lanes": args.lanes, "num_schemas": args.num_schemas,
         "fill_threads": args.fill_threads,
         # 0 = each library's default: xgrammar hardware_concurrency / 2, llguidance's LLExecutor
@@ -433,12 +419,12 @@ def run_info(args) -> dict:
         "lanes_effective": {_lanes(lanes): llguidance_lanes(default_lanes if lanes is None else lanes, args.fill_threads)
                             for lanes in args.lanes},
         "load_average_at_end": os.getloadavg(), "max_positions": MAX_POSITIONS,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        "created": utc_now()}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--machine", default=f"{socket.gethostname()}-{os.cpu_count()}cpu")
+    parser.add_argument("--machine", default=default_machine())
     parser.add_argument("--vocabs", nargs="+", default=list(VOCAB_SIZES), choices=list(VOCAB_SIZES))
     parser.add_argument("--workloads", nargs="+", default=["replay", "replay_drafts3", "random"],
                         choices=["replay", "replay_drafts3", "random"])
@@ -468,11 +454,9 @@ def main(argv: list[str] | None = None) -> int:
     started, load_at_start = time.time(), os.getloadavg()
     results = [row for name in args.vocabs for row in bench_vocab(name, args)]
     summary = summarize(results, args.lanes)
-    out = pathlib.Path(args.out or ROOT / "benchmarks" / "results" / f"grammar_step-{args.machine}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({**run_info(args), "load_average_at_start": load_at_start,
-                               "wall_s": time.time() - started, "summary": summary, "results": results},
-                              indent=1) + "\n")
+    out = write_result(args.out or ROOT / "benchmarks" / "results" / f"grammar_step-{args.machine}.json",
+                       {**run_info(args), "load_average_at_start": load_at_start,
+                        "wall_s": time.time() - started, "summary": summary, "results": results})
     print_summary(summary)
     print(f"wrote {out}")
     return 0

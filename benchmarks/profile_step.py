@@ -44,7 +44,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 # the decode table's floor, computed the same way (benchmarks/, the script's folder)
-from decode import copy_bandwidth_gbs, graph_ms, weight_bytes_read  # noqa: E402
+from benchmarks._gpu_timing import copy_bandwidth_gbs, graph_ms, weight_bytes_read  # noqa: E402
+from benchmarks._harness import log, write_result  # noqa: E402
 
 VOCAB = 131072
 PAGE_SIZE = 16
@@ -105,10 +106,6 @@ GROUPS = (
     ("index_select", ("indexselect",)),  # the torch embedding gather, or the channel's mask gather
     ("gemm", ("gemm", "gemv", "nvjet", "xmma", "cutlass", "cublas", "splitkreduce")),
 )
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def group_of(name: str) -> str:
@@ -411,8 +408,7 @@ def main(argv=None) -> int:
     result["wall_s"] = time.perf_counter() - started
     log(f"done in {result['wall_s']:.0f} s")
     if args.out:
-        pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
+        write_result(args.out, result)
     return 0
 
 

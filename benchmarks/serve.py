@@ -50,10 +50,6 @@ import json
 import os
 import pathlib
 import platform
-import re
-import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -64,6 +60,9 @@ from dataclasses import dataclass
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._harness import (  # noqa: E402
+    ServeProcess, code_commit, command_line, free_port, log, random_model_folder, write_result,
+)
 from benchmarks._serve_load import CANCELLED_AT_END, Record, Workload, make_prompts, run_workload  # noqa: E402
 
 VOCAB = 131072
@@ -79,36 +78,12 @@ SCHEMA = {"type": "object", "properties": {
 PLANS = ("full", "quick", "load", "smoke", "http", "http-smoke", "prefix")
 
 
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-# ---- the model folder and the server -------------------------------------------------------
-def model_folder(shape: str, tokenizer_dir: pathlib.Path, folder: pathlib.Path) -> pathlib.Path:
-    """config.json of the preset with the Tekken vocabulary (and room for 8k prompts), the
-    tokenizer beside it: `--model random:<folder>/config.json`."""
-    from generation_service.model.presets import PRESETS
-    c = PRESETS[shape]
-    config = {"architectures": [c.architecture], "model_type": "llama", "vocab_size": VOCAB,
-              "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
-              "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads,
-              "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim, "hidden_act": "silu",
-              "max_position_embeddings": 16384, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
-              "tie_word_embeddings": c.tie_word_embeddings, "bos_token_id": 1, "eos_token_id": 2,
-              "dtype": "bfloat16"}
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / name, folder / name)
-    return folder
-
-
-class Server:
+# ---- the server ---------------------------------------------------------------------------------
+class Server(ServeProcess):
     """`structgen serve` in its own process; its log in a file."""
 
     def __init__(self, model: str, args, log_path: pathlib.Path, max_batch: int, http: bool = False,
                  extra: tuple[str, ...] = ()) -> None:
-        self.log_path = log_path
         command = [sys.executable, "-c", "import sys; from structgen.cli import main; sys.exit(main())",
                    "serve", "--model", model, "--device", args.device,
                    "--port", "0", "--max-batch", str(max_batch), "--max-waiting", "4096",
@@ -118,24 +93,8 @@ class Server:
         if args.device == "cpu":
             command += ["--dtype", "float32"]
         if http:  # the OpenAI-compatible API beside gRPC, same process and engine
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                command += ["--http-port", str(sock.getsockname()[1])]
-        self.command = command
-        started = time.monotonic()
-        self.process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=open(log_path, "w"),
-                                        text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        self.http_url = None
-        line = self.process.stdout.readline()  # "structgen serve: listening on HOST:PORT ..."
-        if http and (found := re.search(r"HTTP API on (\S+)", line)):
-            self.http_url = found.group(1)
-            line = self.process.stdout.readline()
-        match = re.search(r"listening on ([^ ]+):(\d+)", line)
-        if not match:
-            self.process.kill()
-            raise RuntimeError(f"server did not start: {line!r}\n{log_path.read_text()[-3000:]}")
-        self.address = f"{match.group(1)}:{match.group(2)}"
-        self.startup_s = time.monotonic() - started
+            command += ["--http-port", str(free_port())]
+        super().__init__(command, log_path, env={"PYTHONUNBUFFERED": "1"})
         import grpc
 
         from structgen.v1 import generation_pb2 as pb
@@ -175,16 +134,6 @@ class Server:
                 for _ in self.stub.Generate(request, timeout=600):
                     pass
         return time.monotonic() - started
-
-    def log_lines(self, pattern: str) -> list[str]:
-        return [line.strip() for line in self.log_path.read_text().splitlines() if re.search(pattern, line)]
-
-    def stop(self) -> None:
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
 
 
 # ---- results ------------------------------------------------------------------------------------
@@ -332,7 +281,8 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
         folder = ensure_tiny_random_model()
         model = str(folder)
     else:
-        folder = model_folder(shape, tokenizer_dir, tmp / shape)
+        # the Tekken vocabulary and room for 8k prompts
+        folder = random_model_folder(shape, tokenizer_dir, tmp / shape, VOCAB, max_positions=16384)
         model = f"random:{folder / 'config.json'}"
     config = read_config(folder / "config.json")
     prefix: PrefixPlan | None = p.get("prefix")
@@ -522,11 +472,8 @@ def main() -> int:
     args = parser.parse_args()
     from tests.real_tokenizers import tokenizer_dir
     tok = pathlib.Path(os.environ.get("STRUCTGEN_TEKKEN_DIR") or tokenizer_dir("tekken_131k"))
-    # NOTE: the device tool's copy of the tree may carry a stale .git: pass the commit there
-    commit = os.environ.get("STRUCTGEN_CODE_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    result = {"benchmark": "serve", "command": " ".join([pathlib.Path(sys.argv[0]).name] + sys.argv[1:]),
-              "code_commit": commit, "python": platform.python_version(), "client_procs": args.client_procs,
+    result = {"benchmark": "serve", "command": command_line(pathlib.Path(sys.argv[0]).name),
+              "code_commit": code_commit(), "python": platform.python_version(), "client_procs": args.client_procs,
               "plan": args.plan, "tensor_parallel": args.tensor_parallel, "duration_s": args.duration, "warmup_s": args.warmup, "shapes": []}
     if args.device == "cuda":
         import torch
@@ -537,7 +484,7 @@ def main() -> int:
 
             def save(partial: dict) -> None:
                 result["shapes"] = done + [partial]
-                pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
+                write_result(args.out, result)
             save(run_shape(shape, args, tok, pathlib.Path(tmp), save))
     log("done: " + args.out)
     for shape in result["shapes"]:

@@ -22,13 +22,14 @@ import os
 import pathlib
 import platform
 import statistics
-import subprocess
 import sys
 import threading
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "clients" / "python")]
+
+from benchmarks._harness import ServeProcess, code_commit, command_line, serve_command, write_result  # noqa: E402
 
 MARKER = "structgen-benchmark-slow-fill"
 ORDINARY = {"type": "object", "properties": {
@@ -42,36 +43,22 @@ SLOW = {"type": "object", "description": MARKER,
 STANDBY_READY = "is ready to take over"  # structgen/supervisor.py, once the standby child is up
 
 
-class Server:
-    """`structgen serve` with the slow-fill setting; its log in a file."""
-
-    def __init__(self, args, isolate: bool, log_path: pathlib.Path) -> None:
-        argv = [sys.executable, "-m", "structgen.cli", "serve", "--port", "0", "--device", args.device,
-                "--max-batch", str(args.num_ordinary + 1), "--num-workers", str(args.num_ordinary + 16)]
-        if args.model:
-            argv += ["--model", args.model]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "STRUCTGEN_GRAMMAR_SLOW_FILL_MS": str(args.slow_fill_ms),
-               "STRUCTGEN_GRAMMAR_SLOW_FILL_MARKER": MARKER,
-               "STRUCTGEN_GRAMMAR_ISOLATE_SLOW_ROWS": "true" if isolate else "false"}
-        self.log_path = log_path
-        self.process = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=open(log_path, "w"),
-                                        text=True, env=env)
-        for line in self.process.stdout:
-            if "listening on " in line:
-                self.address = line.split("listening on ", 1)[1].split()[0]
-                break
-        else:
-            raise RuntimeError(f"serve did not start: {log_path.read_text()[-2000:]}")
-        threading.Thread(target=lambda: [None for _ in self.process.stdout], daemon=True).start()
-        # NOTE: the standby grammar child loads its tokenizer after the server is up; on a small
-        # machine that load would be measured as the workload's.
-        deadline = time.monotonic() + 600
-        while STANDBY_READY not in log_path.read_text() and time.monotonic() < deadline:
-            time.sleep(1)
-
-    def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait(120)
+def start_server(args, isolate: bool, log_path: pathlib.Path) -> ServeProcess:
+    """`structgen serve` with the slow-fill setting, once its standby grammar child is up."""
+    flags = ["--port", "0", "--device", args.device,
+             "--max-batch", str(args.num_ordinary + 1), "--num-workers", str(args.num_ordinary + 16)]
+    if args.model:
+        flags += ["--model", args.model]
+    server = ServeProcess(serve_command(*flags), log_path, env={
+        "PYTHONUNBUFFERED": "1", "STRUCTGEN_GRAMMAR_SLOW_FILL_MS": str(args.slow_fill_ms),
+        "STRUCTGEN_GRAMMAR_SLOW_FILL_MARKER": MARKER,
+        "STRUCTGEN_GRAMMAR_ISOLATE_SLOW_ROWS": "true" if isolate else "false"})
+    # NOTE: the standby grammar child loads its tokenizer after the server is up; on a small
+    # machine that load would be measured as the workload's.
+    deadline = time.monotonic() + 600
+    while STANDBY_READY not in log_path.read_text() and time.monotonic() < deadline:
+        time.sleep(1)
+    return server
 
 
 def _stream(client, prompt: str, schema: dict, max_tokens: int, out: dict, first: threading.Event | None = None):
@@ -156,15 +143,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from structgen_client import Client
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
     runs: dict[str, list[dict]] = {"baseline": [], "slow": [], "lockstep": []}
     load_before = os.getloadavg()[0]  # a shared machine's other work is noise in every figure
     log_dir = args.out.parent
     for isolate in (True, False):
         log_path = log_dir / f"{args.out.stem}-{'isolated' if isolate else 'lockstep'}.log"
         print(f"starting structgen serve (isolate_slow_rows={isolate}); log {log_path}", flush=True)
-        server = Server(args, isolate, log_path)
+        server = start_server(args, isolate, log_path)
         try:
             with Client(server.address, timeout=1200) as client:
                 run_workload(client, args, with_slow=False, repeat=-1)  # warm: compiles, first shapes
@@ -175,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"{name} #{repeat}: {json.dumps(result)}", flush=True)
                         runs[name].append(result)
         finally:
-            server.stop()
+            server.stop(timeout_s=120)
             log_path.unlink(missing_ok=True)  # the log is only for a failed start
 
     def p50(name: str) -> float:
@@ -185,14 +170,15 @@ def main(argv: list[str] | None = None) -> int:
                "lockstep_over_baseline_p50": round(p50("lockstep") / p50("baseline"), 3),
                "slow_rows_valid": all(r["slow_row"]["valid"] for r in runs["slow"] + runs["lockstep"])}
     result = {"benchmark": "slow_row", "label": args.label,
-              "command": "python benchmarks/slow_row.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "commit": commit, "machine": {"cpus": len(os.sched_getaffinity(0)), "python": platform.python_version(),
-                                            "device": args.device,
-                                            "load_average_1m": [round(load_before, 1), round(os.getloadavg()[0], 1)]},
+              "command": command_line("python benchmarks/slow_row.py", argv),
+              "commit": code_commit(),
+              "machine": {"cpus": len(os.sched_getaffinity(0)), "python": platform.python_version(),
+                          "device": args.device,
+                          "load_average_1m": [round(load_before, 1), round(os.getloadavg()[0], 1)]},
               "settings": {"num_ordinary": args.num_ordinary, "max_tokens": args.max_tokens,
                            "slow_fill_ms": args.slow_fill_ms, "repeats": args.repeats},
               "summary": summary, "runs": runs}
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args.out, result)
     print(json.dumps(summary, indent=1))
     return 0
 

@@ -18,13 +18,15 @@ import json
 import os
 import pathlib
 import random
-import signal
-import subprocess
 import sys
 import threading
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks._harness import ServeProcess, code_commit, command_line, serve_command, write_result  # noqa: E402
+
 PAGE = os.sysconf("SC_PAGE_SIZE")
 NUM_SCHEMAS = 256         # distinct "new" schemas, beyond...
 MAX_CACHED_GRAMMARS = 64  # ...the grammar child's cache, so memory reaches a steady state
@@ -61,18 +63,12 @@ def _serving_grammar_pid(serve_pid: int) -> int | None:
     return None
 
 
-def _start(model: str | None, log_path: pathlib.Path) -> tuple[subprocess.Popen, str]:
-    argv = [sys.executable, "-m", "structgen.cli", "serve", "--port", "0", "--max-batch", "64"]
+def _start(model: str | None, log_path: pathlib.Path) -> ServeProcess:
+    flags = ["--port", "0", "--max-batch", "64"]
     if model:
-        argv += ["--model", model]
-    env = {**os.environ, "STRUCTGEN_GRAMMAR_MAX_CACHED_GRAMMARS": str(MAX_CACHED_GRAMMARS)}
-    process = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=open(log_path, "w"), text=True,
-                               env=env)
-    for line in process.stdout:
-        if "listening on " in line:
-            threading.Thread(target=lambda: [None for _ in process.stdout], daemon=True).start()
-            return process, line.split("listening on ", 1)[1].split()[0]
-    raise RuntimeError(f"serve did not start: {log_path.read_text()[-2000:]}")
+        flags += ["--model", model]
+    return ServeProcess(serve_command(*flags), log_path,
+                        env={"STRUCTGEN_GRAMMAR_MAX_CACHED_GRAMMARS": str(MAX_CACHED_GRAMMARS)})
 
 
 def _requests(rng: random.Random) -> dict:
@@ -104,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     from structgen_client import Client
 
     log_path = pathlib.Path(f"/tmp/structgen-soak-{os.getpid()}.log")
-    process, address = _start(args.model, log_path)
+    server = _start(args.model, log_path)
+    process, address = server.process, server.address
     print(f"serve pid {process.pid} at {address}; log {log_path}", flush=True)
     stop_at = time.monotonic() + args.minutes * 60
     counts = {"ok": 0, "errors": 0, "tokens": 0}
@@ -144,8 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(sample), flush=True)
     for thread in threads:
         thread.join(180)
-    process.send_signal(signal.SIGTERM)
-    exit_code = process.wait(120)
+    exit_code = server.stop(timeout_s=120)
 
     warm = [s for s in samples if s["t_s"] >= args.warmup_minutes * 60]
     growth = {}
@@ -158,12 +154,10 @@ def main(argv: list[str] | None = None) -> int:
                "rss_growth_after_warmup_pct": growth, "grammar_child_restarted": not same_grammar,
                "serve_exit_code": exit_code, "first_errors": errors[:10]}
     print(json.dumps(summary, indent=1))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    out = ROOT / "benchmarks" / "results" / f"soak-{args.label}.json"
-    out.write_text(json.dumps({"benchmark": "soak", "command": "python -m benchmarks.soak " + " ".join(argv or sys.argv[1:]),
-                               "commit": commit, "cpus": len(os.sched_getaffinity(0)), "streams": args.streams,
-                               "minutes": args.minutes, "warmup_minutes": args.warmup_minutes,
-                               "summary": summary, "samples": samples}, indent=1) + "\n")
+    out = write_result(ROOT / "benchmarks" / "results" / f"soak-{args.label}.json", {
+        "benchmark": "soak", "command": command_line("python -m benchmarks.soak", argv or None),
+        "commit": code_commit(), "cpus": len(os.sched_getaffinity(0)), "streams": args.streams,
+        "minutes": args.minutes, "warmup_minutes": args.warmup_minutes, "summary": summary, "samples": samples})
     print(f"wrote {out}")
     return 0 if passed else 1
 

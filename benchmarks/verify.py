@@ -44,7 +44,6 @@ proposer), `_verify_step.py` (one verify step alone), `_verify_header.py` (what 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import signal
@@ -58,13 +57,14 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._harness import log, utc_now, write_result  # noqa: E402
 from generation_service.engine.engine import Engine, EngineConfig  # noqa: E402
 from generation_service.engine.kv_cache import num_pages_for  # noqa: E402
 from generation_service.engine.params import SamplingParams, SpeculativeParams  # noqa: E402
 from generation_service.engine.speculative import PROPOSERS  # noqa: E402
 
 # benchmarks/, the script's folder: decode.py and this script's helper modules
-from decode import PAGE_SIZE, engine_model_spec, log  # noqa: E402
+from decode import PAGE_SIZE, engine_model_spec  # noqa: E402
 from _verify_runs import OFF, ORACLE, SPECULATIVE, Variant, engine_row, run_batch  # noqa: E402  (one batch run)
 from _verify_step import num, step_costs  # noqa: E402  (one verify step alone)
 from _verify_header import header  # noqa: E402  (what the run was)
@@ -206,9 +206,8 @@ def main() -> int:
     out_path = pathlib.Path(args.out)
 
     def write() -> None:
-        result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        out_path.write_text(json.dumps(result, indent=1))
+        result["finished"] = utc_now()
+        write_result(out_path, result)
 
     def on_sigterm(*_) -> None:  # NOTE: `timeout` ends an overlong run: keep what was measured first
         result["errors"].append("SIGTERM (timeout?) before the end")

@@ -1,0 +1,51 @@
+"""GPU timing primitives of the decode benchmarks (decode.py, profile_step.py): the device copy
+bandwidth, a CUDA graph's median replay time, the weight bytes a decode step reads."""
+from __future__ import annotations
+
+import torch
+
+
+def copy_bandwidth_gbs(nbytes: int = 4 << 30, reps: int = 10) -> float:
+    """Device-to-device copy, bytes read + written per second (median of reps)."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(reps + 2):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    del src, dst
+    return 2 * nbytes / sorted(times[2:])[len(times[2:]) // 2] / 1e9
+
+
+def graph_ms(fn, reps: int = 30) -> float:
+    """Median replay time of fn captured as one CUDA graph."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        fn()
+    times = []
+    for _ in range(reps + 3):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    graph.reset()
+    return sorted(times[3:])[reps // 2]
+
+
+def weight_bytes_read(model) -> int:
+    """Bytes of the weights one decode step reads: every parameter but an untied input embedding."""
+    cfg = model.config
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not cfg.tie_word_embeddings:  # the input embedding is gathered, not read whole
+        total -= model.model.embed_tokens.weight.numel() * model.model.embed_tokens.weight.element_size()
+    return total
