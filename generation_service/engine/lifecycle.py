@@ -184,7 +184,7 @@ class RequestTable:
             if reason is None:
                 self.deferred[request.request_id] = Deferred(request, token, result.logprobs)
                 return [token]
-            delta = output.finish_accepted(token, reason, result.logprobs)
+            delta = output.render(token, result.logprobs, reason)
         else:
             delta = output.process(result.token_ids, result.logprobs)
         self._emit(request, delta, pushed)

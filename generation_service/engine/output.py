@@ -56,14 +56,10 @@ class OutputProcessor:
         self.request.token_ids.append(token)
         return self._token_stop(token)
 
-    def render(self, token: int, logprobs: list[TokenLogprob]) -> Delta:
-        """The delta of a token `accept` took without a stop: its text, and STOP_STRING if a
-        stop string ends in it. Called before the next `accept` (the detokenizer's order)."""
-        text, reason = self._render(token, None)
-        return Delta([token], text, logprobs[:1], reason)
-
-    def finish_accepted(self, token: int, reason: FinishReason, logprobs: list[TokenLogprob]) -> Delta:
-        """The final delta of a token `accept` found a stop for."""
+    def render(self, token: int, logprobs: list[TokenLogprob], reason: FinishReason | None = None) -> Delta:
+        """The delta of a token `accept` took, given the stop it returned: its text, and
+        STOP_STRING if a stop string ends in it. Called before the next `accept` (the
+        detokenizer's order)."""
         text, reason = self._render(token, reason)
         return Delta([token], text, logprobs[:1], reason)
 
