@@ -1,5 +1,5 @@
-"""Cross-cutting concerns of the public gRPC server: request decoding, exception -> status
-mapping, authentication.
+"""Cross-cutting concerns of the public gRPC server (grpc.aio): request decoding, exception ->
+status mapping, authentication.
 
 Request bytes are parsed inside the handler (`DecodeInHandlerInterceptor`), so malformed
 protobuf and invalid UTF-8 are INVALID_ARGUMENT, not grpc's own INTERNAL "Exception
@@ -8,10 +8,15 @@ deserializing request!". Servicer code raises domain exceptions and never calls
 - `EngineError` (and subclasses) -> the status it names (`.status`), with its message;
 - `ValueError` from a domain dataclass's validation -> INVALID_ARGUMENT, message unchanged;
 - anything else -> INTERNAL, logged with its traceback and an error id the client sees.
+
+Every handler the interceptors hand on is a coroutine: unary ones return the response,
+server-streaming ones write each message (`context.write`), so a wrapper costs the stream
+one call, not one generator step per message.
 """
 from __future__ import annotations
 
 import hmac
+import inspect
 import logging
 import uuid
 
@@ -30,106 +35,107 @@ def status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, ""
 
 
-def rewrap_handler(handler, wrap_unary, wrap_stream):
+def as_writer(behavior):
+    """A server-streaming behaviour as a coroutine that writes its messages: an async
+    generator's messages are written here, a coroutine (write API) is returned as it is."""
+    if not inspect.isasyncgenfunction(behavior):
+        return behavior
+
+    async def write_all(request, context):
+        async for response in behavior(request, context):
+            await context.write(response)
+    return write_all
+
+
+def rewrap_handler(handler, wrap_unary, wrap_stream, deserializer=...):
     """The same rpc handler with its unary-unary or unary-stream behaviour wrapped (the two
-    kinds the services here have); None and client-streaming kinds pass through unchanged.
-    The one place the error, tracing and metrics interceptors rebuild a handler."""
+    kinds the services here have; the stream one as a writer coroutine, `as_writer`); None
+    and client-streaming kinds pass through unchanged. `deserializer`: a replacement for
+    the handler's. The one place the interceptors rebuild a handler."""
     if handler is None:
         return None
+    parse = handler.request_deserializer if deserializer is ... else deserializer
     if handler.unary_unary is not None:
         return grpc.unary_unary_rpc_method_handler(
-            wrap_unary(handler.unary_unary), handler.request_deserializer,
-            handler.response_serializer)
+            wrap_unary(handler.unary_unary), parse, handler.response_serializer)
     if handler.unary_stream is not None:
         return grpc.unary_stream_rpc_method_handler(
-            wrap_stream(handler.unary_stream), handler.request_deserializer,
-            handler.response_serializer)
+            wrap_stream(as_writer(handler.unary_stream)), parse, handler.response_serializer)
     return handler
 
 
-def _abort(context: grpc.ServicerContext, method: str, request, error: Exception):
+async def _abort(context: grpc.aio.ServicerContext, method: str, request, error: Exception):
     code, message = status_of(error)
     if code is grpc.StatusCode.INTERNAL and not isinstance(error, EngineError):
         error_id = uuid.uuid4().hex[:12]
         request_id = getattr(request, "request_id", "")
-        log.exception("internal error %s in %s (request id %r)", error_id, method, request_id)
+        log.error("internal error %s in %s (request id %r)", error_id, method, request_id, exc_info=error)
         message = f"internal error {error_id} (request id {request_id!r}); see the server log"
-    context.abort(code, message)
+    await context.abort(code, message)
 
 
-class DecodeInHandlerInterceptor(grpc.ServerInterceptor):
+class DecodeInHandlerInterceptor(grpc.aio.ServerInterceptor):
     """Hands grpc no deserializer, and parses the request bytes in the handler instead: grpc
     answers a request its deserializer refuses with INTERNAL and cannot be told otherwise."""
 
-    def intercept_service(self, continuation, handler_call_details):
-        handler = continuation(handler_call_details)
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
         if handler is None or handler.request_deserializer is None:
             return handler
         parse = handler.request_deserializer
-        if handler.unary_unary is not None:
-            behavior = handler.unary_unary
 
-            def unary(raw, context):
-                return behavior(_parse(parse, raw, context), context)
-            return grpc.unary_unary_rpc_method_handler(unary, None, handler.response_serializer)
-        if handler.unary_stream is not None:
-            stream = handler.unary_stream
+        def wrap_unary(behavior):
+            async def unary(raw, context):
+                return await behavior(await _parse(parse, raw, context), context)
+            return unary
 
-            def streaming(raw, context):
-                yield from stream(_parse(parse, raw, context), context)
-            return grpc.unary_stream_rpc_method_handler(streaming, None, handler.response_serializer)
-        return handler
+        def wrap_stream(behavior):
+            async def streaming(raw, context):
+                await behavior(await _parse(parse, raw, context), context)
+            return streaming
+        return rewrap_handler(handler, wrap_unary, wrap_stream, deserializer=None)
 
 
-def _parse(parse, raw: bytes, context: grpc.ServicerContext):
+async def _parse(parse, raw: bytes, context: grpc.aio.ServicerContext):
     try:
         return parse(raw)
     except Exception as error:  # noqa: BLE001 -- protobuf's DecodeError, or anything a parser raises
         detail = str(error).split(": ", 1)[-1] if str(error) else type(error).__name__
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                      f"the request is not a valid protobuf message of this rpc ({detail}); string fields "
-                      "must be valid UTF-8")
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"the request is not a valid protobuf message of this rpc ({detail}); string fields "
+                            "must be valid UTF-8")
 
 
-class ErrorMappingInterceptor(grpc.ServerInterceptor):
+class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
     """Maps exceptions raised by unary and server-streaming handlers to gRPC statuses."""
 
-    def intercept_service(self, continuation, handler_call_details):
+    async def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
-        return rewrap_handler(continuation(handler_call_details),
-                              lambda behavior: _wrap_unary(behavior, method),
-                              lambda behavior: _wrap_stream(behavior, method))
+        return rewrap_handler(await continuation(handler_call_details),
+                              lambda behavior: _mapped(behavior, method),
+                              lambda behavior: _mapped(behavior, method))
 
 
-def _wrap_unary(behavior, method: str):
-    def wrapped(request, context):
+def _mapped(behavior, method: str):
+    async def wrapped(request, context):
         try:
-            return behavior(request, context)
+            return await behavior(request, context)
+        except grpc.aio.AbortError:
+            raise
         except Exception as error:  # noqa: BLE001 -- this is the mapping point
             if _already_aborted(context):
                 raise
-            _abort(context, method, request, error)
+            await _abort(context, method, request, error)
     return wrapped
 
 
-def _wrap_stream(behavior, method: str):
-    def wrapped(request, context):
-        try:
-            yield from behavior(request, context)
-        except Exception as error:  # noqa: BLE001 -- this is the mapping point
-            if _already_aborted(context):
-                raise
-            _abort(context, method, request, error)
-    return wrapped
-
-
-def _already_aborted(context: grpc.ServicerContext) -> bool:
+def _already_aborted(context: grpc.aio.ServicerContext) -> bool:
     """True when grpc's own abort (health, reflection) is unwinding through us."""
-    code = context.code() if hasattr(context, "code") else None
+    code = context.code()
     return code not in (None, grpc.StatusCode.OK)
 
 
-class BearerTokenInterceptor(grpc.ServerInterceptor):
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """Requires "authorization: Bearer <token>" (scheme in any case) on every rpc but
     grpc.health.v1 (probes)."""
 
@@ -138,12 +144,15 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
     def __init__(self, token: str):
         self._expected = token.encode()
 
-        def deny(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+    @staticmethod
+    async def _deny(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
 
-        self._deny = deny
+    async def _deny_stream(self, request_iterator, context):
+        await self._deny(None, context)
+        yield  # never reached: an async generator, as stream-stream handlers are
 
-    def intercept_service(self, continuation, handler_call_details):
+    async def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
         metadata = dict(handler_call_details.invocation_metadata or ())
         scheme, _, given = str(metadata.get("authorization", "")).strip().partition(" ")
@@ -152,10 +161,10 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
         is_bearer = scheme.lower() == "bearer"
         if method.startswith(self._EXEMPT_PREFIX) or (
                 hmac.compare_digest(given.strip().encode(), self._expected) and is_bearer):
-            return continuation(handler_call_details)
-        handler = continuation(handler_call_details)
+            return await continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
         if handler is not None and handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(self._deny)
         if handler is not None and handler.stream_stream is not None:  # reflection
-            return grpc.stream_stream_rpc_method_handler(lambda it, ctx: self._deny(None, ctx))
+            return grpc.stream_stream_rpc_method_handler(self._deny_stream)
         return grpc.unary_unary_rpc_method_handler(self._deny)

@@ -20,6 +20,7 @@ families is written from `families()` (tools/gen_docs_tables.py).
 """
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from typing import Iterable, Iterator
@@ -132,41 +133,14 @@ class GenerationMetrics:
 
     def observe(self, events: Iterable, request) -> Iterator:
         """Pass the events of one Generate through, recording what the client experiences."""
-        model = self.model_name
-        constrained = "true" if request.grammar is not None else "false"
-        kind = request.grammar.kind if request.grammar is not None else ""
-        self.prompt_tokens.labels(model).inc(len(request.prompt_ids))
-        received_s = last_token_s = time.monotonic()
-        num_tokens = 0
+        observer = self.observer(request)
         for event in events:
-            now = time.monotonic()
-            if event.guarantee is not None:
-                hit = event.guarantee.cache_hit
-                self.grammar_compiles.labels(model, kind, "hit" if hit else "miss").inc()
-                if not hit:
-                    self.grammar_compile_time.labels(model, kind).observe(event.guarantee.compile_ms / 1e3)
-            if event.token_ids:
-                n = len(event.token_ids)
-                if num_tokens == 0:
-                    self.time_to_first_token.labels(model, constrained).observe(now - received_s)
-                    n_gaps = n - 1  # the first token's wait is TTFT, not an inter-token gap
-                else:
-                    n_gaps = n
-                if n_gaps:
-                    gap = (now - last_token_s) / n
-                    histogram = self.inter_token_latency.labels(model, constrained)
-                    for _ in range(n_gaps):  # speculative steps deliver several tokens at once
-                        histogram.observe(gap)
-                num_tokens += n
-                last_token_s = now
-                self.generated_tokens.labels(model, constrained).inc(n)
-            if event.finish_reason is not None:
-                self.finished_requests.labels(model, event.finish_reason.value).inc()
-                self.request_duration.labels(model, constrained).observe(now - received_s)
-                self.request_prompt_tokens.labels(model).observe(len(request.prompt_ids))
-                self.request_generation_tokens.labels(model, constrained).observe(num_tokens)
-                tracing.annotate_final(event)
+            observer.event(event)
             yield event
+
+    def observer(self, request) -> "RequestObserver":
+        """What `observe` records, one event at a time (`RequestObserver.event`)."""
+        return RequestObserver(self, request)
 
     def interceptor(self) -> grpc.ServerInterceptor:
         return StatusInterceptor(self)
@@ -177,48 +151,84 @@ class GenerationMetrics:
         return describe_metrics(edge) + stats_family_docs()
 
 
-class StatusInterceptor(grpc.ServerInterceptor):
+class RequestObserver:
+    """The client-side figures of one request: made when it is received, then `event` for
+    each event it is sent, in order."""
+
+    def __init__(self, metrics: GenerationMetrics, request) -> None:
+        self._metrics = metrics
+        self._request = request
+        self._model = metrics.model_name
+        self._constrained = "true" if request.grammar is not None else "false"
+        self._kind = request.grammar.kind if request.grammar is not None else ""
+        metrics.prompt_tokens.labels(self._model).inc(len(request.prompt_ids))
+        # the per-token families' children, looked up once (a labels() call takes a lock)
+        self._inter_token = metrics.inter_token_latency.labels(self._model, self._constrained)
+        self._generated = metrics.generated_tokens.labels(self._model, self._constrained)
+        self._received_s = self._last_token_s = time.monotonic()
+        self._num_tokens = 0
+
+    def event(self, event) -> None:
+        metrics, model, constrained = self._metrics, self._model, self._constrained
+        now = time.monotonic()
+        if event.guarantee is not None:
+            hit = event.guarantee.cache_hit
+            metrics.grammar_compiles.labels(model, self._kind, "hit" if hit else "miss").inc()
+            if not hit:
+                metrics.grammar_compile_time.labels(model, self._kind).observe(event.guarantee.compile_ms / 1e3)
+        if event.token_ids:
+            n = len(event.token_ids)
+            if self._num_tokens == 0:
+                metrics.time_to_first_token.labels(model, constrained).observe(now - self._received_s)
+                n_gaps = n - 1  # the first token's wait is TTFT, not an inter-token gap
+            else:
+                n_gaps = n
+            if n_gaps:
+                gap = (now - self._last_token_s) / n
+                for _ in range(n_gaps):  # speculative steps deliver several tokens at once
+                    self._inter_token.observe(gap)
+            self._num_tokens += n
+            self._last_token_s = now
+            self._generated.inc(n)
+        if event.finish_reason is not None:
+            metrics.finished_requests.labels(model, event.finish_reason.value).inc()
+            metrics.request_duration.labels(model, constrained).observe(now - self._received_s)
+            metrics.request_prompt_tokens.labels(model).observe(len(self._request.prompt_ids))
+            metrics.request_generation_tokens.labels(model, constrained).observe(self._num_tokens)
+            tracing.annotate_final(event)
+
+
+class StatusInterceptor(grpc.aio.ServerInterceptor):
     """Counts each rpc once it ends, by method and status code (OK included)."""
 
     def __init__(self, metrics: GenerationMetrics):
         self._metrics = metrics
 
-    def intercept_service(self, continuation, handler_call_details):
+    async def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
-        return rewrap_handler(continuation(handler_call_details),
-                              lambda behavior: self._unary(behavior, method),
-                              lambda behavior: self._stream(behavior, method))
+        counted = lambda behavior: self._counted(behavior, method)  # noqa: E731
+        return rewrap_handler(await continuation(handler_call_details), counted, counted)
 
-    def _count(self, method: str, context, failed: bool) -> None:
-        code = context.code() if hasattr(context, "code") else None
+    def _count(self, method: str, context, failed: bool, cancelled: bool) -> None:
+        code = context.code()
         if code is None:
-            code = (grpc.StatusCode.UNKNOWN if failed
-                    else grpc.StatusCode.OK if context.is_active() else grpc.StatusCode.CANCELLED)
+            code = (grpc.StatusCode.CANCELLED if cancelled
+                    else grpc.StatusCode.UNKNOWN if failed else grpc.StatusCode.OK)
         self._metrics.rpcs.labels(self._metrics.model_name, method, code.name).inc()
 
-    def _unary(self, behavior, method):
-        def wrapped(request, context):
-            failed = True
+    def _counted(self, behavior, method):
+        async def wrapped(request, context):
+            failed = cancelled = False
             try:
-                response = behavior(request, context)
-                failed = False
-                return response
-            finally:
-                self._count(method, context, failed)
-        return wrapped
-
-    def _stream(self, behavior, method):
-        def wrapped(request, context):
-            failed = False
-            try:
-                yield from behavior(request, context)
-            except GeneratorExit:
+                return await behavior(request, context)
+            except asyncio.CancelledError:  # the client left (or the server stopped the rpc)
+                cancelled = True
                 raise
             except BaseException:
                 failed = True
                 raise
             finally:
-                self._count(method, context, failed)
+                self._count(method, context, failed, cancelled)
         return wrapped
 
 

@@ -1,11 +1,19 @@
 """The public gRPC server: converts proto <-> domain and calls one engine method per rpc.
 
-No torch here: the engine is handed in. Errors are raised as domain exceptions and mapped
-to statuses by `interceptors.ErrorMappingInterceptor`. Health (grpc.health.v1, overall and
-per service) and server reflection (v1 and v1alpha) are registered beside GenerationService.
+No torch here: the engine is handed in. The server is grpc.aio on an event loop of its own
+thread (`AioLoop`): every stream is a task on that one thread, awaiting its engine
+`RequestStream` (`abatches`), so a streamed token costs no thread switch, and the engine
+loop shares the GIL with two threads (this loop, gRPC's poller) whatever the number of
+streams. Work that may take milliseconds (tokenizing a prompt, rendering a chat) runs on a
+pool of `ServeConfig.num_workers` threads, off the loop. Errors are raised as domain
+exceptions and mapped to statuses by `interceptors.ErrorMappingInterceptor`. Health
+(grpc.health.v1, overall and per service) and server reflection (v1 and v1alpha) are
+registered beside GenerationService.
 """
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 import threading
 import time
@@ -38,25 +46,27 @@ _NO_DEADLINE_S = 1e7  # grpc reports a far-future deadline when the client set n
 
 
 class GenerationServicer(pb_grpc.GenerationServiceServicer):
-    def __init__(self, engine, config: ServeConfig):
+    def __init__(self, engine, config: ServeConfig, blocking: futures.Executor):
         self._engine = engine
         self._config = config
+        self._blocking = blocking  # for work that would hold the loop (tokenizing, chat templates)
         self.is_draining = False
-        self._lock = threading.Lock()
-        self.num_open_streams = 0
+        self.num_open_streams = 0  # changed on the loop's thread only
 
-    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         if self.is_draining:  # health says NOT_SERVING; a client that still calls is told so
             raise ShuttingDownError("the server is draining (shutting down); send the request to another replica")
-        with self._lock:
-            self.num_open_streams += 1
+        self.num_open_streams += 1
         try:
-            yield from self._generate(request, context)
+            await self._generate(request, context)
         finally:
-            with self._lock:
-                self.num_open_streams -= 1
+            self.num_open_streams -= 1
 
-    def _generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
+    async def _off_loop(self, function, *args):
+        """`function(*args)` on the blocking pool; token ids need no such trip."""
+        return await asyncio.get_running_loop().run_in_executor(self._blocking, functools.partial(function, *args))
+
+    async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         if not request.request_id:  # assigned here so error logs and the client see the same id
             request.request_id = uuid.uuid4().hex[:16]
         limit = self._engine.config.max_new_tokens_limit
@@ -68,67 +78,62 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             raise LimitExceededError(f"speculative.num_draft_tokens {request.speculative.num_draft_tokens} exceeds "
                                      f"the server's max_draft_tokens {max_drafts}")
         remaining = context.time_remaining()
-        domain, turn = proto_convert.convert_generate(
-            request, self._engine.tokenizer, self._config,
-            None if remaining is None or remaining > _NO_DEADLINE_S else remaining)
+        args = (request, self._engine.tokenizer, self._config,
+                None if remaining is None or remaining > _NO_DEADLINE_S else remaining)
+        if request.WhichOneof("input") == "token_ids":
+            domain, turn = proto_convert.convert_generate(*args)
+        else:
+            domain, turn = await self._off_loop(proto_convert.convert_generate, *args)
         operation = "chat" if request.WhichOneof("input") == "chat" else "text_completion"
         # the rpc span becomes "{operation} {model}"; compile and engine spans join its trace
         domain = tracing.start_request(domain, operation, self._engine.model_name)
         try:
-            if turn is None:
-                yield from self._stream(domain, context)
-            else:
-                yield from self._stream_turn(domain, turn, context)
+            await self._stream(domain, turn, context)
         finally:
             tracing.end_request(domain.request_id)
 
-    def _events(self, domain, context: grpc.ServicerContext):
-        """The request's events until its final one; failures raised as their statuses."""
-        stream = self._engine.submit(domain)
-        # Client disconnect, deadline or normal end: the callback runs once the rpc is over;
-        # cancelling a finished stream is a no-op, so freeing resources never waits on us.
-        if not context.add_callback(stream.cancel):
-            stream.cancel()
-        # Events queued while this thread waited go out as one message (stream.coalesce).
-        for event in metrics.get().observe(stream.coalesced(), domain):
-            if event.error is not None:
-                raise event.error
-            if event.finish_reason is FinishReason.DEADLINE:
-                raise DeadlineExceededError(f"request {domain.request_id}: deadline exceeded")
-            if event.finish_reason is FinishReason.CANCELLED:
-                return  # the client is gone; nobody reads a status
-            if event.finish_reason is FinishReason.ERROR:
-                raise EngineError(f"request {domain.request_id} failed")
-            yield event
-
-    def _stream(self, domain, context: grpc.ServicerContext):
+    async def _stream(self, domain, turn, context: grpc.aio.ServicerContext) -> None:
+        """Write the request's events until its final one; failures raised as their statuses.
+        A turn (reasoning, tools): the parser splits each message's text into reasoning,
+        content and calls, and the final validation covers the content alone."""
         schema = domain.grammar.text if domain.grammar is not None and domain.grammar.kind == "json_schema" else None
+        parser = turn.parser() if turn is not None else None
         texts: list[str] = []
-        for event in self._events(domain, context):
-            validation = None
-            if schema is not None:
-                texts.append(event.text)
-                if event.is_final:  # the whole output against the full schema (docs/guarantees.md)
-                    validation = validate_output(schema, "".join(texts))
-            yield proto_convert.event_to_proto(event, domain, validation)
+        stream = self._engine.submit(domain)
+        observer = metrics.get().observer(domain)
+        try:
+            # Events queued while this task waited go out as one message (stream.coalesce).
+            async for event in stream.acoalesced():
+                observer.event(event)
+                if event.error is not None:
+                    raise event.error
+                if event.finish_reason is FinishReason.DEADLINE:
+                    raise DeadlineExceededError(f"request {domain.request_id}: deadline exceeded")
+                if event.finish_reason is FinishReason.CANCELLED:
+                    return  # the client is gone; nobody reads a status
+                if event.finish_reason is FinishReason.ERROR:
+                    raise EngineError(f"request {domain.request_id} failed")
+                piece = parser.feed(event.text, final=event.is_final) if parser is not None else None
+                validation = None
+                if schema is not None:
+                    texts.append(event.text if piece is None else piece.content)
+                    if event.is_final:  # the whole output against the full schema (docs/guarantees.md)
+                        validation = validate_output(schema, "".join(texts))
+                response = proto_convert.event_to_proto(event, domain, validation)
+                if piece is not None:
+                    proto_turn.add_piece(response, piece, turn, proto_convert.validation_to_proto)
+                await context.write(response)
+        finally:
+            # Client disconnect (the task is cancelled), deadline or a failed write: free what the
+            # request holds. A finished request has nothing left to free.
+            if not stream.is_finished:
+                stream.cancel()
 
-    def _stream_turn(self, domain, turn, context: grpc.ServicerContext):
-        """A turn with a reasoning span or tools: the parser splits each message's text into
-        reasoning, content and calls; the final validation covers the content alone."""
-        schema = domain.grammar.text if domain.grammar is not None and domain.grammar.kind == "json_schema" else None
-        parser, contents = turn.parser(), []
-        for event in self._events(domain, context):
-            piece = parser.feed(event.text, final=event.is_final)
-            contents.append(piece.content)
-            validation = validate_output(schema, "".join(contents)) if schema is not None and event.is_final else None
-            response = proto_convert.event_to_proto(event, domain, validation)
-            proto_turn.add_piece(response, piece, turn, proto_convert.validation_to_proto)
-            yield response
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext):
+        ids = await self._off_loop(proto_convert.prompt_ids, request, self._engine.tokenizer)
+        return pb.TokenizeResponse(token_ids=ids)
 
-    def Tokenize(self, request: pb.TokenizeRequest, context: grpc.ServicerContext):
-        return pb.TokenizeResponse(token_ids=proto_convert.prompt_ids(request, self._engine.tokenizer))
-
-    def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.ServicerContext):
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext):
         engine, config = self._engine, self._config
         engine_config = engine.config
         return pb.GetModelInfoResponse(
@@ -143,7 +148,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             max_prefill_tokens=engine_config.max_prefill_tokens, prefix_caching=engine_config.prefix_caching,
             **proto_turn.model_info(engine.tokenizer))
 
-    def GetEngineStats(self, request: pb.GetEngineStatsRequest, context: grpc.ServicerContext):
+    async def GetEngineStats(self, request: pb.GetEngineStatsRequest, context: grpc.aio.ServicerContext):
         stats = self._engine.stats()
         return pb.GetEngineStatsResponse(
             num_waiting=stats.num_waiting, num_running=stats.num_running,
@@ -161,19 +166,47 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             num_prefix_cache_evictions=stats.prefix_cache_evictions)
 
 
+class AioLoop:
+    """An asyncio loop running on a thread of its own, for the servers; `call` runs a
+    coroutine there from any other thread and returns its result."""
+
+    def __init__(self, name: str = "grpc-aio") -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def call(self, coroutine, timeout_s: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout_s)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
 @dataclass
 class RunningServer:
-    server: grpc.Server
-    health: health.HealthServicer
+    aio: AioLoop
+    server: grpc.aio.Server
+    health: health.aio.HealthServicer
     port: int
     servicer: GenerationServicer
-    health_server: grpc.Server | None = None
+    blocking: futures.ThreadPoolExecutor
+    health_server: grpc.aio.Server | None = None
 
     def set_serving(self, is_serving: bool) -> None:
         status = (health_pb2.HealthCheckResponse.SERVING if is_serving
                   else health_pb2.HealthCheckResponse.NOT_SERVING)
-        for service in ("", SERVICE_NAME):
-            self.health.set(service, status)
+
+        async def set_all() -> None:
+            for service in ("", SERVICE_NAME):
+                await self.health.set(service, status)
+        self.aio.call(set_all())
 
     def stop(self, grace_s: float) -> None:
         """Drain, then close. For the whole drain the port stays open and health answers
@@ -185,9 +218,11 @@ class RunningServer:
         self.servicer.is_draining = True
         while self.servicer.num_open_streams and time.monotonic() < deadline:
             time.sleep(0.02)
-        self.server.stop(max(0.0, deadline - time.monotonic())).wait()
+        self.aio.call(self.server.stop(max(0.0, deadline - time.monotonic())))
         if self.health_server is not None:
-            self.health_server.stop(0)
+            self.aio.call(self.health_server.stop(0))
+        self.aio.close()
+        self.blocking.shutdown(wait=False, cancel_futures=True)
 
 
 def _credentials(config: ServeConfig) -> grpc.ServerCredentials:
@@ -199,10 +234,10 @@ def _credentials(config: ServeConfig) -> grpc.ServerCredentials:
                                        root_certificates=ca, require_client_auth=ca is not None)
 
 
-def _interceptors(config: ServeConfig) -> list[grpc.ServerInterceptor]:
+def _interceptors(config: ServeConfig) -> list[grpc.aio.ServerInterceptor]:
     # Outermost first: the server span and the status count see undecodable requests and auth
     # refusals too.
-    interceptors: list[grpc.ServerInterceptor] = [metrics.get().interceptor()]
+    interceptors: list[grpc.aio.ServerInterceptor] = [metrics.get().interceptor()]
     if telemetry.is_enabled():
         interceptors.insert(0, tracing.TracingInterceptor())
     interceptors.append(DecodeInHandlerInterceptor())
@@ -212,12 +247,11 @@ def _interceptors(config: ServeConfig) -> list[grpc.ServerInterceptor]:
     return interceptors + [ErrorMappingInterceptor()]
 
 
-def _start_health_server(config: ServeConfig, health_servicer) -> grpc.Server:
+def _start_health_server(config: ServeConfig, health_servicer) -> grpc.aio.Server:
     """Plaintext, health only: kubelet gRPC probes speak neither TLS nor bearer tokens."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="health"))
+    server = grpc.aio.server()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     server.add_insecure_port(f"{config.bind_address.rsplit(':', 1)[0]}:{config.health_port}")
-    server.start()
     return server
 
 
@@ -242,17 +276,25 @@ def server_options(config: ServeConfig) -> list[tuple[str, int]]:
 
 def start_server(engine, config: ServeConfig) -> RunningServer:
     """Bind, register services, start; SERVING once this returns. Port 0 picks a free one."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.num_workers,
-                                                    thread_name_prefix="rpc"),
-                         interceptors=_interceptors(config), options=server_options(config),
-                         maximum_concurrent_rpcs=config.max_concurrent_rpcs)
-    servicer = GenerationServicer(engine, config)
+    aio = AioLoop()
+    try:
+        return aio.call(_start(aio, engine, config))
+    except BaseException:
+        aio.close()
+        raise
+
+
+async def _start(aio: AioLoop, engine, config: ServeConfig) -> RunningServer:
+    server = grpc.aio.server(interceptors=_interceptors(config), options=server_options(config),
+                             maximum_concurrent_rpcs=config.max_concurrent_rpcs)
+    blocking = futures.ThreadPoolExecutor(max_workers=config.num_workers, thread_name_prefix="rpc")
+    servicer = GenerationServicer(engine, config, blocking)
     pb_grpc.add_GenerationServiceServicer_to_server(servicer, server)
     metrics.get().watch(engine, structgen.__version__)  # engine gauges at scrape time
     engine.table.finish_listeners.append(tracing.RequestSpans())
-    health_servicer = health.HealthServicer()
-    for service in ("", SERVICE_NAME):  # grpc's servicer starts at SERVING for "": not before we are
-        health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+    health_servicer = health.aio.HealthServicer()
+    for service in ("", SERVICE_NAME):  # not SERVING before we are
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     enable_reflection((SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), server)
     if config.uses_tls:
@@ -261,8 +303,11 @@ def start_server(engine, config: ServeConfig) -> RunningServer:
         port = server.add_insecure_port(config.bind_address)
     if port == 0:
         raise OSError(f"cannot listen on {config.bind_address}")
-    server.start()
+    await server.start()
     health_server = _start_health_server(config, health_servicer) if config.health_port else None
-    running = RunningServer(server, health_servicer, port, servicer, health_server)
-    running.set_serving(True)
+    if health_server is not None:
+        await health_server.start()
+    running = RunningServer(aio, server, health_servicer, port, servicer, blocking, health_server)
+    for service in ("", SERVICE_NAME):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     return running

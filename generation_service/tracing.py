@@ -18,6 +18,7 @@ the servicer registered (`start_request`). Everything here is a no-op while
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import threading
@@ -35,23 +36,24 @@ log = logging.getLogger(__name__)
 _UNTRACED_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")  # probes would flood the traces
 
 
-class TracingInterceptor(grpc.ServerInterceptor):
+class TracingInterceptor(grpc.aio.ServerInterceptor):
     """Outermost interceptor: the server span is current while the handler (and the auth and
-    error-mapping interceptors inside it) run, so their log lines carry its trace id."""
+    error-mapping interceptors inside it) run, so their log lines carry its trace id. Each rpc
+    runs in a task of its own, so the span is current in that task alone."""
 
     def __init__(self) -> None:
         self._tracer = telemetry.tracer("structgen.server")
 
-    def intercept_service(self, continuation, handler_call_details):
-        handler = continuation(handler_call_details)
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
         method = handler_call_details.method
         if handler is None or method.startswith(_UNTRACED_PREFIXES):
             return handler
         carrier = {k: v for k, v in handler_call_details.invocation_metadata or ()
                    if k in ("traceparent", "tracestate")}
         start = self._start_span_factory(method, carrier)
-        return rewrap_handler(handler, lambda behavior: _traced_unary(behavior, start),
-                              lambda behavior: _traced_stream(behavior, start))
+        traced = lambda behavior: _traced(behavior, start)  # noqa: E731
+        return rewrap_handler(handler, traced, traced)
 
     def _start_span_factory(self, method: str, carrier: dict[str, str]):
         service, _, name = method.lstrip("/").partition("/")
@@ -63,12 +65,12 @@ class TracingInterceptor(grpc.ServerInterceptor):
         return start
 
 
-def _end(span: trace.Span, context: grpc.ServicerContext, error: BaseException | None) -> None:
-    code = context.code() if hasattr(context, "code") else None
-    if code is None and error is not None:
-        code = grpc.StatusCode.UNKNOWN
-    if code is None and not context.is_active():
+def _end(span: trace.Span, context: grpc.aio.ServicerContext, error: BaseException | None) -> None:
+    code = context.code()
+    if code is None and isinstance(error, asyncio.CancelledError):
         code = grpc.StatusCode.CANCELLED  # the client left before the stream ended
+    elif code is None and error is not None:
+        code = grpc.StatusCode.UNKNOWN
     code = code or grpc.StatusCode.OK
     span.set_attribute("rpc.grpc.status_code", code.value[0])
     if code is not grpc.StatusCode.OK:
@@ -76,46 +78,18 @@ def _end(span: trace.Span, context: grpc.ServicerContext, error: BaseException |
     span.end()
 
 
-def _traced_unary(behavior, start):
-    def wrapped(request, context):
+def _traced(behavior, start):
+    async def wrapped(request, context):
         span = start()
         token = otel_context.attach(trace.set_span_in_context(span))
         error = None
         try:
-            return behavior(request, context)
+            return await behavior(request, context)
         except BaseException as exc:
             error = exc
             raise
         finally:
             otel_context.detach(token)
-            _end(span, context, error)
-    return wrapped
-
-
-def _traced_stream(behavior, start):
-    def wrapped(request, context):
-        span = start()
-        ctx = trace.set_span_in_context(span)
-        error = None
-        try:
-            responses = iter(behavior(request, context))
-            while True:
-                # NOTE: the span is current around each step of the handler, never across a
-                # yield: grpc may close this generator from another thread.
-                token = otel_context.attach(ctx)
-                try:
-                    response = next(responses)
-                except StopIteration:
-                    return
-                finally:
-                    otel_context.detach(token)
-                yield response
-        except GeneratorExit:
-            raise
-        except BaseException as exc:
-            error = exc
-            raise
-        finally:
             _end(span, context, error)
     return wrapped
 

@@ -41,11 +41,13 @@ def _register_v1_descriptor() -> None:
     pool.AddSerializedFile(proto.SerializeToString())
 
 
-def enable_reflection(service_names: Iterable[str], server: grpc.Server) -> None:
-    """Serve reflection of `service_names` (and of both reflection services) on `server`."""
+def enable_reflection(service_names: Iterable[str], server: grpc.Server | grpc.aio.Server) -> None:
+    """Serve reflection of `service_names` (and of both reflection services) on `server`
+    (a thread-pool or an asyncio server)."""
     _register_v1_descriptor()
     names = (*service_names, V1_SERVICE, V1ALPHA_SERVICE)
-    servicer = reflection.ReflectionServicer(names)
+    is_aio = isinstance(server, grpc.aio.Server)
+    servicer = (reflection.aio.ReflectionServicer if is_aio else reflection.ReflectionServicer)(names)
     reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(V1_SERVICE, {
         "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(

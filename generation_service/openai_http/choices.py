@@ -1,17 +1,16 @@
 """The engine side of one HTTP request: its choices' RequestStreams as one asyncio stream.
 
-`Engine.submit` returns a blocking `RequestStream` (the gRPC servicer iterates it on its rpc
-thread). Here each choice gets a pump thread that iterates it the same way, through the
-same metrics observer and the same final JSON-Schema validation, and hands each event to
-the event loop (`call_soon_threadsafe`, one wake-up per coalesced event). The thread ends
+Each choice gets a task on the front's event loop that awaits its `RequestStream`
+(`acoalesced`: no thread per choice) through the same metrics observer and the same final
+JSON-Schema validation as the gRPC servicer, and puts each event on one queue. The task ends
 with the request's final event, which the engine always sends: on finish, on `cancel`
 (client disconnect) and on engine shutdown.
 """
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
-import threading
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -35,11 +34,10 @@ class ChoiceEvent:
 
 class ChoiceStreams:
     """Submits one engine request per choice; `events()` yields theirs in arrival order.
-    With a turn (reasoning, tools) each pump thread parses its choice's text as it goes, and
-    the final validation covers the content alone."""
+    With a turn (reasoning, tools) each choice's task parses its text as it goes, and the
+    final validation covers the content alone. Made on the event loop that reads it."""
 
     def __init__(self, engine, specs: list[GenerationRequest], turn: AssistantTurn | None = None) -> None:
-        self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[ChoiceEvent] = asyncio.Queue()
         self._streams = []
         self.specs = specs
@@ -51,27 +49,30 @@ class ChoiceStreams:
             self.cancel()
             raise
         self._num_open = len(specs)
-        for index, (spec, stream) in enumerate(zip(specs, self._streams)):
-            threading.Thread(target=self._pump, args=(index, spec, stream), daemon=True,
-                             name=f"http-{spec.request_id}").start()
+        # NOTE: the tasks start from an empty context, not the request's: the HTTP span gets the
+        # answer's usage and finish reasons once, from the exchange (observability.py).
+        self._pumps = [contextvars.Context().run(asyncio.ensure_future, self._pump(index, spec, stream))
+                       for index, (spec, stream) in enumerate(zip(specs, self._streams))]
 
-    def _pump(self, index: int, spec: GenerationRequest, stream) -> None:
+    async def _pump(self, index: int, spec: GenerationRequest, stream) -> None:
         schema = spec.grammar.text if spec.grammar is not None and spec.grammar.kind == "json_schema" else None
         parser = self._turn.parser() if self._turn is not None else None
+        observer = metrics.get().observer(spec)
         texts: list[str] = []
-        for event in metrics.get().observe(stream.coalesced(), spec):
-            validation, piece = None, None
-            if parser is not None:
-                piece = parser.feed(event.text, final=event.is_final)
-            if schema is not None:
-                texts.append(event.text if piece is None else piece.content)
-                if event.is_final:  # the whole output against the full schema, as on gRPC
-                    validation = validate_output(schema, "".join(texts))
-            try:
-                self._loop.call_soon_threadsafe(self._queue.put_nowait, ChoiceEvent(index, event, validation, piece))
-            except RuntimeError:  # the event loop is closed (server stopped): nobody reads
+        try:
+            async for event in stream.acoalesced():
+                observer.event(event)
+                validation, piece = None, None
+                if parser is not None:
+                    piece = parser.feed(event.text, final=event.is_final)
+                if schema is not None:
+                    texts.append(event.text if piece is None else piece.content)
+                    if event.is_final:  # the whole output against the full schema, as on gRPC
+                        validation = validate_output(schema, "".join(texts))
+                self._queue.put_nowait(ChoiceEvent(index, event, validation, piece))
+        finally:
+            if not stream.is_finished:  # the task was cancelled (server stopped): free the request
                 stream.cancel()
-                return
 
     async def events(self) -> AsyncIterator[ChoiceEvent]:
         """Every choice's events until each has sent its final one."""

@@ -1,7 +1,7 @@
 """ChoiceOutput: what one choice has produced so far, fed event by event.
 
 Each engine event becomes a `Piece` (the content text, reasoning text, completed tool calls and
-logprobs it adds; with a turn the pump thread split them, choices.py), which a stream sends
+logprobs it adds; with a turn the choice task split them, choices.py), which a stream sends
 as one chunk; the whole response is the sum of the pieces.
 The engine's finish reasons map onto OpenAI's: max tokens is "length", a tool call that
 ended the output is "tool_calls", every other end is "stop" (the engine's own reason stays
@@ -67,7 +67,7 @@ class ChoiceOutput:
         if event.finish_reason is FinishReason.ERROR:
             raise EngineError(f"request {self.spec.request_id} failed")
         piece = Piece(text=event.text, logprobs=event.logprobs, guarantee=event.guarantee, is_final=event.is_final)
-        if item.piece is not None:  # split by the turn's parser in the pump thread (choices.py)
+        if item.piece is not None:  # split by the turn's parser in the choice task (choices.py)
             piece.text, piece.reasoning, piece.tool_calls = item.piece.content, item.piece.reasoning, item.piece.calls
         if self._returns_token_ids:
             piece.token_ids = event.token_ids
