@@ -38,6 +38,9 @@ SERVE_SETTINGS = SettingsTable("structgen serve", (
                 minimum=1, deprecated_env=("STRUCTGEN_MAX_NEW_TOKENS",)),
         Setting("prefill-chunk-tokens", "prefill tokens per step while decoding requests share it "
                 "(default: measured at start on a GPU, 512 on CPU)", minimum=1),
+        Setting("max-prefill-chunk-tokens", "the most prefill tokens of a step that decoding requests share "
+                "while prompts queue (it takes half the queued prompt tokens, at least --prefill-chunk-tokens) "
+                "(default: 4x --prefill-chunk-tokens, within --max-prefill-tokens)", minimum=1),
         Setting("max-prefill-tokens", "prefill tokens of a step no decoding request shares "
                 "(default: 8192 on a GPU, --prefill-chunk-tokens on CPU)", minimum=1),
         Setting("page-size", "tokens per KV-cache page", minimum=1),
@@ -71,7 +74,8 @@ SERVE_SETTINGS = SettingsTable("structgen serve", (
         Setting("default-temperature", "temperature of requests that leave it unset (0 = greedy)", minimum=0),
         Setting("default-top-p", "top_p of requests that leave it unset", greater_than=0, maximum=1),
         Setting("default-top-k", "top_k of requests that leave it unset (0 = off)", minimum=0),
-        Setting("num-workers", "server threads = most concurrent streams", minimum=1),
+        Setting("num-workers", "threads that tokenize prompts and render chats for the rpcs (streams "
+                "themselves hold no thread)", minimum=1),
         Setting("max-concurrent-rpcs", "open RPCs beyond which gRPC answers RESOURCE_EXHAUSTED", minimum=1),
         Setting("keepalive-time-s", "seconds between server pings of a connection, which find dead "
                 "clients (0 = gRPC's default, 2 h)",

@@ -21,6 +21,10 @@ class EngineConfig:
     # for the whole step). None: measured at start on a GPU (the prefill whose compute costs about
     # one decode step of the largest batch, `CudaGraphRunner.measure_prefill_chunk`), 512 on the CPU.
     prefill_chunk_tokens: int | None = None
+    # The most prefill tokens of a step that decode rows share while prompts queue: such a step
+    # takes half the prompt tokens waiting, at least prefill_chunk_tokens. None: 4x
+    # prefill_chunk_tokens, within max_prefill_tokens (docs/serving.md "The prefill budget").
+    max_prefill_chunk_tokens: int | None = None
     # Prefill tokens of a step that no decode row shares (an idle server's long prompt). None: 8192
     # on a GPU, prefill_chunk_tokens on the CPU (whose reference attention holds n x L fp32 scores).
     max_prefill_tokens: int | None = None
@@ -43,7 +47,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_waiting", "page_size", "max_prompt_tokens",
-                     "max_new_tokens_limit", "prefill_chunk_tokens", "max_prefill_tokens"):
+                     "max_new_tokens_limit", "prefill_chunk_tokens", "max_prefill_chunk_tokens",
+                     "max_prefill_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if (self.prefill_chunk_tokens is not None and self.max_prefill_tokens is not None

@@ -60,6 +60,7 @@ log = logging.getLogger(__name__)
 CPU_KV_BUDGET_BYTES = 256 << 20
 CPU_PREFILL_CHUNK_TOKENS = 512   # the CPU's reference attention holds chunk x context fp32 scores
 GPU_MAX_PREFILL_TOKENS = 8192    # a step no decode row shares: an idle server's long prompt in few steps
+QUEUED_CHUNK_FACTOR = 4          # max_prefill_chunk_tokens unset: this many chunks while prompts queue
 
 FED_BACK_TOKEN = -1  # a chained step's input: the previous step's token, fed back on the GPU
 
@@ -107,6 +108,7 @@ class Engine:
                                   + config.max_draft_tokens)
         self.token_budget = self._token_budget()
         self.config = config = replace(config, prefill_chunk_tokens=self.token_budget.with_decode,
+                                       max_prefill_chunk_tokens=self.token_budget.max_with_decode,
                                        max_prefill_tokens=self.token_budget.alone)
         self.scheduler = Scheduler(
             self.prefix_cache, config.page_size, self.slots, max_batch=config.max_batch,
@@ -142,18 +144,21 @@ class Engine:
         self.step_s_total = {"graph": 0.0, "mixed": 0.0}  # engine-loop wall time per step kind
 
     def _token_budget(self) -> TokenBudget:
-        """Prefill tokens per step (with decode rows / without): the config's, else measured on
-        the GPU (`measure_prefill_chunk`) and 8192 alone, else 512 on the CPU."""
+        """Prefill tokens per step (with decode rows / the most with them while prompts queue /
+        without): the config's, else measured on the GPU (`measure_prefill_chunk`), 4x that and
+        8192 alone, else 512 on the CPU."""
         config, on_gpu = self.config, self.runner_name == "cuda_graph"
         alone = config.max_prefill_tokens or max(
             GPU_MAX_PREFILL_TOKENS if on_gpu else CPU_PREFILL_CHUNK_TOKENS, config.prefill_chunk_tokens or 1)
         chunk = config.prefill_chunk_tokens
         if chunk is None:
             chunk = self.runner.measure_prefill_chunk(config.max_batch, alone) or CPU_PREFILL_CHUNK_TOKENS
-        budget = TokenBudget(min(chunk, alone), alone)
-        log.info("prefill budget: %d tokens per step beside decode rows, %d without (%s)", budget.with_decode,
-                 budget.alone, "configured" if config.prefill_chunk_tokens else
-                 "measured" if on_gpu else "the CPU default")
+        chunk = min(chunk, alone)
+        queued = min(max(config.max_prefill_chunk_tokens or QUEUED_CHUNK_FACTOR * chunk, chunk), alone)
+        budget = TokenBudget(chunk, alone, queued)
+        log.info("prefill budget: %d tokens per step beside decode rows (up to %d while prompts queue), %d without "
+                 "(%s)", budget.with_decode, budget.max_with_decode, budget.alone,
+                 "configured" if config.prefill_chunk_tokens else "measured" if on_gpu else "the CPU default")
         return budget
 
     def _num_pages_from_budget(self, mc, dtype: torch.dtype, model) -> int:

@@ -5,7 +5,11 @@ Each step it builds one mixed batch: running requests first (oldest first: a dec
 slots, the step's prefill token budget and pages allow. The budget (`TokenBudget`) is small
 while decode rows share the step (each of them waits for the whole step, so a long prompt
 delays them by at most one budget's worth of prefill) and large when none does (an idle
-server prefills a long prompt in few steps). Decode rows never count against it. When a running request needs a page and
+server prefills a long prompt in few steps). Beside decode rows it grows with the prompt
+tokens that wait, up to a limit: at high concurrency prompts arrive faster than the small
+budget prefills them, and rows that could decode would sit in the queue instead (the output
+of a step is at most its prefill over the prompt/output ratio of the load). Decode rows never
+count against it. When a running request needs a page and
 none is free or cached, the newest running request is preempted: its pages are freed and it
 goes back to the head of the queue, keeping its slot (and so its grammar matcher); it later
 re-prefills prompt + output and continues with the same tokens. Admission is FIFO and stops at
@@ -77,18 +81,29 @@ DraftFn = Callable[[Request, int], list[int]]  # (request, max drafts) -> draft 
 @dataclass(frozen=True)
 class TokenBudget:
     """Prefill tokens per step: `with_decode` while decode rows share the step, `alone` when
-    none does. Both >= 1; `alone` >= `with_decode`."""
+    none does; beside decode rows, while more prompt tokens wait, half of those waiting up to
+    `max_with_decode` (0: `with_decode`, a fixed budget). 1 <= with_decode <= max_with_decode
+    <= alone."""
 
     with_decode: int
     alone: int
+    max_with_decode: int = 0
 
     def __post_init__(self) -> None:
-        if not 1 <= self.with_decode <= self.alone:
-            raise ValueError(f"token budgets must satisfy 1 <= with_decode <= alone, got {self}")
+        if not self.max_with_decode:
+            object.__setattr__(self, "max_with_decode", self.with_decode)
+        if not 1 <= self.with_decode <= self.max_with_decode <= self.alone:
+            raise ValueError(f"token budgets must satisfy 1 <= with_decode <= max_with_decode <= alone, got {self}")
 
     @classmethod
     def fixed(cls, tokens: int) -> "TokenBudget":
         return cls(tokens, tokens)
+
+    def beside_decode(self, num_waiting_tokens: int) -> int:
+        """The budget of a step that decode rows share, with this many prompt tokens to
+        prefill: half of them (what waits is spread over two steps, so a burst never makes one
+        step the whole queue), between `with_decode` and `max_with_decode`."""
+        return min(self.max_with_decode, max(self.with_decode, num_waiting_tokens // 2))
 
 
 class SlotPool:
@@ -145,7 +160,8 @@ class Scheduler:
     def schedule(self, max_drafts: int = 0) -> ScheduledBatch:
         rows: list[ScheduledRow] = []
         has_decode_rows = any(r.is_decoding and r.can_sample for r in self.running)
-        budget = self.budget.with_decode if has_decode_rows else self.budget.alone
+        budget = self.budget.beside_decode(self._num_prompt_tokens_to_prefill()) if has_decode_rows \
+            else self.budget.alone
         for request in list(self.running):
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
@@ -165,6 +181,21 @@ class Scheduler:
             rows.append(row)
             budget -= len(row.input_ids)
         return ScheduledBatch(rows)
+
+    def _num_prompt_tokens_to_prefill(self) -> int:
+        """Uncached tokens of the running requests that prefill and of the waiting ones, as far
+        as the fixed budget would not take them anyway (the count stops there)."""
+        if self.budget.max_with_decode == self.budget.with_decode:  # a fixed budget: nothing to count
+            return 0
+        limit = 2 * self.budget.max_with_decode
+        total = 0
+        for queue in (self.running, self.waiting):
+            for request in queue:
+                if not request.is_decoding:
+                    total += request.num_uncached
+                    if total >= limit:
+                        return total
+        return total
 
     def _schedule_running(self, request: Request, budget: int, max_drafts: int) -> ScheduledRow | None:
         if request.is_decoding and request.can_sample:

@@ -11,9 +11,10 @@ from tests.unit.engine.conftest import make_request
 PAGE = 4
 
 
-def make_scheduler(num_pages=64, max_batch=4, max_waiting=8, chunk=8, alone=None, drafts=None, caching=True):
+def make_scheduler(num_pages=64, max_batch=4, max_waiting=8, chunk=8, alone=None, drafts=None, caching=True,
+                   queued=0):
     return Scheduler(PrefixCache(PageAllocator(num_pages), PAGE, caching), PAGE, SlotPool(2 * max_batch), max_batch=max_batch,
-                     max_waiting=max_waiting, budget=TokenBudget(chunk, alone or chunk), propose_drafts=drafts)
+                     max_waiting=max_waiting, budget=TokenBudget(chunk, alone or chunk, queued), propose_drafts=drafts)
 
 
 def complete(batch, token=7, accepted=0):
@@ -72,8 +73,35 @@ def test_a_step_without_decode_rows_takes_the_larger_budget():
 
 
 def test_token_budgets_must_be_ordered():
-    with pytest.raises(ValueError, match="with_decode <= alone"):
+    with pytest.raises(ValueError, match="with_decode <= max_with_decode <= alone"):
         TokenBudget(16, 8)
+    with pytest.raises(ValueError, match="with_decode <= max_with_decode <= alone"):
+        TokenBudget(8, 16, 32)
+
+
+def test_beside_decode_rows_the_budget_grows_with_the_queue_up_to_its_limit():
+    """Prompts that arrive faster than the small budget prefills them would keep rows that could
+    decode in the queue: a step beside decode rows takes half the waiting prompt tokens, at
+    least the chunk and at most the limit."""
+    s = make_scheduler(num_pages=256, max_batch=8, chunk=8, alone=64, queued=32)
+    a = make_request("a", 4)
+    s.add(a)
+    complete(s.schedule())  # a decodes from now on
+    s.add(make_request("b", 12))  # 12 waiting tokens: half is under the chunk
+    batch = s.schedule()
+    assert [(row.request.request_id, len(row.input_ids)) for row in batch.rows] == [("a", 1), ("b", 8)]
+    complete(batch)
+    for name in "cdef":
+        s.add(make_request(name, 40))  # 4 (b) + 160 waiting: half is over the limit
+    batch = s.schedule()
+    assert sum(len(row.input_ids) for row in batch.rows if row.request is not a) == 32
+    complete(batch)
+    fixed = make_scheduler(num_pages=256, max_batch=8, chunk=8, alone=64)  # no limit given: the chunk
+    fixed.add(make_request("a", 4))
+    complete(fixed.schedule())
+    for name in "cdef":
+        fixed.add(make_request(name, 40))
+    assert sum(len(row.input_ids) for row in fixed.schedule().rows) == 1 + 8
 
 
 def test_queue_limit_raises_queue_full():
