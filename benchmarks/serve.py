@@ -50,6 +50,8 @@ import json
 import os
 import pathlib
 import platform
+import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -321,8 +323,11 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
         on.wait_idle()
         before = on.stats()
         address = on.http_url if workload.transport == "http" else on.address
+        profiler = profile_server(args, on, shape, workload)
         records = run_workload(address, workload, prompt_set or prompts[workload.prompt_len], args.client_procs,
                                salt=len(result["workloads"]) << 30)  # request numbers apart from every other run's
+        if profiler is not None:
+            profiler.wait(timeout=60)
         summary = summarize(workload, records)
         lengths[workload.name] = output_lengths(records)
         summary["engine"] = step_delta(before, on.wait_idle(), workload.warmup_s + workload.duration_s
@@ -411,6 +416,25 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
     return result
 
 
+def profile_server(args, server: Server, shape: str, workload: Workload) -> subprocess.Popen | None:
+    """`--profile TEXT`: py-spy samples the server process, the GIL holder only, through a
+    workload whose name holds TEXT; its stacks (py-spy's raw format) go beside --out."""
+    if not args.profile or args.profile not in workload.name:
+        return None
+    places = [pathlib.Path(sys.prefix), *map(pathlib.Path, sys.path)]  # a venv's bin/, pip --target's bin/
+    spy = shutil.which("py-spy") or next((str(p / "bin" / "py-spy") for p in places if (p / "bin" / "py-spy").is_file()),
+                                         None)
+    if spy is None:
+        log("--profile: no py-spy found")
+        return None
+    name = re.sub(r"[^A-Za-z0-9]+", "-", f"{shape} {workload.name}").strip("-")
+    out = pathlib.Path(args.out).with_name(f"{pathlib.Path(args.out).stem}-profile-{name}.txt")
+    seconds = int(workload.warmup_s + workload.duration_s + 3)
+    return subprocess.Popen([spy, "record", "--pid", str(server.process.pid), "--gil", "--threads", "--nonblocking",
+                             "--rate", "200", "--duration", str(seconds), "--format", "raw", "--output", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=open(str(out) + ".log", "w"))
+
+
 def prefix_workloads(plan: PrefixPlan, prompts: dict, schema: str, common: dict, run, tag: str) -> dict[str, dict]:
     """The shared-prefix, multi-turn and unshared workloads on one server; summaries by kind."""
     shared = prompts[plan.shared_len][0]
@@ -467,6 +491,7 @@ def main() -> int:
     parser.add_argument("--min-max-batch", type=int, default=1, help="the server's --max-batch at least this")
     parser.add_argument("--tensor-parallel", type=int, default=1,
                         help="the server's --tensor-parallel: GPUs the model is sharded over")
+    parser.add_argument("--profile", default="", help="py-spy the server through workloads whose name holds this")
     parser.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="more `structgen serve` flags")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()

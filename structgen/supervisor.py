@@ -33,6 +33,9 @@ log = logging.getLogger("structgen.supervisor")
 # short reconnect backoff: a standby's socket appears only once it listens
 _FAST_RECONNECT = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
                    ("grpc.max_reconnect_backoff_ms", 500)]
+# Until the standby serves, its health is asked this often: each check is an rpc in the serving
+# process, whose GIL the engine loop needs.
+STANDBY_CHECK_S = 0.25
 
 
 def _die_with_parent(parent_pid: int) -> Callable[[], None]:
@@ -83,6 +86,7 @@ class GrammarSupervisor:
         self._standby: subprocess.Popen | None = None
         self._is_standby_ready = False
         self._standby_channel: grpc.Channel | None = None  # health checks of the standby
+        self._next_standby_check_s = 0.0  # a check is an rpc: every STANDBY_CHECK_S, not every poll
         self._is_ready = False  # the first child reported SERVING
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -193,7 +197,10 @@ class GrammarSupervisor:
             self._standby, self._is_standby_ready = None, False
             self._close_standby_channel()
             return time.monotonic() + backoff_s
-        if not self._is_standby_ready and _is_serving(health_pb2_grpc.HealthStub(self._standby_channel), 0.2):
+        if self._is_standby_ready or time.monotonic() < self._next_standby_check_s:
+            return standby_after
+        self._next_standby_check_s = time.monotonic() + STANDBY_CHECK_S
+        if _is_serving(health_pb2_grpc.HealthStub(self._standby_channel), 0.2):
             self._is_standby_ready = True
             log.info("grammar_service standby (pid %d) is ready to take over", standby.pid)
         return standby_after
