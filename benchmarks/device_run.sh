@@ -8,14 +8,16 @@
 #   (+ -specifications, referencing, rpds-py), opentelemetry-api/-sdk 1.45.2 + semantic-conventions
 #   0.66b2 (the device image lacks these), and llguidance 1.9.1 (abi3, manylinux_2_31):
 #   grammar_service's auto backend then picks it, as in the GPU image; for the HTTP front
-#   (serve.py --plan http) fastapi 0.165.0, starlette 1.10.0, uvicorn 0.54.0, httptools 0.9.0; gguf 0.19.0.
+#   (serve.py --plan http) fastapi 0.165.0, starlette 1.10.0, uvicorn 0.54.0, httptools 0.9.0; gguf 0.19.0;
+#   py-spy 0.4.3 for SERVE_PROFILE.
 #   (The built-in default model's 94 MiB GGUF does not fit the 64 MiB transfer: tests/gpu/test_default_model_gpu.py
 #   cannot run there.)
 # .bench: the real tokenizers as tgz, made here from the converted copies:
 #   tar czf .bench/<name>.tgz -C ~/.cache/structgen/tokenizers <name>   (tekken_131k, mistral_32k)
 #   run: bash benchmarks/device_run.sh [tests|serve|bench|verify|profile|gemv|grammar|ab|all|a,b,...] [extra decode.py args...]
 #   (TESTS: the test paths, default tests/gpu; SERVE_ARGS: serve.py's arguments, default the full plan;
-#    SERVE_NAME: its result's name under $OUT, default serve-h200)
+#    SERVE_NAME: its result's name under $OUT, default serve-h200; SERVE_PROFILE: py-spy the server
+#    through the workloads whose name holds it, e.g. "free 512/128 c=128" (py-spy in .whl))
 #   (PROFILE_ARGS: extra profile_step.py args, e.g. "--variants gemv+pdl-torch-prologue gemv+pdl";
 #    GRAMMAR_ARGS: grammar_step.py's workload args instead of the default)
 # Writes under $OUT: env.txt, tests.log, junit.xml, serve.log, serve-h200.json, bench.log, decode-h200.json,
@@ -56,7 +58,8 @@ if want tests; then
   rc=$?
 fi
 if want serve; then
-  timeout ${SERVE_TIMEOUT:-540} python3 benchmarks/serve.py --out "$OUT/${SERVE_NAME:-serve-h200}.json" ${SERVE_ARGS:-} 2>&1 \
+  timeout ${SERVE_TIMEOUT:-540} python3 benchmarks/serve.py --out "$OUT/${SERVE_NAME:-serve-h200}.json" \
+    ${SERVE_PROFILE:+--profile "$SERVE_PROFILE"} ${SERVE_ARGS:-} 2>&1 \
     | tee "$OUT/${SERVE_NAME:-serve-h200}.log" | tail -70
 fi
 if want bench; then
