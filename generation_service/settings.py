@@ -39,7 +39,7 @@ SERVE_SETTINGS = SettingsTable("structgen serve", (
         Setting("prefill-chunk-tokens", "prefill tokens per step while decoding requests share it "
                 "(default: measured at start on a GPU, 512 on CPU)", minimum=1),
         Setting("max-prefill-chunk-tokens", "the most prefill tokens of a step that decoding requests share "
-                "while prompts queue (it takes half the queued prompt tokens, at least --prefill-chunk-tokens) "
+                "while prompts queue (it takes a quarter of the queued prompt tokens, at least --prefill-chunk-tokens) "
                 "(default: 4x --prefill-chunk-tokens, within --max-prefill-tokens)", minimum=1),
         Setting("max-prefill-tokens", "prefill tokens of a step no decoding request shares "
                 "(default: 8192 on a GPU, --prefill-chunk-tokens on CPU)", minimum=1),
@@ -58,6 +58,8 @@ SERVE_SETTINGS = SettingsTable("structgen serve", (
                 "(default: on under CUDA graphs)"),
         Setting("pipeline-mixed", "launch a mixed step (prompt chunks beside decode rows) before the previous "
                 "step's text is streamed (default: on under CUDA graphs)"),
+        Setting("chain-mixed", "with --pipeline-mixed, launch a mixed step before the previous step's tokens are "
+                "read, feeding them in on the device (default: on with --pipeline-mixed)"),
         Setting("verify-graphs", "under CUDA graphs, run speculative verify steps as graphs too"),
         Setting("tensor-parallel", "processes the model is sharded over, one per GPU on cuda (cuda:0..N-1 "
                 "of the visible ones) or sharing the cores on cpu; > 1 runs the eager runner, no CUDA graphs",

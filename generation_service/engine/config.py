@@ -22,7 +22,7 @@ class EngineConfig:
     # one decode step of the largest batch, `CudaGraphRunner.measure_prefill_chunk`), 512 on the CPU.
     prefill_chunk_tokens: int | None = None
     # The most prefill tokens of a step that decode rows share while prompts queue: such a step
-    # takes half the prompt tokens waiting, at least prefill_chunk_tokens. None: 4x
+    # takes a quarter of the prompt tokens waiting, at least prefill_chunk_tokens. None: 4x
     # prefill_chunk_tokens, within max_prefill_tokens (docs/serving.md "The prefill budget").
     max_prefill_chunk_tokens: int | None = None
     # Prefill tokens of a step that no decode row shares (an idle server's long prompt). None: 8192
@@ -39,6 +39,8 @@ class EngineConfig:
                                        # under the cuda_graph runner; other runners never overlap)
     pipeline_mixed: bool | None = None  # mixed steps: launch step N+1 before streaming step N's text
                                         # (None: on under the cuda_graph runner, whose forward is async)
+    chain_mixed: bool | None = None    # pipelined mixed steps: launch N+1 before reading N's tokens,
+                                       # fed back on the device (None: on with pipeline_mixed)
     verify_graphs: bool = True         # cuda_graph runner: rows with speculative drafts replay captured
                                        # verify steps (rows x 1 + max_draft_tokens) instead of eager ones
                                        # (H200: 10-50x faster per step, benchmarks/results/verify-h200.json)

@@ -42,8 +42,10 @@ from generation_service.engine.errors import (
 )
 from generation_service.engine.events import FinishReason
 from generation_service.engine.grammar_link import GrammarControl, GrammarLink, LinkRow, StepMasks
+from generation_service.engine.fed_back import FED_BACK_TOKEN
 from generation_service.engine.kv_cache import KVCache, PageAllocator, num_pages_for
 from generation_service.engine.lifecycle import RequestTable
+from generation_service.engine.mixed_steps import MixedSteps
 from generation_service.engine.params import GenerationRequest
 from generation_service.engine.prefix_cache import PrefixCache
 from generation_service.engine.request import Request, RequestStatus
@@ -61,8 +63,6 @@ CPU_KV_BUDGET_BYTES = 256 << 20
 CPU_PREFILL_CHUNK_TOKENS = 512   # the CPU's reference attention holds chunk x context fp32 scores
 GPU_MAX_PREFILL_TOKENS = 8192    # a step no decode row shares: an idle server's long prompt in few steps
 QUEUED_CHUNK_FACTOR = 4          # max_prefill_chunk_tokens unset: this many chunks while prompts queue
-
-FED_BACK_TOKEN = -1  # a chained step's input: the previous step's token, fed back on the GPU
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "RequestStream"]
 
@@ -113,7 +113,8 @@ class Engine:
         self.scheduler = Scheduler(
             self.prefix_cache, config.page_size, self.slots, max_batch=config.max_batch,
             max_waiting=config.max_waiting, budget=self.token_budget,
-            propose_drafts=lambda r, k: self.proposers[r.spec.speculative.proposer].propose(r, k))
+            propose_drafts=lambda r, k: self.proposers[r.spec.speculative.proposer].propose(r, k),
+            token_bucket=self.runner.token_bucket)
         self.sampler = Sampler(config.mask_backend)
         eos = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids if self.tokenizer else ())
         self.eos_token_ids = tuple(sorted(eos))
@@ -123,7 +124,7 @@ class Engine:
             page_size=config.page_size, num_usable_pages=num_pages - 1, has_tokenizer=self.tokenizer is not None)
         self.link = self._make_link(grammar)
         self.table = RequestTable(self.scheduler, self.slots, self.tokenizer, self.eos_token_ids)
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
         self._wake = threading.Event()
         self._inbox: list[Request] = []
         self._cancels: list[tuple[str, EngineError | None]] = []
@@ -135,10 +136,12 @@ class Engine:
         if config.overlap and not self._overlap:
             log.warning("overlap needs the cuda_graph runner; runner %s steps one at a time", self.runner_name)
         self._in_flight: InFlight | None = None   # a launched decode step not yet read
-        # Mixed steps launch N+1 before streaming N (`_step_pipelined`); on by default where the
-        # forward is asynchronous (CUDA graphs): there it hides that host work behind the GPU.
+        # Mixed steps stay in flight (mixed_steps.py): N+1 is launched before N is streamed
+        # and, chained, before N's tokens are read; on by default where the forward is
+        # asynchronous (CUDA graphs): there the host's work hides behind the GPU's.
         self._pipeline_mixed = (config.pipeline_mixed if config.pipeline_mixed is not None
                                 else self.runner_name == "cuda_graph")
+        self.mixed = MixedSteps(self, chain=self._pipeline_mixed and config.chain_mixed is not False)
         self.num_mixed_steps = 0
         self.num_prefill_tokens = 0
         self.step_s_total = {"graph": 0.0, "mixed": 0.0}  # engine-loop wall time per step kind
@@ -204,7 +207,7 @@ class Engine:
         deadline = time.monotonic() + grace_s
         while self.table.num_live and time.monotonic() < deadline:
             time.sleep(0.02)
-        with self._lock:
+        with self.lock:
             error = ShuttingDownError("the engine shut down before the request finished")
             self._cancels.extend((request_id, error) for request_id in self.table.ids())
         self._wake.set()
@@ -221,7 +224,7 @@ class Engine:
         """Let the loop apply the cancels and send their RELEASE rows before it stops."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            with self._lock:
+            with self.lock:
                 if not (self._cancels or self.table.num_live or self.table.num_bound_matchers):
                     return
             self._wake.set()
@@ -238,11 +241,11 @@ class Engine:
         stop_ids = frozenset(spec.sampling.stop_token_ids)
         request = Request(spec, stop_ids, seed, eos_token_ids=frozenset(self.eos_token_ids))
         stream = RequestStream(spec.request_id, self.cancel)
-        with self._lock:
+        with self.lock:
             self._check_admissible(spec)
         if request.is_constrained:
             self._start_compile(request)  # before it is queued: the loop sees a future or an error
-        with self._lock:
+        with self.lock:
             self._check_admissible(spec)
             self.table.attach_stream(request, stream)
             self._inbox.append(request)
@@ -269,12 +272,12 @@ class Engine:
 
     def cancel(self, request_id: str) -> None:
         """Finish the request as CANCELLED (no-op if it has finished)."""
-        with self._lock:
+        with self.lock:
             self._cancels.append((request_id, None))
         self._wake.set()
 
     def stats(self) -> EngineStats:
-        with self._lock:
+        with self.lock:
             return EngineStats(
                 num_waiting=len(self.scheduler.waiting) + len(self._inbox),
                 num_running=len(self.scheduler.running),
@@ -305,8 +308,8 @@ class Engine:
                 did_work = self.step()
             except Exception as error:  # noqa: BLE001 -- a bug must not hang every stream
                 log.exception("engine step failed")
-                self._in_flight = None
-                with self._lock:
+                self._in_flight = self.mixed.in_flight = None
+                with self.lock:
                     if self.link is not None:
                         self.link.abandon_open_step()  # never leave a step half-published
                     self.table.fail_all(EngineError(f"engine step failed: {error!r}"), self.link)
@@ -316,9 +319,12 @@ class Engine:
                 self._wake.clear()
         if self._in_flight is not None:  # stopped with a step on the GPU: read it (watchdog)
             in_flight, self._in_flight = self._in_flight, None
-            self._finish(in_flight.batch, in_flight.step, *self.runner.collect(in_flight.launch, self.link), True)
-        with self._lock:
-            self._deliver_deferred()
+            self.finish_step(in_flight.batch, in_flight.step, *self.runner.collect(in_flight.launch, self.link), True)
+        if self.mixed.in_flight is not None:
+            in_flight, self.mixed.in_flight = self.mixed.in_flight, None
+            self.mixed.collect(in_flight)
+        with self.lock:
+            self.deliver_deferred()
 
     def step(self) -> bool:
         """One engine step; False when there was nothing to do."""
@@ -327,15 +333,19 @@ class Engine:
             self._step_chained()
             self.step_s_total["graph"] += time.perf_counter() - start
             return True
-        with self._lock:
-            self._apply_inbox()
+        if self.mixed.in_flight is not None:  # chain the next mixed step, or read this one
+            self.mixed.step()
+            self.step_s_total["mixed"] += time.perf_counter() - start
+            return True
+        with self.lock:
+            self.apply_inbox()
             self.table.poll(self.link)  # compiles, deadlines, grammar reconnect
             batch = self.scheduler.schedule(self.config.max_draft_tokens)
             graphed = self.runner.can_graph(batch)
             pipelined = self._pipeline_mixed and bool(batch.rows) and not graphed
             delivered = bool(self.table.deferred)
             if not pipelined:
-                if self._deliver_deferred():  # a stop string found now ends its row of `batch`
+                if self.deliver_deferred():  # a stop string found now ends its row of `batch`
                     batch = ScheduledBatch([row for row in batch.rows if not row.request.is_finished])
                     graphed = graphed and self.runner.can_graph(batch)
                 rows = self.table.grammar_rows(batch, self.link)
@@ -343,7 +353,7 @@ class Engine:
                     return delivered
                 step = self.link.begin(rows, gpu=graphed) if rows else None
         if pipelined:
-            self._step_pipelined(batch)
+            self.mixed.launch(batch)
             self.step_s_total["mixed"] += time.perf_counter() - start
             return True
         if graphed:  # the GPU writes the outputs and outputs_seq of a grammar step
@@ -362,41 +372,20 @@ class Engine:
             samples = self._sample(batch, logits, masks)
             self.num_mixed_steps += bool(batch.rows)
             self.num_prefill_tokens += batch.num_prefill_tokens
-        self._finish(batch, step, samples, masks, graphed, rows)
+        self.finish_step(batch, step, samples, masks, graphed, rows)
         self.step_s_total["graph" if graphed else "mixed"] += time.perf_counter() - start
         return True
 
-    def _step_pipelined(self, batch: ScheduledBatch) -> None:
-        """A mixed step whose forward is launched before the previous step's text is streamed:
-        launch, begin its grammar step, deliver the previous step's deferred tokens (detokenize,
-        stop strings, stream events: host work the GPU no longer waits for), wait for the
-        masks, sample (the host's one sync), then accept the tokens (what the next schedule
-        needs) and defer their delivery to the next step. A row that a deferred stop string
-        ends has its sample in this step dropped (postprocess skips finished requests)."""
-        forward_started = time.perf_counter()
-        logits = self.runner.run(batch)
-        with self._lock:
-            rows = self.table.grammar_rows(batch, self.link)
-            step = self.link.begin(rows) if rows else None
-            self._deliver_deferred()
-        if self.link is not None:
-            self.link.forward_done(step, time.perf_counter() - forward_started)
-        masks = self.link.wait(step) if step is not None else None
-        samples = self._sample(batch, logits, masks)
-        self.num_mixed_steps += 1
-        self.num_prefill_tokens += batch.num_prefill_tokens
-        self._finish(batch, step, samples, masks, False, rows, defer=True)
-
-    def _deliver_deferred(self) -> bool:
-        """Stream the tokens the last pipelined step deferred (engine lock held); whether a
-        request ended by it (a stop string)."""
+    def deliver_deferred(self) -> bool:
+        """Stream the tokens the last mixed step deferred (engine lock held); whether a request
+        ended by it (a stop string)."""
         return bool(self.table.deferred) and self.table.deliver()
 
-    def _finish(self, batch: ScheduledBatch, step: int | None, samples: list[SampleResult],
+    def finish_step(self, batch: ScheduledBatch, step: int | None, samples: list[SampleResult],
                 masks: StepMasks | None, graphed: bool, rows: list[LinkRow] = (), defer: bool = False) -> None:
         """Postprocess a step; a host-side grammar step then publishes its accepted tokens.
-        defer: the step's text and stream events wait in the table's `deferred` (`_step_pipelined`)."""
-        with self._lock:
+        defer: the step's text and stream events wait in the table's `deferred` (mixed_steps.py)."""
+        with self.lock:
             kept = self.table.postprocess(batch, samples, step, masks, self.link, defer)
             if step is not None and not graphed:
                 self.link.publish(step, [kept.get(id(row.request), []) for row in rows])
@@ -406,7 +395,7 @@ class Engine:
         """Overlap: launch N+1 for the rows of the in-flight step N if nothing changes the
         batch, then read and postprocess N (while the GPU runs N+1)."""
         previous, self._in_flight = self._in_flight, None
-        with self._lock:
+        with self.lock:
             batch = self._chained_batch(previous)
             step = None
             if batch is not None and previous.step is not None:
@@ -414,7 +403,7 @@ class Engine:
         if batch is not None:
             self._in_flight = InFlight(batch, step, self.runner.launch(batch, step, self.link, chained=True))
         samples, masks = self.runner.collect(previous.launch, self.link)
-        self._finish(previous.batch, previous.step, samples, masks, True)
+        self.finish_step(previous.batch, previous.step, samples, masks, True)
         return True
 
     def _chained_batch(self, previous: InFlight) -> ScheduledBatch | None:
@@ -455,7 +444,7 @@ class Engine:
         sample_rows = [SampleRow.of(row, row.request.is_constrained and masks is not None) for row in rows]
         return self.sampler(logits, sample_rows, masks.bitmask if masks is not None else None)
 
-    def _apply_inbox(self) -> None:
+    def apply_inbox(self) -> None:
         for request in self._inbox:
             if request.is_finished:  # failed while queued (fail_all)
                 continue

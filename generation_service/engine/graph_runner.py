@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from generation_service.engine.cuda_graphs import DEFAULT_BUCKETS, FREE, SERVING_VARIANTS, with_filters
+from generation_service.engine.fed_back import FedBack
 from generation_service.engine.gpu_runner import GpuDecodeRunner
 from generation_service.engine.kv_cache import DUMMY_PAGE, KVCache
 from generation_service.engine.mixed_forward import MixedForward
@@ -150,15 +151,19 @@ class CudaGraphRunner(ModelRunner):
             return True
         return self.verify is not None and self.verify.can_run(rows)
 
-    def run(self, batch: ScheduledBatch) -> torch.Tensor:
+    def run(self, batch: ScheduledBatch, fed_back: FedBack | None = None) -> torch.Tensor:
         """(L, vocab) logits of the sampling positions of a batch no graph runs (a mixed step)."""
         self.num_mixed_steps += 1
-        return self._mixed_logits(batch.rows)
+        return self._mixed_logits(batch.rows, fed_back)
 
-    def _mixed_logits(self, rows: list[ScheduledRow]) -> torch.Tensor:
+    def _mixed_logits(self, rows: list[ScheduledRow], fed_back: FedBack | None = None) -> torch.Tensor:
         if self.mixed_graphs is not None and self.mixed_graphs.can_run(rows):
-            return self.mixed_graphs(rows)
-        return self.mixed(rows)
+            return self.mixed_graphs(rows, fed_back=fed_back)
+        return self.mixed(rows, fed_back)
+
+    def token_bucket(self, num_tokens: int) -> int:
+        """Mixed steps replay a graph of a bucket's slots: the padding up to it costs what tokens do."""
+        return self.mixed_graphs.token_bucket(num_tokens) if self.mixed_graphs is not None else num_tokens
 
     @torch.no_grad()
     def _warm_eager_mixed(self) -> None:

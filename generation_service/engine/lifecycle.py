@@ -148,7 +148,8 @@ class RequestTable:
             request = row.request
             if not row.is_sampling:
                 if not request.is_finished:
-                    request.num_cached = row.seq_len
+                    # max: a chained step launched after this one has advanced it already
+                    request.num_cached = max(request.num_cached, row.seq_len)
                     self.scheduler.store_pages(request)
                 continue
             _, result = next(sampling)
@@ -173,8 +174,8 @@ class RequestTable:
                 defer: bool) -> list[int]:
         if row.drafts:
             self._accept_drafts(row, request, result)
-        else:  # K/V is valid for the known tokens
-            request.num_cached = row.seq_len
+        else:  # K/V is valid for the known tokens (and more, when a chained step is in flight)
+            request.num_cached = max(request.num_cached, row.seq_len)
         if request.first_token_s is None and result.token_ids:
             request.first_token_s = time.monotonic()
         output = self._outputs[request.request_id]

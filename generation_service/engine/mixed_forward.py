@@ -25,6 +25,8 @@ import numpy as np
 import torch
 
 from generation_service.engine.decode_forward import CUBLAS, DecodeForward, DecodeMeta
+from generation_service.engine.pinned import PinnedStaging
+from generation_service.engine.fed_back import FedBack
 from generation_service.engine.scheduler import ScheduledRow
 
 
@@ -42,6 +44,7 @@ class MixedLayout:
     extend_start: np.ndarray    # (B - D,) int64 first token of each extend row, from token D
     num_decode_rows: int        # D
     max_extend_len: int         # longest extend row (0: there is none)
+    row_starts: np.ndarray      # (B,) int64 first token of each row, in batch order
 
     @property
     def num_tokens(self) -> int:
@@ -79,7 +82,8 @@ def pack_mixed(rows: list[ScheduledRow], page_size: int, vocab_size: int) -> Mix
         logits_indices=np.asarray(logits_indices, dtype=np.int64), page_table=page_table,
         seq_lens=(cached + lens).astype(np.int32), extend_lens=extend_lens,
         extend_start=starts[num_decode:] - num_decode, num_decode_rows=num_decode,
-        max_extend_len=int(lens[num_decode:].max()) if len(packed) > num_decode else 0)
+        max_extend_len=int(lens[num_decode:].max()) if len(packed) > num_decode else 0,
+        row_starts=starts[where])
 
 
 @dataclass
@@ -94,43 +98,6 @@ class MixedInputs:
     page_table: torch.Tensor
     seq_lens: torch.Tensor
     extend_lens: torch.Tensor
-
-
-class HostStaging:
-    """Pinned host memory that a step's inputs pass through: one H2D copy per dtype, async.
-
-    NOTE: the buffer is rewritten only after the previous step's copies completed (`ready`);
-    a pageable copy would instead synchronise the host with the whole stream."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._host: dict[torch.dtype, torch.Tensor] = {}
-        self._ready: torch.cuda.Event | None = None
-
-    def upload(self, dtype: torch.dtype, arrays: list[np.ndarray]) -> list[torch.Tensor]:
-        """Device tensors holding `arrays` (flattened), copied through one pinned buffer."""
-        sizes = [a.size for a in arrays]
-        total = sum(sizes)
-        host = self._host.get(dtype)
-        if host is None or host.numel() < total:
-            host = self._host[dtype] = torch.empty(max(total, 2 * (host.numel() if host is not None else 4096)),
-                                                   dtype=dtype, pin_memory=self.device.type == "cuda")
-        view = host[:total].numpy()
-        offset = 0
-        for array, size in zip(arrays, sizes):
-            view[offset:offset + size] = array.ravel()
-            offset += size
-        flat = host[:total].to(self.device, non_blocking=True)
-        return list(flat.split(sizes))
-
-    def wait_reusable(self) -> None:
-        if self._ready is not None:
-            self._ready.synchronize()
-
-    def mark_used(self) -> None:
-        if self.device.type == "cuda":
-            self._ready = torch.cuda.Event()
-            self._ready.record()
 
 
 class MixedAttention:
@@ -169,24 +136,24 @@ class MixedForward:
         self.forward = forward
         self.page_size = forward.kv.page_size
         self.vocab_size = forward.config.vocab_size
-        self.staging = HostStaging(forward.kv.device)
+        self.staging = PinnedStaging(forward.kv.device)
         self.num_steps = 0
         self.num_tokens = 0
 
     def upload(self, layout: MixedLayout) -> MixedInputs:
-        self.staging.wait_reusable()
         ids, positions, slots, logits_indices, extend_start = self.staging.upload(torch.int64, [
             layout.input_ids, layout.positions, layout.slot_ids, layout.logits_indices, layout.extend_start])
         table, seq_lens, extend_lens = self.staging.upload(torch.int32, [
             layout.page_table, layout.seq_lens, layout.extend_lens])
-        self.staging.mark_used()
         return MixedInputs(ids, positions, slots, logits_indices, extend_start,
                            table.view(layout.page_table.shape), seq_lens, extend_lens)
 
     @torch.inference_mode()
-    def __call__(self, rows: list[ScheduledRow]) -> torch.Tensor:
+    def __call__(self, rows: list[ScheduledRow], fed_back: FedBack | None = None) -> torch.Tensor:
         layout = pack_mixed(rows, self.page_size, self.vocab_size)
         inputs = self.upload(layout)
+        if fed_back is not None:
+            fed_back.apply(inputs.input_ids, layout.row_starts, self.staging)
         attend: Callable = MixedAttention(self.forward, inputs, layout)
         self.num_steps += 1
         self.num_tokens += layout.num_tokens

@@ -25,7 +25,9 @@ import torch
 
 from generation_service.engine.cuda_graphs import FREE, bucket_for, capture_graphs
 from generation_service.engine.decode_forward import CUBLAS, DecodeForward
+from generation_service.engine.fed_back import FedBack
 from generation_service.engine.mixed_forward import MixedLayout, pack_mixed
+from generation_service.engine.pinned import PinnedStaging
 from generation_service.engine.scheduler import ScheduledRow
 
 log = logging.getLogger(__name__)
@@ -92,6 +94,7 @@ class MixedGraphs:
         self.graphs = None
         self._capturing = False
         self._copied: torch.cuda.Event | None = None
+        self._fed_staging = PinnedStaging(self.device)
         self.num_steps = 0
 
     def _num_tiles(self, bucket: int) -> int:
@@ -99,6 +102,10 @@ class MixedGraphs:
         return max_tiles(bucket, self.max_rows, self.group, extend_block_m(bucket, self.group))
 
     # ---- which steps ------------------------------------------------------------------------
+    def token_bucket(self, num_tokens: int) -> int:
+        """The slots a step of `num_tokens` tokens replays (its bucket); itself past the largest."""
+        return bucket_for(num_tokens, self.buckets) if num_tokens <= self.max_tokens else num_tokens
+
     def can_run(self, rows: list[ScheduledRow]) -> bool:
         """No drafts (verify rows go eager), rows and tokens within the buffers."""
         return (0 < len(rows) <= self.max_rows and sum(len(row.input_ids) for row in rows) <= self.max_tokens
@@ -147,7 +154,8 @@ class MixedGraphs:
 
     # ---- one step ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def __call__(self, rows: list[ScheduledRow], use_graph: bool = True) -> torch.Tensor:
+    def __call__(self, rows: list[ScheduledRow], use_graph: bool = True,
+                 fed_back: FedBack | None = None) -> torch.Tensor:
         """(L, vocab) logits of the rows' sampling positions (batch order), by one replay."""
         layout = pack_mixed(rows, self.kv.page_size, self.config.vocab_size)
         bucket = bucket_for(layout.num_tokens, self.buckets)
@@ -159,6 +167,8 @@ class MixedGraphs:
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()
+        if fed_back is not None:
+            fed_back.apply(self.ints.device["input_ids"], layout.row_starts, self._fed_staging)
         if use_graph and self.graphs is not None:
             self.graphs.replay(bucket, FREE)
         else:

@@ -9,9 +9,12 @@ come to `run`. Runners are built by name in engine/runners.py.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from generation_service.engine.fed_back import FedBack
 from generation_service.engine.kv_cache import KVCache
+from generation_service.engine.pinned import PinnedStaging
 from generation_service.engine.scheduler import ScheduledBatch
 from generation_service.model.forward_batch import ForwardBatch
 
@@ -68,18 +71,28 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.vocab_size = vocab_size
         self.device = kv_cache.device
+        self._staging = PinnedStaging(self.device)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> torch.Tensor:
+    def run(self, batch: ScheduledBatch, fed_back: FedBack | None = None) -> torch.Tensor:
         """(L, vocab_size) float32 logits on the runner's device, L = sum of sampling rows'
         num_positions. On a CUDA device they stay there: the Sampler draws one-position rows
         with the graphs' sampler (mask_sample) and copies to the host only what its CPU rules
-        need (draft-verify rows, top-n logprobs)."""
+        need (draft-verify rows, top-n logprobs). `fed_back`: rows whose input token the
+        previous step samples (a chained mixed step), filled in before the forward."""
         forward_batch = prepare(batch, self.device)
         # Clamp so a bad id can never index outside the embedding table.
         forward_batch.input_ids.clamp_(0, self.vocab_size - 1)
+        if fed_back is not None:
+            starts = np.cumsum([0] + [len(row.input_ids) for row in batch.rows])
+            fed_back.apply(forward_batch.input_ids, starts, self._staging)
         logits = self.forward(forward_batch)
         return logits.float()
+
+    def token_bucket(self, num_tokens: int) -> int:
+        """The token slots a mixed step of `num_tokens` tokens costs (graph runners pad to a
+        bucket; the scheduler fills that padding with prefill when prompts wait)."""
+        return num_tokens
 
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
         return self.model(forward_batch, self.kv_cache)

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from generation_service.engine.events import TokenLogprob
 from generation_service.engine.logit_processing import LogitProcessing
+from generation_service.engine.pinned import PinnedStaging
 from generation_service.engine.sample_row import SampleRow
 from generation_service.engine.speculative import accept_greedy, accept_rejection
 
@@ -99,11 +101,69 @@ def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+class SampleLaunch:
+    """The samples of a step, maybe still being drawn on the device (`Sampler.launch`).
+    `tokens`: one token per row on the logits' device (None when a row drew several or the
+    CPU rules drew them on the device's behalf), what a chained step feeds back."""
+
+    def __init__(self, results: list[SampleResult] | None, tokens: torch.Tensor | None,
+                 host: torch.Tensor | None = None, ready: torch.cuda.Event | None = None) -> None:
+        self._results, self.tokens, self._host, self._ready = results, tokens, host, ready
+
+    def result(self) -> list[SampleResult]:
+        """The samples (waits for the device's draw, if it is one)."""
+        if self._results is None:
+            self._ready.synchronize()
+            self._results = [SampleResult([token]) for token in self._host.tolist()]
+        return self._results
+
+
 class Sampler:
+    # pinned buffers the device's tokens are copied into: one per launch not yet read (a
+    # chained step's and the one after it), and a spare
+    NUM_HOST_TOKEN_BUFFERS = 3
+
     def __init__(self, mask_backend: str = "torch") -> None:
         if mask_backend not in MASK_BACKENDS:
             raise ValueError(f"unknown mask backend {mask_backend!r}; available: {sorted(MASK_BACKENDS)}")
         self.apply_mask = MASK_BACKENDS[mask_backend]
+        self._staging: PinnedStaging | None = None  # made for the first CUDA logits
+        self._host_tokens: list[torch.Tensor] = []
+        self._next_host = 0
+
+    def staging(self, device: torch.device) -> PinnedStaging:
+        if self._staging is None:
+            self._staging = PinnedStaging(device, slots=4)
+        return self._staging
+
+    def launch(self, logits: torch.Tensor, rows: list[SampleRow],
+               bitmask: torch.Tensor | None = None) -> SampleLaunch:
+        """`self(...)` without waiting for the device where it can: CUDA logits whose rows all
+        draw one token there (no drafts, no top-n logprobs) come back as device tokens with a
+        copy to the host under way; anything else is sampled now."""
+        if logits.device.type == "cuda" and rows and all(
+                row.can_sample_on_device and not row.params.num_logprobs for row in rows):
+            tokens = sample_on_device_tensor(logits, rows, bitmask, self.staging(logits.device)).long()
+            host = self._host_buffer(len(rows))
+            host.copy_(tokens, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+            return SampleLaunch(None, tokens, host, ready)
+        results = self(logits, rows, bitmask)
+        tokens = None
+        if logits.device.type != "cuda" and all(len(result.token_ids) == 1 for result in results):
+            tokens = torch.tensor([result.token_ids[0] for result in results], dtype=torch.int64)
+        return SampleLaunch(results, tokens)
+
+    def _host_buffer(self, num_rows: int) -> torch.Tensor:
+        """A pinned buffer of `num_rows` tokens not holding a launch's tokens still to be read."""
+        if not self._host_tokens or self._host_tokens[0].numel() < num_rows:
+            size = max(num_rows, 256)
+            self._host_tokens = [torch.empty(size, dtype=torch.int64, pin_memory=True)
+                                 for _ in range(self.NUM_HOST_TOKEN_BUFFERS)]
+        buffer = self._host_tokens[self._next_host]
+        self._next_host = (self._next_host + 1) % len(self._host_tokens)
+        return buffer[:num_rows]
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow],
                  bitmask: torch.Tensor | None = None) -> list[SampleResult]:
@@ -135,7 +195,7 @@ class Sampler:
         """(R, V) device logits of one-position rows: tokens from mask_sample. It returns
         only the token's logprob, so rows asking for top-n logprobs get them from their
         masked logits on the CPU, computed as `_sample_cpu` does (same token, same numbers)."""
-        token_ids = sample_on_device(logits, rows, bitmask)
+        token_ids = sample_on_device(logits, rows, bitmask, self.staging(logits.device))
         want = [k for k, row in enumerate(rows) if row.params.num_logprobs]
         logprobs = {}
         if want:
@@ -207,23 +267,32 @@ def device_seed(sample_seed: int) -> int:
 
 
 def sample_on_device(logits: torch.Tensor, rows: list[SampleRow],
-                     bitmask: torch.Tensor | None) -> list[int]:
+                     bitmask: torch.Tensor | None, staging: PinnedStaging | None = None) -> list[int]:
+    """`sample_on_device_tensor`, read back (a device sync)."""
+    return sample_on_device_tensor(logits, rows, bitmask, staging).tolist()
+
+
+def sample_on_device_tensor(logits: torch.Tensor, rows: list[SampleRow], bitmask: torch.Tensor | None,
+                            staging: PinnedStaging | None = None) -> torch.Tensor:
     """One token per row with `kernels.mask_sample`, as `GpuDecodeRunner._sample` draws it:
     seed = device_seed(sample_seed), Philox step = the row's position, mask words with
     mask_vocab_size = the logits' width; greedy at temperature 0; top-k/top-p kept only when
     some row uses them (the graphs' `+filters` variants; off, they change no draw).
     logits (R, V) on the device, one row per SampleRow; bitmask (R, W) int32 (read on
     constrained rows only). Rows with logits processing: the mask and the processing in
-    torch first (logit_processing.py, the CPU sampler's code), then mask_sample unmasked."""
+    torch first (logit_processing.py, the CPU sampler's code), then mask_sample unmasked.
+    Returns the (R,) int64 tokens on the device, without waiting for them: the host's inputs
+    go through pinned `staging` (a pageable copy would wait for the stream)."""
     from generation_service.kernels.mask_sample import mask_sample
 
     device = logits.device
+    staging = staging or PinnedStaging(device)
     x = logits.contiguous()
     masks = None
     if bitmask is not None and any(row.is_constrained for row in rows):
-        constrained = torch.tensor([row.is_constrained for row in rows], device=device)
-        words = bitmask.to(device=device, dtype=torch.int32)
-        masks = torch.where(constrained.unsqueeze(1), words, -1)  # -1: every token allowed
+        words = staging.tensor(torch.int32, bitmask.numpy())
+        allowed = staging.tensor(torch.int32, [0 if row.is_constrained else -1 for row in rows])
+        masks = words | allowed.unsqueeze(1)  # -1: every token allowed
     processing = LogitProcessing.of(rows, x.shape[1], device)
     if processing is not None:
         from generation_service.kernels.sample_reference import apply_mask_torch
@@ -232,16 +301,16 @@ def sample_on_device(logits: torch.Tensor, rows: list[SampleRow],
         # back in the logits' dtype: mask_sample's kernels compiled for it at start are reused
         x, masks = scores.to(x.dtype), None
     params = [row.params for row in rows]
-    # two host->device copies, not five: each pageable copy waits for the stream on the host
-    ints = torch.tensor([[device_seed(row.seed) for row in rows], [row.position for row in rows],
-                         [p.top_k for p in params]], dtype=torch.int64).to(device)
-    floats = torch.tensor([[p.temperature for p in params], [p.top_p for p in params]],
-                          dtype=torch.float32).to(device)
+    ints, floats = staging.upload(torch.int64, [np.array(
+        [[device_seed(row.seed) for row in rows], [row.position for row in rows], [p.top_k for p in params]],
+        dtype=np.int64)])[0], staging.upload(torch.float32, [np.array(
+            [[p.temperature for p in params], [p.top_p for p in params]], dtype=np.float32)])[0]
+    ints, floats = ints.view(3, len(rows)), floats.view(2, len(rows))
     ids, _ = mask_sample(
         x, masks, floats[0], ints[2].int(), floats[1], ints[0], ints[1],
         mask_vocab_size=x.shape[1] if masks is not None else None,
         enable_filters=any(row.params.uses_filters for row in rows), num_splits=eager_num_splits(x))
-    return ids.tolist()
+    return ids
 
 
 def eager_num_splits(logits: torch.Tensor) -> int:

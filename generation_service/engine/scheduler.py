@@ -52,6 +52,12 @@ class ScheduledRow:
     def seq_len(self) -> int:
         return self.num_cached + len(self.input_ids)
 
+    @property
+    def is_decode(self) -> bool:
+        """One new token after the request's whole known sequence (not a prefill chunk)."""
+        return self.is_sampling and len(self.input_ids) - len(self.drafts) == 1 and \
+            self.seq_len - len(self.drafts) > self.request.num_prompt_tokens
+
 
 @dataclass
 class ScheduledBatch:
@@ -81,9 +87,9 @@ DraftFn = Callable[[Request, int], list[int]]  # (request, max drafts) -> draft 
 @dataclass(frozen=True)
 class TokenBudget:
     """Prefill tokens per step: `with_decode` while decode rows share the step, `alone` when
-    none does; beside decode rows, while more prompt tokens wait, half of those waiting up to
-    `max_with_decode` (0: `with_decode`, a fixed budget). 1 <= with_decode <= max_with_decode
-    <= alone."""
+    none does; beside decode rows, while more prompt tokens wait, a quarter of those waiting
+    up to `max_with_decode` (0: `with_decode`, a fixed budget). 1 <= with_decode <=
+    max_with_decode <= alone."""
 
     with_decode: int
     alone: int
@@ -101,9 +107,9 @@ class TokenBudget:
 
     def beside_decode(self, num_waiting_tokens: int) -> int:
         """The budget of a step that decode rows share, with this many prompt tokens to
-        prefill: half of them (what waits is spread over two steps, so a burst never makes one
-        step the whole queue), between `with_decode` and `max_with_decode`."""
-        return min(self.max_with_decode, max(self.with_decode, num_waiting_tokens // 2))
+        prefill: a quarter of them (what waits is spread over four steps, so the steps stay
+        even when requests arrive together), between `with_decode` and `max_with_decode`."""
+        return min(self.max_with_decode, max(self.with_decode, num_waiting_tokens // 4))
 
 
 class SlotPool:
@@ -131,7 +137,8 @@ class SlotPool:
 class Scheduler:
     def __init__(self, cache: PrefixCache, page_size: int, slots: SlotPool, *,
                  max_batch: int, max_waiting: int, budget: TokenBudget,
-                 propose_drafts: DraftFn | None = None) -> None:
+                 propose_drafts: DraftFn | None = None,
+                 token_bucket: Callable[[int], int] | None = None) -> None:
         self.cache = cache
         self.page_size = page_size
         self.slots = slots
@@ -139,6 +146,8 @@ class Scheduler:
         self.max_waiting = max_waiting
         self.budget = budget
         self.propose_drafts = propose_drafts or (lambda request, k: [])
+        # The token slots a step of n tokens costs (the runner's graph bucket): prefill fills them
+        self.token_bucket = token_bucket or (lambda n: n)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -157,15 +166,25 @@ class Scheduler:
         return bool(self.running) or any(self._can_start(r) for r in self.waiting)
 
     # ---- one step ----------------------------------------------------------------------
-    def schedule(self, max_drafts: int = 0) -> ScheduledBatch:
-        rows: list[ScheduledRow] = []
-        has_decode_rows = any(r.is_decoding and r.can_sample for r in self.running)
-        budget = self.budget.beside_decode(self._num_prompt_tokens_to_prefill()) if has_decode_rows \
-            else self.budget.alone
+    def schedule(self, max_drafts: int = 0, continuing: list[ScheduledRow] = ()) -> ScheduledBatch:
+        """The next step's batch. `continuing`: the decode rows of a chained step (engine.py:
+        their requests' tokens of the step in flight are still on the GPU); they come first,
+        and then nothing is preempted: a running prefill or a new request that does not fit
+        waits for a later step."""
+        rows: list[ScheduledRow] = list(continuing)
+        can_preempt = not continuing
+        num_decode_tokens = len(continuing) + sum(
+            1 for r in self.running if r.is_decoding and r.can_sample and r.status is RequestStatus.RUNNING)
+        if num_decode_tokens:
+            budget = self.budget.beside_decode(self._num_prompt_tokens_to_prefill())
+            # the step pays for its whole bucket: padding slots may as well be prompt tokens
+            budget = max(budget, self.token_bucket(num_decode_tokens + budget) - num_decode_tokens)
+        else:
+            budget = self.budget.alone
         for request in list(self.running):
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            row = self._schedule_running(request, budget, max_drafts)
+            row = self._schedule_running(request, budget, max_drafts, can_preempt)
             if row is not None:
                 rows.append(row)
                 if not row.request.is_decoding:
@@ -183,11 +202,11 @@ class Scheduler:
         return ScheduledBatch(rows)
 
     def _num_prompt_tokens_to_prefill(self) -> int:
-        """Uncached tokens of the running requests that prefill and of the waiting ones, as far
-        as the fixed budget would not take them anyway (the count stops there)."""
+        """Uncached tokens of the running requests that prefill and of the waiting ones (the
+        count stops where the budget reaches its limit)."""
         if self.budget.max_with_decode == self.budget.with_decode:  # a fixed budget: nothing to count
             return 0
-        limit = 2 * self.budget.max_with_decode
+        limit = 4 * self.budget.max_with_decode
         total = 0
         for queue in (self.running, self.waiting):
             for request in queue:
@@ -197,7 +216,8 @@ class Scheduler:
                         return total
         return total
 
-    def _schedule_running(self, request: Request, budget: int, max_drafts: int) -> ScheduledRow | None:
+    def _schedule_running(self, request: Request, budget: int, max_drafts: int,
+                          can_preempt: bool = True) -> ScheduledRow | None:
         if request.is_decoding and request.can_sample:
             drafts = self._drafts(request, max_drafts)
             while True:
@@ -206,13 +226,13 @@ class Scheduler:
                 if drafts:
                     drafts = []  # no room for speculation: decode plainly first
                     continue
-                if self._preempt_newest() is request:
+                if not can_preempt or self._preempt_newest() is request:
                     return None
         chunk = self._chunk_len(request, budget)
         if chunk <= 0:
             return None
         while not self.reserve(request, request.num_cached + chunk):
-            if self._preempt_newest() is request:
+            if not can_preempt or self._preempt_newest() is request:
                 return None
         return self._row(request, chunk, [])
 

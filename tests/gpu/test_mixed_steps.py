@@ -37,9 +37,9 @@ class StepLog:
         self.steps: list[list[tuple[int, bool]]] = []
         self._run, engine.runner.run = engine.runner.run, self
 
-    def __call__(self, batch):
-        self.steps.append([(len(row.input_ids), row.request.is_decoding) for row in batch.rows])
-        return self._run(batch)
+    def __call__(self, batch, fed_back=None):
+        self.steps.append([(len(row.input_ids), row.is_decode) for row in batch.rows])
+        return self._run(batch, fed_back)
 
     @property
     def num_mixed(self) -> int:

@@ -110,11 +110,11 @@ def test_a_cancel_mid_prefill_leaves_its_pages_to_a_request_with_the_same_prefix
         chunks, streams = [], {}
         run = engine.runner.run
 
-        def cancel_a_after_two_chunks(batch):
+        def cancel_a_after_two_chunks(batch, fed_back=None):
             chunks.extend(row.num_cached for row in batch.rows if row.request.request_id == "a")
             if len(chunks) == 2:
                 streams["a"].cancel()
-            return run(batch)
+            return run(batch, fed_back)
         engine.runner.run = cancel_a_after_two_chunks
         streams["a"] = engine.submit(request(engine, "a", SYSTEM + TAILS[1]))
         streams["b"] = engine.submit(request(engine, "r0", SYSTEM + TAILS[0]))

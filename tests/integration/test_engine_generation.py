@@ -194,11 +194,11 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(engine):
     real_run = engine.runner.run
     calls = []
 
-    def run_once_broken(batch):  # the first forward that holds both requests fails
+    def run_once_broken(batch, fed_back=None):  # the first forward that holds both requests fails
         if not calls and {row.request.request_id for row in batch.rows} >= {"broken-json", "broken-free"}:
             calls.append(1)
             raise RuntimeError("injected forward failure")
-        return real_run(batch)
+        return real_run(batch, fed_back)
 
     engine.runner.run = run_once_broken
     try:

@@ -117,7 +117,7 @@ def graph_engine(monkeypatch, grammar_address, **config):
         self._next_copy, self._num_loaded_pages = 0, []
         self.num_graph_steps = self.num_chained_steps = self.num_mixed_steps = self.num_verify_steps = 0
         # mixed steps through the eager runner's model forward (the fused MixedForward needs CUDA)
-        self.mixed = lambda rows: runner.ModelRunner.run(self, ScheduledBatch(rows))
+        self.mixed = lambda rows, fed_back=None: runner.ModelRunner.run(self, ScheduledBatch(rows), fed_back)
         self.verify = self.mixed_graphs = None
 
     class FakeMapped:

@@ -29,12 +29,11 @@ class StepLog:
         self.on_step = None
         engine.runner.run = self
 
-    def __call__(self, batch):
-        self.steps.append([(row.request.request_id, len(row.input_ids), row.request.is_decoding)
-                           for row in batch.rows])
+    def __call__(self, batch, fed_back=None):
+        self.steps.append([(row.request.request_id, len(row.input_ids), row.is_decode) for row in batch.rows])
         if self.on_step is not None:
             self.on_step(batch)
-        return self._run(batch)
+        return self._run(batch, fed_back)
 
     @property
     def num_mixed(self) -> int:

@@ -1,8 +1,9 @@
-"""Pipelined mixed steps (EngineConfig.pipeline_mixed, engine.py `_step_pipelined`): step N+1's
-forward is launched before step N's text is streamed. On by default under CUDA graphs; here on
-the CPU runner, where it changes nothing a user sees: the same tokens, text, stop-string cuts
-and finish reasons as steps run one at a time, valid constrained outputs, cancels that end
-their streams, and every page, slot and matcher back. The GPU's: tests/gpu/test_mixed_steps.py."""
+"""Pipelined and chained mixed steps (EngineConfig.pipeline_mixed, engine/mixed_steps.py): step
+N+1's forward is launched before step N's text is streamed and, chained, before N's tokens are
+read (fed back into N+1's inputs by the runner). On by default under CUDA graphs; here on the
+CPU runner, where it changes nothing a user sees: the same tokens, text, stop-string cuts and
+finish reasons as steps run one at a time, valid constrained outputs, cancels that end their
+streams, and every page, slot and matcher back. The GPU's: tests/gpu/test_mixed_steps.py."""
 from __future__ import annotations
 
 import json
@@ -49,6 +50,7 @@ def run_staggered(grammar_address, pipelined: bool, stop: str | None = None):
         results = [collect(first)] + [collect(stream) for stream in streams]
         results[0].token_ids = list(head.token_ids) + results[0].token_ids
         results[0].text = head.text + results[0].text
+        log.num_chained = engine.mixed.num_chained
         return results, wait_settled(engine), log
     finally:
         engine.stop()
@@ -61,6 +63,7 @@ def test_pipelined_steps_stream_what_serial_steps_stream(grammar_address):
     runs = {pipelined: run_staggered(grammar_address, pipelined, stop) for pipelined in (False, True)}
     (serial, _, _), (pipelined, stats, log) = runs[False], runs[True]
     assert log.num_mixed >= 5, log.steps  # prompt chunks beside decode rows, pipelined
+    assert log.num_chained >= 5, log.steps  # ... launched before the step before was read
     for a, b in zip(serial, pipelined):
         assert (a.token_ids, a.text, a.finish_reason, a.error) == (b.token_ids, b.text, b.finish_reason, b.error)
     assert pipelined[4].finish_reason is FinishReason.STOP_STRING and stop not in pipelined[4].text
@@ -81,7 +84,7 @@ def test_cancel_between_pipelined_steps_ends_the_stream(grammar_address):
                        ("json", LONG[::-1], SamplingParams(max_new_tokens=200), json_grammar()))}
 
         def cancel_while_decoding(batch):  # their tokens of the step before are still deferred
-            decoded = {row.request.request_id for row in batch.rows if row.request.is_decoding}
+            decoded = {row.request.request_id for row in batch.rows if row.is_decode}
             if {"long", "json"} <= decoded and not log.cancelled:
                 log.cancelled = True
                 streams["long"].cancel()

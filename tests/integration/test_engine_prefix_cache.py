@@ -121,9 +121,9 @@ class CancelAt:
         engine.runner.run = self
         self.engine = engine
 
-    def __call__(self, batch):
+    def __call__(self, batch, fed_back=None):
         self.when(batch)
-        return self._run(batch)
+        return self._run(batch, fed_back)
 
     def remove(self) -> None:
         self.engine.runner.run = self._run
@@ -164,7 +164,7 @@ def test_a_request_keeps_its_shared_pages_when_the_other_is_cancelled(engines):
     x.get(timeout=60)  # x decodes: its prompt's pages are cached
     y = on.submit(make(on, "y", TAILS[2], 0, system=system, new_tokens=40))
     head = y.get(timeout=60)
-    with on._lock:  # (the engine thread's state)
+    with on.lock:  # (the engine thread's state)
         pages = next(r for r in on.scheduler.running if r.request_id == "y").pages
         assert [p for p in pages if on.prefix_cache.refs(p) == 2]  # y holds x's prefix pages
     x.cancel()

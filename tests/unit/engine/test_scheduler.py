@@ -12,9 +12,10 @@ PAGE = 4
 
 
 def make_scheduler(num_pages=64, max_batch=4, max_waiting=8, chunk=8, alone=None, drafts=None, caching=True,
-                   queued=0):
+                   queued=0, token_bucket=None):
     return Scheduler(PrefixCache(PageAllocator(num_pages), PAGE, caching), PAGE, SlotPool(2 * max_batch), max_batch=max_batch,
-                     max_waiting=max_waiting, budget=TokenBudget(chunk, alone or chunk, queued), propose_drafts=drafts)
+                     max_waiting=max_waiting, budget=TokenBudget(chunk, alone or chunk, queued), propose_drafts=drafts,
+                     token_bucket=token_bucket)
 
 
 def complete(batch, token=7, accepted=0):
@@ -81,18 +82,18 @@ def test_token_budgets_must_be_ordered():
 
 def test_beside_decode_rows_the_budget_grows_with_the_queue_up_to_its_limit():
     """Prompts that arrive faster than the small budget prefills them would keep rows that could
-    decode in the queue: a step beside decode rows takes half the waiting prompt tokens, at
+    decode in the queue: a step beside decode rows takes a quarter of the waiting prompt tokens, at
     least the chunk and at most the limit."""
     s = make_scheduler(num_pages=256, max_batch=8, chunk=8, alone=64, queued=32)
     a = make_request("a", 4)
     s.add(a)
     complete(s.schedule())  # a decodes from now on
-    s.add(make_request("b", 12))  # 12 waiting tokens: half is under the chunk
+    s.add(make_request("b", 12))  # 12 waiting tokens: a quarter is under the chunk
     batch = s.schedule()
     assert [(row.request.request_id, len(row.input_ids)) for row in batch.rows] == [("a", 1), ("b", 8)]
     complete(batch)
     for name in "cdef":
-        s.add(make_request(name, 40))  # 4 (b) + 160 waiting: half is over the limit
+        s.add(make_request(name, 40))  # 4 (b) + 160 waiting: a quarter is over the limit
     batch = s.schedule()
     assert sum(len(row.input_ids) for row in batch.rows if row.request is not a) == 32
     complete(batch)
@@ -162,3 +163,38 @@ def test_a_compiling_request_prefills_all_but_its_last_token():
     r.grammar_id = 3
     batch = s.schedule()
     assert batch.rows[0].input_ids == [10] and batch.rows[0].is_sampling
+
+
+def test_prefill_fills_the_token_bucket_a_step_pays_for():
+    """A graph step of n tokens costs its bucket's slots: while prompts wait, the padding up to
+    the bucket is prefilled instead."""
+    s = make_scheduler(num_pages=256, max_batch=8, chunk=8, alone=64, token_bucket=lambda n: -(-n // 16) * 16)
+    a = make_request("a", 4)
+    s.add(a)
+    complete(s.schedule())  # a decodes: 1 token + the chunk's 8 = 9, in a bucket of 16
+    s.add(make_request("b", 40))
+    batch = s.schedule()
+    assert [(row.request.request_id, len(row.input_ids)) for row in batch.rows] == [("a", 1), ("b", 15)]
+
+
+def test_continuing_rows_come_first_and_nothing_is_preempted_beside_them():
+    """A chained step's decode rows (their tokens still on the GPU) lead the batch; a running
+    request that needs a page held by them waits instead of preempting them."""
+    from generation_service.engine.scheduler import ScheduledRow
+
+    def setup():
+        s = make_scheduler(num_pages=3, max_batch=4, chunk=8)  # 2 usable pages of 4 tokens
+        d, a = make_request("d", 4), make_request("a", 3)
+        s.add(d)
+        s.add(a)
+        complete(s.schedule())        # d: 4 tokens, a: 3, a page each; d's next token needs a page
+        return s, d, a
+
+    s, d, a = setup()
+    s.schedule()                      # no chain: d's page preempts a, the newest
+    assert a.status is RequestStatus.PREEMPTED and s.num_preemptions == 1
+    s, d, a = setup()
+    a.num_cached = a.num_tokens       # chained: a's token of the step in flight is unread
+    continuing = [ScheduledRow(a, a.num_tokens, [-1], is_sampling=True)]
+    batch = s.schedule(continuing=continuing)
+    assert batch.rows == continuing and a.status is RequestStatus.RUNNING and s.num_preemptions == 0

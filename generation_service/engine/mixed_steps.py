@@ -1,0 +1,155 @@
+"""MixedSteps: pipelined and chained mixed steps (EngineConfig.pipeline_mixed, docs/serving.md).
+
+A mixed step (prefill chunks beside decode rows, engine.py) is *launched* and left in flight:
+its forward is queued, its masks awaited, its sampler queued with the tokens copied to the
+host behind an event (`Sampler.launch`). The next engine step then, when it can, *chains*:
+
+    1. schedule step N+1 before N's tokens are known: every row that samples in N goes on
+       decoding with `FED_BACK_TOKEN` (the runner copies N's token in on the device,
+       `FedBack`), prefill chunks and new requests take the rest of the budget;
+    2. launch N+1's forward (queued behind N's sampler: the GPU does not wait for the host);
+    3. read N's tokens and accept them (what the scheduler and the channel need), publish
+       them to grammar_service, begin N+1's grammar step;
+    4. deliver N's tokens (detokenize, stop strings, stream events) while the GPU computes;
+    5. wait for N+1's masks and launch its sampler: N+1 is in flight.
+
+so the host work of a step hides behind the next forward. A row that N finishes (a stop
+token, grammar completion, a stop string found in 4) has one token too many computed in N+1:
+it is dropped (its request is finished). Rows whose token in N is their last, past their
+deadline, or whose mask was late (VALID_LATE) are left out of N+1 and come back, if at all,
+through the scheduler once N is read. A step that cannot chain (a row with drafts, logprobs or
+logits processing; no prefill left beside the decode rows, where a decode graph does better;
+a page that cannot be reserved without preemption) reads N first: then N's delivery follows
+the next step's launch instead (`pipelined`, the same order one step later).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from generation_service.engine.fed_back import FED_BACK_TOKEN, FedBack
+from generation_service.engine.grammar_link import LinkRow, StepMasks
+from generation_service.engine.request import RequestStatus
+from generation_service.engine.sample_row import SampleRow
+from generation_service.engine.sampler import SampleLaunch
+from generation_service.engine.scheduler import ScheduledBatch, ScheduledRow
+from step_channel import VALID_LATE
+
+if TYPE_CHECKING:
+    from generation_service.engine.engine import Engine
+
+
+@dataclass
+class MixedFlight:
+    """A launched mixed step whose tokens have not been read."""
+
+    batch: ScheduledBatch     # its rows that sample (and prefill chunks), requests live at launch
+    step: int | None          # its grammar step
+    rows: list[LinkRow]       # that step's descriptor rows
+    masks: StepMasks | None
+    sample: SampleLaunch
+
+
+class MixedSteps:
+    """The engine's mixed steps under `pipeline_mixed`; `in_flight` is the launched one."""
+
+    def __init__(self, engine: Engine, chain: bool) -> None:
+        self.engine = engine
+        self.chain = chain          # launch N+1 before reading N where the step allows it
+        self.in_flight: MixedFlight | None = None
+        self.num_chained = 0        # steps launched before their predecessor was read
+        self._fed_sources: dict[int, int] = {}  # the chained batch's row -> its previous sample
+
+    def launch(self, batch: ScheduledBatch, previous: MixedFlight | None = None) -> None:
+        """Launch `batch` (fed from `previous`, a chained step), read `previous`, and leave
+        `batch` in flight (the module's steps 2-5)."""
+        engine = self.engine
+        started = time.perf_counter()
+        fed_back = FedBack(previous.sample.tokens, self._fed_sources) if previous is not None else None
+        logits = engine.runner.run(batch, fed_back)
+        for row in batch.rows:  # computed once the stream gets there: what the scheduler sees next
+            row.request.num_cached = row.seq_len
+        if previous is not None:
+            self.collect(previous)
+            self.num_chained += 1
+        with engine.lock:
+            live = ScheduledBatch([row for row in batch.rows if not row.request.is_finished])
+            rows = engine.table.grammar_rows(live, engine.link)
+            step = engine.link.begin(rows) if rows else None
+            engine.deliver_deferred()
+        if engine.link is not None:
+            engine.link.forward_done(step, time.perf_counter() - started)
+        masks = engine.link.wait(step) if step is not None else None
+        sample = self._launch_sample(live, batch, logits, masks)
+        self.in_flight = MixedFlight(live, step, rows, masks, sample)
+        engine.num_mixed_steps += 1
+        engine.num_prefill_tokens += batch.num_prefill_tokens
+
+    def step(self) -> None:
+        """The engine step after a launched one: chain the next, or read this one."""
+        engine, previous = self.engine, self.in_flight
+        self.in_flight = None
+        with engine.lock:
+            engine.apply_inbox()
+            engine.table.poll(engine.link)
+            batch = self._chained_batch(previous) if self.chain else None
+        if batch is None:
+            self.collect(previous)
+            return
+        self.launch(batch, previous)
+
+    def collect(self, flight: MixedFlight) -> None:
+        """Read a launched step's tokens and accept them; their delivery is deferred."""
+        self.engine.finish_step(flight.batch, flight.step, flight.sample.result(), flight.masks, False,
+                                flight.rows, defer=True)
+
+    def _launch_sample(self, live: ScheduledBatch, batch: ScheduledBatch, logits: torch.Tensor,
+                       masks: StepMasks | None) -> SampleLaunch:
+        """Sample the rows of `live`, whose logits are those of `batch`'s sampling rows that
+        are still live (a request that the previous step finished is not sampled)."""
+        rows, every = live.sampling_rows, batch.sampling_rows
+        if len(rows) != len(every):
+            index, offset = [], 0
+            for row in every:
+                if not row.request.is_finished:
+                    index.extend(range(offset, offset + row.num_positions))
+                offset += row.num_positions
+            engine = self.engine
+            logits = logits.index_select(0, engine.sampler.staging(logits.device).tensor(torch.int64, index)) \
+                if logits.device.type == "cuda" else logits[index]
+        sample_rows = [SampleRow.of(row, row.request.is_constrained and masks is not None) for row in rows]
+        return self.engine.sampler.launch(logits, sample_rows, masks.bitmask if masks is not None else None)
+
+    def _chained_batch(self, previous: MixedFlight) -> ScheduledBatch | None:
+        """Step N+1 scheduled before `previous`'s tokens are read, or None (read N first)."""
+        engine = self.engine
+        if previous.sample.tokens is None or (engine.link is not None and not engine.link.is_connected):
+            return None
+        now = time.monotonic()
+        continuing, sources = [], {}
+        for index, row in enumerate(previous.batch.sampling_rows):
+            request = row.request
+            sampling = request.sampling
+            if (sampling.num_logprobs or sampling.uses_logit_processing
+                    or (engine.config.max_draft_tokens and request.spec.speculative.num_draft_tokens)):
+                return None  # the sampler's CPU rules, or drafts: scheduled once N is read
+            valid = previous.masks.valid_positions.get(id(request), 1) if previous.masks is not None else 1
+            if (request.status is not RequestStatus.RUNNING
+                    or request.num_generated + 1 >= request.max_new_tokens  # N's token is its last
+                    or (request.spec.deadline is not None and now > request.spec.deadline)
+                    or (request.is_constrained and valid in (0, VALID_LATE))):
+                continue
+            if not engine.scheduler.reserve(request, row.seq_len + 1):
+                return None  # (pages reserved before a refusal are kept for the next step)
+            sources[len(continuing)] = index  # the continuing rows come first in the batch
+            continuing.append(ScheduledRow(request, row.seq_len, [FED_BACK_TOKEN], is_sampling=True))
+        if not continuing:
+            return None
+        batch = engine.scheduler.schedule(0, continuing=continuing)
+        if not batch.num_prefill_tokens:
+            return None  # decode rows alone: a decode graph runs them once N is read
+        self._fed_sources = sources
+        return batch
