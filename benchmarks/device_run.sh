@@ -17,7 +17,8 @@
 #   run: bash benchmarks/device_run.sh [tests|serve|bench|verify|profile|gemv|grammar|ab|all|a,b,...] [extra decode.py args...]
 #   (TESTS: the test paths, default tests/gpu; SERVE_ARGS: serve.py's arguments, default the full plan;
 #    SERVE_NAME: its result's name under $OUT, default serve-h200; SERVE_PROFILE: py-spy the server
-#    through the workloads whose name holds it, e.g. "free 512/128 c=128" (py-spy in .whl))
+#    through the workloads whose name holds it, e.g. "free 512/128 c=128" (py-spy in .whl); SERVE_ARGS may add
+#    --profile-mode wall)
 #   (PROFILE_ARGS: extra profile_step.py args, e.g. "--variants gemv+pdl-torch-prologue gemv+pdl";
 #    GRAMMAR_ARGS: grammar_step.py's workload args instead of the default)
 # Writes under $OUT: env.txt, tests.log, junit.xml, serve.log, serve-h200.json, bench.log, decode-h200.json,

@@ -417,8 +417,9 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
 
 
 def profile_server(args, server: Server, shape: str, workload: Workload) -> subprocess.Popen | None:
-    """`--profile TEXT`: py-spy samples the server process, the GIL holder only, through a
-    workload whose name holds TEXT; its stacks (py-spy's raw format) go beside --out."""
+    """`--profile TEXT`: py-spy samples the server process through a workload whose name holds
+    TEXT: the GIL holder (`--profile-mode gil`) or every thread, idle or not (`wall`); its stacks
+    (py-spy's raw format) go beside --out."""
     if not args.profile or args.profile not in workload.name:
         return None
     places = [pathlib.Path(sys.prefix), *map(pathlib.Path, sys.path)]  # a venv's bin/, pip --target's bin/
@@ -430,7 +431,8 @@ def profile_server(args, server: Server, shape: str, workload: Workload) -> subp
     name = re.sub(r"[^A-Za-z0-9]+", "-", f"{shape} {workload.name}").strip("-")
     out = pathlib.Path(args.out).with_name(f"{pathlib.Path(args.out).stem}-profile-{name}.txt")
     seconds = int(workload.warmup_s + workload.duration_s + 3)
-    return subprocess.Popen([spy, "record", "--pid", str(server.process.pid), "--gil", "--threads", "--nonblocking",
+    mode = ["--gil"] if args.profile_mode == "gil" else ["--idle"]
+    return subprocess.Popen([spy, "record", "--pid", str(server.process.pid), *mode, "--threads", "--nonblocking",
                              "--rate", "200", "--duration", str(seconds), "--format", "raw", "--output", str(out)],
                             stdout=subprocess.DEVNULL, stderr=open(str(out) + ".log", "w"))
 
@@ -492,6 +494,8 @@ def main() -> int:
     parser.add_argument("--tensor-parallel", type=int, default=1,
                         help="the server's --tensor-parallel: GPUs the model is sharded over")
     parser.add_argument("--profile", default="", help="py-spy the server through workloads whose name holds this")
+    parser.add_argument("--profile-mode", choices=("gil", "wall"), default="gil",
+                        help="--profile samples the GIL holder, or every thread's wall time")
     parser.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="more `structgen serve` flags")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
