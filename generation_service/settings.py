@@ -39,8 +39,8 @@ SERVE_SETTINGS = SettingsTable("structgen serve", (
         Setting("prefill-chunk-tokens", "prefill tokens per step while decoding requests share it "
                 "(default: measured at start on a GPU, 512 on CPU)", minimum=1),
         Setting("max-prefill-chunk-tokens", "the most prefill tokens of a step that decoding requests share "
-                "while prompts queue (it takes a quarter of the queued prompt tokens, at least --prefill-chunk-tokens) "
-                "(default: 4x --prefill-chunk-tokens, within --max-prefill-tokens)", minimum=1),
+                "while prompts queue (it takes an eighth of the queued prompt tokens, at least --prefill-chunk-tokens) "
+                "(default: 3x --prefill-chunk-tokens, within --max-prefill-tokens)", minimum=1),
         Setting("max-prefill-tokens", "prefill tokens of a step no decoding request shares "
                 "(default: 8192 on a GPU, --prefill-chunk-tokens on CPU)", minimum=1),
         Setting("page-size", "tokens per KV-cache page", minimum=1),

@@ -22,7 +22,7 @@ class EngineConfig:
     # one decode step of the largest batch, `CudaGraphRunner.measure_prefill_chunk`), 512 on the CPU.
     prefill_chunk_tokens: int | None = None
     # The most prefill tokens of a step that decode rows share while prompts queue: such a step
-    # takes a quarter of the prompt tokens waiting, at least prefill_chunk_tokens. None: 4x
+    # takes an eighth of the prompt tokens waiting, at least prefill_chunk_tokens. None: 3x
     # prefill_chunk_tokens, within max_prefill_tokens (docs/serving.md "The prefill budget").
     max_prefill_chunk_tokens: int | None = None
     # Prefill tokens of a step that no decode row shares (an idle server's long prompt). None: 8192

@@ -62,7 +62,7 @@ log = logging.getLogger(__name__)
 CPU_KV_BUDGET_BYTES = 256 << 20
 CPU_PREFILL_CHUNK_TOKENS = 512   # the CPU's reference attention holds chunk x context fp32 scores
 GPU_MAX_PREFILL_TOKENS = 8192    # a step no decode row shares: an idle server's long prompt in few steps
-QUEUED_CHUNK_FACTOR = 4          # max_prefill_chunk_tokens unset: this many chunks while prompts queue
+QUEUED_CHUNK_FACTOR = 3          # max_prefill_chunk_tokens unset: this many chunks while prompts queue
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "RequestStream"]
 
@@ -148,7 +148,7 @@ class Engine:
 
     def _token_budget(self) -> TokenBudget:
         """Prefill tokens per step (with decode rows / the most with them while prompts queue /
-        without): the config's, else measured on the GPU (`measure_prefill_chunk`), 4x that and
+        without): the config's, else measured on the GPU (`measure_prefill_chunk`), 3x that and
         8192 alone, else 512 on the CPU."""
         config, on_gpu = self.config, self.runner_name == "cuda_graph"
         alone = config.max_prefill_tokens or max(

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,9 +36,6 @@ from generation_service.engine.sample_row import SampleRow
 from generation_service.engine.sampler import SampleLaunch
 from generation_service.engine.scheduler import ScheduledBatch, ScheduledRow
 from step_channel import VALID_LATE
-
-if TYPE_CHECKING:
-    from generation_service.engine.engine import Engine
 
 
 @dataclass
@@ -54,9 +50,10 @@ class MixedFlight:
 
 
 class MixedSteps:
-    """The engine's mixed steps under `pipeline_mixed`; `in_flight` is the launched one."""
+    """The engine's mixed steps under `pipeline_mixed`; `in_flight` is the launched one.
+    `engine`: the Engine whose lock, table, scheduler, runner, sampler and link it drives."""
 
-    def __init__(self, engine: Engine, chain: bool) -> None:
+    def __init__(self, engine, chain: bool) -> None:
         self.engine = engine
         self.chain = chain          # launch N+1 before reading N where the step allows it
         self.in_flight: MixedFlight | None = None

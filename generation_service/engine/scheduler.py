@@ -87,7 +87,7 @@ DraftFn = Callable[[Request, int], list[int]]  # (request, max drafts) -> draft 
 @dataclass(frozen=True)
 class TokenBudget:
     """Prefill tokens per step: `with_decode` while decode rows share the step, `alone` when
-    none does; beside decode rows, while more prompt tokens wait, a quarter of those waiting
+    none does; beside decode rows, while more prompt tokens wait, an eighth of those waiting
     up to `max_with_decode` (0: `with_decode`, a fixed budget). 1 <= with_decode <=
     max_with_decode <= alone."""
 
@@ -107,9 +107,9 @@ class TokenBudget:
 
     def beside_decode(self, num_waiting_tokens: int) -> int:
         """The budget of a step that decode rows share, with this many prompt tokens to
-        prefill: a quarter of them (what waits is spread over four steps, so the steps stay
+        prefill: an eighth of them (what waits is spread over eight steps, so the steps stay
         even when requests arrive together), between `with_decode` and `max_with_decode`."""
-        return min(self.max_with_decode, max(self.with_decode, num_waiting_tokens // 4))
+        return min(self.max_with_decode, max(self.with_decode, num_waiting_tokens // 8))
 
 
 class SlotPool:
@@ -206,7 +206,7 @@ class Scheduler:
         count stops where the budget reaches its limit)."""
         if self.budget.max_with_decode == self.budget.with_decode:  # a fixed budget: nothing to count
             return 0
-        limit = 4 * self.budget.max_with_decode
+        limit = 8 * self.budget.max_with_decode
         total = 0
         for queue in (self.running, self.waiting):
             for request in queue:

@@ -82,18 +82,18 @@ def test_token_budgets_must_be_ordered():
 
 def test_beside_decode_rows_the_budget_grows_with_the_queue_up_to_its_limit():
     """Prompts that arrive faster than the small budget prefills them would keep rows that could
-    decode in the queue: a step beside decode rows takes a quarter of the waiting prompt tokens, at
+    decode in the queue: a step beside decode rows takes an eighth of the waiting prompt tokens, at
     least the chunk and at most the limit."""
     s = make_scheduler(num_pages=256, max_batch=8, chunk=8, alone=64, queued=32)
     a = make_request("a", 4)
     s.add(a)
     complete(s.schedule())  # a decodes from now on
-    s.add(make_request("b", 12))  # 12 waiting tokens: a quarter is under the chunk
+    s.add(make_request("b", 12))  # 12 waiting tokens: an eighth is under the chunk
     batch = s.schedule()
     assert [(row.request.request_id, len(row.input_ids)) for row in batch.rows] == [("a", 1), ("b", 8)]
     complete(batch)
-    for name in "cdef":
-        s.add(make_request(name, 40))  # 4 (b) + 160 waiting: a quarter is over the limit
+    for name in "cdefghi":
+        s.add(make_request(name, 40))  # 4 (b) + 280 waiting: an eighth is over the limit
     batch = s.schedule()
     assert sum(len(row.input_ids) for row in batch.rows if row.request is not a) == 32
     complete(batch)
