@@ -7,7 +7,6 @@ gRPC status with their message; anything else is INTERNAL and logged.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import logging
 import os
@@ -22,6 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from grammar_contract.spec import GrammarSpec, ReasoningSpan
 from structgen import telemetry
+from structgen.heap import freeze_heap
 from structgen.signals import StopSignals
 from grammar_service.backends import available_backends, load_backend_class
 from grammar_service.compiler import spec_key
@@ -62,21 +62,6 @@ class _StatusInterceptor(grpc.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(
             guarded, request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer)
-
-
-def freeze_heap() -> None:
-    """Collect, then keep every object alive now out of the collector's full passes (gc.freeze).
-
-    A full pass traverses every tracked object and runs on whichever thread allocates at the
-    wrong moment: often a step loop, stalling that step and the GPU behind it. With the 131k
-    tokenizer loaded (xgrammar imports torch) the process tracks ~217k objects, and a full pass
-    over them stalled a step by over a hundred milliseconds (docs/architecture.md step 4);
-    frozen, a full pass has almost nothing to traverse. Called at start
-    and after each tokenizer load, when no step loop runs (service.py); what it freezes
-    (imports, tokenizer, backends) lives as long as the process or the tokenizer anyway.
-    """
-    gc.collect()
-    gc.freeze()
 
 
 def preload_backends() -> None:

@@ -44,7 +44,7 @@ class _Tokenizer:
 class GrammarService:
     def __init__(self, config: GrammarServiceConfig, *, after_tokenizer_load: Callable[[], None] = lambda: None):
         """`after_tokenizer_load` runs after each tokenizer load, with no channel open (the server
-        freezes the heap there: server.freeze_heap)."""
+        freezes the heap there: structgen.heap.freeze_heap)."""
         self.config = config
         self._after_tokenizer_load = after_tokenizer_load
         self._lock = threading.Lock()

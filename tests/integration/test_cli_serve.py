@@ -7,6 +7,7 @@ down."""
 import json
 import os
 import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -79,6 +80,13 @@ def test_bearer_token_is_required_except_for_health(own_server):
         assert len(client.generate_text("hi", max_tokens=2).token_ids) == 2
     assert _health(own_server.address) == health_pb2.HealthCheckResponse.SERVING
     assert _health(f"127.0.0.1:{own_server.health_port}") == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_the_heap_is_frozen_once_serving(own_server):
+    """A full garbage collection over the model's, tokenizer's and imports' objects would stall
+    every stream (structgen/heap.py): serve freezes them once it is up."""
+    frozen = re.search(r"heap frozen: (\d+) objects", own_server.log_text())
+    assert frozen and int(frozen.group(1)) > 50_000, own_server.log_text()[-2000:]
 
 
 def test_metrics_port_serves_prometheus_text(own_server):

@@ -85,7 +85,7 @@ def test_the_heap_is_frozen_at_start_and_after_the_first_channels_tokenizer_load
                                                                               mistral_32k_fingerprint):
     """What exists when the server starts, and what the tokenizer load of the first OpenChannel
     builds (`structgen serve` starts grammar_service without a tokenizer), is out of the
-    collector's full passes: such a pass would stall a step loop (server.freeze_heap)."""
+    collector's full passes: such a pass would stall a step loop (structgen.heap.freeze_heap)."""
     gc.unfreeze()
     before_start = [[]]
     config = GrammarServiceConfig(listen=f"unix://{tmp_path}/g.sock", shutdown_grace_s=0.5)
