@@ -21,6 +21,8 @@
 #    --profile-mode wall)
 #   (PROFILE_ARGS: extra profile_step.py args, e.g. "--variants gemv+pdl-torch-prologue gemv+pdl";
 #    GRAMMAR_ARGS: grammar_step.py's workload args instead of the default)
+# Set STRUCTGEN_CODE_COMMIT=<this checkout's HEAD> in the call: the device's copy of git may be at the
+#   session's first commit, not the one measured (the result files' code_commit).
 # Writes under $OUT: env.txt, tests.log, junit.xml, serve.log, serve-h200.json, bench.log, decode-h200.json,
 #   grammar_step.log, grammar_step-h200-host-16cpu.json, profile.log, profile-h200.json,
 #   kernels-gemv.log, kernels-gemv-h200.json, verify.log, verify-h200.json, decode-ab-<name>.json|.log.
