@@ -22,8 +22,10 @@ nothing else can change the batch (no new, waiting, cancelled or releasing reque
 row at its token limit or deadline, pages reserved); a row that N finishes (a stop token)
 has computed one token too many in N+1, which is dropped (the request is finished). Any
 other change ends the chain: N+1 is collected and the next step is scheduled as usual.
+Mixed steps (prefill chunks beside decode rows) chain the same way under `pipeline_mixed`,
+with prefill in every step: engine/mixed_steps.py.
 
-Threads: `submit`, `cancel` and `stats` take `_lock` briefly; the loop holds it for its
+Threads: `submit`, `cancel` and `stats` take `lock` briefly; the loop holds it for its
 bookkeeping, never across the forward or the mask wait.
 """
 from __future__ import annotations

@@ -8,7 +8,7 @@ import pytest
 
 from generation_service.engine.errors import EngineError
 from generation_service.engine.events import FinishReason, OutputEvent, TokenLogprob, Usage
-from generation_service.engine.stream import RequestStream, coalesce
+from generation_service.engine.stream import LoopWaker, RequestStream, coalesce
 from grammar_contract.report import GuaranteeReport
 
 
@@ -85,3 +85,73 @@ def test_no_wake_up_is_lost_under_contention():
     consumer.join(timeout=30)
     assert not consumer.is_alive(), "the consumer slept through a wake-up"
     assert received == list(range(num_steps))
+
+
+def test_an_asyncio_consumer_loses_no_wake_up_under_contention():
+    """The same race for `acoalesced` on an event loop: the engine thread's wake-ups resume
+    the task through the loop's LoopWaker."""
+    import asyncio
+
+    stream, num_steps = new_stream(), 5000
+    received: list[int] = []
+
+    async def consume():
+        async for event in stream.acoalesced():
+            received.extend(event.token_ids)
+
+    async def main():
+        task = asyncio.ensure_future(consume())
+        await asyncio.sleep(0)  # the consumer waits on the loop before the producer starts
+
+        def produce():
+            for i in range(num_steps):
+                stream.push(tokens(i))
+                stream.wake()
+            stream.put(final())
+        producer = threading.Thread(target=produce)
+        producer.start()
+        await asyncio.wait_for(task, timeout=30)
+        producer.join()
+
+    asyncio.run(main())
+    assert received == list(range(num_steps))
+
+
+def test_the_streams_woken_in_one_step_resume_with_one_loop_call():
+    """A step wakes every stream that got events; their consumers resume through one
+    `call_soon_threadsafe` (a write to the loop's self-pipe), not one each."""
+    import asyncio
+
+    streams = [new_stream() for _ in range(64)]
+    calls: list[int] = []
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        original = loop.call_soon_threadsafe
+
+        def counted(callback, *args, **kwargs):
+            if getattr(callback, "__self__", None) is LoopWaker.of(loop):  # (the executor calls it too)
+                calls.append(1)
+            return original(callback, *args, **kwargs)
+        loop.call_soon_threadsafe = counted
+        got: dict[int, list[int]] = {}
+
+        async def consume(k, stream):
+            async for event in stream.acoalesced():
+                got.setdefault(k, []).extend(event.token_ids)
+        tasks = [asyncio.ensure_future(consume(k, s)) for k, s in enumerate(streams)]
+        await asyncio.sleep(0.01)  # every consumer waits
+
+        def step():
+            for k, stream in enumerate(streams):
+                stream.push(tokens(k))
+            for stream in streams:
+                stream.wake()
+        await loop.run_in_executor(None, step)
+        await asyncio.sleep(0.05)
+        assert sorted(got) == list(range(64)) and len(calls) == 1, (len(got), len(calls))
+        for stream in streams:
+            stream.put(final())
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout=10)
+
+    asyncio.run(main())
