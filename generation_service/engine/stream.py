@@ -21,7 +21,7 @@ class RequestStream:
     engine thread in the middle of the step (benchmarks/engine_host.py). `wake` only costs a
     futex call when the consumer is blocked; one that is behind finds the events queued.
     An asyncio consumer (`abatches`) costs no thread: the streams woken in one step resume
-    on their loop through one `LoopWaker` call."""
+    on their loop through the same `LoopWaker` call."""
 
     def __init__(self, request_id: str, cancel: Callable[[str], None]) -> None:
         self.request_id = request_id
@@ -140,8 +140,9 @@ class RequestStream:
 
 class LoopWaker:
     """Resumes the asyncio consumers that the engine thread woke, one loop call per batch of
-    wake-ups: the streams woken in one step cost one `call_soon_threadsafe` (a write to the
-    loop's self-pipe) together, not one each."""
+    wake-ups: a wake-up that finds a call pending joins it, so the streams woken in one step
+    cost one `call_soon_threadsafe` (a write to the loop's self-pipe) together, or a few when
+    the loop runs in between, not one each."""
 
     _by_loop: dict[asyncio.AbstractEventLoop, "LoopWaker"] = {}
     _by_loop_lock = threading.Lock()

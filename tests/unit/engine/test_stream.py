@@ -117,9 +117,10 @@ def test_an_asyncio_consumer_loses_no_wake_up_under_contention():
     assert received == list(range(num_steps))
 
 
-def test_the_streams_woken_in_one_step_resume_with_one_loop_call():
-    """A step wakes every stream that got events; their consumers resume through one
-    `call_soon_threadsafe` (a write to the loop's self-pipe), not one each."""
+def test_the_streams_woken_in_one_step_share_their_loop_calls():
+    """A step wakes every stream that got events; their consumers resume through the loop
+    calls (`call_soon_threadsafe`, a write to the loop's self-pipe) of the wake-ups that found
+    none pending: one, or a few when the loop ran in between, not one each."""
     import asyncio
 
     streams = [new_stream() for _ in range(64)]
@@ -149,7 +150,7 @@ def test_the_streams_woken_in_one_step_resume_with_one_loop_call():
                 stream.wake()
         await loop.run_in_executor(None, step)
         await asyncio.sleep(0.05)
-        assert sorted(got) == list(range(64)) and len(calls) == 1, (len(got), len(calls))
+        assert sorted(got) == list(range(64)) and 1 <= len(calls) <= 4, (len(got), len(calls))
         for stream in streams:
             stream.put(final())
         await asyncio.wait_for(asyncio.gather(*tasks), timeout=10)
