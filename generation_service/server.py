@@ -200,13 +200,8 @@ class RunningServer:
     health_server: grpc.aio.Server | None = None
 
     def set_serving(self, is_serving: bool) -> None:
-        status = (health_pb2.HealthCheckResponse.SERVING if is_serving
-                  else health_pb2.HealthCheckResponse.NOT_SERVING)
-
-        async def set_all() -> None:
-            for service in ("", SERVICE_NAME):
-                await self.health.set(service, status)
-        self.aio.call(set_all())
+        self.aio.call(_set_health(self.health, health_pb2.HealthCheckResponse.SERVING if is_serving
+                                  else health_pb2.HealthCheckResponse.NOT_SERVING))
 
     def stop(self, grace_s: float) -> None:
         """Drain, then close. For the whole drain the port stays open and health answers
@@ -293,8 +288,7 @@ async def _start(aio: AioLoop, engine, config: ServeConfig) -> RunningServer:
     metrics.get().watch(engine, structgen.__version__)  # engine gauges at scrape time
     engine.table.finish_listeners.append(tracing.RequestSpans())
     health_servicer = health.aio.HealthServicer()
-    for service in ("", SERVICE_NAME):  # not SERVING before we are
-        await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)  # not before we are
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     enable_reflection((SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), server)
     if config.uses_tls:
@@ -308,6 +302,11 @@ async def _start(aio: AioLoop, engine, config: ServeConfig) -> RunningServer:
     if health_server is not None:
         await health_server.start()
     running = RunningServer(aio, server, health_servicer, port, servicer, blocking, health_server)
-    for service in ("", SERVICE_NAME):
-        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
     return running
+
+
+async def _set_health(health_servicer, status) -> None:
+    """The status overall ("") and of GenerationService (on the servicer's loop)."""
+    for service in ("", SERVICE_NAME):
+        await health_servicer.set(service, status)

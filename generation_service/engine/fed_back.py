@@ -1,6 +1,6 @@
 """FedBack: input tokens of a step that the step before it samples, handed over on the device.
 
-A chained mixed step (engine.py, `_step_mixed_chained`) is launched before the host has read
+A chained mixed step (mixed_steps.py, `MixedSteps.step`) is launched before the host has read
 the previous step's tokens: each row that goes on decoding carries `FED_BACK_TOKEN` in its
 input ids, and the runner copies the previous step's sampled token into that slot on the
 device, after uploading the step's inputs and before its forward. Stream order makes the copy

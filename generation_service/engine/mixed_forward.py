@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from generation_service.engine.decode_forward import CUBLAS, DecodeForward, DecodeMeta
-from generation_service.engine.pinned import PinnedStaging
 from generation_service.engine.fed_back import FedBack
+from generation_service.engine.pinned import PinnedStaging
 from generation_service.engine.scheduler import ScheduledRow
 
 
