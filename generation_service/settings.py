@@ -41,6 +41,9 @@ SERVE_SETTINGS = SettingsTable("structgen serve", (
         Setting("max-prefill-chunk-tokens", "the most prefill tokens of a step that decoding requests share "
                 "while prompts queue (it takes an eighth of the queued prompt tokens, at least --prefill-chunk-tokens) "
                 "(default: 3x --prefill-chunk-tokens, within --max-prefill-tokens)", minimum=1),
+        Setting("max-step-stretch", "a step that decoding requests share takes at most this many of their plain "
+                "decode steps: the prefill beside them is cut to fit, never below --prefill-chunk-tokens "
+                "(GPU; 0: no cap)", minimum=0),
         Setting("max-prefill-tokens", "prefill tokens of a step no decoding request shares "
                 "(default: 8192 on a GPU, --prefill-chunk-tokens on CPU)", minimum=1),
         Setting("page-size", "tokens per KV-cache page", minimum=1),

@@ -19,12 +19,16 @@ class EngineConfig:
     max_new_tokens_limit: int = 2048
     # Prefill tokens per step while decode rows share it (chunked prefill: each decode row waits
     # for the whole step). None: measured at start on a GPU (the prefill whose compute costs about
-    # one decode step of the largest batch, `CudaGraphRunner.measure_prefill_chunk`), 512 on the CPU.
+    # one decode step of the largest batch, `MixedStepCost.chunk`), 512 on the CPU.
     prefill_chunk_tokens: int | None = None
     # The most prefill tokens of a step that decode rows share while prompts queue: such a step
     # takes an eighth of the prompt tokens waiting, at least prefill_chunk_tokens. None: 3x
     # prefill_chunk_tokens, within max_prefill_tokens (docs/serving.md "The prefill budget").
     max_prefill_chunk_tokens: int | None = None
+    # A step that decode rows share takes at most this many plain decode steps (their recent
+    # time, host included): the prefill beside them is cut to fit, never below
+    # prefill_chunk_tokens. Measured steps only (a GPU); 0: no cap (engine/step_time.py).
+    max_step_stretch: float = 2.0
     # Prefill tokens of a step that no decode row shares (an idle server's long prompt). None: 8192
     # on a GPU, prefill_chunk_tokens on the CPU (whose reference attention holds n x L fp32 scores).
     max_prefill_tokens: int | None = None
@@ -59,6 +63,8 @@ class EngineConfig:
                              f"max_prefill_tokens ({self.max_prefill_tokens})")
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is the dummy page), got {self.num_pages}")
+        if self.max_step_stretch and self.max_step_stretch < 1:
+            raise ValueError(f"max_step_stretch must be 0 (no cap) or >= 1, got {self.max_step_stretch}")
         if self.max_draft_tokens < 0:
             raise ValueError(f"max_draft_tokens must be >= 0, got {self.max_draft_tokens}")
         if self.grammar_wait_timeout_s <= 0:

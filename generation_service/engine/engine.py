@@ -56,6 +56,7 @@ from generation_service.engine.sample_row import SampleRow
 from generation_service.engine.sampler import Sampler, SampleResult
 from generation_service.engine.scheduler import ScheduledBatch, ScheduledRow, Scheduler, SlotPool, TokenBudget
 from generation_service.engine.speculative import PROPOSERS, make_proposer
+from generation_service.engine.step_time import StepTime
 from generation_service.engine.stream import RequestStream
 from generation_service.engine.validation import RequestLimits, validate_request
 from step_channel import Geometry
@@ -108,7 +109,7 @@ class Engine:
                                   verify_width=1 + config.max_draft_tokens if config.verify_graphs else 0,
                                   max_context_tokens=config.max_prompt_tokens + config.max_new_tokens_limit
                                   + config.max_draft_tokens)
-        self.token_budget = self._token_budget()
+        self.token_budget, self.step_time = self._token_budget()
         self.config = config = replace(config, prefill_chunk_tokens=self.token_budget.with_decode,
                                        max_prefill_chunk_tokens=self.token_budget.max_with_decode,
                                        max_prefill_tokens=self.token_budget.alone)
@@ -116,7 +117,7 @@ class Engine:
             self.prefix_cache, config.page_size, self.slots, max_batch=config.max_batch,
             max_waiting=config.max_waiting, budget=self.token_budget,
             propose_drafts=lambda r, k: self.proposers[r.spec.speculative.proposer].propose(r, k),
-            token_bucket=self.runner.token_bucket)
+            token_bucket=self.runner.token_bucket, step_time=self.step_time)
         self.sampler = Sampler(config.mask_backend)
         eos = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids if self.tokenizer else ())
         self.eos_token_ids = tuple(sorted(eos))
@@ -148,23 +149,27 @@ class Engine:
         self.num_prefill_tokens = 0
         self.step_s_total = {"graph": 0.0, "mixed": 0.0}  # engine-loop wall time per step kind
 
-    def _token_budget(self) -> TokenBudget:
+    def _token_budget(self) -> tuple[TokenBudget, StepTime | None]:
         """Prefill tokens per step (with decode rows / the most with them while prompts queue /
-        without): the config's, else measured on the GPU (`measure_prefill_chunk`), 3x that and
-        8192 alone, else 512 on the CPU."""
+        without): the config's, else measured on the GPU (`MixedStepCost.chunk`), 3x that and
+        8192 alone, else 512 on the CPU; and, where steps were measured, the cap on a step that
+        decode rows share (`max_step_stretch` plain decode steps, step_time.py)."""
         config, on_gpu = self.config, self.runner_name == "cuda_graph"
         alone = config.max_prefill_tokens or max(
             GPU_MAX_PREFILL_TOKENS if on_gpu else CPU_PREFILL_CHUNK_TOKENS, config.prefill_chunk_tokens or 1)
+        cost = self.runner.measure_step_cost()
         chunk = config.prefill_chunk_tokens
         if chunk is None:
-            chunk = self.runner.measure_prefill_chunk(config.max_batch, alone) or CPU_PREFILL_CHUNK_TOKENS
+            chunk = cost.chunk(alone) if cost is not None else CPU_PREFILL_CHUNK_TOKENS
         chunk = min(chunk, alone)
         queued = min(max(config.max_prefill_chunk_tokens or QUEUED_CHUNK_FACTOR * chunk, chunk), alone)
         budget = TokenBudget(chunk, alone, queued)
-        log.info("prefill budget: %d tokens per step beside decode rows (up to %d while prompts queue), %d without "
-                 "(%s)", budget.with_decode, budget.max_with_decode, budget.alone,
+        step_time = StepTime(cost, config.max_step_stretch) if cost is not None and config.max_step_stretch else None
+        log.info("prefill budget: %d tokens per step beside decode rows (up to %d while prompts queue%s), %d without "
+                 "(%s)", budget.with_decode, budget.max_with_decode,
+                 f", the step within {step_time.stretch:g} decode steps" if step_time else "", budget.alone,
                  "configured" if config.prefill_chunk_tokens else "measured" if on_gpu else "the CPU default")
-        return budget
+        return budget, step_time
 
     def _num_pages_from_budget(self, mc, dtype: torch.dtype, model) -> int:
         per_page = KVCache.bytes_per_page(mc.num_layers, self.config.page_size, model.config.num_kv_heads,
@@ -333,7 +338,7 @@ class Engine:
         start = time.perf_counter()
         if self._in_flight is not None:
             self._step_chained()
-            self.step_s_total["graph"] += time.perf_counter() - start
+            self._decode_step_done(time.perf_counter() - start)
             return True
         if self.mixed.in_flight is not None:  # chain the next mixed step, or read this one
             self.mixed.step()
@@ -375,8 +380,17 @@ class Engine:
             self.num_mixed_steps += bool(batch.rows)
             self.num_prefill_tokens += batch.num_prefill_tokens
         self.finish_step(batch, step, samples, masks, graphed, rows)
-        self.step_s_total["graph" if graphed else "mixed"] += time.perf_counter() - start
+        if graphed:
+            self._decode_step_done(time.perf_counter() - start)
+        else:
+            self.step_s_total["mixed"] += time.perf_counter() - start
         return True
+
+    def _decode_step_done(self, seconds: float) -> None:
+        """A decode graph step took `seconds` of the loop (overlapped: from the previous one)."""
+        self.step_s_total["graph"] += seconds
+        if self.step_time is not None:
+            self.step_time.observe_decode(seconds)
 
     def deliver_deferred(self) -> bool:
         """Stream the tokens the last mixed step deferred (engine lock held); whether a request

@@ -44,6 +44,7 @@ from generation_service.engine.mixed_graphs import MixedGraphs
 from generation_service.engine.runner import ModelRunner
 from generation_service.engine.sampler import SampleResult, device_seed, warm_device_sampler
 from generation_service.engine.scheduler import ScheduledBatch, ScheduledRow
+from generation_service.engine.step_time import MixedStepCost
 from generation_service.engine.verify_graphs import VerifyGraphs
 from step_channel.layout import seq_reached
 
@@ -179,12 +180,11 @@ class CudaGraphRunner(ModelRunner):
         torch.cuda.synchronize()
 
     @torch.no_grad()
-    def measure_prefill_chunk(self, max_batch: int, max_tokens: int) -> int:
-        """The prefill chunk whose compute in a mixed step costs about one decode step of the
-        largest bucket, so a decode row's step beside a chunk takes about twice a plain one: the
-        free decode graph's replay time (padding rows: the weight read) over the marginal time
-        per token of mixed steps of one row of 256 and 1,024 tokens, in whole pages of 64
-        tokens, within [64, max_tokens]. Every K/V write of the probes lands in the dummy page."""
+    def measure_step_cost(self) -> MixedStepCost:
+        """What steps cost here: the free decode graph's replay time at the largest bucket
+        (padding rows: the weight read), and a mixed step's fixed and per-token time from mixed
+        steps of one row of 256 and 1,024 tokens. Every K/V write of the probes lands in the
+        dummy page."""
         decode_s = _median_s(lambda: self.gpu.step(self.gpu.max_batch))
 
         def probe(num_tokens: int) -> float:
@@ -193,10 +193,10 @@ class CudaGraphRunner(ModelRunner):
             return _median_s(lambda: self._mixed_logits([row]))
         short_s, long_s = probe(256), probe(1024)
         per_token_s = max((long_s - short_s) / 768, 1e-9)
-        chunk = int(min(max(decode_s / per_token_s // 64 * 64, 64), max_tokens))
-        log.info("prefill chunk %d tokens: decode step of %d rows %.2f ms, mixed step %.3f ms + %.1f us a token",
-                 chunk, self.gpu.max_batch, decode_s * 1e3, (short_s - 256 * per_token_s) * 1e3, per_token_s * 1e6)
-        return chunk
+        cost = MixedStepCost(max(short_s - 256 * per_token_s, 0.0), per_token_s, decode_s)
+        log.info("step cost: decode step of %d rows %.2f ms, mixed step %.3f ms + %.1f us a token",
+                 self.gpu.max_batch, decode_s * 1e3, cost.fixed_s * 1e3, per_token_s * 1e6)
+        return cost
 
     # ---- one graph step ----------------------------------------------------------------------
     @torch.no_grad()

@@ -16,6 +16,7 @@ from generation_service.engine.fed_back import FedBack
 from generation_service.engine.kv_cache import KVCache
 from generation_service.engine.pinned import PinnedStaging
 from generation_service.engine.scheduler import ScheduledBatch
+from generation_service.engine.step_time import MixedStepCost
 from generation_service.model.forward_batch import ForwardBatch
 
 
@@ -97,9 +98,9 @@ class ModelRunner:
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
         return self.model(forward_batch, self.kv_cache)
 
-    def measure_prefill_chunk(self, max_batch: int, max_tokens: int) -> int | None:
-        """Prefill tokens per step beside decode rows, measured on this runner's device; None:
-        nothing to measure here (the engine takes its CPU default)."""
+    def measure_step_cost(self) -> MixedStepCost | None:
+        """What decode and mixed steps cost on this runner's device (the prefill budget's
+        measure); None: nothing to measure here (the engine takes its CPU default)."""
         return None
 
     def attach(self, link) -> None:

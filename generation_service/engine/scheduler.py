@@ -31,6 +31,7 @@ from generation_service.engine.errors import QueueFullError
 from generation_service.engine.kv_cache import num_pages_for
 from generation_service.engine.prefix_cache import PrefixCache
 from generation_service.engine.request import Request, RequestStatus
+from generation_service.engine.step_time import StepTime
 
 
 @dataclass
@@ -138,7 +139,7 @@ class Scheduler:
     def __init__(self, cache: PrefixCache, page_size: int, slots: SlotPool, *,
                  max_batch: int, max_waiting: int, budget: TokenBudget,
                  propose_drafts: DraftFn | None = None,
-                 token_bucket: Callable[[int], int] | None = None) -> None:
+                 token_bucket: Callable[[int], int] | None = None, step_time: StepTime | None = None) -> None:
         self.cache = cache
         self.page_size = page_size
         self.slots = slots
@@ -148,6 +149,8 @@ class Scheduler:
         self.propose_drafts = propose_drafts or (lambda request, k: [])
         # The token slots a step of n tokens costs (the runner's graph bucket): prefill fills them
         self.token_bucket = token_bucket or (lambda n: n)
+        # Caps the slots of a step that decode rows share at a few plain decode steps' time
+        self.step_time = step_time
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -179,6 +182,7 @@ class Scheduler:
             budget = self.budget.beside_decode(self._num_prompt_tokens_to_prefill())
             # the step pays for its whole bucket: padding slots may as well be prompt tokens
             budget = max(budget, self.token_bucket(num_decode_tokens + budget) - num_decode_tokens)
+            budget = self._within_step_time(budget, num_decode_tokens)
         else:
             budget = self.budget.alone
         for request in list(self.running):
@@ -200,6 +204,18 @@ class Scheduler:
             rows.append(row)
             budget -= len(row.input_ids)
         return ScheduledBatch(rows)
+
+    def _within_step_time(self, budget: int, num_decode_tokens: int) -> int:
+        """`budget` cut so the step's slots (its bucket's) stay within `step_time`'s cap; never
+        below `with_decode`, the budget that holds whatever the load."""
+        max_tokens = self.step_time.max_step_tokens if self.step_time is not None else None
+        if max_tokens is None or self.token_bucket(num_decode_tokens + budget) <= max_tokens:
+            return budget
+        low, high = 0, max_tokens  # the largest step whose bucket is within the cap
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if self.token_bucket(mid) <= max_tokens else (low, mid - 1)
+        return max(min(budget, low - num_decode_tokens), min(budget, self.budget.with_decode))
 
     def _num_prompt_tokens_to_prefill(self) -> int:
         """Uncached tokens of the running requests that prefill and of the waiting ones (the

@@ -5,6 +5,7 @@ from generation_service.engine.kv_cache import PageAllocator
 from generation_service.engine.prefix_cache import PrefixCache
 from generation_service.engine.request import RequestStatus
 from generation_service.engine.scheduler import Scheduler, SlotPool, TokenBudget
+from generation_service.engine.step_time import MixedStepCost, StepTime
 
 from tests.unit.engine.conftest import make_request
 
@@ -12,10 +13,10 @@ PAGE = 4
 
 
 def make_scheduler(num_pages=64, max_batch=4, max_waiting=8, chunk=8, alone=None, drafts=None, caching=True,
-                   queued=0, token_bucket=None):
+                   queued=0, token_bucket=None, step_time=None):
     return Scheduler(PrefixCache(PageAllocator(num_pages), PAGE, caching), PAGE, SlotPool(2 * max_batch), max_batch=max_batch,
                      max_waiting=max_waiting, budget=TokenBudget(chunk, alone or chunk, queued), propose_drafts=drafts,
-                     token_bucket=token_bucket)
+                     token_bucket=token_bucket, step_time=step_time)
 
 
 def complete(batch, token=7, accepted=0):
@@ -175,6 +176,59 @@ def test_prefill_fills_the_token_bucket_a_step_pays_for():
     s.add(make_request("b", 40))
     batch = s.schedule()
     assert [(row.request.request_id, len(row.input_ids)) for row in batch.rows] == [("a", 1), ("b", 15)]
+
+
+def test_a_step_beside_decode_rows_stays_within_its_time_cap():
+    """Each decode row waits for the whole step: while prompts queue, a step that decode rows
+    share grows only as far as `stretch` plain decode steps allow, bucket included, and never
+    below the chunk; before any decode step was timed, and without decode rows, nothing caps."""
+    cost = MixedStepCost(fixed_s=0.004, per_token_s=0.0001, decode_s=0.006)  # t slots: 4 ms + 0.1 ms each
+    step_time = StepTime(cost, stretch=2.0)
+    bucket = lambda n: -(-n // 16) * 16  # noqa: E731
+
+    def loaded():
+        s = make_scheduler(num_pages=1024, max_batch=8, chunk=8, alone=256, queued=128, token_bucket=bucket,
+                           step_time=step_time)
+        a = make_request("a", 4)
+        s.add(a)
+        complete(s.schedule())  # a decodes from now on
+        for name in "bcdefgh":
+            s.add(make_request(name, 200))  # 1,400 waiting: an eighth is over the limit of 128
+        return s, a
+
+    def prefill(batch):
+        return sum(len(row.input_ids) for row in batch.rows if not row.is_decode)
+
+    s, a = loaded()
+    assert step_time.max_step_tokens is None and prefill(s.schedule()) == 144 - 1  # not timed: the limit, filled
+    step_time.observe_decode(0.0045)  # 2 x 4.5 ms holds 50 slots: bucket 48 = a's token + 47
+    assert step_time.max_step_tokens == 50
+    s, a = loaded()
+    batch = s.schedule()
+    assert prefill(batch) == 47 and bucket(batch.num_tokens) <= 50
+    step_time.decode_s = 0.0036  # decode steps got faster: 2 x 3.6 ms holds 32 slots
+    s, a = loaded()
+    assert prefill(s.schedule()) == 31
+    step_time.decode_s = 0.002  # under the fixed cost: no room, yet the chunk still goes in
+    s, a = loaded()
+    assert prefill(s.schedule()) == 8
+    idle = make_scheduler(num_pages=1024, max_batch=8, chunk=8, alone=256, queued=128, token_bucket=bucket,
+                          step_time=step_time)
+    idle.add(make_request("z", 200))
+    assert prefill(idle.schedule()) == 200  # no decode row: the budget alone, uncapped
+
+
+def test_step_time_follows_the_recent_decode_steps_and_refuses_a_stretch_under_one():
+    step_time = StepTime(MixedStepCost(0.004, 0.0001, 0.006), stretch=2.5)
+    step_time.observe_decode(0.006)
+    for _ in range(60):
+        step_time.observe_decode(0.010)  # the load changed: the mean follows within a few dozen steps
+    assert abs(step_time.decode_s - 0.010) < 0.0001
+    assert step_time.max_step_tokens == int((2.5 * step_time.decode_s - 0.004) / 0.0001)
+    assert MixedStepCost(0.004, 0.0001, 0.006).chunk(max_tokens=4096, granule=16) == 48  # 6 ms of tokens
+    assert MixedStepCost(0.004, 0.0001, 0.006).tokens_within(0.003) == 0
+    with pytest.raises(ValueError, match="stretch must be >= 1"):
+        StepTime(MixedStepCost(0.004, 0.0001, 0.006), stretch=0.5)
 
 
 def test_continuing_rows_come_first_and_nothing_is_preempted_beside_them():
