@@ -1,15 +1,18 @@
 """Which backend compiles a spec: the one asked for, or `auto`'s pick with fallbacks.
 
-`auto` never waits long on a compile it can do without: when its pick is slower to compile
-than a fallback that is known to compile the schema (llguidance checks that in ms, before any
-compile), the pick's compile gets a time box (`auto_time_box_s`; at most what the compile
-timeout leaves once `FALLBACK_RESERVE_S` is kept for the fallback). Past it the fallback
-serves, its own unenforced keywords reported. A native compile cannot be interrupted: the
-boxed one runs on in its thread (`Compiled.abandoned`), which the caller accounts for (a
-compile worker is replaced; an in-process compile keeps its compile thread until it ends).
+`auto` never waits long on a compile it can do without. When its pick is slower to compile
+than a fallback known to compile the schema (llguidance checks that in ms, before any
+compile), the fast fallback compiles first, and the pick gets what is left of `auto`'s
+budget (`auto_time_box_s`, counted from the start, the analysis included; at most what the
+compile timeout leaves). A pick that finishes within it serves; past it, or when nothing is
+left (the fallback took the budget: the pick cannot win), the fallback serves at once, its
+own unenforced keywords reported. A native compile cannot be interrupted: the boxed one runs
+on in its thread (`Compiled.abandoned`), which the caller accounts for (a compile worker is
+replaced; an in-process compile keeps its compile thread until it ends).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -26,7 +29,6 @@ from grammar_service.backends.base import GrammarBackend, GrammarCompileError
 log = logging.getLogger(__name__)
 
 BackendFor = Callable[[str], GrammarBackend]  # name -> backend for the served tokenizer
-FALLBACK_RESERVE_S = 1.0  # of the compile timeout, kept for the fast fallback (ms; lanes: up to ~0.5 s)
 
 
 @dataclass(frozen=True)
@@ -43,45 +45,63 @@ def compile_with(spec: GrammarSpec, requested: str, backend_for: BackendFor, *, 
 
     `requested` is a backend name or "auto". A failed compile falls back to the next backend
     in `auto`'s order; when all fail, the first backend's error is raised. `deadline`
-    (time.monotonic()) is the compile timeout's; `time_box_s` > 0 caps `auto`'s wait on a slow
-    pick that a fast fallback can replace (module doc), 0 waits up to the deadline's reserve.
+    (time.monotonic()) is the compile timeout's; `time_box_s` > 0 is `auto`'s budget on a slow
+    pick that a fast fallback can replace (module doc), 0: up to the deadline.
     """
+    started = time.monotonic()
     if requested != "auto":
-        order, known, boxed = (requested,), {}, ""
+        order, known, fast = (requested,), {}, ""
     else:
-        order, known, boxed = auto_plan(spec, backend_for)
+        order, known, fast = auto_plan(spec, backend_for)
+    if fast and (budget_end := _budget_end(started, time_box_s, deadline)) is not None:
+        if (done := _compile_boxed(spec, order[0], fast, backend_for, known, budget_end)) is not None:
+            return done
+        order = (order[0],)  # the fast fallback failed after all: the pick alone, up to the deadline
     first_error: GrammarCompileError | None = None
-    abandoned: Future | None = None
     for name in order:
         try:
             backend = backend_for(name)
+            grammar = backend.compile(spec)
         except ValueError:  # a fallback that is not installed here
             continue
-        try:
-            if name == boxed and (box := _box_s(time_box_s, deadline)) is not None:
-                grammar, abandoned = _compile_within(backend, spec, box)
-                if grammar is None:
-                    log.info("auto: the %s compile of a %s grammar (%d bytes) ran past its %.2f s time box; "
-                             "the next backend serves it", name, spec.kind, len(spec.text), box)
-                    continue
-            else:
-                grammar = backend.compile(spec)
         except GrammarCompileError as exc:
             first_error = first_error or exc
             continue
         unenforced = known[name] if name in known else backend.unenforced_keywords(spec)
-        return Compiled(name, grammar, tuple(unenforced), abandoned)
-    if abandoned is not None:  # no fallback compiled after all: the boxed compile it is, however long
-        return Compiled(boxed, abandoned.result(), tuple(known.get(boxed, ())))  # raises its error, if any
+        return Compiled(name, grammar, tuple(unenforced))
     raise first_error or GrammarCompileError(f"no grammar backend could compile this {spec.kind}")
 
 
-def _box_s(time_box_s: float, deadline: float | None) -> float | None:
-    """Seconds the boxed compile may take; None: no box (no deadline and no time box)."""
-    left = None if deadline is None else max(0.0, deadline - time.monotonic() - FALLBACK_RESERVE_S)
+def _budget_end(started: float, time_box_s: float, deadline: float | None) -> float | None:
+    """When `auto`'s budget for a boxed pick ends (time.monotonic()); None: no box at all."""
     if time_box_s > 0:
-        return time_box_s if left is None else min(time_box_s, left)
-    return left
+        return started + time_box_s if deadline is None else min(started + time_box_s, deadline)
+    return deadline
+
+
+def _compile_boxed(spec: GrammarSpec, pick: str, fast: str, backend_for: BackendFor, known: dict,
+                   budget_end: float) -> Compiled | None:
+    """The fast fallback first, then the pick within what is left of the budget; None when the
+    fallback does not compile after all."""
+    try:
+        fallback = backend_for(fast)
+        fallback_grammar = fallback.compile(spec)
+    except (ValueError, GrammarCompileError):
+        return None
+    served = Compiled(fast, fallback_grammar, tuple(fallback.unenforced_keywords(spec)))
+    if (box := budget_end - time.monotonic()) <= 0:  # the pick cannot finish within the budget
+        log.info("auto: %s took %s's budget for a %s grammar (%d bytes); it serves", fast, pick, spec.kind,
+                 len(spec.text))
+        return served
+    try:
+        grammar, abandoned = _compile_within(backend_for(pick), spec, box)
+    except (GrammarCompileError, ValueError):
+        return served
+    if grammar is None:
+        log.info("auto: the %s compile of a %s grammar (%d bytes) ran past its %.2f s time box; %s serves",
+                 pick, spec.kind, len(spec.text), box, fast)
+        return dataclasses.replace(served, abandoned=abandoned)
+    return Compiled(pick, grammar, tuple(known[pick]))
 
 
 def _compile_within(backend: GrammarBackend, spec: GrammarSpec, box_s: float) -> tuple[Any, Future | None]:
@@ -103,15 +123,14 @@ def _compile_within(backend: GrammarBackend, spec: GrammarSpec, box_s: float) ->
 
 def auto_plan(spec: GrammarSpec, backend_for: BackendFor) -> tuple[tuple[str, ...], dict[str, tuple], str]:
     """Backends to try for `auto`, best first, the unenforced keywords already known, and the
-    backend whose compile is time-boxed ("" for none).
+    fast fallback that compiles before the pick, whose compile is then time-boxed ("" for none).
 
     The order is grammar_service.auto_choice.choose_backend's, unchanged (issue 8's rule: the
     backend that enforces more of the schema, then the one that compiles faster); the
     trade-off against mask-fill speed is in docs/guarantees.md.
     """
     choice = choose_backend(spec, backend_for, DEFAULT_BACKEND)
-    boxed = choice.backend if choice.fast_fallback else ""
-    return (choice.backend, *choice.fallbacks), {choice.backend: choice.unenforced}, boxed
+    return (choice.backend, *choice.fallbacks), {choice.backend: choice.unenforced}, choice.fast_fallback
 
 
 def auto_order(spec: GrammarSpec, backend_for: BackendFor) -> tuple[tuple[str, ...], dict[str, tuple]]:

@@ -41,9 +41,9 @@ GRAMMAR_SETTINGS = SettingsTable("structgen grammar", env_prefix=f"{ENV_PREFIX}G
                 "--slow-fill-ms", chart=False),
         Setting("compile-timeout-s", "a slower compile (the wait for a worker included) is refused and "
                 "remembered", greater_than=0),
-        Setting("auto-time-box-s", "auto: seconds the compile of its pick may take when a faster backend "
-                "that compiles the schema too can serve instead (0 = up to the compile timeout)", minimum=0,
-                chart=False),
+        Setting("auto-time-box-s", "auto: seconds a compile may take in all when its pick is slower than a "
+                "backend that compiles the schema too, which compiles first and serves past it (0 = up to the "
+                "compile timeout)", minimum=0, chart=False),
         Setting("negative-cache-ttl-s", "seconds a failed grammar is answered from memory", minimum=0),
         Setting("max-grammar-bytes", "largest grammar text (serve's limit too)", minimum=1,
                 chart=False, shared=True),
