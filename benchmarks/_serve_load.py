@@ -16,6 +16,12 @@ a few tokens of every request (`Workload.unique_at`) spell a number unique to it
 the cache, whatever prompt it drew. A multi-turn workload (`turns`) holds one conversation per
 user: each turn resends the conversation so far (prompt, answers, a new message of
 `turn_tokens` tokens), as chat clients and agent loops do.
+
+Requests that use issue 20's features: `tools` sends chat input (prompts as text, the
+request's number in front) with those tools and `tool_choice`; `reasoning_budget` enables a
+reasoning span with the markers REASONING_MARKERS given in the request (a model need not
+have its own) and that budget, after which the end marker is forced. Each parsed call's
+validation status is recorded. `run_workloads` runs several workloads in one window.
 """
 from __future__ import annotations
 
@@ -27,6 +33,16 @@ from dataclasses import dataclass, field
 
 
 CANCELLED_AT_END = "CANCELLED_AT_END"  # not an error: the client stopped it when the window closed
+REASONING_MARKERS = ("<think>", "</think>")
+
+
+@dataclass(frozen=True)
+class BenchTool:
+    """One tool of a request (GenerateRequest.tools)."""
+
+    name: str
+    description: str
+    parameters: str                 # JSON Schema of the arguments, JSON text
 
 
 @dataclass
@@ -48,6 +64,13 @@ class Workload:
     unique_at: int | None = 0       # tokens from here spell the request's number; None: prompts as drawn
     turns: int = 0                  # > 0: conversations of this many turns, each resending the whole
     turn_tokens: int = 64           # tokens of each new message of a conversation
+    tools: tuple[BenchTool, ...] = ()  # chat input (prompts are text) with these tools
+    tool_choice: str = "auto"       # with tools: "none", "auto" or "required"
+    reasoning_budget: int | None = None  # a reasoning span of at most this many tokens first
+
+    @property
+    def is_chat(self) -> bool:
+        return bool(self.tools)
 
 
 @dataclass
@@ -64,6 +87,8 @@ class Record:
     prompt_len: int = 0
     cached_tokens: int = 0          # usage.cached_prompt_tokens (gRPC): prompt tokens the server found cached
     turn: int = 0                   # multi-turn: which turn of its conversation
+    call_validation: list[str] = field(default_factory=list)  # per parsed tool call, its validation status
+    reasoning_chars: int = 0        # reasoning text streamed (markers left out)
 
     @property
     def num_tokens(self) -> int:
@@ -93,16 +118,34 @@ def make_prompts(tokenizer_json: str, lengths: set[int], count: int, seed: int) 
     return out
 
 
-async def _one_request(stub, pb, workload: Workload, prompt: list[int], max_tokens: int, t0: float,
-                       records: list[Record], seed: int, turn: int = 0) -> list[int]:
-    """Send one request and record it; returns its output token ids."""
-    request = pb.GenerateRequest(
-        token_ids=pb.TokenIds(ids=prompt),
-        sampling=pb.SamplingParams(temperature=0.0, seed=seed),
-        stop=pb.StopConditions(max_tokens=max_tokens, ignore_eos=workload.ignore_eos))
+def _request(pb, workload: Workload, prompt: list[int] | str, max_tokens: int, seed: int):
+    """The GenerateRequest: token ids, or (with tools) the prompt text as one user turn."""
+    request = pb.GenerateRequest(sampling=pb.SamplingParams(temperature=0.0, seed=seed),
+                                 stop=pb.StopConditions(max_tokens=max_tokens, ignore_eos=workload.ignore_eos))
+    if isinstance(prompt, str):
+        request.chat.messages.add(role="user", content=prompt)
+    else:
+        request.token_ids.ids.extend(prompt)
     if workload.json_schema is not None:
         request.json_schema = workload.json_schema
         request.constraint_options.compact = True
+    for tool in workload.tools:
+        request.tools.add(name=tool.name, description=tool.description, parameters=tool.parameters)
+    if workload.tools:
+        request.tool_choice.mode = pb.ToolChoiceMode.Value(f"TOOL_CHOICE_MODE_{workload.tool_choice.upper()}")
+    if workload.tools and workload.tool_choice != "none":  # bounded whitespace in the arguments, as compact
+        request.constraint_options.max_whitespace = 1       # for a schema (calls take no compact)
+    if workload.reasoning_budget is not None:
+        request.reasoning.CopyFrom(pb.ReasoningOptions(
+            mode=pb.REASONING_MODE_ENABLED, max_tokens=workload.reasoning_budget,
+            begin_marker=REASONING_MARKERS[0], end_marker=REASONING_MARKERS[1]))
+    return request
+
+
+async def _one_request(stub, pb, workload: Workload, prompt: list[int] | str, max_tokens: int, t0: float,
+                       records: list[Record], seed: int, turn: int = 0) -> list[int]:
+    """Send one request and record it; returns its output token ids."""
+    request = _request(pb, workload, prompt, max_tokens, seed)
     record = Record(time.perf_counter() - t0, [], [], 0.0, prompt_len=len(prompt), turn=turn)
     output: list[int] = []
     try:
@@ -111,9 +154,12 @@ async def _one_request(stub, pb, workload: Workload, prompt: list[int], max_toke
                 record.message_times.append(time.perf_counter() - t0)
                 record.message_tokens.append(len(message.token_ids))
                 output += message.token_ids
+            record.reasoning_chars += len(message.reasoning_text)
+            record.call_validation += [pb.ValidationStatus.Name(c.validation.status) for c in message.tool_calls]
             if message.finish_reason:
                 record.finish_reason = pb.FinishReason.Name(message.finish_reason)
                 record.cached_tokens = message.usage.cached_prompt_tokens
+                record.prompt_len = message.usage.prompt_tokens or record.prompt_len  # chat: as templated
                 if message.HasField("validation"):
                     record.validation = pb.ValidationStatus.Name(message.validation.status)
     except asyncio.CancelledError:  # the window ended with this request streaming: its tokens count
@@ -188,7 +234,7 @@ async def _one_http_request(stub: HttpStub, workload: Workload, prompt: list[int
     return output
 
 
-async def _drive(address: str, workload: Workload, prompts: list[list[int]], share: float, seed: int,
+async def _drive(address: str, workload: Workload, prompts: list[list[int]] | list[str], share: float, seed: int,
                  start_at: float, proc: tuple[int, int] = (0, 1), salt: int = 0) -> list[Record]:
     """`proc`: (this process's index, processes): requests are numbered apart across processes,
     from `salt` on."""
@@ -214,7 +260,7 @@ async def _drive(address: str, workload: Workload, prompts: list[list[int]], sha
                                  proc, salt)
 
 
-async def _drive_with(one_request, workload: Workload, prompts: list[list[int]], share: float, seed: int,
+async def _drive_with(one_request, workload: Workload, prompts: list[list[int]] | list[str], share: float, seed: int,
                       start_at: float, proc: tuple[int, int], salt: int) -> list[Record]:
     """`one_request(workload, prompt, max_tokens, t0, records, seed[, turn])` -> output ids, under the
     workload's load."""
@@ -226,12 +272,14 @@ async def _drive_with(one_request, workload: Workload, prompts: list[list[int]],
     while len(alphabet) ** num_digits < 1 << 40:  # run-unique numbers below 2^40
         num_digits += 1
 
-    def next_args() -> tuple[list[int], int]:
+    def next_args() -> tuple[list[int] | str, int]:
         n = next(counter)
         lengths = workload.max_tokens_list
         prompt = prompts[rng.randrange(len(prompts))]
         at = workload.unique_at
-        if at is not None and len(alphabet) > 1:  # this request's number in the run, as tokens
+        if isinstance(prompt, str):  # chat: the number in front of the user's text
+            prompt = f"Request {salt + n * proc[1] + proc[0]}. {prompt}"
+        elif at is not None and len(alphabet) > 1:  # this request's number in the run, as tokens
             unique = unique_tokens(salt + n * proc[1] + proc[0], alphabet, num_digits)
             prompt = prompt[:at] + unique + prompt[at + len(unique):]
         return prompt, lengths[(seed * 7919 + n) % len(lengths)] if lengths else workload.max_tokens
@@ -292,28 +340,41 @@ async def _wait_until(t0: float, end: float, tasks: list) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _process_main(address, workload, prompts, share, seed, start_at, queue, proc, salt) -> None:
+def _process_main(address, workload, prompts, share, seed, start_at, queue, proc, salt, index) -> None:
     records = asyncio.run(_drive(address, workload, prompts, share, seed, start_at, proc, salt))
-    queue.put([(r.start, r.message_times, r.message_tokens, r.end, r.finish_reason, r.validation, r.code,
-                r.prompt_len, r.cached_tokens, r.turn) for r in records])
+    queue.put((index, [(r.start, r.message_times, r.message_tokens, r.end, r.finish_reason, r.validation, r.code,
+                        r.prompt_len, r.cached_tokens, r.turn, r.call_validation, r.reasoning_chars)
+                       for r in records]))
 
 
-def run_workload(address: str, workload: Workload, prompts: list[list[int]], num_procs: int,
+def run_workload(address: str, workload: Workload, prompts: list[list[int]] | list[str], num_procs: int,
                  seed: int = 0, salt: int = 0) -> list[Record]:
     """Run `workload` from `num_procs` client processes (one for a fixed request count). `salt`:
     the first request number (`Workload.unique_at`); workloads on one server take ranges apart."""
+    return run_workloads(address, [(workload, prompts, num_procs)], seed, salt)[0]
+
+
+def run_workloads(address: str, runs: list[tuple[Workload, list, int]], seed: int = 0,
+                  salt: int = 0) -> list[list[Record]]:
+    """Several workloads in one window, each (workload, prompts, client processes): their
+    processes start at once; the records of each. Request numbers of the i-th start at
+    salt + i << 28 (apart from each other)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    num_procs = 1 if workload.num_requests else max(1, min(num_procs, workload.concurrency or num_procs))
-    start_at = time.time() + 2.0 + 0.3 * num_procs  # spawn + imports + channel ready
-    procs = [ctx.Process(target=_process_main, args=(address, workload, prompts, 1 / num_procs, seed + i,
-                                                     start_at, queue, (i, num_procs), salt), daemon=True)
-             for i in range(num_procs)]
+    procs = []
+    start_at = time.time() + 2.0 + 0.3 * sum(n for _, _, n in runs)  # spawn + imports + channel ready
+    for index, (workload, prompts, num_procs) in enumerate(runs):
+        num_procs = 1 if workload.num_requests else max(1, min(num_procs, workload.concurrency or num_procs))
+        procs += [ctx.Process(target=_process_main, args=(
+            address, workload, prompts, 1 / num_procs, seed + len(procs) + i, start_at, queue, (i, num_procs),
+            salt + (index << 28), index), daemon=True) for i in range(num_procs)]
     for p in procs:
         p.start()
-    records = []
+    records: list[list[Record]] = [[] for _ in runs]
+    timeout = max(w.warmup_s + w.duration_s for w, _, _ in runs) + 600
     for _ in procs:
-        records += [Record(*fields) for fields in queue.get(timeout=workload.warmup_s + workload.duration_s + 600)]
+        index, fields = queue.get(timeout=timeout)
+        records[index] += [Record(*f) for f in fields]
     for p in procs:
         p.join(timeout=30)
     return records

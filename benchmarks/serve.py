@@ -6,6 +6,7 @@ client processes, each result next to the same run's roofline (issue 16).
     python benchmarks/serve.py --device cpu --shapes tiny-random --plan smoke ...       # CPU: the harness only
     python benchmarks/serve.py --plan http --shapes llama-3.1-8b --out ...          # HTTP vs gRPC, same server
     python benchmarks/serve.py --plan prefix --shapes llama-3.1-8b --out benchmarks/results/serve-h200-prefix.json
+    python benchmarks/serve.py --plan features --shapes llama-3.1-8b --out ...      # tools/reasoning beside ordinary
     python benchmarks/serve.py --plan quick --shapes llama-3.1-70b --tensor-parallel 4 --out ...   # sharded, 4 GPUs
 
 Per model shape (random weights of a preset shape, the real 131k Tekken tokenizer beside them):
@@ -31,6 +32,19 @@ Per model shape (random weights of a preset shape, the real 131k Tekken tokenize
      every answer, a new 64-token message), free, closed loop;
    - no shared prefix: a 512/128 free closed loop, to show what the cache costs when it never hits;
    and the ratios cache on / off (`prefix_cache`: TTFT p50/p99, output tok/s). Plan `prefix`: these alone.
+2c. Plan `features` (issue 20's target: reasoning and tools cost nothing to requests that use
+   neither), one server: ordinary requests (free 512/128, concurrency 16) alone; beside, in
+   the same window, 4 users each of chat requests with two tools (tool_choice auto; required)
+   and of requests with a reasoning span (markers given in the request, a 32-token budget
+   after which the end marker is forced, then the JSON Schema); beside as many plain users
+   (the same prompts, tools shown with tool_choice none, free at the feature requests' output
+   lengths: the same batch and turnover without the features); alone again (the A/A floor).
+   `features`: the ordinary requests' ratios (output tok/s, TTFT, inter-token p50/p99, the
+   engine's ms per graph step) beside features over alone and over beside plain. With random
+   weights the model never writes its tool-call trigger: auto requests are free text under
+   the trigger's grammar, required ones are calls the grammar writes; every parsed call and
+   every post-span document is validated (`tool_call_validation`, `validation`).
+   Preset shapes get the tokenizer's chat template beside it (Tekken's: Mistral's [TOOL_CALLS]).
    Per workload: output tok/s over the measured window, TTFT p50/p99, inter-token (gap between
    streamed messages) p50/p99, tokens per message, errors by code, finish reasons, validation
    statuses, and the engine's step counters over the window (GetEngineStats).
@@ -46,6 +60,7 @@ Per model shape (random weights of a preset shape, the real 131k Tekken tokenize
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -65,7 +80,9 @@ sys.path.insert(0, str(ROOT))
 from benchmarks._harness import (  # noqa: E402
     ServeProcess, code_commit, command_line, free_port, log, random_model_folder, write_result,
 )
-from benchmarks._serve_load import CANCELLED_AT_END, Record, Workload, make_prompts, run_workload  # noqa: E402
+from benchmarks._serve_load import (  # noqa: E402
+    CANCELLED_AT_END, BenchTool, Record, Workload, make_prompts, run_workload, run_workloads,
+)
 
 VOCAB = 131072
 # Bounded fields: every document completes well inside 128 tokens of the Tekken vocabulary.
@@ -77,7 +94,13 @@ SCHEMA = {"type": "object", "properties": {
     "scores": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 100}, "maxItems": 6},
     "active": {"type": "boolean"}},
     "required": ["id", "name", "status", "tags", "scores", "active"], "additionalProperties": False}
-PLANS = ("full", "quick", "load", "smoke", "http", "http-smoke", "prefix")
+# Tools of the feature requests: bounded arguments, so a call completes under any model.
+TOOLS = (BenchTool("get_weather", "The current weather of a city.", json.dumps({
+    "type": "object", "properties": {"city": {"type": "string", "minLength": 2, "maxLength": 20},
+                                     "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"], "additionalProperties": False})),
+    BenchTool("create_ticket", "Open a ticket with these fields.", json.dumps(SCHEMA)))
+PLANS = ("full", "quick", "load", "smoke", "http", "http-smoke", "prefix", "features", "features-smoke")
 
 
 # ---- the server ---------------------------------------------------------------------------------
@@ -170,6 +193,9 @@ def summarize(workload: Workload, records: list[Record]) -> dict:
         "errors": count([r.code for r in records if r.code not in ("OK", CANCELLED_AT_END)]),
         "finish_reasons": count([r.finish_reason for r in finished]),
         "validation": count([r.validation for r in finished if r.validation]),
+        **({"tool_call_validation": count([v for r in records for v in r.call_validation]),
+            "reasoning_fraction": sum(r.reasoning_chars > 0 for r in finished) / len(finished) if finished else None}
+           if workload.tools or workload.reasoning_budget is not None else {}),
         "mean_output_len": statistics.mean([r.num_tokens for r in finished]) if finished else None,
         "mean_prompt_len": statistics.mean([r.prompt_len for r in finished]) if finished else None,
         # prompt tokens the server found in its prefix cache (usage.cached_prompt_tokens, gRPC)
@@ -250,9 +276,27 @@ class PrefixPlan:
 PREFIX_PLAN = PrefixPlan(2048, 64, 128, 16, 1024, 4, (512, 128, 16))
 
 
+@dataclass(frozen=True)
+class FeaturesPlan:
+    """Ordinary requests alone and beside requests with tools and reasoning (2c. above)."""
+
+    prompt_len: int
+    new_tokens: int            # of each ordinary request
+    concurrency: int           # ordinary users
+    feature_concurrency: int   # users of each feature workload
+    feature_max_tokens: int    # of a feature request (the reasoning span's budget on top)
+    reasoning_budget: int
+
+
+FEATURES_PLAN = FeaturesPlan(512, 128, 16, 4, 192, 32)
+
+
 def plan(shape: str, name: str, duration: float, warmup: float) -> dict:
     """idle TTFT prompt lengths, closed-loop (prompt, new tokens, concurrencies), Poisson fractions,
-    the prefix-caching workloads (`prefix`: a PrefixPlan, if any)."""
+    the prefix-caching workloads (`prefix`: a PrefixPlan, if any), the features' (`features`)."""
+    if name in ("features", "features-smoke"):
+        features = FEATURES_PLAN if name == "features" else FeaturesPlan(48, 16, 4, 1, 96, 4)
+        return {"idle": [], "closed": [], "poisson": [], "poisson_at": None, "features": features}
     if name in ("http", "http-smoke"):  # the same server over gRPC and over HTTP, one after the other
         closed = [(48, 16, [4])] if name == "http-smoke" else [(512, 128, [64])]
         return {"idle": [], "closed": [], "http": closed, "poisson": [], "poisson_at": None}
@@ -285,11 +329,15 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
     else:
         # the Tekken vocabulary and room for 8k prompts
         folder = random_model_folder(shape, tokenizer_dir, tmp / shape, VOCAB, max_positions=16384)
+        if (tokenizer_dir / "chat_template.jinja").is_file():  # tools are chat input: the template renders them
+            shutil.copy(tokenizer_dir / "chat_template.jinja", folder)
         model = f"random:{folder / 'config.json'}"
     config = read_config(folder / "config.json")
     prefix: PrefixPlan | None = p.get("prefix")
+    features: FeaturesPlan | None = p.get("features")
     concurrencies = sorted({c for _, _, cs in p["closed"] + p.get("http", []) for c in cs} | {1}
-                           | ({prefix.concurrency, prefix.unshared[2]} if prefix else set()))
+                           | ({prefix.concurrency, prefix.unshared[2]} if prefix else set())
+                           | ({features.concurrency + 3 * features.feature_concurrency} if features else set()))
     max_batch = max(concurrencies + [args.min_max_batch])
     roofline = None
     points = sorted({f"{c}:{int(pl + n / 2)}" for pl, n, cs in p["closed"] + p.get("http", []) for c in cs}
@@ -309,6 +357,8 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
     lengths = set(p["idle"]) | {pl for pl, _, _ in p["closed"] + p.get("http", [])}
     if prefix:
         lengths |= {prefix.shared_len, prefix.tail_len, prefix.turn_prompt_len, prefix.unshared[0]}
+    if features:
+        lengths.add(features.prompt_len)
     prompts = make_prompts(str(folder / "tokenizer.json"), lengths, 64, seed=1)
     schema = json.dumps(SCHEMA)
     warm_prompts = [prompts[n][0][::-1] for n in sorted(prompts)]  # reversed: no prefix a workload's prompts share
@@ -339,6 +389,23 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
         save(result)
         log(line(summary))
         return summary
+
+    def run_together(workloads: list[tuple[Workload, list]]) -> list[dict]:
+        """Workloads in one window on `server`: the first from --client-procs processes, the others
+        from one each; `engine`: the window's step counters, every workload's requests together."""
+        server.wait_idle()
+        before = server.stats()
+        runs = [(w, ps, args.client_procs if i == 0 else 1) for i, (w, ps) in enumerate(workloads)]
+        records = run_workloads(server.address, runs, salt=len(result["workloads"]) << 30)
+        engine = step_delta(before, server.wait_idle(), workloads[0][0].warmup_s + workloads[0][0].duration_s)
+        summaries = []
+        for (workload, _), these in zip(workloads, records):
+            summaries.append(summarize(workload, these) | {"engine": engine})
+            lengths[workload.name] = output_lengths(these)
+            log(line(summaries[-1]))
+        result["workloads"] += summaries
+        save(result)
+        return summaries
 
     try:
         for prompt_len in p["idle"]:
@@ -396,6 +463,14 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
                 s["offered_tokens_per_s"] = rate * new_tokens
         cached = prefix_workloads(prefix, prompts, schema, common, lambda w, ps: run(w, prompt_set=ps),
                                   "cache on") if prefix else None
+        if features:
+            from tokenizers import Tokenizer
+            decode = Tokenizer.from_file(str(folder / "tokenizer.json")).decode
+            texts = [decode(ids) for ids in prompts[features.prompt_len]]  # chat input: the same text
+            result["features"] = feature_workloads(features, prompts[features.prompt_len], texts, schema, common,
+                                                   run_together, lengths)
+            for name, ratios in result["features"].items():
+                log(f"  ordinary requests, {name}: " + ", ".join(f"{k} {fmt_ratio(v)}" for k, v in ratios.items()))
     finally:
         result["server_log"] = server.log_lines(r"prefill budget|prefill chunk|captured|ERROR|Traceback|error")[-40:]
         server.stop()
@@ -456,6 +531,47 @@ def prefix_workloads(plan: PrefixPlan, prompts: dict, schema: str, common: dict,
     }
 
 
+def feature_workloads(plan: FeaturesPlan, prompts: list[list[int]], texts: list[str], schema: str, common: dict,
+                      run_together, lengths: dict[str, list[int]]) -> dict[str, dict]:
+    """The ordinary workload alone, beside the feature workloads, beside their plain counterparts,
+    alone again; the ordinary requests' ratios."""
+    c, fc = plan.concurrency, plan.feature_concurrency
+
+    def ordinary(tag: str) -> tuple[Workload, list]:
+        return Workload(f"ordinary {plan.prompt_len}/{plan.new_tokens} c={c} ({tag})", plan.prompt_len,
+                        plan.new_tokens, concurrency=c, **common), prompts
+
+    def feature(name: str, prompt_set: list, **kw) -> tuple[Workload, list]:
+        return Workload(f"{name} {plan.prompt_len}/{plan.feature_max_tokens} c={fc}", plan.prompt_len,
+                        plan.feature_max_tokens, concurrency=fc, ignore_eos=False, **kw, **common), prompt_set
+
+    featured = [feature("tools-auto", texts, tools=TOOLS, tool_choice="auto"),
+                feature("tools-required", texts, tools=TOOLS, tool_choice="required"),
+                feature(f"reasoning-{plan.reasoning_budget}+schema", prompts, json_schema=schema,
+                        reasoning_budget=plan.reasoning_budget)]
+    alone = run_together([ordinary("alone")])[0]
+    beside = run_together([ordinary("beside features")] + featured)[0]
+    plain = [(dataclasses.replace(w, name=f"plain-matched ({w.name})", tool_choice="none", json_schema=None,
+                                  reasoning_budget=None, ignore_eos=True,
+                                  max_tokens_list=lengths[w.name] or [w.max_tokens]),
+              ps) for w, ps in featured]  # the same prompts and output lengths, no feature in use
+    beside_plain = run_together([ordinary("beside plain")] + plain)[0]
+    again = run_together([ordinary("alone again")])[0]
+    return {"beside_features_over_alone": side_ratios(beside, alone),
+            "beside_features_over_beside_plain": side_ratios(beside, beside_plain),
+            "alone_again_over_alone": side_ratios(again, alone)}
+
+
+def side_ratios(a: dict, b: dict) -> dict:
+    """Workload a over b: output tok/s, TTFT, inter-token p50/p99, ms per graph step (> 1: a is higher)."""
+    def ratio(x, y):
+        return x / y if x is not None and y else None
+    return {"output_tok_s": ratio(a["output_tokens_per_s"], b["output_tokens_per_s"]),
+            "ttft_p50": ratio(a["ttft_p50_s"], b["ttft_p50_s"]),
+            "itl_p50": ratio(a["itl_p50_ms"], b["itl_p50_ms"]), "itl_p99": ratio(a["itl_p99_ms"], b["itl_p99_ms"]),
+            "ms_per_graph_step": ratio(a["engine"]["ms_per_graph_step"], b["engine"]["ms_per_graph_step"])}
+
+
 def cache_ratios(on: dict, off: dict) -> dict:
     """Cache on against off: TTFT off / on (> 1: faster with the cache), output tok/s on / off."""
     def ratio(a, b):
@@ -478,7 +594,9 @@ def line(s: dict) -> str:
     return (f"{s['name']:40s} {fmt(s['output_tokens_per_s'], '9.1f')} tok/s  TTFT p50 {fmt(s['ttft_p50_s'], '.3f')}"
             f" p99 {fmt(s['ttft_p99_s'], '.3f')} s  ITL p50 {fmt(s['itl_p50_ms'], '.1f')} p99 {fmt(s['itl_p99_ms'], '.1f')} ms"
             f"  x{fmt(s.get('over_roofline'), '.2f')} roofline  err {s['errors']} fin {s['finish_reasons']}"
-            f" val {s['validation']} cached {fmt(s.get('cached_prompt_fraction'), '.2f')}")
+            f" val {s['validation']} cached {fmt(s.get('cached_prompt_fraction'), '.2f')}"
+            + (f" calls {s['tool_call_validation']} reasoning {fmt(s['reasoning_fraction'], '.2f')}"
+               if "tool_call_validation" in s else ""))
 
 
 def main() -> int:
