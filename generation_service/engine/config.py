@@ -28,7 +28,7 @@ class EngineConfig:
     # A step that decode rows share takes at most this many plain decode steps (their recent
     # time, host included): the prefill beside them is cut to fit, never below
     # prefill_chunk_tokens. Measured steps only (a GPU); 0: no cap (engine/step_time.py).
-    max_step_stretch: float = 2.0
+    max_step_stretch: float = 2.5
     # Prefill tokens of a step that no decode row shares (an idle server's long prompt). None: 8192
     # on a GPU, prefill_chunk_tokens on the CPU (whose reference attention holds n x L fp32 scores).
     max_prefill_tokens: int | None = None
