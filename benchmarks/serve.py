@@ -379,6 +379,9 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
         if profiler is not None:
             profiler.wait(timeout=60)
         summary = summarize(workload, records)
+        if profiler is not None:
+            summary["profile"] = profile_summary(pathlib.Path(profiler.args[profiler.args.index("--output") + 1]),
+                                                 workload.warmup_s + workload.duration_s + 3)
         lengths[workload.name] = output_lengths(records)
         summary["engine"] = step_delta(before, on.wait_idle(), workload.warmup_s + workload.duration_s
                                        if not workload.num_requests else 0)
@@ -510,6 +513,30 @@ def profile_server(args, server: Server, shape: str, workload: Workload) -> subp
     return subprocess.Popen([spy, "record", "--pid", str(server.process.pid), *mode, "--threads", "--nonblocking",
                              "--rate", "200", "--duration", str(seconds), "--format", "raw", "--output", str(out)],
                             stdout=subprocess.DEVNULL, stderr=open(str(out) + ".log", "w"))
+
+
+def profile_summary(raw: pathlib.Path, seconds: float, rate: int = 200, top: int = 25) -> dict:
+    """What py-spy's raw stacks say, small enough for the result: the share of the window each
+    thread was sampled (under `--gil`: held the GIL), and the functions (inclusive) with the
+    largest shares. Shares are of rate x seconds samples."""
+    if not raw.is_file():
+        return {"error": f"no profile at {raw.name}"}
+    threads, functions, total = {}, {}, 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        frames, n = stack.split(";"), int(count)
+        total += n
+        thread = re.sub(r"^thread \(\w+\):\s*|\s*\(idle\)", "", frames[0]).strip() or frames[0]
+        threads[thread] = threads.get(thread, 0) + n
+        for frame in set(re.sub(r" \(.*?:\d+\)$", "", f) for f in frames[1:]):  # a function once per stack
+            functions[frame] = functions.get(frame, 0) + n
+    window = rate * seconds
+    share = lambda n: round(n / window, 4)  # noqa: E731
+    return {"samples": total, "window_samples": int(window), "sampled_share": share(total),
+            "threads": {t: share(n) for t, n in sorted(threads.items(), key=lambda kv: -kv[1])},
+            "top_functions": {f: share(n) for f, n in sorted(functions.items(), key=lambda kv: -kv[1])[:top]}}
 
 
 def prefix_workloads(plan: PrefixPlan, prompts: dict, schema: str, common: dict, run, tag: str) -> dict[str, dict]:
