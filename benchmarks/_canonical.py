@@ -9,13 +9,21 @@ what the document means to JSON Schema (order is free; 6000.0 == 6000), so a ref
 whose rewrite is accepted was refused for that form. The walk is a best effort (local `$ref`
 only): a rewrite it gets wrong is refused too, and the refusal then counts as silent, never
 as named.
+
+`SCHEMA_REWRITES` change the schema instead, one backend-specific restriction class each
+(grammar_service/restrictions.py): a refused document that the grammar of the rewritten
+schema accepts was refused for that class.
 """
 from __future__ import annotations
 
+import copy
 import re
 from dataclasses import dataclass
 
+from grammar_service.guarantees import iter_subschemas
+
 _MAX_REFS = 32  # $ref hops followed from one place (cycles)
+_MAX_DEPTH = 8  # nested allOf/anyOf/oneOf levels looked into
 
 
 @dataclass
@@ -44,21 +52,54 @@ def _resolve(root, node, hops: int = 0):
 
 
 def _parts(root, node, value, depth: int = 0) -> list[dict]:
-    """The schema objects that declare properties for `value` at `node`, in the order used."""
+    """The schema objects that declare properties for `value` at `node`, in the order used:
+    each with its `$ref` chain and `allOf` branches, and of each `anyOf`/`oneOf` the branch
+    that declares most of the value's keys."""
     parts = []
     for part in _resolve(root, node):
         parts.append(part)
-        if depth < _MAX_REFS and isinstance(part.get("allOf"), list):
-            for branch in part["allOf"]:
-                parts.extend(_parts(root, branch, value, depth + 1))
-    if depth == 0:  # the anyOf/oneOf branch that declares most of the keys, one level
-        keys = set(value) if isinstance(value, dict) else set()
-        for part in list(parts):
-            for word in ("anyOf", "oneOf"):
-                if isinstance(part.get(word), list) and part[word]:
-                    branches = [_parts(root, b, value, 1) for b in part[word]]
-                    parts.extend(max(branches, key=lambda ps: len(keys & _declared(ps))))
+        if depth >= _MAX_DEPTH:
+            continue
+        for branch in part.get("allOf") if isinstance(part.get("allOf"), list) else ():
+            parts.extend(_parts(root, branch, value, depth + 1))
+        for word in ("anyOf", "oneOf"):
+            if isinstance(part.get(word), list) and part[word]:
+                branches = [_parts(root, b, value, depth + 1) for b in part[word]]
+                parts.extend(max(branches, key=lambda ps: _fit(root, ps, value)))
     return parts
+
+
+_JSON_TYPES = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null",
+               int: "integer", float: "number"}
+
+
+def _fit(root, parts: list[dict], value) -> int:
+    """How well a branch fits `value`: -1 for another type, else the keys it declares (of the
+    value, or of the value's object items)."""
+    types = set()
+    for part in parts:
+        t = part.get("type")
+        types |= {t} if isinstance(t, str) else set(t) if isinstance(t, list) else set()
+    kind = _JSON_TYPES.get(type(value), "")
+    if types and kind not in types and not (kind == "integer" and "number" in types):
+        return -1
+    if isinstance(value, dict):
+        return len(set(value) & _declared(parts)) + 100 * _discriminated(parts, value)
+    if isinstance(value, list):
+        return sum(len(set(v) & _declared(_parts(root, _item(parts, i), v, _MAX_DEPTH)))
+                   for i, v in enumerate(value) if isinstance(v, dict))
+    return 0
+
+
+def _discriminated(parts: list[dict], value: dict) -> int:
+    """Listed-value properties (`const`/`enum`, a discriminator) the value matches, less those it breaks."""
+    score = 0
+    for part in parts:
+        for key, sub in (part.get("properties") or {}).items() if isinstance(part.get("properties"), dict) else ():
+            if key in value and isinstance(sub, dict) and ("const" in sub or isinstance(sub.get("enum"), list)):
+                listed = [sub["const"]] if "const" in sub else sub["enum"]
+                score += 1 if value[key] in listed else -1
+    return score
 
 
 def _declared(parts: list[dict]) -> set:
@@ -123,3 +164,54 @@ def with_integral_numbers(value):
     if isinstance(value, float) and value.is_integer() and abs(value) < 2 ** 53:
         return int(value)
     return value
+
+
+_ALL_TYPES = ["object", "array", "string", "number", "boolean", "null"]
+_INFERS = ("properties", "additionalProperties", "items", "prefixItems")
+_EXPLICIT = ("type", "enum", "const", "$ref", "anyOf", "oneOf", "allOf")
+
+
+def _rewritten(schema, change) -> object:
+    """A copy of `schema` with `change(subschema)` applied to every subschema object."""
+    out = copy.deepcopy(schema)
+    for _, subschema in list(iter_subschemas(out)):
+        change(subschema)
+    return out
+
+
+def _drop_min_properties(subschema: dict) -> None:
+    subschema.pop("minProperties", None)
+
+
+def _drop_uri_reference(subschema: dict) -> None:
+    if subschema.get("format") == "uri-reference":
+        del subschema["format"]
+
+
+def _type_every_value(subschema: dict) -> None:
+    """An untyped schema with properties or items takes every type (as JSON Schema means it)."""
+    if any(k in subschema for k in _INFERS) and not any(k in subschema for k in _EXPLICIT):
+        subschema["type"] = list(_ALL_TYPES)
+
+
+_ANY = "[\\s\\S]*"
+
+
+def _free_strings(subschema: dict) -> None:
+    """No pattern or length limit, and property-name patterns that take any name (each still
+    its own key)."""
+    for keyword in ("pattern", "minLength", "maxLength"):
+        subschema.pop(keyword, None)
+    if isinstance(subschema.get("patternProperties"), dict):
+        subschema["patternProperties"] = {f"(?:{k})|{_ANY}": v for k, v in subschema["patternProperties"].items()}
+
+
+# (class, the restriction keywords that name it, a fragment of the reason where a keyword names
+# two classes, schema rewrite)
+SCHEMA_REWRITES = (
+    ("min_properties", ("minProperties",), "", lambda s: _rewritten(s, _drop_min_properties)),
+    ("uri_reference", ("format",), "uri-reference", lambda s: _rewritten(s, _drop_uri_reference)),
+    ("untyped", ("type",), "`type` is absent", lambda s: _rewritten(s, _type_every_value)),
+    ("string_form", ("pattern", "patternProperties", "minLength", "maxLength"), "",
+     lambda s: _rewritten(s, _free_strings)),
+)

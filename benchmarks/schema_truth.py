@@ -15,7 +15,9 @@ each token must be in the mask and accepted by the matcher, then EOS. Counted pe
   counted apart), and the schemas with any. Each refusal is classed by feeding the document
   rewritten in the forms the grammars fix (benchmarks/_canonical.py): `order` (accepted with
   its properties in declared order, undeclared last), `number_form` (and 6000.0 written 6000),
-  else `unexplained`; it is `named` when the guarantee report's restrictions name its class
+  a backend-specific class (the grammar of the schema rewritten without it accepts it:
+  `_canonical.SCHEMA_REWRITES`), `combined` (only all those rewrites at once do), else
+  `unexplained`; it is `named` when the guarantee report's restrictions name its class
   (grammar_service/restrictions.py), else silent. Target (issue 25): the schemas with a
   refusal <= 1 % of those fed valid instances, or every refusal named;
 - invalid instances accepted: `reported` when the guarantee report's keywords explain every
@@ -60,7 +62,6 @@ FAST_COMPILE_MS = 1000.0  # the target's corpus: schemas one backend compiles in
 # the restrictions (grammar_service/restrictions.py) that name a refusal of each class
 ORDER_NAMED_BY = {"properties", "allOf"}
 PLACE_NAMED_BY = {"additionalProperties"}
-NUMBER_NAMED_BY = {"type", "enum", "const"}
 
 
 # --- worker: one column, schema after schema ------------------------------------------------
@@ -90,6 +91,7 @@ class _Column:
         self.lltokenizer = llg.LLTokenizer(self.data.tokenizer_json, n_vocab=vocab_size)
         self.tokenize = self.lltokenizer.tokenize_str
         self.eos = self.data.stop_token_ids[0]
+        self._rewritten: dict = {}
 
     def _warm_up(self) -> None:
         """One small compile first, as the service's workers are ready only once warm: lazy imports
@@ -116,17 +118,19 @@ class _Column:
             return {"compile_error": str(exc)[:300], "compile_ms": (time.perf_counter() - started) * 1e3}
         self._done = done
         elapsed_ms = (time.perf_counter() - started) * 1e3
+        self._restricted = json_restrictions(as_drafted(text), done.backend)
         return {"compile_ms": elapsed_ms, "backend": done.backend, "boxed_out": done.abandoned is not None,
                 "unenforced": sorted({u.keyword for u in done.unenforced}),
-                "restricted": sorted({r.keyword for r in json_restrictions(as_drafted(text))})}
+                "restricted": sorted({r.keyword for r in self._restricted})}
 
-    def feed(self, text: str) -> tuple[str, str, list[float]]:
-        """(outcome, excerpt where it failed, fill seconds per token) for one document."""
+    def feed(self, text: str, grammar=None) -> tuple[str, str, list[float]]:
+        """(outcome, excerpt where it failed, fill seconds per token) for one document, under the
+        compiled schema's grammar or `grammar`."""
         np, backend = self.np, self.backend_for(self._done.backend)
         ids = self.tokenize(text)
         if len(ids) > MAX_INSTANCE_TOKENS:
             return "too_long", "", []
-        matcher = backend.new_matcher(self._done.grammar)
+        matcher = backend.new_matcher(self._done.grammar if grammar is None else grammar)
         masks = np.zeros((1, self.data.mask_words), dtype=np.int32)
         fills, consumed = [], b""
         for token in [*ids, self.eos]:
@@ -146,10 +150,15 @@ class _Column:
     def _bytes(self, token: int) -> bytes:
         return self.lltokenizer.decode_bytes([token])
 
-    def classify(self, schema_text: str, doc: str, restricted: set) -> tuple[str, bool]:
+    def names(self, keywords, fragment: str = "") -> bool:
+        """Whether the guarantee report's restrictions name a class: one of `keywords`, its reason
+        containing `fragment` (where two classes share a keyword)."""
+        return any(r.keyword in keywords and fragment in r.reason for r in self._restricted)
+
+    def classify(self, schema_text: str, doc: str) -> tuple[str, bool]:
         """(class, named) of a refused valid document: the first rewrite in the grammars' forms
         that is accepted tells the class (module doc)."""
-        from benchmarks._canonical import Moves, in_declared_order, with_integral_numbers
+        from benchmarks._canonical import SCHEMA_REWRITES, Moves, in_declared_order, with_integral_numbers
 
         try:
             value, schema = json.loads(doc), json.loads(schema_text)
@@ -157,15 +166,42 @@ class _Column:
             ordered = in_declared_order(schema, value, moves)
         except (ValueError, RecursionError):
             return "unexplained", False
-        order_named = ((not moves.declared or bool(restricted & ORDER_NAMED_BY))
-                       and (not moves.undeclared or bool(restricted & PLACE_NAMED_BY)))
+        order_named = ((not moves.declared or self.names(ORDER_NAMED_BY))
+                       and (not moves.undeclared or self.names(PLACE_NAMED_BY)))
         text = json.dumps(ordered, ensure_ascii=False)
         if text != doc and self.feed(text)[0] == "accepted":
             return "order", order_named
         numbers = json.dumps(with_integral_numbers(ordered), ensure_ascii=False)
         if numbers != text and self.feed(numbers)[0] == "accepted":
-            return "number_form", order_named and bool(restricted & NUMBER_NAMED_BY)
+            return "number_form", order_named and (self.names({"type"}, "fraction") or self.names({"enum", "const"}))
+        for cls, keywords, fragment, rewrite in SCHEMA_REWRITES:
+            if (grammar := self._rewritten_grammar(schema_text, cls, rewrite)) is not None and \
+                    self.feed(text, grammar)[0] == "accepted":
+                return cls, order_named and self.names(keywords, fragment)
+        # several classes at once: named when the report names each class the rewrites changed
+        changed = [(keywords, fragment) for cls, keywords, fragment, rewrite in SCHEMA_REWRITES
+                   if self._rewritten_grammar(schema_text, cls, rewrite) is not None]
+        if len(changed) > 1 and (grammar := self._rewritten_grammar(schema_text, "combined", _all_rewrites)) is not None \
+                and self.feed(text, grammar)[0] == "accepted":
+            return "combined", order_named and all(self.names(*named_by) for named_by in changed)
         return "unexplained", False
+
+    def _rewritten_grammar(self, schema_text: str, cls: str, rewrite):
+        """The grammar of the schema rewritten for `cls` by the backend that served it, once per
+        schema (None: unchanged by the rewrite, or not compiled)."""
+        from grammar_contract.spec import GrammarSpec
+        from grammar_service.backends.base import GrammarCompileError
+
+        key = (schema_text, cls)
+        if key not in self._rewritten:
+            schema = json.loads(schema_text)
+            changed = rewrite(schema)
+            try:
+                self._rewritten[key] = None if changed == schema else self.backend_for(self._done.backend).compile(
+                    GrammarSpec("json_schema", json.dumps(changed)))
+            except (GrammarCompileError, ValueError, RecursionError):
+                self._rewritten[key] = None
+        return self._rewritten[key]
 
     def run(self, conn, name: str, text: str, instances: list, compile_timeout_s: float) -> None:
         from benchmarks._generate import judge
@@ -182,11 +218,19 @@ class _Column:
             if outcome != "accepted" and outcome != "too_long":
                 result["at"] = where
             if outcome not in ("accepted", "too_long") and is_valid:
-                result["class"], result["named"] = self.classify(text, doc, set(row["restricted"]))
+                result["class"], result["named"] = self.classify(text, doc)
             if outcome == "accepted" and not is_valid:
                 result["silent"] = judge(text, doc, row["unenforced"])["unreported"]
             results.append(result)
         conn.send(("fed", {"instances": results, "fill_us": fill_us}))
+
+
+def _all_rewrites(schema):
+    from benchmarks._canonical import SCHEMA_REWRITES
+
+    for *_, rewrite in SCHEMA_REWRITES:
+        schema = rewrite(schema)
+    return schema
 
 
 def _worker(conn, column: str, tokenizer_name: str, vocab_size: int, time_box_s: float) -> None:

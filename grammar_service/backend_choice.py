@@ -61,9 +61,10 @@ def compile_with(spec: GrammarSpec, requested: str, backend_for: BackendFor, *, 
     for name in order:
         try:
             backend = backend_for(name)
-            grammar = backend.compile(spec)
         except ValueError:  # a fallback that is not installed here
             continue
+        try:
+            grammar = backend.compile(spec)
         except GrammarCompileError as exc:
             first_error = first_error or exc
             continue
@@ -86,7 +87,7 @@ def _compile_boxed(spec: GrammarSpec, pick: str, fast: str, backend_for: Backend
     try:
         fallback = backend_for(fast)
         fallback_grammar = fallback.compile(spec)
-    except (ValueError, GrammarCompileError):
+    except (ValueError, GrammarCompileError):  # not installed, or its analysis was wrong: the pick alone
         return None
     served = Compiled(fast, fallback_grammar, tuple(fallback.unenforced_keywords(spec)))
     if (box := budget_end - time.monotonic()) <= 0:  # the pick cannot finish within the budget

@@ -218,7 +218,7 @@ class GrammarCompiler:
                 started = time.perf_counter()
                 compiled = self._backend_for(probe.backend).compile(spec)
                 return (probe.compile_ms + (time.perf_counter() - started) * 1e3, probe.backend, compiled,
-                        probe.unenforced, restricted())
+                        probe.unenforced, restricted(probe.backend))
             if not self._threads.acquire(timeout=max(0.0, deadline - time.monotonic())):
                 raise SandboxError("RESOURCE_EXHAUSTED", "no compile thread became free before the compile timeout "
                                    "(every thread is busy with other grammars); retry later", is_grammar_fault=False)
@@ -234,15 +234,15 @@ class GrammarCompiler:
                                     deadline=deadline)
                 abandoned = done.abandoned
                 return ((time.perf_counter() - started) * 1e3, done.backend, done.grammar, done.unenforced,
-                        restricted())
+                        restricted(done.backend))
             finally:
                 if abandoned is None:
                     self._threads.release()
                 else:  # auto's time-boxed compile runs on: it keeps its thread's place until it ends
                     abandoned.add_done_callback(lambda _: self._threads.release())
 
-        def restricted() -> tuple[UnenforcedKeyword, ...]:
-            return json_restrictions(as_drafted(spec.text)) if spec.kind == "json_schema" else ()
+        def restricted(backend: str) -> tuple[UnenforcedKeyword, ...]:
+            return json_restrictions(as_drafted(spec.text), backend) if spec.kind == "json_schema" else ()
 
         def finished(done: Future) -> None:
             with self._lock:

@@ -5,8 +5,12 @@ the order the schema lists them, and any undeclared property after them, and wri
 one form (`0`, never `0.0` or `0e0`, for `const: 0` and for integers). Properties declared
 across `allOf` branches that do not fold into one object (grammar_service/allof_merge.py) get
 a fixed order too: llguidance writes them branch by branch, xgrammar the kept branch's first.
-A document that differs only in such a form matches the schema and is refused by the
-grammar. That never makes an output invalid, so `strict` does not refuse for it, but the
+Some classes are one backend's (`BACKEND_CLASSES`): xgrammar writes an object or an array
+where `type` is absent but properties or items are given, only relative references under
+`format: uri-reference`, matches patterns against the whole string, and writes no escape
+sequence in strings under a pattern or a length limit; llguidance does not count optional declared properties
+toward `minProperties`. A document that differs only in such a form matches the schema and
+is refused by the grammar. That never makes an output invalid, so `strict` does not refuse for it, but the
 guarantee report names each class with the first place it applies (tests/unit/schemas/test_restrictions.py feeds a
 valid document of each class to both backends).
 """
@@ -23,6 +27,15 @@ _SPLIT = ("properties declared across allOf branches that do not fold into one o
           "fixed order: a valid document in another order is refused")
 _INTEGER = "integers are written without a fraction or exponent: 1.0 and 1e0 are refused"
 _LISTED = "listed numbers are written as the schema lists them: 0.0 for 0 is refused"
+_INFERRED = ("xgrammar writes an {0} where `type` is absent and {1} are given: a valid value of another "
+             "type is refused")
+_URI_REFERENCE = "xgrammar writes a relative reference under format uri-reference: a valid absolute URI is refused"
+_PATTERN = ("xgrammar matches {0} against the whole string, where JSON Schema finds it anywhere in it, reads "
+            "some regex syntax differently and writes no escape sequence there: a valid {1} may be refused")
+_LENGTH = ("xgrammar writes strings limited by length without escape sequences: a valid string with a quote, a "
+           "backslash or an escaped character is refused")
+_MIN_PROPERTIES = ("llguidance counts only required and undeclared properties toward minProperties: a valid "
+                   "document that reaches it with optional declared properties is refused")
 
 
 def _is_number(value) -> bool:
@@ -55,17 +68,54 @@ def _classes(schema: dict) -> list[tuple[str, str]]:
     return found
 
 
-def json_restrictions(schema_text: str) -> tuple[UnenforcedKeyword, ...]:
+def _xgrammar_classes(schema: dict) -> list[tuple[str, str]]:
+    """Measured on xgrammar 0.2.9 (backends/xgrammar_unenforced.py: INFERS_TYPE)."""
+    found = []
+    if "type" not in schema and not any(k in schema for k in ("enum", "const", "$ref", "anyOf", "oneOf", "allOf")):
+        if "properties" in schema or "additionalProperties" in schema:
+            found.append(("type", _INFERRED.format("object", "properties")))
+        elif "items" in schema or "prefixItems" in schema:
+            found.append(("type", _INFERRED.format("array", "items")))
+    if schema.get("format") == "uri-reference":
+        found.append(("format", _URI_REFERENCE))
+    if isinstance(schema.get("pattern"), str):
+        found.append(("pattern", _PATTERN.format("pattern", "string")))
+    if isinstance(schema.get("patternProperties"), dict) and schema["patternProperties"]:
+        found.append(("patternProperties", _PATTERN.format("patternProperties' patterns", "property name")))
+    lengths = [k for k in ("minLength", "maxLength") if _is_number(schema.get(k))]
+    if lengths and "pattern" not in schema and "format" not in schema:  # beside those, lengths are dropped
+        found.append((lengths[0], _LENGTH))
+    return found
+
+
+def _llguidance_classes(schema: dict) -> list[tuple[str, str]]:
+    """Measured on llguidance 1.9.1: `{"minProperties": 1, "properties": {"a": {}}}` refuses
+    {"a": 1} and takes {"a": 1, "z": 1}; exact where the required ones reach the minimum or
+    additionalProperties is false (grammar_service/guarantees.py reports the counts too)."""
+    minimum, properties = schema.get("minProperties"), schema.get("properties")
+    required = set(schema.get("required") or ()) if isinstance(schema.get("required"), list) else set()
+    if (_is_number(minimum) and isinstance(properties, dict) and set(properties) - required
+            and minimum > len(required & set(properties)) and schema.get("additionalProperties") is not False):
+        return [("minProperties", _MIN_PROPERTIES)]
+    return []
+
+
+BACKEND_CLASSES = {"xgrammar": _xgrammar_classes, "llguidance": _llguidance_classes}
+
+
+def json_restrictions(schema_text: str, backend: str = "") -> tuple[UnenforcedKeyword, ...]:
     """One entry per restriction class in the schema, at the first place it applies (a count of
-    the others in its reason), in document order; () for malformed JSON (the compile says so)."""
+    the others in its reason), in document order; () for malformed JSON (the compile says so).
+    `backend`: the one that compiled it, whose own classes are added ("": the shared ones)."""
     try:
         schema = json.loads(schema_text)
     except (ValueError, RecursionError):
         return ()
     first: dict[tuple[str, str], str] = {}
     counts: dict[tuple[str, str], int] = {}
+    backend_classes = BACKEND_CLASSES.get(backend, lambda _: [])
     for pointer, subschema in iter_subschemas(schema):
-        for entry in _classes(subschema):
+        for entry in _classes(subschema) + backend_classes(subschema):
             first.setdefault(entry, pointer)
             counts[entry] = counts.get(entry, 0) + 1
     return tuple(UnenforcedKeyword(keyword, first[(keyword, reason)], reason + (

@@ -10,7 +10,9 @@ exclusive bounds, multipleOf on integers, pattern without look-ahead, the format
 ENFORCED_FORMATS, anyOf, $ref, and oneOf whose branches have distinct types, each alone.
 Measured weakenings that are not a keyword being ignored outright: every assertion beside
 `$ref`, and beside `anyOf`/`oneOf`/`allOf` (but `enum`/`const`, and a parent `type` that
-every branch repeats), is dropped; look-ahead in `pattern` is dropped (look-behind does not
+every branch repeats), is dropped; without `type`, an object or array is inferred from its
+keywords and otherwise every assertion is dropped; a required name that `properties` does
+not declare is not required; look-ahead in `pattern` is dropped (look-behind does not
 compile); `pattern` beside an enforced `format` is dropped; `patternProperties` beside
 `properties` lets matching keys, and the declared properties too, take additionalProperties'
 values (unless that is false); beside `enum`/`const` only the listed values are compiled, every
@@ -56,6 +58,8 @@ ASSERTIONS = (
     "dependentSchemas", "dependencies", "unevaluatedProperties", "unevaluatedItems",
 )
 _COMBINATORS = ("anyOf", "oneOf", "allOf")
+# without `type`, these make xgrammar write an object (the first two) or an array (measured)
+INFERS_TYPE = ("properties", "additionalProperties", "items", "prefixItems")
 _LOOKAHEAD = ("(?=", "(?!")
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
@@ -128,6 +132,33 @@ def _beside_values(schema: dict, pointer: str) -> Iterator[UnenforcedKeyword]:
                                     "xgrammar compiles only the listed values, and some break it")
 
 
+def _untyped(schema: dict, pointer: str) -> Iterator[UnenforcedKeyword]:
+    """Measured: without `type` (and without enum/const, $ref or a combinator, checked apart)
+    xgrammar writes an object where properties/additionalProperties are given, an array where
+    items/prefixItems are, and else any JSON value, dropping every assertion there
+    (`{"pattern": "^a"}` takes "zzz", `{"required": ["a"]}` takes {})."""
+    if "type" in schema or any(k in schema for k in ("enum", "const", "$ref", *_COMBINATORS, *INFERS_TYPE)):
+        return
+    if pointer.endswith("/propertyNames"):  # a property name is a string: its keywords hold
+        return
+    for keyword in ASSERTIONS:
+        if keyword in schema and keyword not in IGNORED:
+            yield UnenforcedKeyword(keyword, pointer, "ignored in a schema without `type`: xgrammar "
+                                    "compiles any JSON value there")
+
+
+def _required_undeclared(schema: dict, pointer: str) -> Iterator[UnenforcedKeyword]:
+    """Measured: a required name that `properties` does not declare is not required
+    (`{"type": "object", "required": ["a"]}` takes {}), patternProperties or not."""
+    required, declared = schema.get("required"), schema.get("properties")
+    if not isinstance(required, list) or "$ref" in schema or any(k in schema for k in _COMBINATORS):
+        return
+    missing = [n for n in required if not (isinstance(declared, dict) and n in declared)]
+    if missing:
+        yield UnenforcedKeyword("required", pointer, "required properties that `properties` does not declare "
+                                f"are not required ({', '.join(map(str, missing[:3]))}{', ...' if len(missing) > 3 else ''})")
+
+
 def _local(schema: dict, pointer: str) -> Iterator[UnenforcedKeyword]:
     """Unenforced keywords of this schema object alone (not its subschemas)."""
     if "$ref" in schema:  # measured: xgrammar compiles the reference and drops every sibling
@@ -138,6 +169,8 @@ def _local(schema: dict, pointer: str) -> Iterator[UnenforcedKeyword]:
         return
     yield from _beside_combinator(schema, pointer)
     yield from _beside_values(schema, pointer)
+    yield from _untyped(schema, pointer)
+    yield from _required_undeclared(schema, pointer)
     for keyword, reason in IGNORED.items():
         if keyword in schema:
             yield UnenforcedKeyword(keyword, pointer, reason)

@@ -70,6 +70,14 @@ UNENFORCED = [
     ("type", {"enum": ["a", "b"], "type": "object"}, "a"),
     ("maximum", {"enum": [1, 10], "maximum": 5}, 10),
     ("required", {"const": {}, "required": ["a"]}, {}),
+    # without `type` (and nothing to infer an object or array from) any JSON value is compiled
+    ("pattern", {"pattern": "^a"}, "zzz"),
+    ("minimum", {"minimum": 5}, 1),
+    ("minItems", {"minItems": 2}, [1]),
+    ("required", {"required": ["a"]}, {}),
+    # a required name that `properties` does not declare is not required
+    ("required", {"type": "object", "required": ["a"]}, {}),
+    ("required", {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["a", "b"]}, {"b": 1}),
 ]
 # reported, though a 2020-12 validator does not assert them either (annotations, an unknown
 # format, draft 7's `dependencies`)
@@ -86,6 +94,9 @@ ENFORCED = [
     # (propertyNames' maxLength is enforced too, but names under it admit raw control characters)
     ({"type": "object", "propertyNames": {"pattern": "^[a-z]{1,2}$"}}, {"bbbb": 1}),
     ({"type": "integer", "multipleOf": 3}, 4),
+    # without `type`, properties make an object and items an array, whose keywords hold
+    ({"properties": {"a": {"type": "integer"}}, "required": ["a"]}, {}),
+    ({"items": {"type": "integer"}, "maxItems": 1}, [1, 2]),
     ({"type": "string", "format": "date"}, "2024-13-45x"),
     ({"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 2}, {"a": 1}),
     ({"oneOf": [{"type": "integer"}, {"type": "string"}]}, True),
@@ -94,7 +105,8 @@ ENFORCED = [
                 {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}]}, {"a": 1}),
     # enum beside anyOf, and a parent type every branch repeats, stay enforced
     ({"enum": ["a", "b"], "anyOf": [{"type": "string"}, {"type": "integer"}]}, "zzz"),
-    ({"type": "object", "anyOf": [{"type": "object", "required": ["a"]}, {"type": "object", "required": ["b"]}]}, 5),
+    ({"type": "object", "anyOf": [{"type": "object", "properties": {"a": {}}, "required": ["a"]},
+                                  {"type": "object", "properties": {"b": {}}, "required": ["b"]}]}, 5),
     # siblings of enum that every listed value keeps are in effect
     ({"enum": ["a", "b"], "type": "string"}, 1),
     # strings without length limits never admit raw control characters (checked below)

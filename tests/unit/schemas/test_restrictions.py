@@ -39,6 +39,45 @@ def test_a_valid_document_the_grammar_refuses_is_named(make_backend, tokenize, b
     assert (keyword, pointer) in {(r.keyword, r.pointer) for r in json_restrictions(text)}
 
 
+# one backend's classes: (backend, keyword, pointer, schema, a valid document it refuses)
+BACKEND_RESTRICTED = [
+    ("xgrammar", "type", "", {"properties": {"a": {"type": "integer"}}}, 5),
+    ("xgrammar", "type", "/items", {"type": "array", "items": {"items": {"type": "integer"}}}, ["x"]),
+    ("xgrammar", "format", "", {"type": "string", "format": "uri-reference"}, "http://example.com/a?b=1"),
+    ("xgrammar", "pattern", "", {"type": "string", "pattern": "b"}, "abc"),
+    ("xgrammar", "patternProperties", "", {"type": "object", "patternProperties": {"b": {"type": "integer"}},
+                                           "additionalProperties": False}, {"abc": 1}),
+    ("xgrammar", "pattern", "", {"type": "string", "pattern": "^[a-z\"]+$"}, 'a"b'),
+    ("xgrammar", "maxLength", "", {"type": "string", "maxLength": 10}, "a\\b"),
+    ("xgrammar", "minLength", "", {"type": "string", "minLength": 1}, 'say "hi"'),
+    ("llguidance", "minProperties", "", {"type": "object", "minProperties": 1, "properties": AB}, {"a": 1}),
+    ("llguidance", "minProperties", "", {"type": "object", "minProperties": 2, "required": ["a"], "properties": AB},
+     {"a": 1, "b": "x"}),
+]
+
+
+@pytest.mark.parametrize("backend_name,keyword,pointer,schema,document", BACKEND_RESTRICTED,
+                         ids=[f"{c[0]}-{c[1]}-{i}" for i, c in enumerate(BACKEND_RESTRICTED)])
+def test_a_valid_document_one_backend_refuses_is_named_for_it(make_backend, tokenize, backend_name, keyword,
+                                                              pointer, schema, document):
+    text = json.dumps(schema)
+    assert validate_output(text, json.dumps(document)).valid
+    assert not accepts(make_backend(backend_name), schema, document, tokenize), \
+        f"{backend_name} now takes this form: drop the class from grammar_service/restrictions.py"
+    assert (keyword, pointer) in {(r.keyword, r.pointer) for r in json_restrictions(text, backend_name)}
+    other = "llguidance" if backend_name == "xgrammar" else "xgrammar"
+    assert (keyword, pointer) not in {(r.keyword, r.pointer) for r in json_restrictions(text, other)}
+
+
+def test_the_backend_classes_are_exact_where_measured(make_backend, tokenize):
+    """llguidance counts toward minProperties right where the required ones reach it, or
+    additionalProperties is false: nothing to name there."""
+    for schema in ({"type": "object", "minProperties": 1, "required": ["a"], "properties": AB},
+                   {"type": "object", "minProperties": 1, "properties": AB, "additionalProperties": False}):
+        assert accepts(make_backend("llguidance"), schema, {"a": 1}, tokenize)
+        assert "minProperties" not in {r.keyword for r in json_restrictions(json.dumps(schema), "llguidance")}
+
+
 def test_each_class_is_named_once_with_a_count_of_its_other_places():
     schema = {"type": "object", "properties": {"p": {"type": "object", "properties": AB},
                                                "q": {"type": "object", "properties": AB}}}
