@@ -216,6 +216,7 @@ class RequestTable:
         """A late row accepts nothing: K/V stays valid up to its last known token, which the next
         step computes again and samples after (the same draw: seeded by token index)."""
         request.num_cached = row.seq_len - len(row.drafts) - 1
+        request.has_late_mask = True
         self.num_late_rows += 1
         if row.drafts:
             self.scheduler.trim_pages(request)

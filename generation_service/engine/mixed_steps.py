@@ -18,9 +18,10 @@ token, grammar completion, a stop string found in 4) has one token too many comp
 it is dropped (its request is finished). Rows whose token in N is their last, past their
 deadline, or whose mask was late (VALID_LATE) are left out of N+1 and come back, if at all,
 through the scheduler once N is read. A step that cannot chain (a row with drafts, logprobs or
-logits processing; no prefill left beside the decode rows, where a decode graph does better;
-a page that cannot be reserved without preemption) reads N first: then N's delivery follows
-the next step's launch instead (`pipelined`, the same order one step later).
+logits processing; no prefill left beside the decode rows, where a decode graph does better,
+unless a row's mask came late once, since a decode graph waits for every mask; a page that
+cannot be reserved without preemption) reads N first: then N's delivery follows the next
+step's launch instead (`pipelined`, the same order one step later).
 """
 from __future__ import annotations
 
@@ -146,7 +147,7 @@ class MixedSteps:
         if not continuing:
             return None
         batch = engine.scheduler.schedule(0, continuing=continuing)
-        if not batch.num_prefill_tokens:
-            return None  # decode rows alone: a decode graph runs them once N is read
+        if not batch.num_prefill_tokens and not any(row.request.has_late_mask for row in continuing):
+            return None  # decode rows alone: a decode graph runs them once N is read (not a slow row)
         self._fed_sources = sources
         return batch

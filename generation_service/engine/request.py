@@ -51,6 +51,9 @@ class Request:
     grammar_id: int | None = None                 # set once the compile succeeded
     guarantee: GuaranteeReport | None = None
     is_matcher_bound: bool = False                # FRESH was sent for this slot
+    # A mask of it came late (VALID_LATE) once: a slow grammar. Its steps stay off the decode
+    # graphs, which wait for every row's mask; mixed steps let it be late alone (issue 19).
+    has_late_mask: bool = False
     # speculation counters
     num_preemptions: int = 0                      # times its pages were dropped for lack of room
     num_drafts_proposed: int = 0
