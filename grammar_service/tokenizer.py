@@ -43,8 +43,10 @@ def load_tokenizer(tokenizer_dir: str, vocab_size: int) -> tuple[TokenizerData, 
     for token, token_id in vocab.items():
         if token_id < vocab_size:
             encoded[token_id] = token
+    special = sorted(i for i, token in tok.get_added_tokens_decoder().items() if token.special and i < vocab_size)
     data = TokenizerData(encoded_vocab=tuple(encoded), vocab_size=vocab_size,
                          stop_token_ids=tuple(_eos_ids(path.parent, vocab)),
-                         tokenizer_json=path.read_text(encoding="utf-8"))  # as is: to_str() re-serializes it
+                         tokenizer_json=path.read_text(encoding="utf-8"),  # as is: to_str() re-serializes it
+                         special_token_ids=tuple(special))
     return data, fingerprint_tokenizer_json(path, vocab_size)
 

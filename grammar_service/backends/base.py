@@ -46,6 +46,8 @@ class TokenizerData:
     vocab_size: int                 # mask width (the model's logits width)
     stop_token_ids: tuple[int, ...]
     tokenizer_json: str             # the raw tokenizer.json (decoder and pre-tokenizer info)
+    # tokens tokenizer.json marks special: the served text leaves them out (skip_special_tokens)
+    special_token_ids: tuple[int, ...] = ()
 
     @property
     def mask_words(self) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import weakref
 from typing import Callable, Sequence
 
 import numpy as np
@@ -11,6 +12,7 @@ import xgrammar as xgr
 
 from grammar_contract.spec import GrammarSpec, ReasoningSpan
 from grammar_service.backends.base import GrammarBackend, GrammarCompileError, Matcher, TokenizerData
+from grammar_service.backends.xgrammar_specials import SpecialTokenFilter, named_token_ids
 from grammar_service.backends.xgrammar_unenforced import find_unenforced
 from grammar_service.schema_drafts import as_drafted
 
@@ -75,14 +77,15 @@ except AttributeError:  # another xgrammar layout: use the public API
 
 
 class XGrammarMatcher(Matcher):
-    __slots__ = ("inner", "handle")
+    __slots__ = ("inner", "handle", "specials", "keep")
 
-    def __init__(self, inner: xgr.GrammarMatcher):
+    def __init__(self, inner: xgr.GrammarMatcher, specials: SpecialTokenFilter, keep: np.ndarray):
         self.inner = inner
         self.handle = inner._handle
+        self.specials, self.keep = specials, keep  # keep: the special tokens this grammar names
 
     def accept(self, token_id: int) -> bool:
-        return self.inner.accept_token(token_id)
+        return self.specials.allows(self.keep, token_id) and self.inner.accept_token(token_id)
 
     def rollback(self, num_tokens: int) -> None:
         self.inner.rollback(num_tokens)
@@ -110,16 +113,25 @@ class XGrammarBackend(GrammarBackend):
             stop_token_ids=list(tokenizer.stop_token_ids) or None,
             add_prefix_space=meta["add_prefix_space"])
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=num_compile_threads)
+        # xgrammar would match special tokens as text, which the served text leaves out
+        self._specials = SpecialTokenFilter(tokenizer.special_token_ids, self.stop_token_ids, tokenizer.vocab_size)
+        self._named_specials: dict[int, np.ndarray] = {}  # id(compiled) -> its keep, when it names any
         # 0 = xgrammar's "auto" (hardware threads / 2).
         self._batch = xgr.BatchGrammarMatcher(num_fill_threads or "auto")
 
     # ---- compile -------------------------------------------------------------------------
     def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         try:
-            return self._compile(spec)
+            compiled = self._compile(spec)
         except (RuntimeError, ValueError, TypeError, xgr.InvalidJSONError,
                 xgr.InvalidStructuralTagError) as exc:
             raise GrammarCompileError(f"{spec.kind}: {_clean_message(exc)}") from None
+        keep = self._specials.keep_for(named_token_ids(spec, self._token_ids.get))
+        if keep is not self._specials.keep:
+            key = id(compiled)
+            self._named_specials[key] = keep
+            weakref.finalize(compiled, self._named_specials.pop, key, None)
+        return compiled
 
     def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         if spec.reasoning is not None:
@@ -179,13 +191,16 @@ class XGrammarBackend(GrammarBackend):
 
     # ---- matchers ------------------------------------------------------------------------
     def new_matcher(self, compiled: xgr.CompiledGrammar) -> XGrammarMatcher:
-        return XGrammarMatcher(xgr.GrammarMatcher(compiled))
+        keep = self._named_specials.get(id(compiled), self._specials.keep)
+        return XGrammarMatcher(xgr.GrammarMatcher(compiled), self._specials, keep)
 
     @functools.cached_property
     def stop_token_ids(self) -> frozenset[int]:
         return frozenset(self.tokenizer_info.stop_token_ids)  # those xgrammar detected included
 
     def batch_accept(self, matchers: Sequence[XGrammarMatcher], token_ids: Sequence[int]) -> list[bool]:
+        if not self._specials.special_ids.isdisjoint(token_ids):  # refused where the masks refuse them
+            return [m.accept(t) for m, t in zip(matchers, token_ids)]
         if _RAW_BATCH_ACCEPT is None:
             return xgr.BatchGrammarMatcher.batch_accept_token([m.inner for m in matchers], list(token_ids))
         # slicing the returned array converts it in one call
@@ -194,10 +209,12 @@ class XGrammarBackend(GrammarBackend):
     def batch_fill(self, matchers: Sequence[XGrammarMatcher], masks: np.ndarray, indices: Sequence[int]) -> None:
         # masks is a view of the shared region: xgrammar writes into it through DLPack.
         self._batch.batch_fill_next_token_bitmask([m.inner for m in matchers], masks, list(indices))
+        self._specials.apply(masks, indices, [m.keep for m in matchers])
 
     def fill_alone(self, matcher: XGrammarMatcher, masks: np.ndarray, index: int) -> None:
         # The matcher's own fill: the shared BatchGrammarMatcher may be filling other rows.
         matcher.inner.fill_next_token_bitmask(masks, index)
+        self._specials.apply(masks, [index], [matcher.keep])
 
     def batch_rollback(self, matchers: Sequence[XGrammarMatcher], num_tokens: Sequence[int]) -> None:
         xgr.BatchGrammarMatcher.batch_rollback([m.inner for m in matchers], list(num_tokens))

@@ -267,6 +267,22 @@ def test_markers_given_in_the_request(qwen3):
     assert completion.text in ("yes", "no") and "[/R]" not in completion.reasoning
 
 
+def test_special_tokens_are_no_text_in_a_budgeted_span_and_its_answer(client):
+    """A budget takes xgrammar, which matched a special token as the text it spells; the served
+    text leaves special tokens out, so the span lost them and a string holding one validated
+    shorter than its minLength (benchmarks/serve.py --plan features saw an invalid answer).
+    Biased to the session model's <|im_start|> (special, 12 characters), then to a letter."""
+    special, [letter] = 1, client.tokenize("a")
+    schema = {"type": "object", "properties": {"name": {"type": "string", "minLength": 13, "maxLength": 16}},
+              "required": ["name"], "additionalProperties": False}
+    completion = client.generate_text("x", json_schema=schema, compact=True, reasoning=True, reasoning_max_tokens=4,
+                                      reasoning_markers=("<think>", "</think>"), max_tokens=64,
+                                      logit_bias={special: 100.0, letter: 50.0})
+    assert completion.guarantee.backend == "xgrammar" and completion.finish_reason == "grammar_complete"
+    assert completion.validation.status == "valid", (completion.text, completion.validation)
+    assert json.loads(completion.text)["name"] == "a" * 16 and completion.reasoning == "a" * 4
+
+
 def test_openai_sdk_reasoning_content(qwen3_server):
     from openai import OpenAI
 
