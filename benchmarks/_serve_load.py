@@ -6,7 +6,9 @@ ids, sampling and schema; one connection per user), and, for a closed-loop
 workload, `concurrency / processes` users that send their next request as soon as the last one
 ended; for an open-loop workload, Poisson arrivals at `rate / processes` per second, each request
 its own task. Every request records its send time, the arrival time and token count of each
-streamed message, and how it ended (finish reason, validation status, gRPC code). Requests are
+streamed message, and how it ended (finish reason, validation status, gRPC code; over gRPC an
+invalid document whose violations the guarantee report names, such as xgrammar's raw control
+characters in length-limited strings, counts as INVALID_REPORTED_GAP apart). Requests are
 token ids (`prompts`: slices of real text tokenized with the server's tokenizer, exact lengths),
 so the prompt length is the workload's and no server-side tokenization varies between runs.
 
@@ -31,6 +33,8 @@ import random
 import time
 from dataclasses import dataclass, field
 
+# imported with this module, before any window: jsonschema's import takes ~1 s of a client's loop
+from structgen.schema_validation import unexplained_violations
 
 CANCELLED_AT_END = "CANCELLED_AT_END"  # not an error: the client stopped it when the window closed
 REASONING_MARKERS = ("<think>", "</think>")
@@ -148,8 +152,13 @@ async def _one_request(stub, pb, workload: Workload, prompt: list[int] | str, ma
     request = _request(pb, workload, prompt, max_tokens, seed)
     record = Record(time.perf_counter() - t0, [], [], 0.0, prompt_len=len(prompt), turn=turn)
     output: list[int] = []
+    texts: list[str] = []
+    unenforced: set[str] = set()
     try:
         async for message in stub.Generate(request):
+            texts.append(message.text)
+            if message.HasField("guarantee"):
+                unenforced |= {u.keyword for u in message.guarantee.unenforced}
             if message.token_ids:
                 record.message_times.append(time.perf_counter() - t0)
                 record.message_tokens.append(len(message.token_ids))
@@ -162,6 +171,8 @@ async def _one_request(stub, pb, workload: Workload, prompt: list[int] | str, ma
                 record.prompt_len = message.usage.prompt_tokens or record.prompt_len  # chat: as templated
                 if message.HasField("validation"):
                     record.validation = pb.ValidationStatus.Name(message.validation.status)
+                    if message.finish_reason == pb.FINISH_REASON_GRAMMAR_COMPLETE:  # a document, not a cut one
+                        record.validation = _status(record.validation, workload.json_schema, texts, unenforced)
     except asyncio.CancelledError:  # the window ended with this request streaming: its tokens count
         record.code = CANCELLED_AT_END
     except Exception as error:  # noqa: BLE001 -- a failed call is a result (its code), never a crash
@@ -170,6 +181,14 @@ async def _one_request(stub, pb, workload: Workload, prompt: list[int] | str, ma
     record.end = time.perf_counter() - t0
     records.append(record)
     return output
+
+
+def _status(name: str, schema: str | None, texts: list[str], unenforced: set[str]) -> str:
+    """`name`, or INVALID_REPORTED_GAP for an invalid document that the guarantee report
+    explains (every violation a keyword it names as unenforced)."""
+    if name == "VALIDATION_STATUS_INVALID" and schema and not unexplained_violations(schema, "".join(texts), unenforced):
+        return "VALIDATION_STATUS_INVALID_REPORTED_GAP"
+    return name
 
 
 def unique_tokens(number: int, alphabet: list[int], num_digits: int) -> list[int]:

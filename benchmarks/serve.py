@@ -43,7 +43,9 @@ Per model shape (random weights of a preset shape, the real 131k Tekken tokenize
    engine's ms per graph step) beside features over alone and over beside plain. With random
    weights the model never writes its tool-call trigger: auto requests are free text under
    the trigger's grammar, required ones are calls the grammar writes; every parsed call and
-   every post-span document is validated (`tool_call_validation`, `validation`).
+   every post-span document is validated (`tool_call_validation`, `validation`; a document
+   whose violations the guarantee report names counts as VALIDATION_STATUS_INVALID_REPORTED_GAP:
+   a reasoning budget takes xgrammar, whose length-limited strings admit raw control characters).
    Preset shapes get the tokenizer's chat template beside it (Tekken's: Mistral's [TOOL_CALLS]).
    Per workload: output tok/s over the measured window, TTFT p50/p99, inter-token (gap between
    streamed messages) p50/p99, tokens per message, errors by code, finish reasons, validation

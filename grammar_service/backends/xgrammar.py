@@ -126,7 +126,7 @@ class XGrammarBackend(GrammarBackend):
         except (RuntimeError, ValueError, TypeError, xgr.InvalidJSONError,
                 xgr.InvalidStructuralTagError) as exc:
             raise GrammarCompileError(f"{spec.kind}: {_clean_message(exc)}") from None
-        keep = self._specials.keep_for(named_token_ids(spec, self._token_ids.get))
+        keep = self._specials.keep_for(named_token_ids(spec, lambda text: self._token_ids.get(text)))
         if keep is not self._specials.keep:
             key = id(compiled)
             self._named_specials[key] = keep
