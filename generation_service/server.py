@@ -97,7 +97,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         A turn (reasoning, tools): the parser splits each message's text into reasoning,
         content and calls, and the final validation covers the content alone."""
         schema = domain.grammar.text if domain.grammar is not None and domain.grammar.kind == "json_schema" else None
-        parser = turn.parser() if turn is not None else None
+        parser = turn.parser(self._engine.tokenizer, domain.prompt_ids) if turn is not None else None
         texts: list[str] = []
         stream = self._engine.submit(domain)
         observer = metrics.get().observer(domain)
@@ -113,7 +113,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                     return  # the client is gone; nobody reads a status
                 if event.finish_reason is FinishReason.ERROR:
                     raise EngineError(f"request {domain.request_id} failed")
-                piece = parser.feed(event.text, final=event.is_final) if parser is not None else None
+                piece = parser.feed(event.text, event.is_final, event.token_ids) if parser is not None else None
                 validation = None
                 if schema is not None:
                     texts.append(event.text if piece is None else piece.content)

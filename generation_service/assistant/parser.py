@@ -4,6 +4,10 @@ Text arrives in arbitrary pieces; anything that may still turn out to be a marke
 span's end, a call's trigger) is held back until it is known, so no piece ever carries half a
 marker. `finish` returns what is still held (a call cut off by max_tokens is not a call: it
 is content).
+
+The span ends where the grammar ends it: at the end marker's token when the marker is one
+added token (the grammar takes it as that token only, so ordinary tokens inside the span may
+spell its text: `<`, `/`, `think`, `>`), else at the first occurrence of its text.
 """
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from dataclasses import dataclass, field
 
 from generation_service.assistant.formats import ToolCallFormat
 from generation_service.assistant.tools import ToolCall, new_call_id
+from generation_service.model.detokenizer import IncrementalDetokenizer
 from grammar_contract.spec import ReasoningSpan
 
 
@@ -29,19 +34,49 @@ def held_back_len(text: str, marker: str) -> int:
     return 0
 
 
+class EndToken:
+    """Where the end marker's token ends in the streamed text: the output's tokens go through a
+    detokenizer of their own, as the engine's (same prompt context and special-token rule, so
+    the same text), until that token comes; then it costs nothing more."""
+
+    def __init__(self, token_id: int, tokenizer, prompt_ids: tuple[int, ...], skip_special_tokens: bool) -> None:
+        self.token_id = token_id
+        self._detok = IncrementalDetokenizer(tokenizer, list(prompt_ids), skip_special_tokens=skip_special_tokens)
+        self._text_len = 0
+        self.end_offset: int | None = None  # characters of output text up to the token's text included
+
+    def feed(self, token_ids) -> None:
+        """The tokens of the next event."""
+        if self.end_offset is not None or not token_ids:
+            return
+        ids = list(token_ids)
+        if self.token_id not in ids:
+            self._text_len += len(self._detok.push(ids))
+            return
+        # the token's text is whole (an added token), so no text before it stays held back
+        self.end_offset = self._text_len + len(self._detok.push(ids[:ids.index(self.token_id) + 1]))
+
+
 class ReasoningSplitter:
     """Reasoning is the text between the span's markers (markers left out); content is what
     follows the end marker and its separator. An output that does not open with the begin
-    marker (only possible where no grammar enforces the span) is content throughout."""
+    marker (only possible where no grammar enforces the span) is content throughout.
+    With `end_token` the span ends at that token, fed with `feed`'s token ids; else at the
+    end marker's first text."""
 
-    def __init__(self, span: ReasoningSpan) -> None:
+    def __init__(self, span: ReasoningSpan, end_token: EndToken | None = None) -> None:
         self._span = span
+        self._end_token = end_token
         self._state = "inside" if span.starts_open else "before"
         self._buffer = ""
+        self._num_chars_fed = 0  # the buffer ends there in the output text
 
-    def feed(self, text: str) -> tuple[str, str]:
-        """(reasoning, content) completed by `text`."""
+    def feed(self, text: str, token_ids=()) -> tuple[str, str]:
+        """(reasoning, content) completed by `text` (and its `token_ids`)."""
+        if self._end_token is not None:
+            self._end_token.feed(token_ids)
         self._buffer += text
+        self._num_chars_fed += len(text)
         reasoning = ""
         if self._state == "before":
             head = self._buffer.lstrip()
@@ -52,12 +87,13 @@ class ReasoningSplitter:
             else:
                 self._state = "after"
         if self._state == "inside":
-            end = self._buffer.find(self._span.end)
-            if end < 0:
-                keep = held_back_len(self._buffer, self._span.end)
+            cut = self._end_cut()
+            if cut is None:
+                keep = self._num_held_back()
                 reasoning, self._buffer = self._buffer[:len(self._buffer) - keep], self._buffer[len(self._buffer) - keep:]
                 return reasoning, ""
-            reasoning, self._buffer = self._buffer[:end], self._buffer[end + len(self._span.end):]
+            end, after = cut
+            reasoning, self._buffer = self._buffer[:end], self._buffer[after:]
             self._state = "separator"
         if self._state == "separator":
             separator = self._span.separator
@@ -67,6 +103,27 @@ class ReasoningSplitter:
             self._state = "after"
         content, self._buffer = self._buffer, ""
         return reasoning, content
+
+    def _end_cut(self) -> tuple[int, int] | None:
+        """(where the end marker starts, where it ends) in the buffer, once it is all there."""
+        if self._end_token is None:
+            end = self._buffer.find(self._span.end)
+            return None if end < 0 else (end, end + len(self._span.end))
+        offset = self._end_token.end_offset
+        after = None if offset is None else offset - (self._num_chars_fed - len(self._buffer))
+        if after is None or after > len(self._buffer):
+            return None
+        before = self._buffer[:after]
+        return len(before.removesuffix(self._span.end)), after
+
+    def _num_held_back(self) -> int:
+        """Characters at the buffer's end that may be the end marker's."""
+        if self._end_token is None:
+            return held_back_len(self._buffer, self._span.end)
+        offset = self._end_token.end_offset
+        if offset is None:
+            return 0  # the token has not come: all of the text so far is reasoning
+        return max(0, min(len(self._buffer), self._num_chars_fed - (offset - len(self._span.end))))
 
     def finish(self) -> tuple[str, str]:
         rest, self._buffer = self._buffer, ""
@@ -124,14 +181,17 @@ class CallExtractor:
 class TurnParser:
     """A reasoning splitter (when the turn has a span) feeding a call extractor (when it has tools)."""
 
-    def __init__(self, span: ReasoningSpan | None, calls: CallExtractor | None) -> None:
-        self._splitter = ReasoningSplitter(span) if span is not None else None
+    def __init__(self, span: ReasoningSpan | None, calls: CallExtractor | None,
+                 end_token: EndToken | None = None) -> None:
+        self._splitter = ReasoningSplitter(span, end_token) if span is not None else None
         self._calls = calls
 
-    def feed(self, text: str, final: bool = False) -> TurnPiece:
+    def feed(self, text: str, final: bool = False, token_ids=()) -> TurnPiece:
+        """The piece completed by an event's `text`; `token_ids`: the event's tokens (the
+        span's end, when its marker is one token)."""
         piece = TurnPiece()
         if self._splitter is not None:
-            piece.reasoning, text = self._splitter.feed(text)
+            piece.reasoning, text = self._splitter.feed(text, token_ids)
             if final:
                 reasoning, rest = self._splitter.finish()
                 piece.reasoning, text = piece.reasoning + reasoning, text + rest

@@ -2,9 +2,10 @@
 
 `plan_turn` takes the front-neutral options (tools, tool choice, reasoning) and the served
 tokenizer; the turn then gives the grammar (`grammar`), whether special tokens must stay in
-the text (`skip_special_tokens`), the parser of the output (`parser`) and the validation of
-each call (`validate`). A request without reasoning and tools has no turn (`plan_turn`
-returns None) and nothing on its path changes.
+the text (`skip_special_tokens`), the parser of the output (`parser`, which ends the span at
+the end marker's token where the grammar does) and the validation of each call (`validate`).
+A request without reasoning and tools has no turn (`plan_turn` returns None) and nothing on
+its path changes.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from generation_service.assistant.formats import FORMATS, ToolCallFormat, detect_format
-from generation_service.assistant.parser import CallExtractor, TurnParser
+from generation_service.assistant.parser import CallExtractor, EndToken, TurnParser
 from generation_service.assistant.reasoning import ReasoningRequest, model_markers, reasoning_span
 from generation_service.assistant.tools import Tool, ToolCall, ToolChoice, check_tools, validate_call
 from grammar_contract.spec import GrammarSpec, ReasoningSpan
@@ -33,6 +34,7 @@ class AssistantTurn:
     tool_format: ToolCallFormat | None = None   # with tools
     reasoning: ReasoningSpan | None = None
     skip_special_tokens: bool = True            # False: a marker is a special token
+    end_token_id: int | None = None             # the span's end marker when it is one added token
 
     @property
     def uses_tools(self) -> bool:
@@ -63,9 +65,14 @@ class AssistantTurn:
             spec = GrammarSpec("structural_tag", _ANY_TEXT, backend=backend)
         return dataclasses.replace(spec, reasoning=self.reasoning)
 
-    def parser(self) -> TurnParser:
+    def parser(self, tokenizer=None, prompt_ids: tuple[int, ...] = ()) -> TurnParser:
+        """The parser of one output of `prompt_ids`; `tokenizer` (the engine's) places the end
+        marker's token in the text, where the marker is one token."""
         calls = CallExtractor(self.tool_format, self.choice.forces_calls) if self.uses_tools else None
-        return TurnParser(self.reasoning, calls)
+        end_token = None
+        if self.end_token_id is not None and tokenizer is not None:
+            end_token = EndToken(self.end_token_id, tokenizer, prompt_ids, self.skip_special_tokens)
+        return TurnParser(self.reasoning, calls, end_token)
 
     def validate(self, call: ToolCall) -> ValidationResult:
         return validate_call(call, self.tools_by_name)
@@ -79,6 +86,15 @@ def tool_format(tokenizer) -> ToolCallFormat:
 
 def _is_special(tokenizer, text: str) -> bool:
     return tokenizer.token_id(text) in tokenizer.special_token_ids
+
+
+def _end_token_id(tokenizer, span: ReasoningSpan | None) -> int | None:
+    """The end marker's token when it is one added token: both grammar backends then end the
+    span at that token alone (llguidance lexes added tokens apart from text), not at its text."""
+    if span is None:
+        return None
+    token_id = tokenizer.token_id(span.end)
+    return token_id if token_id is not None and token_id in tokenizer.added_token_ids else None
 
 
 def plan_turn(tokenizer, prompt_ids: tuple[int, ...], *, tools: tuple[Tool, ...] = (),
@@ -102,4 +118,5 @@ def plan_turn(tokenizer, prompt_ids: tuple[int, ...], *, tools: tuple[Tool, ...]
     markers = [format_.trigger] if format_ is not None and choice.mode != "none" else []
     markers += [span.begin, span.end] if span is not None else []
     return AssistantTurn(tools=tools, choice=choice, single_call=single_call, tool_format=format_,
-                         reasoning=span, skip_special_tokens=not any(_is_special(tokenizer, m) for m in markers if m))
+                         reasoning=span, skip_special_tokens=not any(_is_special(tokenizer, m) for m in markers if m),
+                         end_token_id=_end_token_id(tokenizer, span))

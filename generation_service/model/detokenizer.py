@@ -28,7 +28,8 @@ _REPLACEMENT = "\ufffd"
 # Prompt tokens kept as left context: enough for any decoder's context rules.
 _PROMPT_CONTEXT = 6
 # decode([id]) per tokenizer and skip_special_tokens: a pure function, and at most one entry
-# per vocabulary token. Shared by every detokenizer of the tokenizer (engine thread).
+# per vocabulary token. Shared by every detokenizer of the tokenizer: the engine thread's and the
+# API fronts' (assistant/parser.py EndToken); a get or set of one key is atomic under the GIL.
 _single_token_texts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 

@@ -89,6 +89,12 @@ class Tokenizer:
         return frozenset(i for i, token in decoder.items() if token.special)
 
     @cached_property
+    def added_token_ids(self) -> frozenset[int]:
+        """Ids of the added tokens (special or not: Qwen3's <think>): the tokenizer splits
+        their text out before the model's own pieces, and llguidance lexes them apart."""
+        return frozenset(self._tokenizer.get_added_tokens_decoder())
+
+    @cached_property
     def byte_fallback_ids(self) -> frozenset[int]:
         """Ids of the <0xNN> byte tokens when the decoder has ByteFallback (SentencePiece
         models); empty for byte-level BPE, whose tokens are bytes of their own kind."""

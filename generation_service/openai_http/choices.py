@@ -42,6 +42,7 @@ class ChoiceStreams:
         self._streams = []
         self.specs = specs
         self._turn = turn
+        self._tokenizer = engine.tokenizer if turn is not None else None
         try:
             for spec in specs:
                 self._streams.append(engine.submit(spec))
@@ -56,7 +57,7 @@ class ChoiceStreams:
 
     async def _pump(self, index: int, spec: GenerationRequest, stream) -> None:
         schema = spec.grammar.text if spec.grammar is not None and spec.grammar.kind == "json_schema" else None
-        parser = self._turn.parser() if self._turn is not None else None
+        parser = self._turn.parser(self._tokenizer, spec.prompt_ids) if self._turn is not None else None
         observer = metrics.get().observer(spec)
         texts: list[str] = []
         try:
@@ -64,7 +65,7 @@ class ChoiceStreams:
                 observer.event(event)
                 validation, piece = None, None
                 if parser is not None:
-                    piece = parser.feed(event.text, final=event.is_final)
+                    piece = parser.feed(event.text, event.is_final, event.token_ids)
                 if schema is not None:
                     texts.append(event.text if piece is None else piece.content)
                     if event.is_final:  # the whole output against the full schema, as on gRPC

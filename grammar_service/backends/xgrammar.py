@@ -48,9 +48,11 @@ def reasoning_format(span: ReasoningSpan, token_id: Callable[[str], int | None] 
     """Structural-tag elements of a reasoning span: free text (at most `max_tokens` tokens,
     then only the end marker is allowed) closed by the end marker, then the separator.
 
-    An end marker that is one token of the vocabulary (`token_id`) is matched as that token,
-    with token-level free text before it (neither marker nor a stop token), so a spent budget
-    forces the marker's own token rather than any spelling of its text."""
+    An end marker that is one added token (`token_id`: Qwen3's </think>) is matched as that
+    token, with token-level free text before it (neither marker nor a stop token), so a spent
+    budget forces the marker's own token rather than any spelling of its text; llguidance
+    lexes added tokens apart the same way, and the server's parser ends the span there too.
+    Any other marker is text: the span ends at its first occurrence."""
     end_id = token_id(span.end)
     begin_id = token_id(span.begin) if span.begin else None
     if end_id is not None:
@@ -152,7 +154,7 @@ class XGrammarBackend(GrammarBackend):
         """The span (a structural tag: its token budget is xgrammar's any_text max_tokens), then
         the constraint compiled as it would be alone. A structural tag constraint is spliced
         into one tag, so that token formats in it resolve against this tokenizer."""
-        prefix = reasoning_format(spec.reasoning, self._token_ids.get, self.tokenizer.stop_token_ids)
+        prefix = reasoning_format(spec.reasoning, self._added_token_ids.get, self.tokenizer.stop_token_ids)
         if spec.kind == "structural_tag":
             tag = json.loads(spec.text)
             if isinstance(tag, dict) and "format" in tag:
@@ -165,6 +167,12 @@ class XGrammarBackend(GrammarBackend):
     @functools.cached_property
     def _token_ids(self) -> dict[str, int]:
         return {text: token_id for token_id, text in enumerate(self.tokenizer.encoded_vocab) if text}
+
+    @functools.cached_property
+    def _added_token_ids(self) -> dict[str, int]:
+        """The added tokens (special or not) by their text: the reasoning markers taken as tokens."""
+        added = json.loads(self.tokenizer.tokenizer_json).get("added_tokens") or []
+        return {token["content"]: token["id"] for token in added if token["id"] < self.tokenizer.vocab_size}
 
     def _grammar(self, spec: GrammarSpec) -> xgr.Grammar:
         """The constraint alone as an uncompiled Grammar (with the options `_compile` uses)."""

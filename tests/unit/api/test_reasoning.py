@@ -109,3 +109,126 @@ def test_special_markers_stay_in_the_text(tokenizers):
     prompt = tuple(mistral.apply_chat_template([{"role": "user", "content": "hi"}]))
     assert not plan_turn(mistral, prompt, tools=(Tool("f"),)).skip_special_tokens  # [TOOL_CALLS] is a control token
     assert plan_turn(qwen, (1,), tools=(Tool("f"),)).skip_special_tokens  # <tool_call> is plain text
+
+
+# ---- where the span ends: the end marker's token, or its first text ---------------------------
+def _events(tokenizer, prompt, ids, size: int, lag: int = 0):
+    """The engine's events for output `ids`: `size` tokens each, text from a detokenizer fed one
+    token at a time (as OutputProcessor feeds it), `lag` characters of it held back until the
+    next event (as a stop string's possible start is); the last event finishes the request."""
+    from generation_service.engine.events import FinishReason, OutputEvent
+    from generation_service.model.detokenizer import IncrementalDetokenizer
+
+    detok = IncrementalDetokenizer(tokenizer, list(prompt))
+    chunks = [ids[start:start + size] for start in range(0, len(ids), size)]
+    texts = ["".join(detok.push([i]) for i in chunk) for chunk in chunks]
+    texts[-1] += detok.flush()
+    text, events, sent = "".join(texts), [], 0
+    for n, chunk in enumerate(chunks):
+        upto = len(text) if n == len(chunks) - 1 else max(sent, len("".join(texts[:n + 1])) - lag)
+        final = n == len(chunks) - 1
+        events.append(OutputEvent(tuple(chunk), text[sent:upto],
+                                  finish_reason=FinishReason.GRAMMAR_COMPLETE if final else None))
+        sent = upto
+    return events
+
+
+def _parse(parser, events) -> tuple[str, str]:
+    pieces = [parser.feed(event.text, event.is_final, event.token_ids) for event in events]
+    return "".join(p.reasoning for p in pieces), "".join(p.content for p in pieces)
+
+
+def _spelled(tokenizer, text: str) -> list[int]:
+    """`text` in one ordinary token per character: never the added token that spells it whole."""
+    return [i for c in text for i in tokenizer.encode(c, add_special_tokens=False)]
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 100])
+@pytest.mark.parametrize("lag", [0, 3])
+def test_the_span_ends_at_the_end_marker_token_not_at_its_text(tokenizers, size, lag):
+    """Qwen3's </think> is one added token: both grammars end the span at that token only, so
+    ordinary tokens inside may spell `<`, `/`, `t`...`>`; the text split ended the span there and
+    the content (what the final validation covers) was not what the grammar constrained."""
+    qwen = tokenizers["qwen3"]
+    prompt = tuple(qwen.apply_chat_template([{"role": "user", "content": "hi"}]))
+    turn = plan_turn(qwen, prompt, reasoning=ReasoningRequest("enabled"))
+    begin, end = qwen.token_id("<think>"), qwen.token_id("</think>")
+    assert turn.end_token_id == end
+    encode = lambda text: qwen.encode(text, add_special_tokens=False)  # noqa: E731
+    ids = [begin, *encode("a"), *_spelled(qwen, "</think>"), *encode("b"), end, *encode('\n\n{"a": "</think>"}')]
+    assert qwen.decode(ids) == '<think>a</think>b</think>\n\n{"a": "</think>"}'
+    assert _parse(turn.parser(qwen, prompt), _events(qwen, prompt, ids, size, lag)) == (
+        "a</think>b", '{"a": "</think>"}')
+
+
+@pytest.mark.parametrize("size", [1, 3, 100])
+def test_a_text_marker_ends_the_span_at_its_first_text(tokenizers, size):
+    """Markers given in the request are text to the grammar: the span ends at their first text."""
+    qwen = tokenizers["qwen3"]
+    prompt = tuple(qwen.encode("Think, then answer: "))
+    turn = plan_turn(qwen, prompt, reasoning=ReasoningRequest("enabled", begin="[R]", end="[/R]"))
+    assert turn.end_token_id is None
+    ids = qwen.encode("[R]a[/R]b[/R]42", add_special_tokens=False)
+    assert _parse(turn.parser(qwen, prompt), _events(qwen, prompt, ids, size)) == ("a", "b[/R]42")
+
+
+class _ScriptedEngine:
+    """An engine whose every request streams the same events (the API fronts' side alone)."""
+
+    def __init__(self, tokenizer, events) -> None:
+        self.tokenizer, self._events = tokenizer, events
+
+    def submit(self, request):
+        events = self._events
+
+        class Stream:
+            is_finished = True
+
+            async def acoalesced(self):
+                for event in events:
+                    yield event
+
+            def cancel(self) -> None:
+                pass
+        return Stream()
+
+
+def test_both_fronts_split_at_the_end_token_and_validate_the_content_alone(tokenizers):
+    """The gRPC stream and the HTTP front's choices: the content after the end marker's token,
+    validated against the schema (the text split validated 'b</think>\\n\\n{"a":1}': invalid)."""
+    import asyncio
+
+    from generation_service import proto_convert
+    from generation_service.config import ServeConfig
+    from generation_service.openai_http.choices import ChoiceStreams
+    from generation_service.server import GenerationServicer
+    from structgen.v1 import generation_pb2 as pb
+
+    qwen = tokenizers["qwen3"]
+    schema = '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}'
+    request = pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi")]),
+                                 json_schema=schema, reasoning=pb.ReasoningOptions(mode=pb.REASONING_MODE_ENABLED))
+    domain, turn = proto_convert.convert_generate(request, qwen, ServeConfig(), None)
+    encode = lambda text: qwen.encode(text, add_special_tokens=False)  # noqa: E731
+    ids = [qwen.token_id("<think>"), *encode("a"), *_spelled(qwen, "</think>"), *encode("b"), qwen.token_id("</think>"),
+           *encode('\n\n{"a":1}'), qwen.eos_token_ids[0]]
+    engine = _ScriptedEngine(qwen, _events(qwen, domain.prompt_ids, ids, size=4))
+
+    class Context:
+        responses: list = []
+
+        async def write(self, response) -> None:
+            self.responses.append(response)
+
+    asyncio.run(GenerationServicer(engine, ServeConfig(), None)._stream(domain, turn, Context()))
+    responses = Context.responses
+    assert "".join(r.reasoning_text for r in responses) == "a</think>b"
+    assert "".join(r.text for r in responses) == '{"a":1}'
+    assert responses[-1].validation.status == pb.VALIDATION_STATUS_VALID
+
+    async def http_choice():
+        choices = ChoiceStreams(engine, [domain], turn)
+        return [item async for item in choices.events()]
+    items = asyncio.run(http_choice())
+    assert "".join(item.piece.reasoning for item in items) == "a</think>b"
+    assert "".join(item.piece.content for item in items) == '{"a":1}' and items[-1].validation.is_valid

@@ -63,6 +63,50 @@ def test_span_then_the_constraint(qwen, backend, kind, span):
         assert not run(qwen, backend, spec, opening(span, "hi").removesuffix(span.separator) + good)
 
 
+def _accepts(backend, spec: GrammarSpec, ids: list[int], stop_id: int) -> bool:
+    matcher = backend.new_matcher(backend.compile(spec))
+    return all(matcher.accept(i) for i in ids) and matcher.accept(stop_id)
+
+
+def _parser_split(tokenizer, span: ReasoningSpan, ids: list[int]) -> tuple[str, str]:
+    """The server's split of output `ids` (generation_service/assistant/parser.py), the end
+    marker's token placed as plan_turn places it."""
+    from generation_service.assistant.parser import EndToken, TurnParser
+
+    end_id = tokenizer.token_id(span.end)
+    end_token = EndToken(end_id, tokenizer, (), True) if end_id in tokenizer.added_token_ids else None
+    piece = TurnParser(span, None, end_token).feed(tokenizer.decode(ids), True, tuple(ids))
+    return piece.reasoning, piece.content
+
+
+@pytest.mark.parametrize("separator", ["", "\n\n"])
+def test_the_span_ends_where_the_server_splits_it(qwen, backend, separator):
+    """Where each grammar ends the span is where the server's parser splits reasoning from the
+    content it validates: at the end marker's token when the marker is one added token (ordinary
+    tokens inside the span may spell its text), at the marker's first text when it is text."""
+    tokenizer, _ = qwen
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    stop = tokenizer.eos_token_ids[0]
+    spelled = [i for c in "</think>" for i in encode(c)]
+    span = dataclasses.replace(QWEN, separator=separator)
+    ids = [tokenizer.token_id("<think>"), *encode("a"), *spelled, *encode("b"), tokenizer.token_id("</think>"),
+           *encode(separator + "42")]
+    assert _accepts(backend, GrammarSpec("regex", "[0-9]+", reasoning=span), ids, stop)
+    assert _parser_split(tokenizer, span, ids) == ("a</think>b", "42")
+
+    span = dataclasses.replace(TEXT_MARKERS, separator=separator)
+    ids = encode(f"[R]a[/R]{separator}b[/R]42")
+    assert not _accepts(backend, GrammarSpec("regex", "[0-9]+", reasoning=span), ids, stop)
+    assert _accepts(backend, GrammarSpec("regex", r"b\[/R\]42", reasoning=span), ids, stop)
+    assert _parser_split(tokenizer, span, ids) == ("a", "b[/R]42")
+
+    span = ReasoningSpan("[R]", "nk", separator)  # one token, but an ordinary one: text to both
+    assert len(encode("nk")) == 1 and tokenizer.token_id("nk") not in tokenizer.added_token_ids
+    ids = [*encode("[R]a"), *encode("n"), *encode("k"), *encode(separator + "42")]
+    assert _accepts(backend, GrammarSpec("regex", "[0-9]+", reasoning=span), ids, stop)
+    assert _parser_split(tokenizer, span, ids) == ("a", "42")
+
+
 def test_xgrammar_budget_forces_the_end_token(qwen):
     tokenizer, data = qwen
     backend = XGrammarBackend(data, num_compile_threads=1, num_fill_threads=1)
