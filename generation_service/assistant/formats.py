@@ -11,7 +11,9 @@ the parser of a call region, one class per format.
 Grammars are xgrammar structural tags (JSON objects): each tool is a tag whose begin text
 fixes its name and whose content is its `parameters` schema, so a call names a listed tool
 with arguments valid for it. tool_choice auto: free text until the format's trigger, then a
-call (triggered tags); required and named: calls only, at least one. Because the grammar fixes
+call (triggered tags; token-triggered when the trigger is one added token, as Qwen's
+`<tool_call>`: free text may then spell it in ordinary tokens, and the parser, too, starts a
+call at the token only); required and named: calls only, at least one. Because the grammar fixes
 the syntax, a region's parser needs no heuristics: what the grammar let through parses.
 """
 from __future__ import annotations
@@ -66,7 +68,7 @@ class ToolCallFormat(abc.ABC):
     call_end: str = "}"
 
     def __init__(self, is_token: Callable[[str], bool] = lambda text: False) -> None:
-        """`is_token(text)`: the text is one token of the served tokenizer."""
+        """`is_token(text)`: the text is one added token of the served tokenizer."""
         self._is_token = is_token
 
     def _call_tag(self, tool: Tool, max_whitespace: int | None) -> dict:
@@ -98,6 +100,21 @@ class HermesFormat(ToolCallFormat):
     _END = "</tool_call>"
     call_prefix = trigger + "\n"
     call_end = "}\n" + _END
+
+    def grammar(self, tools, choice, single, max_whitespace) -> dict:
+        if choice.mode != "auto" or not self._is_token(self.trigger):
+            return super().grammar(tools, choice, single, max_whitespace)
+        return {"type": "token_triggered_tags", "trigger_tokens": [self.trigger],
+                "tags": [self._token_call_tag(t, max_whitespace) for t in tools],
+                "at_least_one": False, "stop_after_first": single}
+
+    def _token_call_tag(self, tool: Tool, max_whitespace: int | None) -> dict:
+        """The call tag begun by the trigger's token, the same text after it."""
+        head = f'{self.call_prefix.removeprefix(self.trigger)}{{"name": "{tool.name}", "{self.arguments_key}": '
+        content = [{"type": "const_string", "value": head}, _arguments_content(tool, max_whitespace),
+                   {"type": "const_string", "value": self.call_end.removesuffix(self._END)}]
+        return {"type": "tag", "begin": {"type": "token", "token": self.trigger},
+                "content": {"type": "sequence", "elements": content}, "end": self._END}
 
     def parse_region(self, text: str):
         end = text.find(self._END)

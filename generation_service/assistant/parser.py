@@ -7,7 +7,10 @@ is content).
 
 The span ends where the grammar ends it: at the end marker's token when the marker is one
 added token (the grammar takes it as that token only, so ordinary tokens inside the span may
-spell its text: `<`, `/`, `think`, `>`), else at the first occurrence of its text.
+spell its text: `<`, `/`, `think`, `>`), else at the first occurrence of its text. A call
+starts the same way: at the trigger's token when the trigger is one added token (Qwen's
+`<tool_call>`: both grammars trigger on that token only, so free text may spell it), else at
+the trigger's text.
 """
 from __future__ import annotations
 
@@ -55,6 +58,30 @@ class EndToken:
             return
         # the token's text is whole (an added token), so no text before it stays held back
         self.end_offset = self._text_len + len(self._detok.push(ids[:ids.index(self.token_id) + 1]))
+
+
+class TriggerToken:
+    """Where each of the tool-call trigger's tokens starts in the streamed text: the output's
+    tokens go through a detokenizer of their own, as EndToken's (same text as the engine's)."""
+
+    def __init__(self, token_id: int, text: str, tokenizer, prompt_ids: tuple[int, ...],
+                 skip_special_tokens: bool) -> None:
+        self.token_id, self._text = token_id, text
+        self._detok = IncrementalDetokenizer(tokenizer, list(prompt_ids), skip_special_tokens=skip_special_tokens)
+        self._text_len = 0
+        self.starts: list[int] = []  # characters of output text before each trigger token's text
+
+    def feed(self, token_ids) -> None:
+        """The tokens of the next event."""
+        ids, done = list(token_ids), 0
+        while self.token_id in ids[done:]:
+            upto = ids.index(self.token_id, done) + 1
+            # the token's text is whole (an added token), so no text before it stays held back
+            self._text_len += len(self._detok.push(ids[done:upto]))
+            self.starts.append(self._text_len - len(self._text))
+            done = upto
+        if done < len(ids):
+            self._text_len += len(self._detok.push(ids[done:]))
 
 
 class ReasoningSplitter:
@@ -125,6 +152,11 @@ class ReasoningSplitter:
             return 0  # the token has not come: all of the text so far is reasoning
         return max(0, min(len(self._buffer), self._num_chars_fed - (offset - len(self._span.end))))
 
+    @property
+    def num_chars_held(self) -> int:
+        """Characters fed and not yet returned (the output text's last ones)."""
+        return len(self._buffer)
+
     def finish(self) -> tuple[str, str]:
         rest, self._buffer = self._buffer, ""
         if self._state == "inside":
@@ -133,17 +165,23 @@ class ReasoningSplitter:
 
 
 class CallExtractor:
-    """Content text in, content text and completed calls out, for one tool-call format."""
+    """Content text in, content text and completed calls out, for one tool-call format.
+    With `trigger_token` a call starts only at that token (fed with `feed`'s token ids; the
+    content begins at `stream_start` in the output text); else at the trigger's text."""
 
-    def __init__(self, format_: ToolCallFormat, only_calls: bool) -> None:
+    def __init__(self, format_: ToolCallFormat, only_calls: bool, trigger_token: TriggerToken | None = None) -> None:
         self._format = format_
         self._only_calls = only_calls  # required / named: text between calls is the separator
+        self._trigger_token = trigger_token
+        self.stream_start = 0          # where the content text starts in the output text
+        self._num_chars_done = 0       # content characters before the buffer
         self._buffer = ""
         self._in_call = False
 
-    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+    def feed(self, text: str, token_ids=()) -> tuple[str, list[ToolCall]]:
+        if self._trigger_token is not None:
+            self._trigger_token.feed(token_ids)
         self._buffer += text
-        trigger = self._format.trigger
         content, calls = [], []
         while True:
             if self._in_call:
@@ -152,25 +190,43 @@ class CallExtractor:
                     break
                 length, parsed = region
                 if parsed is None:  # not a call after all: it stays text
-                    content.append(self._buffer[:length])
+                    content.append(self._take(length))
                 else:
+                    self._take(length)
                     calls += [ToolCall(new_call_id(), name, arguments) for name, arguments in parsed]
-                self._buffer, self._in_call = self._buffer[length:], False
+                self._in_call = False
                 continue
-            begin = self._buffer.find(trigger)
+            begin, keep = self._next_trigger()
             if begin < 0:
-                keep = held_back_len(self._buffer, trigger)
-                content.append(self._buffer[:len(self._buffer) - keep])
-                self._buffer = self._buffer[len(self._buffer) - keep:]
+                content.append(self._take(len(self._buffer) - keep))
                 break
-            content.append(self._buffer[:begin])
-            self._buffer, self._in_call = self._buffer[begin:], True
+            content.append(self._take(begin))
+            self._in_call = True
         return self._content("".join(content)), calls
+
+    def _take(self, num_chars: int) -> str:
+        """The buffer's first `num_chars`, removed."""
+        taken, self._buffer = self._buffer[:num_chars], self._buffer[num_chars:]
+        self._num_chars_done += num_chars
+        return taken
+
+    def _next_trigger(self) -> tuple[int, int]:
+        """(where the next call starts in the buffer, else -1; characters at its end that may
+        still start one and stay held back)."""
+        trigger = self._format.trigger
+        if self._trigger_token is None:
+            begin = self._buffer.find(trigger)
+            return begin, 0 if begin >= 0 else held_back_len(self._buffer, trigger)
+        for start in self._trigger_token.starts:
+            begin = start - self.stream_start - self._num_chars_done
+            if begin >= 0:  # earlier ones: in the reasoning, or inside a call already read
+                return (begin, 0) if begin < len(self._buffer) else (-1, 0)
+        return -1, 0  # the token has not come: all of the text so far is content
 
     def finish(self) -> str:
         """Text still held back (a partial trigger, or a call cut off), as content."""
-        rest, self._buffer, self._in_call = self._buffer, "", False
-        return self._content(rest)
+        self._in_call = False
+        return self._content(self._take(len(self._buffer)))
 
     def _content(self, text: str) -> str:
         if self._only_calls and not text.replace(self._format.separator.strip() or "\n", "").strip():
@@ -185,18 +241,25 @@ class TurnParser:
                  end_token: EndToken | None = None) -> None:
         self._splitter = ReasoningSplitter(span, end_token) if span is not None else None
         self._calls = calls
+        self._num_chars_fed = 0
+        self._has_content = False
 
     def feed(self, text: str, final: bool = False, token_ids=()) -> TurnPiece:
         """The piece completed by an event's `text`; `token_ids`: the event's tokens (the
-        span's end, when its marker is one token)."""
+        span's end and the calls' starts, when their markers are one token)."""
         piece = TurnPiece()
+        self._num_chars_fed += len(text)
         if self._splitter is not None:
             piece.reasoning, text = self._splitter.feed(text, token_ids)
             if final:
                 reasoning, rest = self._splitter.finish()
                 piece.reasoning, text = piece.reasoning + reasoning, text + rest
+            if text and not self._has_content:  # the content is the output text's rest from here
+                self._has_content = True
+                if self._calls is not None:
+                    self._calls.stream_start = self._num_chars_fed - self._splitter.num_chars_held - len(text)
         if self._calls is not None:
-            text, piece.calls = self._calls.feed(text)
+            text, piece.calls = self._calls.feed(text, token_ids)
             if final:
                 text += self._calls.finish()
         piece.content = text

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from generation_service.assistant.formats import FORMATS, ToolCallFormat, detect_format
-from generation_service.assistant.parser import CallExtractor, EndToken, TurnParser
+from generation_service.assistant.parser import CallExtractor, EndToken, TriggerToken, TurnParser
 from generation_service.assistant.reasoning import ReasoningRequest, model_markers, reasoning_span
 from generation_service.assistant.tools import Tool, ToolCall, ToolChoice, check_tools, validate_call
 from grammar_contract.spec import GrammarSpec, ReasoningSpan
@@ -35,6 +35,7 @@ class AssistantTurn:
     reasoning: ReasoningSpan | None = None
     skip_special_tokens: bool = True            # False: a marker is a special token
     end_token_id: int | None = None             # the span's end marker when it is one added token
+    trigger_token_id: int | None = None         # tool_choice auto's trigger when it is one added token
 
     @property
     def uses_tools(self) -> bool:
@@ -67,11 +68,14 @@ class AssistantTurn:
 
     def parser(self, tokenizer=None, prompt_ids: tuple[int, ...] = ()) -> TurnParser:
         """The parser of one output of `prompt_ids`; `tokenizer` (the engine's) places the end
-        marker's token in the text, where the marker is one token."""
-        calls = CallExtractor(self.tool_format, self.choice.forces_calls) if self.uses_tools else None
-        end_token = None
+        marker's token and the trigger's tokens in the text, where they are one token."""
+        end_token = trigger_token = None
         if self.end_token_id is not None and tokenizer is not None:
             end_token = EndToken(self.end_token_id, tokenizer, prompt_ids, self.skip_special_tokens)
+        if self.trigger_token_id is not None and tokenizer is not None:
+            trigger_token = TriggerToken(self.trigger_token_id, self.tool_format.trigger, tokenizer, prompt_ids,
+                                         self.skip_special_tokens)
+        calls = CallExtractor(self.tool_format, self.choice.forces_calls, trigger_token) if self.uses_tools else None
         return TurnParser(self.reasoning, calls, end_token)
 
     def validate(self, call: ToolCall) -> ValidationResult:
@@ -80,7 +84,7 @@ class AssistantTurn:
 
 def tool_format(tokenizer) -> ToolCallFormat:
     """The served model's tool-call format (from its chat template)."""
-    is_token = lambda text: tokenizer.token_id(text) is not None  # noqa: E731
+    is_token = lambda text: _added_token_id(tokenizer, text) is not None  # noqa: E731
     return FORMATS[detect_format(tokenizer.chat_template)](is_token)
 
 
@@ -88,13 +92,24 @@ def _is_special(tokenizer, text: str) -> bool:
     return tokenizer.token_id(text) in tokenizer.special_token_ids
 
 
-def _end_token_id(tokenizer, span: ReasoningSpan | None) -> int | None:
-    """The end marker's token when it is one added token: both grammar backends then end the
-    span at that token alone (llguidance lexes added tokens apart from text), not at its text."""
-    if span is None:
-        return None
-    token_id = tokenizer.token_id(span.end)
+def _added_token_id(tokenizer, text: str) -> int | None:
+    """The id of the added token spelled `text`: both grammar backends take such a marker as
+    that token alone (llguidance lexes added tokens apart from text), not as its text."""
+    token_id = tokenizer.token_id(text)
     return token_id if token_id is not None and token_id in tokenizer.added_token_ids else None
+
+
+def _end_token_id(tokenizer, span: ReasoningSpan | None) -> int | None:
+    """The end marker's token when it is one added token: the span ends at that token."""
+    return _added_token_id(tokenizer, span.end) if span is not None else None
+
+
+def _trigger_token_id(tokenizer, format_: ToolCallFormat | None, choice: ToolChoice) -> int | None:
+    """tool_choice auto's trigger when it is one added token: free text may spell its text in
+    ordinary tokens, and only the token starts a call (formats.py, token_triggered_tags)."""
+    if format_ is None or choice.mode != "auto":
+        return None
+    return _added_token_id(tokenizer, format_.trigger)
 
 
 def plan_turn(tokenizer, prompt_ids: tuple[int, ...], *, tools: tuple[Tool, ...] = (),
@@ -119,4 +134,5 @@ def plan_turn(tokenizer, prompt_ids: tuple[int, ...], *, tools: tuple[Tool, ...]
     markers += [span.begin, span.end] if span is not None else []
     return AssistantTurn(tools=tools, choice=choice, single_call=single_call, tool_format=format_,
                          reasoning=span, skip_special_tokens=not any(_is_special(tokenizer, m) for m in markers if m),
-                         end_token_id=_end_token_id(tokenizer, span))
+                         end_token_id=_end_token_id(tokenizer, span),
+                         trigger_token_id=_trigger_token_id(tokenizer, format_, choice))

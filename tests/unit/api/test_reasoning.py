@@ -232,3 +232,82 @@ def test_both_fronts_split_at_the_end_token_and_validate_the_content_alone(token
     items = asyncio.run(http_choice())
     assert "".join(item.piece.reasoning for item in items) == "a</think>b"
     assert "".join(item.piece.content for item in items) == '{"a":1}' and items[-1].validation.is_valid
+
+
+# ---- where a call starts: the trigger's token, or its text ---------------------------------------
+@pytest.mark.parametrize("size", [1, 2, 5, 100])
+@pytest.mark.parametrize("lag", [0, 4])
+@pytest.mark.parametrize("thinking", [False, True])
+def test_a_call_starts_at_the_trigger_token_not_at_its_text(tokenizers, size, lag, thinking):
+    """Qwen's <tool_call> is one added token: under tool_choice auto both grammars start a call
+    at that token only (test_tool_formats.py), so free text may spell `<`, `tool`, `_call`, `>`
+    in ordinary tokens; the text rule read an unenforced call out of that free text."""
+    qwen = tokenizers["qwen3"]
+    prompt = tuple(qwen.apply_chat_template([{"role": "user", "content": "hi"}]))
+    turn = plan_turn(qwen, prompt, tools=(Tool("get_time"),),
+                     reasoning=ReasoningRequest("enabled") if thinking else None)
+    trigger, end = qwen.token_id("<tool_call>"), qwen.token_id("</tool_call>")
+    assert turn.trigger_token_id == trigger
+    encode = lambda text: qwen.encode(text, add_special_tokens=False)  # noqa: E731
+    spelled_call = '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>'
+    ids = [*_spelled(qwen, spelled_call), *encode(" then "), trigger,
+           *encode('\n{"name": "get_time", "arguments": {"zone": "utc"}}\n'), end, *encode(" done")]
+    if thinking:  # a trigger token inside the span is reasoning
+        ids = [qwen.token_id("<think>"), *encode("a"), trigger, *encode("b"), qwen.token_id("</think>"),
+               *encode("\n\n"), *ids]
+    parser = turn.parser(qwen, prompt)
+    pieces = [parser.feed(e.text, e.is_final, e.token_ids) for e in _events(qwen, prompt, ids, size, lag)]
+    assert "".join(p.reasoning for p in pieces) == ("a<tool_call>b" if thinking else "")
+    assert "".join(p.content for p in pieces) == spelled_call + " then  done"
+    calls = [call for p in pieces for call in p.calls]
+    assert [(c.name, c.arguments) for c in calls] == [("get_time", '{"zone": "utc"}')]
+
+
+def test_a_text_trigger_and_forced_calls_keep_the_text_rule(tokenizers):
+    """Llama 3's trigger is text, and required/named calls are calls only: no trigger token."""
+    qwen, llama = tokenizers["qwen3"], tokenizers["llama3"]
+    assert plan_turn(qwen, (1,), tools=(Tool("f"),), choice=ToolChoice("required")).trigger_token_id is None
+    assert plan_turn(llama, (1,), tools=(Tool("f"),)).trigger_token_id is None
+    assert plan_turn(qwen, (1,), reasoning=ReasoningRequest("enabled")).trigger_token_id is None
+
+
+def test_both_fronts_start_calls_at_the_trigger_token(tokenizers):
+    """The gRPC stream and the HTTP front's choices: a <tool_call> spelled in ordinary tokens
+    stays content; the call begun by the trigger's token is the one call (the text rule also
+    read the spelled one, a call to a tool the request does not list)."""
+    import asyncio
+
+    from generation_service import proto_convert
+    from generation_service.config import ServeConfig
+    from generation_service.openai_http.choices import ChoiceStreams
+    from generation_service.server import GenerationServicer
+    from structgen.v1 import generation_pb2 as pb
+
+    qwen = tokenizers["qwen3"]
+    request = pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi")]),
+                                 tools=[pb.Tool(name="get_time")])
+    domain, turn = proto_convert.convert_generate(request, qwen, ServeConfig(), None)
+    encode = lambda text: qwen.encode(text, add_special_tokens=False)  # noqa: E731
+    spelled_call = '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>'
+    ids = [*_spelled(qwen, spelled_call), *encode(" so "), qwen.token_id("<tool_call>"),
+           *encode('\n{"name": "get_time", "arguments": {}}\n'), qwen.token_id("</tool_call>"), qwen.eos_token_ids[0]]
+    engine = _ScriptedEngine(qwen, _events(qwen, domain.prompt_ids, ids, size=3))
+
+    class Context:
+        responses: list = []
+
+        async def write(self, response) -> None:
+            self.responses.append(response)
+
+    asyncio.run(GenerationServicer(engine, ServeConfig(), None)._stream(domain, turn, Context()))
+    responses = Context.responses
+    assert "".join(r.text for r in responses) == spelled_call + " so "
+    assert [(c.name, c.validation.status) for r in responses for c in r.tool_calls] == [
+        ("get_time", pb.VALIDATION_STATUS_VALID)]
+
+    async def http_choice():
+        choices = ChoiceStreams(engine, [domain], turn)
+        return [item async for item in choices.events()]
+    items = asyncio.run(http_choice())
+    assert "".join(item.piece.content for item in items) == spelled_call + " so "
+    assert [c.name for item in items for c in item.piece.calls] == ["get_time"]

@@ -94,6 +94,43 @@ def test_auto_allows_text_and_enforces_a_triggered_call(family):
     assert not accepts(family, auto, "Let me look. " + call_text(name, [("launch", {})]))
 
 
+def test_auto_starts_a_call_where_the_parser_does(family):
+    """Under tool_choice auto a trigger that is one added token (Qwen's <tool_call>) starts a
+    call as that token only, in both backends: free text may spell it in ordinary tokens, and the
+    served parser (plan_turn's, following the token) reads no call there. A text trigger (Llama
+    3's) starts one at its text, in both backends and in the parser."""
+    from generation_service.assistant.turn import plan_turn
+
+    name, tokenizer, backend, _ = family
+    turn = plan_turn(tokenizer, (), tools=TOOLS)
+    tag = json.dumps({"type": "structural_tag", "format": turn.tool_format.grammar(TOOLS, turn.choice, False, None)})
+    compiled = backend.compile(GrammarSpec("structural_tag", tag))
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+
+    def run(ids: list[int]) -> tuple[bool, list]:
+        """(the grammar accepts ids and the stop token, the calls the served parser reads)"""
+        matcher = backend.new_matcher(compiled)
+        accepted = all(matcher.accept(i) for i in ids) and matcher.accept(tokenizer.eos_token_ids[0])
+        text = tokenizer.decode(ids, skip_special_tokens=turn.skip_special_tokens)  # as the engine's
+        piece = turn.parser(tokenizer, ()).feed(text, True, tuple(ids))
+        return accepted, [(c.name, json.loads(c.arguments)) for c in piece.calls]
+
+    trigger_id = tokenizer.token_id(turn.tool_format.trigger)
+    if turn.trigger_token_id is None:  # Llama 3's text trigger
+        assert name == "llama3_json"
+        assert run(encode("Hi. " + call_text(name, [PARIS]))) == (True, [PARIS])
+        return
+    assert turn.trigger_token_id == trigger_id  # Qwen's <tool_call>, Mistral's [TOOL_CALLS]
+    trigger = turn.tool_format.trigger
+    spelled = [tokenizer.token_id(c) for c in trigger]  # one ordinary token per character
+    assert trigger_id not in spelled and tokenizer.decode(spelled) == trigger
+    launch = call_text(name, [("launch", {})])
+    assert run(encode("Hi ") + spelled + encode(launch.removeprefix(trigger))) == (True, [])  # free text
+    assert trigger_id in encode("Hi " + launch) and not run(encode("Hi " + launch))[0]  # enforced
+    assert run(encode("Hi " + call_text(name, [PARIS]))) == (True, [PARIS])
+    assert not run(encode(f"Hi {trigger} no call"))[0]
+
+
 @pytest.mark.parametrize("split", [1, 3, 7, 1000])
 def test_parser_finds_calls_whatever_the_split(family, split):
     name, _, _, format_ = family
