@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import abc
 import json
+import re
 from typing import Callable
 
 from generation_service.assistant.tools import Tool, ToolChoice
@@ -98,6 +99,8 @@ class HermesFormat(ToolCallFormat):
     trigger = "<tool_call>"
     separator = "\n"
     _END = "</tool_call>"
+    # a JSON string (an unterminated one runs to the text's end), or the end tag
+    _STRING_OR_END = re.compile(r'"(?:\\.|[^"\\])*(?:"|\\?\Z)|' + re.escape(_END), re.DOTALL)
     call_prefix = trigger + "\n"
     call_end = "}\n" + _END
 
@@ -117,7 +120,11 @@ class HermesFormat(ToolCallFormat):
                 "content": {"type": "sequence", "elements": content}, "end": self._END}
 
     def parse_region(self, text: str):
-        end = text.find(self._END)
+        """The call ends at the first end tag after its JSON: a string argument may hold the
+        tag's text (the grammar constrains the JSON, then the tag), so the tag counts only
+        outside JSON strings; while a string is open (an incomplete call) the region is too."""
+        end = next((m.start() for m in self._STRING_OR_END.finditer(text, len(self.trigger))
+                    if m.group() == self._END), -1)
         if end < 0:
             return None
         decoded = _decode(text[len(self.trigger):end])

@@ -263,6 +263,25 @@ def test_a_call_starts_at_the_trigger_token_not_at_its_text(tokenizers, size, la
     assert [(c.name, c.arguments) for c in calls] == [("get_time", '{"zone": "utc"}')]
 
 
+@pytest.mark.parametrize("size", [1, 2, 5, 100])
+@pytest.mark.parametrize("lag", [0, 4])
+def test_a_call_ends_after_its_json_not_at_an_end_tag_inside_a_string(tokenizers, size, lag):
+    """The grammar constrains the call's JSON, then </tool_call>: a string argument may spell
+    the tag; the parser ended the call there (no call, the text as content)."""
+    qwen = tokenizers["qwen3"]
+    prompt = tuple(qwen.apply_chat_template([{"role": "user", "content": "hi"}]))
+    turn = plan_turn(qwen, prompt, tools=(Tool("search"),))
+    encode = lambda text: qwen.encode(text, add_special_tokens=False)  # noqa: E731
+    ids = [*encode("Looking. "), qwen.token_id("<tool_call>"),
+           *encode('\n{"name": "search", "arguments": {"q": "a'), qwen.token_id("</tool_call>"),
+           *encode('b"}}\n'), qwen.token_id("</tool_call>"), *encode(" done")]
+    parser = turn.parser(qwen, prompt)
+    pieces = [parser.feed(e.text, e.is_final, e.token_ids) for e in _events(qwen, prompt, ids, size, lag)]
+    assert "".join(p.content for p in pieces) == "Looking.  done"
+    calls = [call for p in pieces for call in p.calls]
+    assert [(c.name, c.arguments) for c in calls] == [("search", '{"q": "a</tool_call>b"}')]
+
+
 def test_a_text_trigger_and_forced_calls_keep_the_text_rule(tokenizers):
     """Llama 3's trigger is text, and required/named calls are calls only: no trigger token."""
     qwen, llama = tokenizers["qwen3"], tokenizers["llama3"]

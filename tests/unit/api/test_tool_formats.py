@@ -146,6 +146,38 @@ def test_parser_finds_calls_whatever_the_split(family, split):
     assert "".join(content).strip(" ;\n") == "Checking." and len({c.id for c in calls}) == 2
 
 
+TAGGED = ("get_time", {"q": "a</tool_call>]}; b"})  # a string argument holding each format's end text
+
+
+def test_grammar_accepts_an_end_text_inside_a_string_argument(family):
+    """In ordinary tokens (llguidance lexes an added token apart: never inside a string)."""
+    name, tokenizer, backend, format_ = family
+    tag = json.dumps({"type": "structural_tag", "format": format_.grammar(TOOLS, ToolChoice("required"), False, None)})
+    matcher = backend.new_matcher(backend.compile(GrammarSpec("structural_tag", tag)))
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    before, after = call_text(name, [TAGGED, NOON]).split("</tool_call>", 1)
+    ids = [*encode(before), *(i for c in "</tool_call>" for i in encode(c)), *encode(after)]
+    assert all(matcher.accept(i) for i in ids) and matcher.accept(tokenizer.eos_token_ids[0])
+
+
+@pytest.mark.parametrize("split", [1, 2, 5, 100])
+def test_an_end_text_inside_a_string_argument_does_not_end_the_call(family, split):
+    """The grammar constrains a call's JSON, then its end: a string argument may hold the end
+    tag's text. Hermes's parser ended the call at the first '</tool_call>' (inside the string):
+    no call, the text as content."""
+    name, _, _, format_ = family
+    text = "Checking. " + call_text(name, [TAGGED, NOON])
+    extractor = CallExtractor(format_, only_calls=False)
+    content, calls = [], []
+    for start in range(0, len(text), split):
+        piece, found = extractor.feed(text[start:start + split])
+        content.append(piece)
+        calls += found
+    content.append(extractor.finish())
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [TAGGED, NOON]
+    assert "".join(content).strip(" ;\n") == "Checking."
+
+
 def test_a_call_cut_off_stays_text_and_calls_only_drop_separators(family):
     name, _, _, format_ = family
     whole = call_text(name, [PARIS])
