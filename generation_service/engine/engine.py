@@ -157,8 +157,9 @@ class Engine:
         config, on_gpu = self.config, self.runner_name == "cuda_graph"
         alone = config.max_prefill_tokens or max(
             GPU_MAX_PREFILL_TOKENS if on_gpu else CPU_PREFILL_CHUNK_TOKENS, config.prefill_chunk_tokens or 1)
-        cost = self.runner.measure_step_cost()
         chunk = config.prefill_chunk_tokens
+        # measured only where something needs it: the chunk, or the step-time cap
+        cost = self.runner.measure_step_cost() if chunk is None or config.max_step_stretch else None
         if chunk is None:
             chunk = cost.chunk(alone) if cost is not None else CPU_PREFILL_CHUNK_TOKENS
         chunk = min(chunk, alone)

@@ -136,6 +136,7 @@ def graph_engine(monkeypatch, grammar_address, **config):
     monkeypatch.setitem(runners.RUNNERS, "cuda_graph", CudaGraphRunner)
     assert graph_runner.CudaGraphRunner is CudaGraphRunner
     config.setdefault("prefill_chunk_tokens", 512)  # not measured: FakeGpu has no device to time
+    config.setdefault("max_step_stretch", 0)       # (nor the step-time cap's cost)
     return make_engine(grammar_address, model=shared_model(), runner="cuda_graph", max_draft_tokens=0, **config)
 
 
