@@ -1,6 +1,8 @@
 """The reasoning span at the edge (generation_service/assistant/): markers and separator read
 from Qwen3's template, the span of a request, the splitter over any split of the text, and
 the turn plan that both API fronts share."""
+import asyncio
+
 import pytest
 
 from chat_checkpoints import write_checkpoint
@@ -138,6 +140,32 @@ def _parse(parser, events) -> tuple[str, str]:
     return "".join(p.reasoning for p in pieces), "".join(p.content for p in pieces)
 
 
+def _grpc_responses(engine, domain, turn) -> list:
+    """What the gRPC servicer's stream writes for `domain` on `engine`."""
+    from generation_service.config import ServeConfig
+    from generation_service.server import GenerationServicer
+
+    class Context:
+        def __init__(self) -> None:
+            self.responses: list = []
+
+        async def write(self, response) -> None:
+            self.responses.append(response)
+
+    context = Context()
+    asyncio.run(GenerationServicer(engine, ServeConfig(), None)._stream(domain, turn, context))
+    return context.responses
+
+
+def _http_items(engine, domain, turn) -> list:
+    """The HTTP front's choice events for `domain` on `engine`."""
+    from generation_service.openai_http.choices import ChoiceStreams
+
+    async def events():
+        return [item async for item in ChoiceStreams(engine, [domain], turn).events()]
+    return asyncio.run(events())
+
+
 def _spelled(tokenizer, text: str) -> list[int]:
     """`text` in one ordinary token per character: never the added token that spells it whole."""
     return [i for c in text for i in tokenizer.encode(c, add_special_tokens=False)]
@@ -196,12 +224,8 @@ class _ScriptedEngine:
 def test_both_fronts_split_at_the_end_token_and_validate_the_content_alone(tokenizers):
     """The gRPC stream and the HTTP front's choices: the content after the end marker's token,
     validated against the schema (the text split validated 'b</think>\\n\\n{"a":1}': invalid)."""
-    import asyncio
-
     from generation_service import proto_convert
     from generation_service.config import ServeConfig
-    from generation_service.openai_http.choices import ChoiceStreams
-    from generation_service.server import GenerationServicer
     from structgen.v1 import generation_pb2 as pb
 
     qwen = tokenizers["qwen3"]
@@ -214,22 +238,12 @@ def test_both_fronts_split_at_the_end_token_and_validate_the_content_alone(token
            *encode('\n\n{"a":1}'), qwen.eos_token_ids[0]]
     engine = _ScriptedEngine(qwen, _events(qwen, domain.prompt_ids, ids, size=4))
 
-    class Context:
-        responses: list = []
-
-        async def write(self, response) -> None:
-            self.responses.append(response)
-
-    asyncio.run(GenerationServicer(engine, ServeConfig(), None)._stream(domain, turn, Context()))
-    responses = Context.responses
+    responses = _grpc_responses(engine, domain, turn)
     assert "".join(r.reasoning_text for r in responses) == "a</think>b"
     assert "".join(r.text for r in responses) == '{"a":1}'
     assert responses[-1].validation.status == pb.VALIDATION_STATUS_VALID
 
-    async def http_choice():
-        choices = ChoiceStreams(engine, [domain], turn)
-        return [item async for item in choices.events()]
-    items = asyncio.run(http_choice())
+    items = _http_items(engine, domain, turn)
     assert "".join(item.piece.reasoning for item in items) == "a</think>b"
     assert "".join(item.piece.content for item in items) == '{"a":1}' and items[-1].validation.is_valid
 
@@ -294,12 +308,8 @@ def test_both_fronts_start_calls_at_the_trigger_token(tokenizers):
     """The gRPC stream and the HTTP front's choices: a <tool_call> spelled in ordinary tokens
     stays content; the call begun by the trigger's token is the one call (the text rule also
     read the spelled one, a call to a tool the request does not list)."""
-    import asyncio
-
     from generation_service import proto_convert
     from generation_service.config import ServeConfig
-    from generation_service.openai_http.choices import ChoiceStreams
-    from generation_service.server import GenerationServicer
     from structgen.v1 import generation_pb2 as pb
 
     qwen = tokenizers["qwen3"]
@@ -312,21 +322,11 @@ def test_both_fronts_start_calls_at_the_trigger_token(tokenizers):
            *encode('\n{"name": "get_time", "arguments": {}}\n'), qwen.token_id("</tool_call>"), qwen.eos_token_ids[0]]
     engine = _ScriptedEngine(qwen, _events(qwen, domain.prompt_ids, ids, size=3))
 
-    class Context:
-        responses: list = []
-
-        async def write(self, response) -> None:
-            self.responses.append(response)
-
-    asyncio.run(GenerationServicer(engine, ServeConfig(), None)._stream(domain, turn, Context()))
-    responses = Context.responses
+    responses = _grpc_responses(engine, domain, turn)
     assert "".join(r.text for r in responses) == spelled_call + " so "
     assert [(c.name, c.validation.status) for r in responses for c in r.tool_calls] == [
         ("get_time", pb.VALIDATION_STATUS_VALID)]
 
-    async def http_choice():
-        choices = ChoiceStreams(engine, [domain], turn)
-        return [item async for item in choices.events()]
-    items = asyncio.run(http_choice())
+    items = _http_items(engine, domain, turn)
     assert "".join(item.piece.content for item in items) == spelled_call + " so "
     assert [c.name for item in items for c in item.piece.calls] == ["get_time"]

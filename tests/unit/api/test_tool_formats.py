@@ -131,10 +131,8 @@ def test_auto_starts_a_call_where_the_parser_does(family):
     assert not run(encode(f"Hi {trigger} no call"))[0]
 
 
-@pytest.mark.parametrize("split", [1, 3, 7, 1000])
-def test_parser_finds_calls_whatever_the_split(family, split):
-    name, _, _, format_ = family
-    text = "Checking. " + call_text(name, [PARIS, NOON])
+def _extract(format_, text: str, split: int) -> tuple[list[str], list]:
+    """The content pieces and calls a CallExtractor finds in `text` fed `split` characters at a time."""
     extractor = CallExtractor(format_, only_calls=False)
     content, calls = [], []
     for start in range(0, len(text), split):
@@ -142,6 +140,14 @@ def test_parser_finds_calls_whatever_the_split(family, split):
         content.append(piece)
         calls += found
     content.append(extractor.finish())
+    return content, calls
+
+
+@pytest.mark.parametrize("split", [1, 3, 7, 1000])
+def test_parser_finds_calls_whatever_the_split(family, split):
+    name, _, _, format_ = family
+    text = "Checking. " + call_text(name, [PARIS, NOON])
+    content, calls = _extract(format_, text, split)
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [PARIS, NOON]
     assert "".join(content).strip(" ;\n") == "Checking." and len({c.id for c in calls}) == 2
 
@@ -167,13 +173,7 @@ def test_an_end_text_inside_a_string_argument_does_not_end_the_call(family, spli
     no call, the text as content."""
     name, _, _, format_ = family
     text = "Checking. " + call_text(name, [TAGGED, NOON])
-    extractor = CallExtractor(format_, only_calls=False)
-    content, calls = [], []
-    for start in range(0, len(text), split):
-        piece, found = extractor.feed(text[start:start + split])
-        content.append(piece)
-        calls += found
-    content.append(extractor.finish())
+    content, calls = _extract(format_, text, split)
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [TAGGED, NOON]
     assert "".join(content).strip(" ;\n") == "Checking."
 
