@@ -10,10 +10,11 @@ tokens that wait, up to a limit: at high concurrency prompts arrive faster than 
 budget prefills them, and rows that could decode would sit in the queue instead (the output
 of a step is at most its prefill over the prompt/output ratio of the load); a step that decode
 rows share still stays within a few of their recent decode steps' time (`StepTime`, measured on
-a GPU), so the queue's growth never makes their steps uneven. Decode rows never count against it. When a running request needs a page and
-none is free or cached, the newest running request is preempted: its pages are freed and it
-goes back to the head of the queue, keeping its slot (and so its grammar matcher); it later
-re-prefills prompt + output and continues with the same tokens. Admission is FIFO and stops at
+a GPU), so the queue's growth never makes their steps uneven. Decode rows never count against
+it. When a running request needs a page and none is free or cached, the newest running
+request is preempted: its pages are freed and it goes back to the head of the queue, keeping
+its slot (and so its grammar matcher); it later re-prefills prompt + output and continues with
+the same tokens. Admission is FIFO and stops at
 the first request that does not fit, so preempted requests resume before new ones start (a
 compiling request with nothing left to prefill is stepped over).
 
