@@ -4,8 +4,10 @@
   may carry a stale .git), `command_line`, `default_machine`, `utc_now`, `versions`, and
   `write_result` (the JSON file, its folder made), `nearest_rank` (a percentile of few values);
 - `log`: a progress line with the time of day;
-- model specs: `preset_config` and `random_model_folder` (a preset's shape with another
-  vocabulary and a real tokenizer beside it, for `--model random:<folder>/config.json`);
+- model specs: `VOCAB` and `PAGE_SIZE` of the GPU benchmarks' random models, `tekken_dir` (the
+  Tekken tokenizer they pair with), `preset_config` and `random_model_folder` (a preset's shape
+  with another vocabulary and a real tokenizer beside it, for `--model random:<folder>/config.json`)
+  and `engine_model_spec` (that spec, or plain `random:<preset>` without the tokenizer);
 - processes: `ServeProcess` (`structgen serve` in its own process, up once it says where it
   listens), `free_port`, `WorkerProcess` (a spawned worker fed over a pipe, restarted after a kill).
 
@@ -90,6 +92,17 @@ def log(message: str) -> None:
 
 
 # ---- model specs ---------------------------------------------------------------------------------
+VOCAB = 131072   # the random models' vocabulary: Tekken's, so that grammars compile for them
+PAGE_SIZE = 16   # KV cache page of the GPU benchmarks: EngineConfig's default
+
+
+def tekken_dir() -> str:
+    """The Tekken-131k tokenizer folder: $STRUCTGEN_TEKKEN_DIR, else where tests/real_tokenizers.py
+    converts it to (a --tokenizer-dir default)."""
+    return os.environ.get("STRUCTGEN_TEKKEN_DIR",
+                          str(pathlib.Path.home() / ".cache/structgen/tokenizers/tekken_131k"))
+
+
 def preset_config(shape: str, vocab_size: int, max_positions: int) -> dict:
     """config.json of a preset shape (generation_service/model/presets.py) with `vocab_size`
     and room for `max_positions` tokens, bf16."""
@@ -116,6 +129,16 @@ def random_model_folder(shape: str, tokenizer_dir: str | os.PathLike, folder: pa
         if (tokenizer_dir / name).is_file():
             shutil.copy(tokenizer_dir / name, folder / name)
     return folder
+
+
+def engine_model_spec(preset: str, tokenizer_dir: str, folder: pathlib.Path) -> str:
+    """random:<preset> with VOCAB and the Tekken tokenizer beside it (a constrained request needs
+    the tokenizer grammar_service compiles for); random:<preset> (vocab 128256, no tokenizer: free
+    only) without the tokenizer."""
+    if not (pathlib.Path(tokenizer_dir) / "tokenizer.json").is_file():
+        return f"random:{preset}"
+    random_model_folder(preset, tokenizer_dir, folder, VOCAB, max_positions=4096)
+    return f"random:{folder / 'config.json'}"
 
 
 # ---- servers -------------------------------------------------------------------------------------

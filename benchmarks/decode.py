@@ -48,7 +48,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._gpu_timing import copy_bandwidth_gbs, graph_ms, weight_bytes_read  # noqa: E402
-from benchmarks._harness import command_line, log, random_model_folder, utc_now, write_result  # noqa: E402
+from benchmarks._harness import (  # noqa: E402
+    PAGE_SIZE, VOCAB, command_line, engine_model_spec, log, tekken_dir, utc_now, write_result,
+)
 from generation_service.engine.cuda_graphs import (  # noqa: E402
     FREE, NOWAIT, PREPUBLISHED, WAIT_EVEN, WAIT_ODD, with_serial,
 )
@@ -65,8 +67,6 @@ from tests.integration.test_engine_support import (  # noqa: E402
 
 from hf_baseline import hf_baseline  # noqa: E402  (benchmarks/, the script's folder)
 
-VOCAB = 131072
-PAGE_SIZE = 16
 # The host writes descriptor n once grammar_service is done with step n - D + 1; a sleeping host
 # (wait_seq's 1 ms steps) could launch step n after the GPU drained its queue, a bubble only the
 # waiting modes would pay, so the harness spins (at 1B a short spin and then sleeps measured the
@@ -302,16 +302,6 @@ class Bench:
         return out
 
 
-def engine_model_spec(preset: str, tokenizer_dir: str, folder: pathlib.Path) -> str:
-    """random:<preset> with the decode table's vocab and the Tekken tokenizer beside it (a
-    constrained request needs the tokenizer grammar_service compiles for); random:<preset>
-    (vocab 128256, no tokenizer: free only) without the tokenizer."""
-    if not (pathlib.Path(tokenizer_dir) / "tokenizer.json").is_file():
-        return f"random:{preset}"
-    random_model_folder(preset, tokenizer_dir, folder, VOCAB, max_positions=4096)
-    return f"random:{folder / 'config.json'}"
-
-
 def engine_decode(preset: str, batches: list[int], context: int, new_tokens: int, overlap: bool,
                   model_spec: str, grammar_address: str | None) -> list[dict]:
     """The whole Engine (scheduler, streams, runner "cuda_graph", `overlap` off or on): greedy
@@ -426,8 +416,7 @@ def main() -> int:
     ap.add_argument("--engine-new-tokens", type=int, default=64)
     ap.add_argument("--skip-engine-constrained", action="store_true",
                     help="engine rows free only (no grammar_service over gRPC)")
-    ap.add_argument("--tokenizer-dir", default=os.environ.get(
-        "STRUCTGEN_TEKKEN_DIR", str(pathlib.Path.home() / ".cache/structgen/tokenizers/tekken_131k")))
+    ap.add_argument("--tokenizer-dir", default=tekken_dir())
     ap.add_argument("--grammar-fill-threads", type=int, default=0,
                     help="grammar_service's mask-fill threads for the graph rows (0: its default)")
     ap.add_argument("--grammar-config", type=json.loads, default={},

@@ -20,12 +20,10 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._harness import command_line, write_result  # noqa: E402
+from benchmarks._harness import VOCAB, command_line, write_result  # noqa: E402
 from grammar_service.backends.base import GrammarBackend, Matcher  # noqa: E402
 from grammar_service.loop import StepLoop  # noqa: E402
 from step_channel import FLAG_CONSTRAINED, FLAG_FRESH, Geometry, StepChannel  # noqa: E402
-
-VOCAB = 131072
 
 
 class NullMatcher(Matcher):

@@ -45,10 +45,8 @@ sys.path.insert(0, str(ROOT))
 
 # the decode table's floor, computed the same way (benchmarks/, the script's folder)
 from benchmarks._gpu_timing import copy_bandwidth_gbs, graph_ms, weight_bytes_read  # noqa: E402
-from benchmarks._harness import log, write_result  # noqa: E402
+from benchmarks._harness import PAGE_SIZE, VOCAB, log, write_result  # noqa: E402
 
-VOCAB = 131072
-PAGE_SIZE = 16
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 # DecodeForward / GpuDecodeRunner settings (set before capture) and pdl (kernels/pdl.py's
 # switch, read per launch: on for every kernel launched while capturing the variant's graphs)

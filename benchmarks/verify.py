@@ -4,7 +4,7 @@
 
 engine (per model shape and batch; the same prompts and lengths for every variant): the whole
 Engine (runner "cuda_graph", overlap at its default), random weights, bf16, vocab 131072 with
-the Tekken tokenizer (decode.py's `engine_model_spec`), greedy, EOS ignored. Variants:
+the Tekken tokenizer (_harness.py's `engine_model_spec`), greedy, EOS ignored. Variants:
 - off:   no speculation (requests with num_draft_tokens 0: the scheduler proposes nothing, as
          with max_draft_tokens 0); decode steps replay graphs and chain under overlap, which
          speculative requests never do (engine.py `_chained_batch`);
@@ -44,7 +44,6 @@ proposer), `_verify_step.py` (one verify step alone), `_verify_header.py` (what 
 from __future__ import annotations
 
 import argparse
-import os
 import pathlib
 import signal
 import sys
@@ -57,14 +56,13 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._harness import log, utc_now, write_result  # noqa: E402
+from benchmarks._harness import PAGE_SIZE, engine_model_spec, log, tekken_dir, utc_now, write_result  # noqa: E402
 from generation_service.engine.engine import Engine, EngineConfig  # noqa: E402
 from generation_service.engine.kv_cache import num_pages_for  # noqa: E402
 from generation_service.engine.params import SamplingParams, SpeculativeParams  # noqa: E402
 from generation_service.engine.speculative import PROPOSERS  # noqa: E402
 
-# benchmarks/, the script's folder: decode.py and this script's helper modules
-from decode import PAGE_SIZE, engine_model_spec  # noqa: E402
+# benchmarks/, the script's folder: this script's helper modules
 from _verify_runs import OFF, ORACLE, SPECULATIVE, Variant, engine_row, run_batch  # noqa: E402  (one batch run)
 from _verify_step import num, step_costs  # noqa: E402  (one verify step alone)
 from _verify_header import header  # noqa: E402  (what the run was)
@@ -192,8 +190,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--runner", default="cuda_graph", choices=("cuda_graph", "eager"))
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--tokenizer-dir", default=os.environ.get(
-        "STRUCTGEN_TEKKEN_DIR", str(pathlib.Path.home() / ".cache/structgen/tokenizers/tekken_131k")))
+    ap.add_argument("--tokenizer-dir", default=tekken_dir())
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/verify-h200.json"))
     args = ap.parse_args(argv)
     args.batches = sorted(args.batches)
