@@ -194,16 +194,20 @@ def _type_every_value(subschema: dict) -> None:
         subschema["type"] = list(_ALL_TYPES)
 
 
-_ANY = "[\\s\\S]*"
-
-
 def _free_strings(subschema: dict) -> None:
-    """No pattern or length limit, and property-name patterns that take any name (each still
-    its own key)."""
+    """No pattern or length limit, and no property-name pattern: a name a pattern matched is an
+    additional property whose value is any of the patterns' schemas (xgrammar writes no escape
+    sequence in a name under a pattern, whatever the pattern; `[\\s\\S]*` would not free it)."""
     for keyword in ("pattern", "minLength", "maxLength"):
         subschema.pop(keyword, None)
-    if isinstance(subschema.get("patternProperties"), dict):
-        subschema["patternProperties"] = {f"(?:{k})|{_ANY}": v for k, v in subschema["patternProperties"].items()}
+    patterned = subschema.pop("patternProperties", None)
+    if not isinstance(patterned, dict) or not patterned:
+        return
+    extra = subschema.get("additionalProperties", {})
+    if extra is False:
+        subschema["additionalProperties"] = {"anyOf": list(patterned.values())}
+    elif isinstance(extra, dict) and extra:
+        subschema["additionalProperties"] = {"anyOf": [*patterned.values(), extra]}
 
 
 # (class, the restriction keywords that name it, a fragment of the reason where a keyword names

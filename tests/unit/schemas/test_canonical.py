@@ -61,5 +61,7 @@ def test_each_schema_rewrite_removes_its_class_and_keeps_property_names():
                                                                      "boolean", "null"]
     free = rewrites["string_form"](schema)
     assert "pattern" not in free["properties"]["minProperties"]
-    assert list(free["patternProperties"]) == ["(?:^x)|[\\s\\S]*"]
+    assert "patternProperties" not in free and "additionalProperties" not in free, "open: any name, any value"
+    closed = rewrites["string_form"]({**schema, "additionalProperties": False})
+    assert closed["additionalProperties"] == {"anyOf": [{}]}, "a patterned name is an additional property"
     assert schema["minProperties"] == 1, "the schema itself is left alone"

@@ -47,6 +47,9 @@ BACKEND_RESTRICTED = [
     ("xgrammar", "pattern", "", {"type": "string", "pattern": "b"}, "abc"),
     ("xgrammar", "patternProperties", "", {"type": "object", "patternProperties": {"b": {"type": "integer"}},
                                            "additionalProperties": False}, {"abc": 1}),
+    # an escape sequence in a name under a pattern that takes it (beside properties, closed)
+    ("xgrammar", "patternProperties", "", {"type": "object", "properties": AB, "additionalProperties": False,
+                                           "patternProperties": {"^b\\..+$": {"type": "string"}}}, {"b.x\ty": "s"}),
     ("xgrammar", "pattern", "", {"type": "string", "pattern": "^[a-z\"]+$"}, 'a"b'),
     ("xgrammar", "maxLength", "", {"type": "string", "maxLength": 10}, "a\\b"),
     ("xgrammar", "minLength", "", {"type": "string", "minLength": 1}, 'say "hi"'),
