@@ -1,4 +1,4 @@
-"""GPU timing primitives of the decode benchmarks (decode.py, profile_step.py): the device copy
+"""GPU timing primitives of the decode benchmarks (decode.py, profile_step.py, kernels.py): the device copy
 bandwidth, a CUDA graph's median replay time, the weight bytes a decode step reads."""
 from __future__ import annotations
 

@@ -26,8 +26,6 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-PAGE_SIZE = 16
-
 
 def prefill_flops(config, num_tokens: int) -> float:
     """FLOPs of one prompt of `num_tokens` tokens (linear layers, causal attention, one LM-head row)."""
@@ -66,28 +64,21 @@ def ceilings() -> dict:
 @torch.no_grad()
 def decode_steps(config, points: list[tuple[int, int]]) -> list[dict]:
     """Free decode-graph step time of each (batch, context)."""
+    from benchmarks._gpu_model import load_rows, pages_per_row, random_kv_cache, random_model
     from generation_service.engine.cuda_graphs import FREE
     from generation_service.engine.gpu_runner import GpuDecodeRunner
-    from generation_service.engine.kv_cache import KVCache
-    from generation_service.model.random_init import build_random_model
 
-    model = build_random_model(config, torch.device("cuda"), torch.bfloat16, seed=0)
+    model = random_model(config)
     batches = sorted({b for b, _ in points})
     max_batch, reps = max(batches), 20
-    pages_per_row = [-(-(c + reps + 8) // PAGE_SIZE) for _, c in points]
-    num_pages = max(b * n for (b, _), n in zip(points, pages_per_row))  # one point at a time
-    kv = KVCache(config.num_layers, 1 + num_pages, PAGE_SIZE, config.num_kv_heads,
-                 config.head_dim, torch.bfloat16, "cuda")
-    for t in kv.k + kv.v:
-        t.normal_(0.0, 1.0)
+    row_pages = [pages_per_row(c + reps + 8) for _, c in points]
+    num_pages = max(b * n for (b, _), n in zip(points, row_pages))  # one point at a time
+    kv = random_kv_cache(config, 1 + num_pages)
     runner = GpuDecodeRunner(model, kv, max_batch=max_batch, buckets=tuple(batches), variants=(FREE,))
     runner.capture()
     rows = []
-    for (batch, context), per_row in sorted(zip(points, pages_per_row)):
-        table = (1 + torch.arange(batch * per_row, dtype=torch.int32)).view(batch, per_row)
-        ids = torch.randint(0, config.vocab_size, (batch,))
-        runner.load_rows(ids, torch.full((batch,), context, dtype=torch.int64),
-                         torch.full((batch,), context + 1, dtype=torch.int32), table)
+    for (batch, context), per_row in sorted(zip(points, row_pages)):
+        load_rows(runner, batch, context, per_row, config.vocab_size)
         ms = median_ms(lambda: runner.step(batch), reps)
         rows.append({"batch": batch, "context": context, "step_ms": ms})
         print(f"decode graph b={batch:3d} ctx={context:5d}: {ms:.3f} ms", flush=True)

@@ -33,7 +33,6 @@ prefill is timed). Random weights, bf16, vocab 131072; greedy sampling (mask_sam
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import pathlib
@@ -47,6 +46,9 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._gpu_model import (  # noqa: E402
+    load_rows, pages_per_row, preset_shape, projection_inputs, random_kv_cache, random_model,
+)
 from benchmarks._gpu_timing import copy_bandwidth_gbs, graph_ms, weight_bytes_read  # noqa: E402
 from benchmarks._harness import (  # noqa: E402
     PAGE_SIZE, VOCAB, command_line, engine_model_spec, log, tekken_dir, utc_now, write_result,
@@ -57,7 +59,6 @@ from generation_service.engine.cuda_graphs import (  # noqa: E402
 from generation_service.engine.gpu_runner import GpuDecodeRunner  # noqa: E402
 from generation_service.engine.kv_cache import KVCache  # noqa: E402
 from generation_service.model.presets import PRESETS  # noqa: E402
-from generation_service.model.random_init import build_random_model  # noqa: E402
 from step_channel import FLAG_CONSTRAINED, FLAG_FRESH, Geometry, StepChannel  # noqa: E402
 from step_channel.cuda import MappedChannel  # noqa: E402
 # grammar_service over gRPC for the engine rows, as the engine tests start it
@@ -122,19 +123,11 @@ class Bench:
         self.args, self.mapped, self.chan, self.grammar_id = args, mapped, mapped.channel, grammar_id
         self.depth = self.chan.geometry.depth
 
-    def load(self, runner, batch: int) -> None:
-        ctx, pages_per_row = self.args.context, self.pages_per_row
-        ids = torch.randint(0, VOCAB, (batch,))
-        positions = torch.full((batch,), ctx, dtype=torch.int64)
-        seq_lens = torch.full((batch,), ctx + 1, dtype=torch.int32)
-        table = torch.arange(1, 1 + batch * pages_per_row, dtype=torch.int32).view(batch, pages_per_row)
-        runner.load_rows(ids, positions, seq_lens, table)
-
     MODES = ("free", "nowait", "prepublished", "constrained", "constrained_serial")
 
     def run(self, runner, batch: int, mode: str, num_steps: int) -> dict:
         """Time num_steps steps after warmup; mode: one of MODES."""
-        self.load(runner, batch)
+        load_rows(runner, batch, self.args.context, self.num_row_pages)
         fresh = set(range(batch))
         channel_step = mode in ("prepublished", "constrained", "constrained_serial")
         for i in range(self.args.warmup + num_steps):
@@ -205,9 +198,7 @@ class Bench:
         import torch.nn.functional as F
         cfg, out = model.config, {}
         for bucket in (min(self.args.batches), max(self.args.batches)):
-            x = torch.randn(bucket, cfg.hidden_size, dtype=torch.bfloat16, device="cuda")
-            xq = torch.randn(bucket, cfg.num_heads * cfg.head_dim, dtype=torch.bfloat16, device="cuda")
-            xi = torch.randn(bucket, cfg.intermediate_size, dtype=torch.bfloat16, device="cuda")
+            x, xq, xi = projection_inputs(cfg, bucket)
 
             def chain():
                 for w, layer in zip(runner.forward.weights, model.model.layers):
@@ -231,15 +222,12 @@ class Bench:
 
     def model_shape(self, preset: str) -> dict:
         args = self.args
-        cfg = dataclasses.replace(PRESETS[preset], vocab_size=VOCAB, max_position_embeddings=4096)
+        cfg = preset_shape(preset)
         log(f"{preset}: building random weights")
-        model = build_random_model(cfg, torch.device("cuda"), torch.bfloat16, seed=0)
+        model = random_model(cfg)
         max_batch = max(args.batches)
-        self.pages_per_row = -(-(args.context + args.warmup + args.steps * 3 + 8) // PAGE_SIZE)
-        kv = KVCache(cfg.num_layers, 1 + max_batch * self.pages_per_row, PAGE_SIZE, cfg.num_kv_heads,
-                     cfg.head_dim, torch.bfloat16, "cuda")
-        for t in kv.k + kv.v:
-            t.normal_(0.0, 1.0)
+        self.num_row_pages = pages_per_row(args.context + args.warmup + args.steps * 3 + 8)
+        kv = random_kv_cache(cfg, 1 + max_batch * self.num_row_pages)
         # prefetch (default) and +serial waiting pairs, nowait, prepublished: 7 graphs per bucket
         runner = GpuDecodeRunner(model, kv, max_batch=max_batch, buckets=tuple(args.batches),
                                  mapped=self.mapped, variants=(FREE, WAIT_EVEN, WAIT_ODD, NOWAIT, PREPUBLISHED,
@@ -310,13 +298,13 @@ def engine_decode(preset: str, batches: list[int], context: int, new_tokens: int
     from generation_service.engine.engine import Engine, EngineConfig
     from grammar_contract.spec import GrammarSpec
     max_batch = max(batches)
-    pages_per_row = -(-(context + new_tokens + 8) // PAGE_SIZE)
+    num_row_pages = pages_per_row(context + new_tokens + 8)
     client = None
     if grammar_address is not None:
         from grammar_contract.client import GrammarControlClient
         client = GrammarControlClient(grammar_address)
     engine = Engine(EngineConfig(model=model_spec, device="cuda", dtype="bfloat16", runner="cuda_graph",
-                                 max_batch=max_batch, num_pages=1 + max_batch * pages_per_row,
+                                 max_batch=max_batch, num_pages=1 + max_batch * num_row_pages,
                                  page_size=PAGE_SIZE, max_prompt_tokens=context, max_new_tokens_limit=new_tokens,
                                  prefill_chunk_tokens=max(512, context * max_batch), overlap=overlap), client)
     engine.start()

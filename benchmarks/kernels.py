@@ -405,13 +405,10 @@ def bench_gemv_step(model, weights, xs, m, bw, hidden, inter, silu_mul, gemv, ga
                   hybrid_GBps=nbytes / t_hybrid / 1e6)
 
 
-def decode_step_ms(runner, batch, context, pages_per_row, warmup=10, steps=100) -> float:
+def decode_step_ms(runner, batch, context, num_row_pages, warmup=10, steps=100) -> float:
     """ms per free decode step (graph replays, host loop included, as benchmarks/decode.py)."""
-    ids = torch.randint(0, VOCAB, (batch,))
-    positions = torch.full((batch,), context, dtype=torch.int64)
-    seq_lens = torch.full((batch,), context + 1, dtype=torch.int32)
-    table = torch.arange(1, 1 + batch * pages_per_row, dtype=torch.int32).view(batch, -1)
-    runner.load_rows(ids, positions, seq_lens, table)
+    from benchmarks._gpu_model import load_rows
+    load_rows(runner, batch, context, num_row_pages)
     for i in range(warmup + steps):
         if i == warmup:
             torch.cuda.synchronize()
@@ -424,23 +421,15 @@ def decode_step_ms(runner, batch, context, pages_per_row, warmup=10, steps=100) 
 def bench_gemv_decode(bw, quick):
     """The free decode step with cuBLAS (gemv_max_batch=0) vs the gemv.MEASURED hybrid (8):
     Triton GEMVs only for the projections that beat cuBLAS on the H200, per bucket."""
-    import dataclasses
+    from benchmarks._gpu_model import pages_per_row, preset_shape, random_kv_cache, random_model
+    from benchmarks._gpu_timing import weight_bytes_read
     from generation_service.engine.gpu_runner import GpuDecodeRunner
-    from generation_service.engine.kv_cache import KVCache
-    from generation_service.model.presets import PRESETS
-    from generation_service.model.random_init import build_random_model
     context, batches, out = 512, (1, 8) if quick else (1, 2, 4, 8), []
-    pages_per_row = -(-(context + 200) // PAGE)
+    num_row_pages = pages_per_row(context + 200)
     for preset in ("llama-3.1-8b", "llama-3.2-1b"):
-        cfg = dataclasses.replace(PRESETS[preset], vocab_size=VOCAB, max_position_embeddings=4096)
-        model = build_random_model(cfg, torch.device(DEV), torch.bfloat16, seed=0)
-        kv = KVCache(cfg.num_layers, 1 + max(batches) * pages_per_row, PAGE, cfg.num_kv_heads,
-                     cfg.head_dim, torch.bfloat16, DEV)
-        for t in kv.k + kv.v:
-            t.normal_(0.0, 1.0)
-        wbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        if not cfg.tie_word_embeddings:  # only B rows of the input embedding are read
-            wbytes -= model.model.embed_tokens.weight.numel() * 2
+        model = random_model(preset_shape(preset))
+        kv = random_kv_cache(model.config, 1 + max(batches) * num_row_pages)
+        wbytes = weight_bytes_read(model)  # only B rows of an untied input embedding are read
         runner = GpuDecodeRunner(model, kv, max_batch=max(batches), buckets=batches)
         ms, plans = {}, {}
         with torch.no_grad():
@@ -450,8 +439,7 @@ def bench_gemv_decode(bw, quick):
                     plans = {b: runner.forward.gemv_plan(b) for b in batches}
                 runner.capture()
                 for batch in batches:
-                    ms[gemv_max_batch, batch] = decode_step_ms(runner, batch, context,
-                                                               pages_per_row)
+                    ms[gemv_max_batch, batch] = decode_step_ms(runner, batch, context, num_row_pages)
                 runner.close()
         for batch in batches:
             t, t_ref = ms[max(batches), batch], ms[0, batch]

@@ -30,7 +30,6 @@ kernels; "embedding" counts the prologue).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import pathlib
@@ -44,8 +43,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 # the decode table's floor, computed the same way (benchmarks/, the script's folder)
+from benchmarks._gpu_model import (  # noqa: E402
+    load_rows, pages_per_row, preset_shape, projection_inputs, random_kv_cache, random_model,
+)
 from benchmarks._gpu_timing import copy_bandwidth_gbs, graph_ms, weight_bytes_read  # noqa: E402
-from benchmarks._harness import PAGE_SIZE, VOCAB, log, write_result  # noqa: E402
+from benchmarks._harness import VOCAB, log, write_result  # noqa: E402
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 # DecodeForward / GpuDecodeRunner settings (set before capture) and pdl (kernels/pdl.py's
@@ -211,10 +213,7 @@ def isolated_projections(model, runner, bucket: int, reps: int = 20) -> dict[str
     """Each projection's GEMMs over every layer (distinct weights: no L2 reuse) alone in one
     graph; per-GEMM us = graph time / layers (includes the graph's node-to-node gaps)."""
     import torch.nn.functional as F
-    cfg, dev, bf = model.config, "cuda", torch.bfloat16
-    x = torch.randn(bucket, cfg.hidden_size, dtype=bf, device=dev)
-    xq = torch.randn(bucket, cfg.num_heads * cfg.head_dim, dtype=bf, device=dev)
-    xi = torch.randn(bucket, cfg.intermediate_size, dtype=bf, device=dev)
+    x, xq, xi = projection_inputs(model.config, bucket)
     pairs = list(zip(runner.forward.weights, model.model.layers))
     chains = {"qkv": lambda: [F.linear(x, w.qkv) for w, _ in pairs],
               "o": lambda: [F.linear(xq, layer.self_attn.o_proj.weight) for _, layer in pairs],
@@ -239,28 +238,19 @@ def all_ones_channel(max_batch: int):
     return channel, MappedChannel.register(channel)
 
 
-def load_rows(runner, batch: int, context: int, pages_per_row: int) -> None:
-    """Rows [0, batch): a random token at position `context` over a random cache."""
-    ids = torch.randint(0, VOCAB, (batch,))
-    positions = torch.full((batch,), context, dtype=torch.int64)
-    seq_lens = torch.full((batch,), context + 1, dtype=torch.int32)
-    table = torch.arange(1, 1 + batch * pages_per_row, dtype=torch.int32).view(batch, pages_per_row)
-    runner.load_rows(ids, positions, seq_lens, table)
-
-
-def profile_batch(args, model, runner, batch: int, pages_per_row: int, trace_dir,
+def profile_batch(args, model, runner, batch: int, num_row_pages: int, trace_dir,
                   isolated: bool = True, variant=None) -> dict:
     """variant: the graph variant replayed (default the free one)."""
     from generation_service.engine.cuda_graphs import FREE
     variant = variant or FREE
     cfg = model.config
-    load_rows(runner, batch, args.context, pages_per_row)
+    load_rows(runner, batch, args.context, num_row_pages)
     for _ in range(args.warmup):
         runner.step(batch, variant=variant)
-    load_rows(runner, batch, args.context, pages_per_row)
+    load_rows(runner, batch, args.context, num_row_pages)
     times = event_times_ms(lambda: runner.step(batch, variant=variant), args.steps)
     step_ms = sorted(times)[len(times) // 2]
-    load_rows(runner, batch, args.context, pages_per_row)
+    load_rows(runner, batch, args.context, num_row_pages)
     if trace_dir:
         trace_dir.mkdir(parents=True, exist_ok=True)
     trace = str(trace_dir / f"{cfg.num_layers}L-b{batch}.json") if trace_dir else None
@@ -270,7 +260,7 @@ def profile_batch(args, model, runner, batch: int, pages_per_row: int, trace_dir
     if len(kernels) < 2 * cfg.num_layers * args.profile_steps:  # none seen inside the graphs
         log(f"b={batch}: {len(kernels)} kernels seen in graph replays: profiling the eager body")
         source = "eager body (GpuDecodeRunner.body, free variant)"
-        load_rows(runner, batch, args.context, pages_per_row)
+        load_rows(runner, batch, args.context, num_row_pages)
         with torch.no_grad():
             kernels = profile_kernels(lambda: runner.body(batch, FREE), args.profile_steps, trace)
     out = {"batch": batch, "context": args.context, "step_ms": step_ms,
@@ -299,21 +289,14 @@ def parse_pdl_m1(table: dict[str, str]) -> dict:
 def model_shape(args, preset: str, bandwidth: float) -> dict:
     from generation_service.engine.cuda_graphs import FREE, NOWAIT, PREPUBLISHED
     from generation_service.engine.gpu_runner import GpuDecodeRunner
-    from generation_service.engine.kv_cache import KVCache
     from generation_service.kernels import gemv, pdl
-    from generation_service.model.presets import PRESETS
-    from generation_service.model.random_init import build_random_model
     pdl_m1_table = dict(gemv.PDL_M1)  # a variant's pdl_m1 replaces it while it captures
     graph_variants = {"free": FREE, "nowait": NOWAIT, "prepublished": PREPUBLISHED}
-    cfg = dataclasses.replace(PRESETS[preset], vocab_size=VOCAB, max_position_embeddings=4096)
     started = time.perf_counter()
-    model = build_random_model(cfg, torch.device("cuda"), torch.bfloat16, seed=0)
+    model = random_model(preset_shape(preset))
     max_batch = max(args.batches)
-    pages_per_row = -(-(args.context + args.warmup + args.steps + args.profile_steps + 8) // PAGE_SIZE)
-    kv = KVCache(cfg.num_layers, 1 + max_batch * pages_per_row, PAGE_SIZE, cfg.num_kv_heads,
-                 cfg.head_dim, torch.bfloat16, "cuda")
-    for t in kv.k + kv.v:
-        t.normal_(0.0, 1.0)
+    num_row_pages = pages_per_row(args.context + args.warmup + args.steps + args.profile_steps + 8)
+    kv = random_kv_cache(model.config, 1 + max_batch * num_row_pages)
     trace_dir = pathlib.Path(args.trace_dir) / preset if args.trace_dir else None
     if trace_dir:
         trace_dir.mkdir(parents=True, exist_ok=True)
@@ -341,7 +324,7 @@ def model_shape(args, preset: str, bandwidth: float) -> dict:
             log(f"{preset} [{name}]: built and captured in {time.perf_counter() - started:.1f} s")
             rows = []
             for batch in args.batches:
-                row = profile_batch(args, model, runner, batch, pages_per_row,
+                row = profile_batch(args, model, runner, batch, num_row_pages,
                                     trace_dir and trace_dir / name.replace("/", "-"),
                                     isolated=index == 0, variant=graph)
                 row["over_weight_floor"] = row["step_ms"] / floor_ms
