@@ -1,10 +1,9 @@
-"""The variants of benchmarks/verify.py, one batch through the Engine, and the row it gives.
+"""The variants of benchmarks/verify.py and the row one batch through the Engine gives.
 
 `Variant` (`OFF`, `SPECULATIVE`: eager and graph verify) says whether requests ask for drafts
-and which engine runs them. `run_batch` submits a batch at once and returns a `Run`: the
-outputs and the `Counters` (engine and runner step and draft counts) over the timed window,
-every row's first token to the last row's end; `engine_row` turns a Run into the JSON row and
-its log line, with `calibration_match` (how much of its continuation each row reproduced).
+and which engine runs them. `engine_row` turns a `Run` (benchmarks/_engine_batch.py: one batch,
+timed from every row's first token to the last row's end) into the JSON row and its log line,
+with `calibration_match` (how much of its continuation each row reproduced).
 `OracleProposer` (one instance, `ORACLE`, registered by verify.py's main as the "oracle"
 proposer and filled after calibration) drafts each row's calibrated greedy continuation,
 optionally corrupted by a hash to a chosen accuracy. Assumes verify.py has put the repository
@@ -13,14 +12,12 @@ root and benchmarks/ on sys.path.
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
-from generation_service.engine.engine import Engine
-from generation_service.engine.params import GenerationRequest, SamplingParams, SpeculativeParams
 from generation_service.engine.request import Request
 from generation_service.engine.speculative import DraftProposer
 
+from benchmarks._engine_batch import Run
 from benchmarks._harness import log
 
 
@@ -58,67 +55,6 @@ class OracleProposer(DraftProposer):
 ORACLE = OracleProposer()  # one instance, filled after calibration, for every engine
 
 
-@dataclass(frozen=True)
-class Counters:
-    """Engine and runner counters at one moment; `minus` gives a window's counts."""
-
-    steps: int
-    graph_steps: int
-    verify_graph_steps: int
-    chained_steps: int
-    draft_proposed: int
-    draft_accepted: int
-
-    @classmethod
-    def of(cls, engine: Engine) -> "Counters":
-        stats, runner = engine.stats(), engine.runner
-        return cls(stats.steps, runner.num_graph_steps, runner.num_verify_steps,
-                   runner.num_chained_steps, stats.draft_proposed, stats.draft_accepted)
-
-    def minus(self, earlier: "Counters") -> "Counters":
-        return Counters(*(getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)))
-
-
-@dataclass
-class Run:
-    """One batch through the engine: outputs, and counters over the timed window."""
-
-    outputs: list[list[int]]
-    num_tokens_before: int  # tokens read before the window (each row's first, from prefill)
-    finish_reasons: dict[str, int]
-    errors: list[str]
-    window_s: float      # every row's first token -> the last row's end
-    submit_to_end_s: float
-    window: Counters
-
-
-def run_batch(engine: Engine, tag: str, prompts, sampling: SamplingParams,
-              speculative: SpeculativeParams = SpeculativeParams()) -> Run:
-    """Submit every prompt at once; time from every row's first token to the last row's end."""
-    started = time.perf_counter()
-    streams = [engine.submit(GenerationRequest(f"{tag}-{i}", prompt, sampling, speculative=speculative))
-               for i, prompt in enumerate(prompts)]
-    outputs, finals = [[] for _ in streams], [None] * len(streams)
-
-    def drain(i: int, until_first: bool) -> None:
-        while finals[i] is None and not (until_first and outputs[i]):
-            event = streams[i].get(timeout=120)
-            outputs[i] += event.token_ids
-            finals[i] = event if event.is_final else None
-
-    for i in range(len(streams)):
-        drain(i, until_first=True)
-    t0, before, num_before = time.perf_counter(), Counters.of(engine), sum(len(out) for out in outputs)
-    for i in range(len(streams)):
-        drain(i, until_first=False)
-    end, window = time.perf_counter(), Counters.of(engine).minus(before)
-    reasons: dict[str, int] = {}
-    for final in finals:
-        reasons[final.finish_reason.name] = reasons.get(final.finish_reason.name, 0) + 1
-    errors = [repr(f.error) for f in finals if f.error is not None][:3]
-    return Run(outputs, num_before, reasons, errors, end - t0, end - started, window)
-
-
 def calibration_match(outputs: list[list[int]], continuations: list[list[int]]) -> float:
     """Mean share of its calibrated continuation each row reproduced before a difference."""
     shares = []
@@ -130,8 +66,7 @@ def calibration_match(outputs: list[list[int]], continuations: list[list[int]]) 
 
 def engine_row(preset: str, batch: int, variant: Variant, workload: str, num_drafts: int, run: Run,
                continuations: list[list[int]]) -> dict:
-    w = run.window
-    decoded = sum(len(out) for out in run.outputs) - run.num_tokens_before
+    w, decoded = run.window, run.num_decoded
     eager_steps = w.steps - w.graph_steps  # after prefill: the verify steps not graphed
     verify_steps = w.verify_graph_steps + (eager_steps if num_drafts else 0)
     row = {"preset": preset, "batch": batch, "variant": variant.name, "workload": workload,

@@ -46,6 +46,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._engine_batch import run_batch  # noqa: E402
 from benchmarks._gpu_model import (  # noqa: E402
     load_rows, pages_per_row, preset_shape, projection_inputs, random_kv_cache, random_model,
 )
@@ -333,47 +334,23 @@ def engine_decode(preset: str, batches: list[int], context: int, new_tokens: int
 
 def _engine_run(engine, preset: str, batch: int, mode: str, context: int, new_tokens: int, overlap: bool,
                 gen: torch.Generator, vocab: int, grammar) -> dict:
-    """One batch through the engine; timed from every row's first token to the last row's end.
-    Constrained rows stop at the end of their document (GRAMMAR_COMPLETE) or at new_tokens, so
-    tokens/s counts the tokens received, ms/step the engine steps taken."""
-    from generation_service.engine.params import GenerationRequest, SamplingParams
-    streams = [engine.submit(GenerationRequest(
-        f"{preset}-{mode}-{overlap}-{batch}-{i}",
-        tuple(torch.randint(0, vocab, (context,), generator=gen).tolist()),
-        SamplingParams(max_new_tokens=new_tokens, ignore_eos=grammar is None), grammar=grammar))
-        for i in range(batch)]
-    num_tokens = [0] * batch
-    finals = [None] * batch
-    for i, stream in enumerate(streams):  # until every row has its first token
-        while num_tokens[i] == 0 and finals[i] is None:
-            event = stream.get(timeout=300)
-            num_tokens[i] += len(event.token_ids)
-            finals[i] = event if event.is_final else None
-    first = sum(num_tokens)
-    runner = engine.runner
-    t0, steps0 = time.perf_counter(), engine.num_steps
-    graph0, chained0 = runner.num_graph_steps, runner.num_chained_steps
-    for i, stream in enumerate(streams):
-        while finals[i] is None:
-            event = stream.get(timeout=300)
-            num_tokens[i] += len(event.token_ids)
-            finals[i] = event if event.is_final else None
-    elapsed = time.perf_counter() - t0
-    steps = engine.num_steps - steps0
-    errors = [repr(f.error) for f in finals if f.error is not None]
-    reasons = {}
-    for f in finals:
-        reasons[f.finish_reason.name] = reasons.get(f.finish_reason.name, 0) + 1
-    decoded = sum(num_tokens) - first
+    """One batch through the engine (`run_batch`: timed from every row's first token to the last
+    row's end). Constrained rows stop at the end of their document (GRAMMAR_COMPLETE) or at
+    new_tokens, so tokens/s counts the tokens received, ms/step the engine steps taken."""
+    from generation_service.engine.params import SamplingParams
+    prompts = [tuple(torch.randint(0, vocab, (context,), generator=gen).tolist()) for _ in range(batch)]
+    run = run_batch(engine, f"{preset}-{mode}-{overlap}-{batch}", prompts,
+                    SamplingParams(max_new_tokens=new_tokens, ignore_eos=grammar is None), grammar=grammar,
+                    timeout_s=300)
+    w, steps = run.window, run.window.steps
     row = {"preset": preset, "batch": batch, "mode": mode, "overlap": overlap, "runner": "cuda_graph",
-           "steps": steps, "graph_steps": runner.num_graph_steps - graph0,
-           "chained_steps": runner.num_chained_steps - chained0,
-           "ms_per_step": elapsed / max(1, steps) * 1e3, "tokens_per_s": decoded / elapsed,
-           "tokens_decoded": decoded, "finish_reasons": reasons, "errors": errors[:3],
+           "steps": steps, "graph_steps": w.graph_steps, "chained_steps": w.chained_steps,
+           "ms_per_step": run.window_s / max(1, steps) * 1e3, "tokens_per_s": run.num_decoded / run.window_s,
+           "tokens_decoded": run.num_decoded, "finish_reasons": run.finish_reasons, "errors": run.errors,
            "vocab_size": vocab}
     log(f"engine {preset} b={batch:3d} overlap={overlap!s:5s} {mode:11s} {row['ms_per_step']:8.3f} ms/step "
         f"{row['tokens_per_s']:9.1f} tok/s ({row['graph_steps']}/{steps} graph steps, "
-        f"{row['chained_steps']} chained, {reasons})")
+        f"{row['chained_steps']} chained, {run.finish_reasons})")
     return row
 
 

@@ -37,8 +37,9 @@ On a CPU, `--device cpu --runner eager --presets tiny` runs all of it but the gr
 `graph` is the eager path and the step rows have eager figures only).
 
 This file holds the CLI, the engines per model shape, the engine comparison and the summary.
-Next to it: `_verify_runs.py` (the variants, one batch run and its row, the counters, the oracle
-proposer), `_verify_step.py` (one verify step alone), `_verify_header.py` (what the run was).
+Next to it: `_verify_runs.py` (the variants, a batch run's row, the oracle proposer),
+`_verify_step.py` (one verify step alone), `_verify_header.py` (what the run was); one batch
+through the Engine is `_engine_batch.run_batch`, shared with decode.py's engine rows.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._engine_batch import run_batch  # noqa: E402
 from benchmarks._harness import PAGE_SIZE, engine_model_spec, log, tekken_dir, utc_now, write_result  # noqa: E402
 from generation_service.engine.engine import Engine, EngineConfig  # noqa: E402
 from generation_service.engine.kv_cache import num_pages_for  # noqa: E402
@@ -63,7 +65,7 @@ from generation_service.engine.params import SamplingParams, SpeculativeParams  
 from generation_service.engine.speculative import PROPOSERS  # noqa: E402
 
 # benchmarks/, the script's folder: this script's helper modules
-from _verify_runs import OFF, ORACLE, SPECULATIVE, Variant, engine_row, run_batch  # noqa: E402  (one batch run)
+from _verify_runs import OFF, ORACLE, SPECULATIVE, Variant, engine_row  # noqa: E402  (the variants, a run's row)
 from _verify_step import num, step_costs  # noqa: E402  (one verify step alone)
 from _verify_header import header  # noqa: E402  (what the run was)
 
