@@ -49,7 +49,9 @@ def test_concurrent_compiles_of_one_spec_share_one_future(service):
 
 
 class _SlowBackend(GrammarBackend):
-    """Test double for the timeout path only: a compile that takes `delay_s`."""
+    """Test double for the timeout path only: a compile that takes `delay_s`. The timeout tests
+    name a backend: under `auto` a pick past its share of the timeout falls back to the next
+    backend (grammar_service/backend_choice.py), here the same double compiling again."""
     name = "slow"
 
     def __init__(self, delay_s: float, gate: threading.Event | None = None):
@@ -78,16 +80,16 @@ def test_compile_timeout_is_reported_and_remembered_for_the_ttl():
     config = GrammarServiceConfig(compile_timeout_s=0.2, negative_cache_ttl_s=60)
     compiler = GrammarCompiler(lambda name: backend, config, clock=lambda: now[0])
     started = time.monotonic()
-    err = _error(compiler.compile(GrammarSpec("regex", "a+")))
+    err = _error(compiler.compile(GrammarSpec("regex", "a+", backend="xgrammar")))
     assert time.monotonic() - started < 0.9
     assert err.status == "INVALID_ARGUMENT"
     assert "did not finish within the 0.2 s compile timeout" in err.message
     # answered from the negative cache, without compiling again
-    assert _error(compiler.compile(GrammarSpec("regex", "a+"))).message == err.message
+    assert _error(compiler.compile(GrammarSpec("regex", "a+", backend="xgrammar"))).message == err.message
     assert backend.num_calls == 1 and compiler.num_negative == 1
     now[0] += 61  # past the TTL: compiled again
     backend.delay_s = 0.0
-    assert compiler.compile(GrammarSpec("regex", "a+")).result(5).cache_hit is False
+    assert compiler.compile(GrammarSpec("regex", "a+", backend="xgrammar")).result(5).cache_hit is False
     assert backend.num_calls == 2
     compiler.close()
 
@@ -97,8 +99,8 @@ def test_the_wait_for_a_thread_counts_against_the_timeout():
     backend = _SlowBackend(delay_s=0.0, gate=gate)
     config = GrammarServiceConfig(num_compile_threads=1, compile_timeout_s=0.3, isolate_compiles=False)
     compiler = GrammarCompiler(lambda name: backend, config)
-    compiler.compile(GrammarSpec("regex", "a"))  # holds the only thread until the gate opens
-    err = _error(compiler.compile(GrammarSpec("regex", "b")))
+    compiler.compile(GrammarSpec("regex", "a", backend="xgrammar"))  # holds the only thread until the gate opens
+    err = _error(compiler.compile(GrammarSpec("regex", "b", backend="xgrammar")))
     # "b" never reached the backend, yet its timeout ran out: the wait for the thread counted;
     # not the grammar's fault, so not remembered
     assert backend.specs == ["a"]

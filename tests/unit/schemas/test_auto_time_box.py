@@ -11,7 +11,7 @@ import pytest
 
 from benchmarks.corpus import get_schema
 from grammar_contract.spec import GrammarSpec
-from grammar_service.backend_choice import compile_with
+from grammar_service.backend_choice import PICK_SHARE, compile_with
 from grammar_service.backends.base import GrammarCompileError
 from grammar_service.config import GrammarServiceConfig
 from grammar_service.auto_choice import choose_backend
@@ -128,3 +128,35 @@ def test_the_service_serves_the_fallback_and_replaces_the_busy_worker(boxed_serv
     assert boxed_service.wait_compile_ready(120), "the replacement worker starts"
     only = boxed_service.compile(XGRAMMAR_ONLY).result(120)
     assert only.entry.backend == "xgrammar"
+
+
+# both enforce all of it: llguidance, the faster compiler, is the pick and xgrammar its fallback
+PLAIN = GrammarSpec("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}}))
+
+
+def test_a_fast_pick_past_its_share_of_the_timeout_falls_back_like_an_error(make_backend):
+    """llguidance picked, and running away: at PICK_SHARE of the time to the deadline xgrammar
+    compiles instead, rather than the request failing at the timeout."""
+    choice = choose_backend(PLAIN, make_backend)
+    assert choice.backend == "llguidance" and choice.fallbacks == ("xgrammar",) and not choice.fast_fallback
+    timeout_s = 0.8
+    started = time.perf_counter()
+    done = compile_with(PLAIN, "auto", with_compile(make_backend, "llguidance", sleep_s=5.0),
+                        deadline=time.monotonic() + timeout_s)
+    elapsed = time.perf_counter() - started
+    assert done.backend == "xgrammar" and done.unenforced == make_backend("xgrammar").unenforced_keywords(PLAIN)
+    assert elapsed < timeout_s * PICK_SHARE + 0.3, f"{elapsed:.3f} s: the fallback starts at the pick's share"
+    assert done.abandoned is not None and not done.abandoned.done()
+
+
+def test_a_fast_pick_within_its_share_serves(make_backend):
+    done = compile_with(PLAIN, "auto", with_compile(make_backend, "llguidance", sleep_s=0.1),
+                        deadline=time.monotonic() + 60)
+    assert done.backend == "llguidance" and done.abandoned is None
+
+
+def test_when_the_fallback_fails_too_the_running_pick_still_serves(make_backend):
+    how = with_compile(make_backend, "llguidance", sleep_s=0.5)
+    both = lambda n: _Compiling(make_backend(n), fails=True) if n == "xgrammar" else how(n)  # noqa: E731
+    done = compile_with(PLAIN, "auto", both, deadline=time.monotonic() + 0.2)
+    assert done.backend == "llguidance" and done.abandoned is None
