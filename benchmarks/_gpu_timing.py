@@ -1,5 +1,6 @@
 """GPU timing primitives of the decode benchmarks (decode.py, profile_step.py, kernels.py): the device copy
-bandwidth, a CUDA graph's median replay time, the weight bytes a decode step reads."""
+bandwidth, a CUDA graph's median replay time, each call's CUDA-event time, the weight bytes a
+decode step reads."""
 from __future__ import annotations
 
 import torch
@@ -40,6 +41,18 @@ def graph_ms(fn, reps: int = 30) -> float:
         times.append(a.elapsed_time(b))
     graph.reset()
     return sorted(times[3:])[reps // 2]
+
+
+def event_times_ms(fn, reps: int) -> list[float]:
+    """CUDA-event time of each of reps calls of fn."""
+    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+             for _ in range(reps)]
+    for a, b in pairs:
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    return [a.elapsed_time(b) for a, b in pairs]
 
 
 def weight_bytes_read(model) -> int:
