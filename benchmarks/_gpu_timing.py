@@ -1,25 +1,31 @@
-"""GPU timing primitives of the decode benchmarks (decode.py, profile_step.py, kernels.py): the device copy
-bandwidth, a CUDA graph's median replay time, each call's CUDA-event time, the weight bytes a
-decode step reads."""
+"""GPU timing primitives of the decode benchmarks (decode.py, profile_step.py, kernels.py,
+_roofline.py): the median CUDA-event time of a call, the device copy bandwidth, a CUDA graph's
+median replay time, each call's CUDA-event time, the weight bytes a decode step reads."""
 from __future__ import annotations
 
 import torch
+
+
+def median_ms(fn, reps: int, warmup: int = 3) -> float:
+    """Median CUDA-event time of `reps` calls of fn, each waited for, after `warmup` such calls."""
+    times = []
+    for _ in range(reps + warmup):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times[warmup:])[reps // 2]
 
 
 def copy_bandwidth_gbs(nbytes: int = 4 << 30, reps: int = 10) -> float:
     """Device-to-device copy, bytes read + written per second (median of reps)."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
     dst = torch.empty_like(src)
-    times = []
-    for _ in range(reps + 2):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
+    ms = median_ms(lambda: dst.copy_(src), reps, warmup=2)
     del src, dst
-    return 2 * nbytes / sorted(times[2:])[len(times[2:]) // 2] / 1e9
+    return 2 * nbytes / (ms / 1e3) / 1e9
 
 
 def graph_ms(fn, reps: int = 30) -> float:
@@ -31,16 +37,9 @@ def graph_ms(fn, reps: int = 30) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
         fn()
-    times = []
-    for _ in range(reps + 3):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
+    ms = median_ms(graph.replay, reps)
     graph.reset()
-    return sorted(times[3:])[reps // 2]
+    return ms
 
 
 def event_times_ms(fn, reps: int) -> list[float]:

@@ -26,6 +26,8 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._gpu_timing import median_ms  # noqa: E402
+
 
 def prefill_flops(config, num_tokens: int) -> float:
     """FLOPs of one prompt of `num_tokens` tokens (linear layers, causal attention, one LM-head row)."""
@@ -35,18 +37,6 @@ def prefill_flops(config, num_tokens: int) -> float:
     linear = 2.0 * num_tokens * per_layer * c.num_layers
     attention = 4.0 * c.num_layers * c.num_heads * c.head_dim * num_tokens * (num_tokens + 1) / 2
     return linear + attention + 2.0 * c.hidden_size * c.vocab_size
-
-
-def median_ms(run, reps: int) -> float:
-    times = []
-    for _ in range(reps + 3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times[3:])[reps // 2]
 
 
 def ceilings() -> dict:
