@@ -10,41 +10,31 @@ import time
 
 import numpy as np
 
-from channel_driver import Row
-from step_channel import FLAG_CONSTRAINED, FLAG_FRESH, StepChannel
+from channel_driver import ChannelDriver, Row
+from step_channel import FLAG_CONSTRAINED, FLAG_FRESH
 
 MAX_POSITIONS = 4
 EOS = 2  # "</s>" in both Mistral vocabularies
 RANDOM_WALK_MAX_TOKENS = 256
 
 
-class Engine:
-    """The engine side of the channel, timing each step."""
-
-    def __init__(self, chan: StepChannel):
-        self.chan = chan
-        self.step_no = 0
+class Engine(ChannelDriver):
+    """The engine side of the channel (tests/channel_driver.py's `finish`), timing each step from
+    inputs_seq published to the masks seen."""
 
     def step(self, rows: list[Row]) -> tuple[float, object]:
         self.step_no += 1
-        e = self.chan.entry(self.step_no)
+        e = self.channel.entry(self.step_no)
         e.desc_header[:] = (self.step_no, len(rows))
         for r, row in enumerate(rows):
             e.desc_rows[r] = (row.slot, row.num_positions, row.flags, row.grammar_id)
             if row.drafts:
                 e.drafts[r, :len(row.drafts)] = row.drafts
         started = time.perf_counter()
-        self.chan.publish_seq("inputs_seq", self.step_no)
-        if not self.chan.wait_seq("mask_seq", self.step_no, timeout_s=30, spin_s=20e-6, max_sleep_s=20e-6):
+        self.channel.publish_seq("inputs_seq", self.step_no)
+        if not self.channel.wait_seq("mask_seq", self.step_no, timeout_s=30, spin_s=20e-6, max_sleep_s=20e-6):
             raise TimeoutError(f"no masks for step {self.step_no}")
         return (time.perf_counter() - started) * 1e6, e
-
-    def finish(self, tokens: list[list[int]]) -> None:
-        e = self.chan.entry(self.step_no)
-        for r, row_tokens in enumerate(tokens):
-            e.out_counts[r] = len(row_tokens)
-            e.out_tokens[r, :len(row_tokens)] = row_tokens
-        self.chan.publish_seq("outputs_seq", self.step_no)
 
 
 def _check_results(e, batch: int) -> None:
