@@ -232,7 +232,7 @@ class Bench:
                 log(f"{preset}: diagnostics failed: {exc!r}")
                 diagnostics = {"error": repr(exc)}
         self.next_step = runner.next_channel_step
-        # NOTE: teardown order -- graphs before the channel is unregistered (main does that).
+        # NOTE: teardown order -- graphs before the channel is unregistered (graph_rows does that).
         runner.close()
         out = {"preset": preset, "sampler": runner.sampler, "weight_bytes_read": wbytes, "num_parameters": cfg.num_parameters,
                "capture_s": capture_s, "variants": [v.name for v in runner.variants], "rows": rows,
