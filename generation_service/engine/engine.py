@@ -239,16 +239,17 @@ class Engine:
             time.sleep(0.02)
 
     # ---- requests ------------------------------------------------------------------------
-    def submit(self, spec: GenerationRequest) -> RequestStream:
+    def submit(self, spec: GenerationRequest, stream: RequestStream | None = None) -> RequestStream:
         """Queue a request; raises InvalidRequestError, LimitExceededError, QueueFullError or
-        ShuttingDownError. Constrained requests start compiling at once."""
+        ShuttingDownError. Constrained requests start compiling at once. `stream`: where its
+        events go (default a new RequestStream; the engine process passes one that forwards)."""
         if not self._is_accepting:
             raise ShuttingDownError("the engine is shutting down")
         validate_request(spec, self.limits)
         seed = spec.sampling.seed if spec.sampling.seed is not None else secrets.randbits(63)
         stop_ids = frozenset(spec.sampling.stop_token_ids)
         request = Request(spec, stop_ids, seed, eos_token_ids=frozenset(self.eos_token_ids))
-        stream = RequestStream(spec.request_id, self.cancel)
+        stream = stream or RequestStream(spec.request_id, self.cancel)
         with self.lock:
             self._check_admissible(spec)
         if request.is_constrained:

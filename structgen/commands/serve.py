@@ -46,6 +46,11 @@ def resolve(args: argparse.Namespace, environ):
     from grammar_service.settings import GRAMMAR_SETTINGS
     from structgen.settings import unknown_variables
     resolved = SERVE_SETTINGS.resolve(args, environ)
+    from generation_service.config import ServeConfig
+    from generation_service.engine.config import EngineConfig
+    from structgen.settings import SettingsError
+    if resolved[ServeConfig].engine_process and resolved[EngineConfig].tensor_parallel > 1:
+        raise SettingsError("--engine-process does not go with --tensor-parallel > 1 (rank 0 is the engine)")
     resolved.warnings += [f"{name} is set but no structgen setting reads it"
                           for name in unknown_variables(environ, SERVE_SETTINGS, GRAMMAR_SETTINGS)]
     return resolved
@@ -95,7 +100,7 @@ def run(args: argparse.Namespace, _rest) -> int:
         return 1
     finally:
         telemetry.shutdown()  # flush the last spans (the drained streams')
-    if stack.failure is not None:  # a tensor-parallel rank died: it stopped the server
+    if stack.failure is not None:  # a tensor-parallel rank or the engine process died: it stopped the server
         print(f"structgen serve: {stack.failure}", file=sys.stderr, flush=True)
         exit_now(1)
     exit_now(0)
@@ -130,6 +135,7 @@ class ServeStack:
         self._engine_config = engine_config
         self._should_stop = should_stop
         self._supervisor = self._engine = self._server = self._http = self._ranks = None
+        self._engine_failure: str | None = None  # --engine-process: why the engine process ended
         self.grammar_address = config.grammar_address
 
     def _check_stop(self) -> None:
@@ -165,6 +171,20 @@ class ServeStack:
             self._ranks.join()
         return Engine(self._engine_config, GrammarControlClient(self.grammar_address))
 
+    def _spawn_engine(self):
+        """--engine-process: the engine in a child process; its unexpected exit stops this
+        process as a stop signal would, and `failure` says so (serve exits nonzero)."""
+        from generation_service.engine_process.proxy import RemoteEngine
+        level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
+        engine = RemoteEngine.spawn(self._engine_config, self.grammar_address, level, GIL_SWITCH_INTERVAL_S,
+                                    check_stop=self._check_stop)
+
+        def on_exit(why: str) -> None:
+            self._engine_failure = why
+            os.kill(os.getpid(), signal.SIGTERM)
+        engine.on_exit = on_exit
+        return engine
+
     def _check_ranks(self) -> None:
         """--tensor-parallel N: the supervisor of ranks 1..N-1, once the model divides over them.
         A rank that dies stops this process as a stop signal would (drain, stop), and `failure`
@@ -176,7 +196,7 @@ class ServeStack:
 
     @property
     def failure(self) -> str | None:
-        return None if self._ranks is None else self._ranks.failure
+        return self._ranks.failure if self._ranks is not None else self._engine_failure
 
     def __enter__(self) -> "ServeStack":
         from structgen.supervisor import GrammarSupervisor
@@ -191,7 +211,10 @@ class ServeStack:
                 self.grammar_address = self._supervisor.address
             if self._ranks is not None:
                 self._ranks.spawn()
-            self._engine = self._interruptible(self._build_engine)
+            if self.config.engine_process:
+                self._engine = self._spawn_engine()
+            else:
+                self._engine = self._interruptible(self._build_engine)
             from generation_service.server import start_server
             if self._supervisor is not None:
                 self._supervisor.wait_ready(should_stop=self._should_stop)
