@@ -34,6 +34,7 @@ from grammar_service.backends.base import GrammarBackend, GrammarCompileError, M
 from grammar_service.backends.llguidance_tags import structural_tag_grammar
 from grammar_service.config import llguidance_lanes
 from grammar_service.guarantees import llguidance_unenforced
+from grammar_service.backends.llguidance_schema import for_llguidance
 from grammar_service.schema_drafts import as_drafted
 
 WHITESPACE = r"[\x20\x0A\x0D\x09]"
@@ -56,6 +57,12 @@ class LLGuidanceGrammar:
         # next() on itertools.count is atomic under the GIL: loops of several channels may
         # bind rows of one grammar at once
         return next(self._counter) % len(self.lanes)
+
+
+def schema_text(spec: GrammarSpec) -> str:
+    """The JSON Schema text llguidance compiles for a json_schema spec: as its draft means it,
+    references in forms llguidance resolves (backends/llguidance_schema.py)."""
+    return for_llguidance(as_drafted(spec.text))
 
 
 def json_options(spec: GrammarSpec) -> dict:
@@ -105,7 +112,7 @@ def grammar_for(spec: GrammarSpec, special_id: Callable[[str], int | None] = _no
         return structural_tag_grammar(spec.text, special_id, token_id)
     try:
         if spec.kind in ("json_schema", "json_object"):
-            text = as_drafted(spec.text) if spec.kind == "json_schema" else '{"type": "object"}'
+            text = schema_text(spec) if spec.kind == "json_schema" else '{"type": "object"}'
             return llg.LLMatcher.grammar_from_json_schema(text, defaults=json_options(spec))
         if spec.kind == "regex":
             return llg.LLMatcher.grammar_from_regex(spec.text)
@@ -225,7 +232,7 @@ class LLGuidanceBackend(GrammarBackend):
     def unenforced_keywords(self, spec: GrammarSpec) -> tuple:
         if spec.kind != "json_schema":
             return ()
-        return llguidance_unenforced(as_drafted(spec.text), json_options(spec))
+        return llguidance_unenforced(schema_text(spec), json_options(spec))
 
     @functools.cached_property
     def _token_ids(self) -> dict[str, int]:

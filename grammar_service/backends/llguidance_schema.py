@@ -1,0 +1,77 @@
+"""The schema text llguidance compiles: its `$schema` and local `$ref`s in forms it resolves.
+
+llguidance 1.9.1 resolves both through a registry of its own, which refuses two forms that
+xgrammar compiles and validators take (on the schema_truth corpus, 18 schemas that only xgrammar
+compiled, some in seconds, compile in llguidance in milliseconds once rewritten):
+
+- a `$schema` the registry does not hold ("Resource ... is not present in a registry"): drafts
+  3-7 spelled with https, 2019-09 / 2020-12 with http, or a URI of no draft
+  (`http://json-schema.org/schema#`). A draft is spelled as the registry spells it; a URI of no
+  draft is dropped, so the schema reads as 2020-12, the validators' default. Wherever it appears:
+  bundled schemas repeat it in their subschemas.
+- a local reference with characters a URI may not hold (`#/$defs/Parameter Node`,
+  `#/definitions/TopLevel<Spec>`; "Invalid URI reference" once joined to an `$id`): they are
+  percent-encoded, which a resolver decodes back to the same JSON pointer.
+
+The draft a schema is read as is the one grammar_service/schema_drafts.py gave it, and nothing
+moves: every JSON pointer into the result names the same place in the schema.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import re
+from urllib.parse import quote
+
+from grammar_service.guarantees import iter_subschemas
+
+_OLD_DRAFT = re.compile(r"^https?://json-schema\.org/(draft-0[3-7])/schema#?$")
+_NEW_DRAFT = re.compile(r"^https?://json-schema\.org/draft/(2019-09|2020-12)/schema#?$")
+# what a URI fragment may hold as it is (RFC 3986: pchar / "/" / "?"); "%" keeps an encoding
+_FRAGMENT_SAFE = "/?:@!$&'()*+,;=~%"
+_MAX_CACHED = 64  # auto's analysis and the compile read the same text one after the other
+
+
+def _registered(uri: str) -> str | None:
+    """`uri` as llguidance's registry spells its draft; None for a URI of no draft."""
+    if old := _OLD_DRAFT.match(uri.strip()):
+        return f"http://json-schema.org/{old[1]}/schema#"
+    if new := _NEW_DRAFT.match(uri.strip()):
+        return f"https://json-schema.org/draft/{new[1]}/schema"
+    return None
+
+
+def _rewrite(schema: dict) -> bool:
+    """Rewrites every `$schema` and local `$ref` in place; True if any changed."""
+    changed = False
+    for _, node in iter_subschemas(schema):
+        uri = node.get("$schema")
+        if isinstance(uri, str) and (registered := _registered(uri)) != uri:
+            if registered is None:
+                del node["$schema"]
+            else:
+                node["$schema"] = registered
+            changed = True
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#") and (encoded := "#" + quote(ref[1:], _FRAGMENT_SAFE)) != ref:
+            node["$ref"] = encoded
+            changed = True
+    return changed
+
+
+@functools.lru_cache(maxsize=_MAX_CACHED)
+def for_llguidance(schema_text: str) -> str:
+    """`schema_text` (as grammar_service/schema_drafts.py drafted it) with its `$schema` and
+    local references in the forms llguidance resolves (module doc); malformed JSON as is."""
+    if "$schema" not in schema_text and "$ref" not in schema_text:
+        return schema_text
+    try:
+        schema = json.loads(schema_text)
+    except (ValueError, RecursionError):
+        return schema_text
+    try:
+        if not isinstance(schema, dict) or not _rewrite(schema):
+            return schema_text
+    except RecursionError:  # nested too deep to walk: the compile says so
+        return schema_text
+    return json.dumps(schema, ensure_ascii=False)
