@@ -32,7 +32,7 @@ class ServeConfig:
     tls_key: str | None = None
     tls_client_ca: str | None = None       # also require client certificates signed by this CA
     auth_token_file: str | None = None     # require "authorization: Bearer <token>" (health exempt)
-    engine_process: bool = False           # run the engine in a process of its own (generation_service/engine_process/)
+    engine_process: bool | None = None     # the engine in a process of its own (engine_process/); None: on a GPU
     # HTTP/2 connection management. Server pings find dead clients (their streams hold rows);
     # clients may ping every min_client_ping_interval_s (gRPC refuses more than one per 5 min
     # by default); max_connection_age_s > 0 sends GOAWAY so that long-lived clients reconnect

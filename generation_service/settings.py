@@ -104,7 +104,8 @@ SERVE_SETTINGS = SettingsTable("structgen serve", (
         Setting("tls-key", "PEM private key of --tls-cert", none_word="off", chart=False),
         Setting("tls-client-ca", "PEM CA: require client certificates it signed", none_word="off", chart=False),
         Setting("engine-process", "run the engine (model, GPU, step channel) in a process of its own, so that "
-                "streaming tokens to clients and the engine loop do not share one GIL (not with --tensor-parallel)"),
+                "streaming tokens to clients and the engine loop do not share one GIL (default: on with a CUDA "
+                "device and --tensor-parallel 1; not with --tensor-parallel > 1)"),
         Setting("auth-token-file", "require 'authorization: Bearer <token in file>' (health exempt)",
                 none_word="off", chart=False),
     )),

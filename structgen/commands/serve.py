@@ -49,7 +49,7 @@ def resolve(args: argparse.Namespace, environ):
     from generation_service.config import ServeConfig
     from generation_service.engine.config import EngineConfig
     from structgen.settings import SettingsError
-    if resolved[ServeConfig].engine_process and resolved[EngineConfig].tensor_parallel > 1:
+    if resolved[ServeConfig].engine_process is True and resolved[EngineConfig].tensor_parallel > 1:
         raise SettingsError("--engine-process does not go with --tensor-parallel > 1 (rank 0 is the engine)")
     resolved.warnings += [f"{name} is set but no structgen setting reads it"
                           for name in unknown_variables(environ, SERVE_SETTINGS, GRAMMAR_SETTINGS)]
@@ -116,6 +116,15 @@ def exit_now(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def uses_engine_process(config, engine_config) -> bool:
+    """--engine-process, by default on with a CUDA device and one process: there a small model's
+    engine loop is the bound, and sharing the GIL with the gRPC front halved the 1B shape's
+    throughput (benchmarks/results/serve-h200-engine-process.json against serve-h200-1b-ref.json)."""
+    if config.engine_process is not None:
+        return config.engine_process
+    return str(engine_config.device).startswith("cuda") and engine_config.tensor_parallel == 1
 
 
 class StartupCancelled(Exception):
@@ -211,7 +220,7 @@ class ServeStack:
                 self.grammar_address = self._supervisor.address
             if self._ranks is not None:
                 self._ranks.spawn()
-            if self.config.engine_process:
+            if uses_engine_process(self.config, self._engine_config):
                 self._engine = self._spawn_engine()
             else:
                 self._engine = self._interruptible(self._build_engine)

@@ -17,7 +17,7 @@ import time
 import jsonschema
 import pytest
 
-from live_server import start_serve, stop_serve
+from live_server import free_port, start_serve, stop_serve
 from structgen_client import Client, InvalidArgumentError, OutOfRangeError, UnavailableError
 
 MODEL = ["--model", "tiny-random", "--max-new-tokens-limit", "64", "--max-prompt-tokens", "256"]
@@ -71,7 +71,8 @@ def pair(tmp_path_factory):
     """The same model served in-process and with --engine-process."""
     folder = tmp_path_factory.mktemp("engine-process")
     inside = start_serve(MODEL, folder / "inside.log")
-    apart = start_serve(MODEL + ["--engine-process", "true"], folder / "apart.log")
+    apart = start_serve(MODEL + ["--engine-process", "true", f"--http-port={free_port()}",
+                                 f"--metrics-port={free_port()}"], folder / "apart.log")
     yield inside, apart
     for server in (inside, apart):
         assert stop_serve(server) == 0, server.log_text()[-3000:]
@@ -91,6 +92,29 @@ def test_outputs_match_the_in_process_engine_and_constrained_ones_are_valid(pair
                 assert got.validation.status == "valid"
                 jsonschema.validate(json.loads(got.text), SCHEMA)
         _wait_idle(b)
+
+
+def _metric(server, name: str) -> float:
+    import urllib.request
+    port = next(arg.split("=", 1)[1] for arg in server.process.args if str(arg).startswith("--metrics-port="))
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_engine_metrics_and_the_http_api_work_over_the_engine_process(pair):
+    import openai
+    _, apart = pair
+    finished = _metric(apart, "structgen_request_decode_time_seconds_count")
+    with openai.OpenAI(base_url=apart.http_url + "/v1", api_key="unused", max_retries=0, timeout=60) as api:
+        model = api.models.list().data[0].id
+        reply = api.chat.completions.create(model=model, messages=[{"role": "user", "content": "Mood?"}],
+                                            max_tokens=48, response_format={"type": "json_schema", "json_schema": {
+                                                "name": "mood", "schema": SCHEMA}},
+                                            extra_body={"structgen": {"compact": True}})
+    jsonschema.validate(json.loads(reply.choices[0].message.content), SCHEMA)
+    # the request's times were recorded from the engine process's finish snapshot
+    assert _metric(apart, "structgen_request_decode_time_seconds_count") == finished + 1
+    assert _metric(apart, "structgen_engine_steps_total") > 0  # engine gauges: a stats call per scrape
 
 
 def test_refusals_keep_their_status_and_the_engine_keeps_serving(pair):

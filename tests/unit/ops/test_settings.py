@@ -84,6 +84,22 @@ def test_bad_values_say_what_to_fix(environ, message):
     assert message in str(error.value)
 
 
+@pytest.mark.parametrize("argv, expected", [
+    (["--device", "cuda"], True), (["--device", "cuda:1"], True), ([], False),  # default: on a GPU
+    (["--device", "cuda", "--tensor-parallel", "2"], False),
+    (["--device", "cuda", "--engine-process", "false"], False), (["--engine-process", "true"], True),
+])
+def test_the_engine_runs_in_its_own_process_by_default_on_a_gpu(argv, expected):
+    from structgen.commands.serve import uses_engine_process
+    resolved = serve(argv)
+    assert uses_engine_process(resolved[ServeConfig], resolved[EngineConfig]) is expected
+
+
+def test_engine_process_with_tensor_parallel_says_it_does_not_go():
+    with pytest.raises(SettingsError, match="--engine-process does not go with --tensor-parallel > 1"):
+        serve(["--engine-process", "true", "--tensor-parallel", "2"])
+
+
 def test_serve_exits_2_with_the_message_before_loading_anything(capsys, monkeypatch):
     from structgen.cli import main
     monkeypatch.setenv("STRUCTGEN_MAX_WAITING", "-1")
