@@ -4,7 +4,8 @@
     a. advance the matchers of step N-1's rows by the tokens it accepted -> results (entry N)
     b. release-only rows, then FRESH binds
     c. fill step N's mask rows, walking drafts with accept + rollback -> valid_positions;
-       a slow row's mask comes from the slow filler, or the row is late (VALID_LATE)
+       a slow row's mask comes from the slow filler, or the row is late (VALID_LATE);
+       FLAG_FORCED_DRAFTS rows: the run the grammar forces at the walk's end -> forced_*
     d. mask_status = MASK_OK, mask_seq = N
 
 Every backend call covers all rows of a step at one position (batch_accept / batch_fill /
@@ -35,7 +36,7 @@ from grammar_service.slots import Slot, SlotTable
 from grammar_service.slow_rows import SlowRows
 from step_channel import (
     ERR_INTERNAL, ERR_NO_MATCHER, ERR_NONE, ERR_TOKEN_REJECTED, ERR_UNKNOWN_GRAMMAR,
-    FLAG_CONSTRAINED, FLAG_FRESH, FLAG_RELEASE, MASK_OK, StepChannel,
+    FLAG_CONSTRAINED, FLAG_FORCED_DRAFTS, FLAG_FRESH, FLAG_RELEASE, MASK_OK, StepChannel,
 )
 
 log = logging.getLogger(__name__)
@@ -204,6 +205,7 @@ class StepLoop:
         """Fail this step's constrained rows (ERR_INTERNAL, valid 0, matcher dropped); free rows go on."""
         g, entry = self.channel.geometry, self.channel.entry(step)
         entry.masks[:len(rows) * g.max_positions] = -1  # no half-filled rows left behind
+        entry.forced_counts[:len(rows)] = 0
         self._dirty[step % g.depth] = set()
         entry.results[:len(self._prev_rows), 1] = ERR_INTERNAL
         for r, (slot, num_positions, flags, _) in enumerate(rows):
@@ -281,6 +283,8 @@ class StepLoop:
         valid = [0] * len(rows)
         first: list[tuple[int, Matcher, GrammarBackend]] = []  # (row, matcher, backend) filled at position 0
         walkers: list[_Walker] = []  # rows with drafts: their matchers walk on past position 0
+        forcing: list[tuple[int, Matcher]] = []  # FLAG_FORCED_DRAFTS rows filled here
+        entry.forced_counts[:len(rows)] = 0
         filled: list[int] = []
         for r, (slot, num_positions, flags, _) in enumerate(rows):
             if not 0 <= num_positions <= max_pos:
@@ -303,6 +307,8 @@ class StepLoop:
                     continue
                 delay_s = max(delay_s, state.fill_delay_s)
                 first.append((r, state.matcher, state.backend))
+                if flags & FLAG_FORCED_DRAFTS and max_pos > 1:
+                    forcing.append((r, state.matcher))
                 if num_positions > 1:
                     walkers.append(_Walker(r, state.matcher, state.backend, num_positions,
                                            drafts[r][:num_positions - 1]))
@@ -335,6 +341,8 @@ class StepLoop:
             filled.extend(self._batch_fill(next_level, attrgetter("row"), attrgetter("matcher"),
                                            attrgetter("backend"), single, masks, max_pos, p + 1))
             level = [w for w in next_level if w.num_positions > p + 2]
+        if forcing:  # each matcher stands at its row's last exact position, valid - 1
+            self._write_forced(entry, forcing, max_pos)
         undo = [w for w in walkers if w.num_accepted]
         if undo:
             for backend, group in by_backend(undo, lambda w: w.backend, single):
@@ -342,6 +350,19 @@ class StepLoop:
         filled.extend(slow_rows.collect(step, apart, masks, max_pos, valid, slow_ns))
         entry.valid_positions[:len(rows)] = valid
         self._reset_stale(step, set(filled))
+
+    @staticmethod
+    def _write_forced(entry, forcing: list[tuple[int, Matcher]], max_pos: int) -> None:
+        """The run each row's grammar forces from where its walk stopped (at most max_pos
+        tokens: the token sampled there and the next step's drafts). A call per row, only for
+        the rows that asked (the grammar proposer's)."""
+        for r, matcher in forcing:
+            if matcher.is_terminated():  # a stop draft ended the grammar: nothing follows
+                continue
+            run = matcher.jump_forward_tokens()[:max_pos]
+            if run:
+                entry.forced_tokens[r, :len(run)] = run
+                entry.forced_counts[r] = len(run)
 
     def _stop_only(self, backend: GrammarBackend) -> np.ndarray:
         """The mask row of a terminated matcher: only stop tokens stay allowed (the engine

@@ -47,6 +47,6 @@ def load_tokenizer(tokenizer_dir: str, vocab_size: int) -> tuple[TokenizerData, 
     data = TokenizerData(encoded_vocab=tuple(encoded), vocab_size=vocab_size,
                          stop_token_ids=tuple(_eos_ids(path.parent, vocab)),
                          tokenizer_json=path.read_text(encoding="utf-8"),  # as is: to_str() re-serializes it
-                         special_token_ids=tuple(special))
+                         special_token_ids=tuple(special), text_tokenizer=tok)
     return data, fingerprint_tokenizer_json(path, vocab_size)
 

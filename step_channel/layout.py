@@ -16,6 +16,9 @@ can wait on and write the sequence numbers directly.
       outputs       counts[max_batch], tokens[max_batch, max_positions]  -- GPU / sampler
       grammar part  mask_status, valid_positions[max_batch] (this step's rows),
                     results[max_batch] x (terminated_at, error) for step N-1's rows,
+                    forced_counts[max_batch], forced_tokens[max_batch, max_positions]
+                    (the run the grammar forces from each FLAG_FORCED_DRAFTS row's last
+                    exact position),
                     masks[max_batch * max_positions, mask_words]         -- grammar_service
 
 Mask row of (row r, position p) is r * max_positions + p. A set bit allows a token.
@@ -25,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MAGIC = 0x43534753  # "SGSC"
-VERSION = 2  # 2: forward_us, forward_seq and VALID_LATE (a row whose mask is late skips its step)
+VERSION = 3  # 2: forward_us, forward_seq, VALID_LATE; 3: forced runs (FLAG_FORCED_DRAFTS)
 HEADER_BYTES = 4096
 LINE = 64
 ALIGN = 128
@@ -45,6 +48,9 @@ PIDS_OFFSET = 384        # u32 creator pid, u32 grammar_service pid
 FLAG_FRESH = 1 << 0      # bind a new matcher to the slot from grammar_id before filling
 FLAG_RELEASE = 1 << 1    # drop the slot's matcher after this step (num_positions may be 0)
 FLAG_CONSTRAINED = 1 << 2  # the slot has a matcher; unconstrained rows get all-ones masks
+# Write the row's forced run: the tokens the grammar forces from position valid_positions - 1
+# (the grammar proposer's drafts, engine/speculative.py); other rows' forced_counts are 0.
+FLAG_FORCED_DRAFTS = 1 << 3
 
 # Per-row result error codes (results of the previous step's accepted tokens).
 ERR_NONE = 0
@@ -110,6 +116,8 @@ class EntryLayout:
     mask_status: int
     valid_positions: int
     results: int
+    forced_counts: int
+    forced_tokens: int
     masks: int
     size: int
 
@@ -126,6 +134,8 @@ class EntryLayout:
             ("mask_status", 4),
             ("valid_positions", 4 * g.max_batch),
             ("results", 4 * g.max_batch * RESULT_WORDS),
+            ("forced_counts", 4 * g.max_batch),
+            ("forced_tokens", 4 * g.max_batch * g.max_positions),
         ):
             parts[name] = off
             off = _align(off + nbytes)

@@ -45,6 +45,8 @@ class StepEntry:
     mask_status: np.ndarray      # (1,)
     valid_positions: np.ndarray  # (max_batch,) positions of this step's rows the grammar allows
     results: np.ndarray          # (max_batch, 2) terminated_at, error -- for step N-1's rows
+    forced_counts: np.ndarray    # (max_batch,) length of each row's forced run (0: none)
+    forced_tokens: np.ndarray    # (max_batch, max_positions) the run, from position valid - 1
     masks: np.ndarray            # (max_rows, mask_words) int32
 
     @property
@@ -166,6 +168,8 @@ class StepChannel:
             mask_status=view(lay.mask_status, (1,)),
             valid_positions=view(lay.valid_positions, (g.max_batch,)),
             results=view(lay.results, (g.max_batch, RESULT_WORDS)),
+            forced_counts=view(lay.forced_counts, (g.max_batch,)),
+            forced_tokens=view(lay.forced_tokens, (g.max_batch, g.max_positions)),
             masks=view(lay.masks, (g.max_rows, g.mask_words)),
         )
 

@@ -38,6 +38,7 @@ class StepView:
     valid_positions: np.ndarray  # (batch,)
     results: np.ndarray          # (previous batch, 2) terminated_at, error
     mask_status: int
+    forced: list[list[int]] = field(default_factory=list)  # per row: its forced run (FLAG_FORCED_DRAFTS)
 
 
 def allowed_tokens(mask_row: np.ndarray) -> np.ndarray:
@@ -76,7 +77,8 @@ class ChannelDriver:
         view = StepView(
             masks=e.masks[:len(rows) * g.max_positions].reshape(len(rows), g.max_positions, -1).copy(),
             valid_positions=e.valid_positions[:len(rows)].copy(),
-            results=e.results[:self._prev_batch].copy(), mask_status=int(e.mask_status[0]))
+            results=e.results[:self._prev_batch].copy(), mask_status=int(e.mask_status[0]),
+            forced=[e.forced_tokens[r, :e.forced_counts[r]].tolist() for r in range(len(rows))])
         self._prev_batch = len(rows)
         return view
 

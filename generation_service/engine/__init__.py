@@ -9,7 +9,7 @@
     runners.py       runners by name (eager, cuda_graph, tensor_parallel), imported lazily
     sampler.py       NaN -> grammar mask -> temperature/top-k/top-p -> token, per-request seeds
     sample_row.py    SampleRow: one row's sampling work (sampler and logits processing read it)
-    speculative.py   draft proposers (n-gram) and the greedy / rejection verification rules
+    speculative.py   draft proposers (n-gram, grammar-forced); greedy / rejection verify rules
     grammar_link.py  the step channel from the engine's side, with the watchdog
     lifecycle.py     RequestTable: compile results, deadlines, events, finishing, releases
     output.py        detokenization, stop tokens / strings / max tokens per request

@@ -44,8 +44,8 @@ import torch
 from generation_service.engine.request import Request
 from grammar_contract.spec import GrammarSpec
 from step_channel import (
-    FLAG_CONSTRAINED, FLAG_FRESH, FLAG_RELEASE, MASK_OK, MASK_RELEASED_BY_WATCHDOG, Geometry,
-    StepChannel,
+    FLAG_CONSTRAINED, FLAG_FORCED_DRAFTS, FLAG_FRESH, FLAG_RELEASE, MASK_OK, MASK_RELEASED_BY_WATCHDOG,
+    Geometry, StepChannel,
 )
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,8 @@ class LinkRow:
         if not request.is_constrained:
             return cls(request, -1, 1 + len(drafts), 0, 0, drafts)
         flags = FLAG_CONSTRAINED | (0 if request.is_matcher_bound else FLAG_FRESH)
+        if request.wants_forced_drafts:
+            flags |= FLAG_FORCED_DRAFTS
         return cls(request, request.slot, 1 + len(drafts), flags, request.grammar_id, drafts)
 
     @classmethod
@@ -112,6 +114,8 @@ class StepMasks:
     results: list[RowResult]   # errors/termination for rows of the previous grammar step
     valid_positions: dict[int, int]  # id(request) -> leading positions with exact masks (0: none,
                                      # VALID_LATE: not ready, the row skips this step)
+    # id(request) -> the run its grammar forces from position valid - 1 (FLAG_FORCED_DRAFTS rows)
+    forced: dict[int, list[int]] = field(default_factory=dict)
 
 
 class GrammarLink:
@@ -293,7 +297,7 @@ class GrammarLink:
         bitmask = torch.from_numpy(np.array(entry.masks[index]))  # copy out of the ring
         valid = {id(row.request): int(entry.valid_positions[r])
                  for r, row in enumerate(rows) if row.request is not None}
-        return StepMasks(bitmask, self._results(step, entry), valid)
+        return StepMasks(bitmask, self._results(step, entry), valid, self._forced(rows, entry))
 
     def wait_gpu(self, step: int, num_rows: int, gpu_timeout_s: float = 60.0) -> tuple[StepMasks | None, list[int]]:
         """A GPU step: (results, tokens of rows [0, num_rows)) once the GPU wrote outputs_seq = N.
@@ -329,7 +333,7 @@ class GrammarLink:
         rows = self._rows[step]
         valid = {id(row.request): int(entry.valid_positions[r])
                  for r, row in enumerate(rows) if row.request is not None}
-        return StepMasks(None, self._results(step, entry), valid), tokens
+        return StepMasks(None, self._results(step, entry), valid, self._forced(rows, entry)), tokens
 
     def _release_gpu_step(self, step: int) -> None:
         """The watchdog's release of a GPU step: all-ones masks (its free rows sample
@@ -339,6 +343,15 @@ class GrammarLink:
         entry.masks[:] = -1
         entry.mask_status[0] = MASK_RELEASED_BY_WATCHDOG
         self.channel.publish_seq("mask_seq", step)
+
+    @staticmethod
+    def _forced(rows: list[LinkRow], entry) -> dict[int, list[int]]:
+        """The forced runs of the rows that asked for them; other rows' are never read."""
+        out = {}
+        for r, row in enumerate(rows):
+            if row.flags & FLAG_FORCED_DRAFTS:
+                out[id(row.request)] = entry.forced_tokens[r, :int(entry.forced_counts[r])].tolist()
+        return out
 
     def _results(self, step: int, entry) -> list[RowResult]:
         if step == self._first_step or step - 1 not in self._rows:

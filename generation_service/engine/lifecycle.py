@@ -18,7 +18,7 @@ from generation_service.engine.errors import (
 from generation_service.engine.events import FinishReason, OutputEvent, Usage
 from generation_service.engine.grammar_link import GrammarLink, LinkRow, RowResult, StepMasks
 from generation_service.engine.output import OutputProcessor
-from generation_service.engine.request import Request, RequestStatus
+from generation_service.engine.request import ForcedRun, Request, RequestStatus
 from generation_service.engine.sampler import SampleResult
 from generation_service.engine.scheduler import ScheduledBatch, Scheduler, SlotPool
 from generation_service.engine.stream import RequestStream
@@ -163,6 +163,10 @@ class RequestTable:
             if valid == VALID_LATE:  # its mask was not ready: sampled again next step
                 self._skip(row, request)
                 continue
+            if request.wants_forced_drafts and masks is not None:
+                # the run starts at the token this step sampled at position valid - 1
+                request.forced_run = ForcedRun(request.num_tokens + valid - 1,
+                                               tuple(masks.forced.get(id(request), ())))
             kept[id(request)] = self._accept(row, request, result, pushed, defer)
             if not request.is_finished:  # (a finished one's pages were keyed as they were freed)
                 self.scheduler.store_pages(request)

@@ -21,6 +21,23 @@ from generation_service.engine.params import GenerationRequest
 from grammar_contract.report import GuaranteeReport
 
 
+@dataclass(frozen=True)
+class ForcedRun:
+    """Tokens the grammar forces (grammar_service's forced run of a step, docs/step_channel.md):
+    `token_ids` would continue the request's tokens from index `start` on."""
+
+    start: int
+    token_ids: tuple[int, ...]
+
+    def after(self, token_ids: list[int]) -> list[int]:
+        """The run's tokens past the end of `token_ids`, if these agree with the run where
+        they overlap; else [] (the request took another path than the one forced)."""
+        start, end, run = self.start, len(token_ids), self.token_ids
+        if not start <= end < start + len(run) or list(run[:end - start]) != token_ids[start:]:
+            return []
+        return list(run[end - start:])
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"        # queued, not admitted (a constrained one may still be compiling)
     RUNNING = "running"        # admitted: holds pages and a slot; prefilling or decoding
@@ -54,7 +71,8 @@ class Request:
     # A mask of it came late (VALID_LATE) once: a slow grammar. Its steps stay off the decode
     # graphs, which wait for every row's mask; mixed steps let it be late alone (issue 19).
     has_late_mask: bool = False
-    # speculation counters
+    # speculation
+    forced_run: ForcedRun | None = None           # the grammar's last forced run (grammar proposer)
     num_preemptions: int = 0                      # times its pages were dropped for lack of room
     num_drafts_proposed: int = 0
     num_drafts_accepted: int = 0
@@ -79,6 +97,12 @@ class Request:
     @property
     def is_constrained(self) -> bool:
         return self.spec.grammar is not None
+
+    @property
+    def wants_forced_drafts(self) -> bool:
+        """Its drafts come from the grammar proposer: grammar_service sends forced runs."""
+        speculative = self.spec.speculative
+        return self.is_constrained and speculative.num_draft_tokens > 0 and speculative.proposer == "grammar"
 
     @property
     def end_token_ids(self) -> frozenset[int]:

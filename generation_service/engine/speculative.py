@@ -20,8 +20,9 @@ from generation_service.engine.request import Request
 class DraftProposer(abc.ABC):
     """Proposes up to k draft tokens that continue a request's `token_ids`.
 
-    Invariant: proposing is a pure function of the request's tokens (no model state), so a
-    request that is preempted and resumed gets the same drafts.
+    Invariant: proposing is a pure function of the request's tokens and the grammar's last
+    forced run (no model state), so a request that is preempted and resumed gets the same
+    drafts.
     """
 
     @abc.abstractmethod
@@ -52,7 +53,29 @@ class NgramProposer(DraftProposer):
         return []
 
 
-PROPOSERS: dict[str, Callable[[], DraftProposer]] = {"ngram": NgramProposer}
+class GrammarProposer(DraftProposer):
+    """Tokens the grammar forces (keys, punctuation, enum tails, `const`), n-gram drafts where
+    it forces nothing.
+
+    grammar_service writes, at the mask fill of each step of a request that asks for them
+    (FLAG_FORCED_DRAFTS), the run its grammar forces from the step's last exact position
+    (`Request.forced_run`, set by lifecycle.py). When the tokens accepted since agree with the
+    run, its rest is the drafts: they end where the grammar stops forcing (or at k). Otherwise
+    the n-gram proposer drafts, and grammar_service's walk cuts those at the first token the
+    grammar rejects (valid_positions). Forced drafts are still only drafts: the forced text may
+    be spelled with other tokens than the backend's, so they are verified like any other.
+    """
+
+    def __init__(self) -> None:
+        self.ngram = NgramProposer()
+
+    def propose(self, request: Request, k: int) -> list[int]:
+        run = request.forced_run
+        forced = run.after(request.token_ids) if run is not None else []
+        return forced[:k] if forced else self.ngram.propose(request, k)
+
+
+PROPOSERS: dict[str, Callable[[], DraftProposer]] = {"ngram": NgramProposer, "grammar": GrammarProposer}
 
 
 def make_proposer(name: str) -> DraftProposer:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import abc
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
@@ -48,6 +48,9 @@ class TokenizerData:
     tokenizer_json: str             # the raw tokenizer.json (decoder and pre-tokenizer info)
     # tokens tokenizer.json marks special: the served text leaves them out (skip_special_tokens)
     special_token_ids: tuple[int, ...] = ()
+    # the loaded tokenizers.Tokenizer (forced runs are spelled with it); None: parsed from
+    # tokenizer_json where first needed
+    text_tokenizer: Any = field(default=None, compare=False, repr=False)
 
     @property
     def mask_words(self) -> int:

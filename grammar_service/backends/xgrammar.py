@@ -12,6 +12,7 @@ import xgrammar as xgr
 
 from grammar_contract.spec import GrammarSpec, ReasoningSpan
 from grammar_service.backends.base import GrammarBackend, GrammarCompileError, Matcher, TokenizerData
+from grammar_service.backends.forced_spelling import ForcedSpelling
 from grammar_service.backends.xgrammar_specials import SpecialTokenFilter, named_token_ids
 from grammar_service.backends.xgrammar_unenforced import find_unenforced
 from grammar_service.schema_drafts import as_drafted
@@ -79,12 +80,14 @@ except AttributeError:  # another xgrammar layout: use the public API
 
 
 class XGrammarMatcher(Matcher):
-    __slots__ = ("inner", "handle", "specials", "keep")
+    __slots__ = ("inner", "handle", "specials", "keep", "spelling")
 
-    def __init__(self, inner: xgr.GrammarMatcher, specials: SpecialTokenFilter, keep: np.ndarray):
+    def __init__(self, inner: xgr.GrammarMatcher, specials: SpecialTokenFilter, keep: np.ndarray,
+                 spelling: ForcedSpelling):
         self.inner = inner
         self.handle = inner._handle
         self.specials, self.keep = specials, keep  # keep: the special tokens this grammar names
+        self.spelling = spelling
 
     def accept(self, token_id: int) -> bool:
         return self.specials.allows(self.keep, token_id) and self.inner.accept_token(token_id)
@@ -96,7 +99,8 @@ class XGrammarMatcher(Matcher):
         return self.inner.is_terminated()
 
     def jump_forward_tokens(self) -> list[int]:
-        return self.inner.find_jump_forward_tokens()
+        # xgrammar spells with byte tokens too; a model writes the tokenizer's own spelling
+        return self.spelling.respell(self.inner.find_jump_forward_tokens())
 
 
 class XGrammarBackend(GrammarBackend):
@@ -120,6 +124,7 @@ class XGrammarBackend(GrammarBackend):
         self._named_specials: dict[int, np.ndarray] = {}  # id(compiled) -> its keep, when it names any
         # 0 = xgrammar's "auto" (hardware threads / 2).
         self._batch = xgr.BatchGrammarMatcher(num_fill_threads or "auto")
+        self._spelling = ForcedSpelling(tokenizer, lambda: self.tokenizer_info.decoded_vocab)
 
     # ---- compile -------------------------------------------------------------------------
     def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
@@ -200,7 +205,7 @@ class XGrammarBackend(GrammarBackend):
     # ---- matchers ------------------------------------------------------------------------
     def new_matcher(self, compiled: xgr.CompiledGrammar) -> XGrammarMatcher:
         keep = self._named_specials.get(id(compiled), self._specials.keep)
-        return XGrammarMatcher(xgr.GrammarMatcher(compiled), self._specials, keep)
+        return XGrammarMatcher(xgr.GrammarMatcher(compiled), self._specials, keep, self._spelling)
 
     @functools.cached_property
     def stop_token_ids(self) -> frozenset[int]:

@@ -155,6 +155,18 @@ def test_jump_forward_tokens_are_what_the_grammar_forces(backend, mistral_32k):
     assert mistral_32k.decode(forced).startswith('{"status"')
 
 
+def test_jump_forward_tokens_are_spelled_as_the_tokenizer_spells(backend, mistral_32k):
+    """The tokens a model writes (the grammar proposer drafts them): never byte-fallback
+    tokens where the vocabulary has the text's own ("_" rather than "<0x5F>")."""
+    compiled = backend.compile(GrammarSpec("json_schema", json.dumps(
+        {"type": "object", "properties": {"shipping_status_description": {"const": "returned_to_sender"}},
+         "required": ["shipping_status_description"]}), any_whitespace=False))
+    forced = backend.new_matcher(compiled).jump_forward_tokens()
+    text = mistral_32k.decode(forced)
+    assert len(text) > len('{"shipping_status_description"')
+    assert forced == continuation_ids(mistral_32k, text)
+
+
 def test_batch_fill_writes_each_matcher_into_its_own_row(backend, mistral_32k):
     compiled = backend.compile(GrammarSpec("json_schema", json.dumps(PERSON)))
     a, b = backend.new_matcher(compiled), backend.new_matcher(compiled)
