@@ -375,15 +375,15 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
         on.wait_idle()
         before = on.stats()
         address = on.http_url if workload.transport == "http" else on.address
-        profiler = profile_server(args, on, shape, workload)
+        profilers = profile_server(args, on, shape, workload)
         records = run_workload(address, workload, prompt_set or prompts[workload.prompt_len], args.client_procs,
                                salt=len(result["workloads"]) << 30)  # request numbers apart from every other run's
-        if profiler is not None:
-            profiler.wait(timeout=60)
         summary = summarize(workload, records)
-        if profiler is not None:
-            summary["profile"] = profile_summary(pathlib.Path(profiler.args[profiler.args.index("--output") + 1]),
-                                                 workload.warmup_s + workload.duration_s + 3)
+        for process, profiler in profilers.items():
+            profiler.wait(timeout=60)
+            summary.setdefault("profile", {})[process] = profile_summary(
+                pathlib.Path(profiler.args[profiler.args.index("--output") + 1]),
+                workload.warmup_s + workload.duration_s + 3)
         lengths[workload.name] = output_lengths(records)
         summary["engine"] = step_delta(before, on.wait_idle(), workload.warmup_s + workload.duration_s
                                        if not workload.num_requests else 0)
@@ -496,25 +496,46 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
     return result
 
 
-def profile_server(args, server: Server, shape: str, workload: Workload) -> subprocess.Popen | None:
-    """`--profile TEXT`: py-spy samples the server process through a workload whose name holds
-    TEXT: the GIL holder (`--profile-mode gil`) or every thread, idle or not (`wall`); its stacks
-    (py-spy's raw format) go beside --out."""
+def profile_server(args, server: Server, shape: str, workload: Workload) -> dict[str, subprocess.Popen]:
+    """`--profile TEXT`: py-spy samples the server through a workload whose name holds TEXT, one
+    recorder per process ("serving", and "engine" when the engine runs in a process of its own):
+    the GIL holder (`--profile-mode gil`) or every thread, idle or not (`wall`); the stacks (py-spy's
+    raw format) go beside --out."""
     if not args.profile or args.profile not in workload.name:
-        return None
+        return {}
     places = [pathlib.Path(sys.prefix), *map(pathlib.Path, sys.path)]  # a venv's bin/, pip --target's bin/
     spy = shutil.which("py-spy") or next((str(p / "bin" / "py-spy") for p in places if (p / "bin" / "py-spy").is_file()),
                                          None)
     if spy is None:
         log("--profile: no py-spy found")
-        return None
+        return {}
     name = re.sub(r"[^A-Za-z0-9]+", "-", f"{shape} {workload.name}").strip("-")
-    out = pathlib.Path(args.out).with_name(f"{pathlib.Path(args.out).stem}-profile-{name}.txt")
     seconds = int(workload.warmup_s + workload.duration_s + 3)
     mode = ["--gil"] if args.profile_mode == "gil" else ["--idle"]
-    return subprocess.Popen([spy, "record", "--pid", str(server.process.pid), *mode, "--threads", "--nonblocking",
-                             "--rate", "200", "--duration", str(seconds), "--format", "raw", "--output", str(out)],
-                            stdout=subprocess.DEVNULL, stderr=open(str(out) + ".log", "w"))
+    pids = {"serving": server.process.pid}
+    engine = engine_process_pid(server.process.pid)
+    if engine is not None:
+        pids["engine"] = engine
+    recorders = {}
+    for process, pid in pids.items():
+        out = pathlib.Path(args.out).with_name(f"{pathlib.Path(args.out).stem}-profile-{name}-{process}.txt")
+        recorders[process] = subprocess.Popen(
+            [spy, "record", "--pid", str(pid), *mode, "--threads", "--nonblocking", "--rate", "200",
+             "--duration", str(seconds), "--format", "raw", "--output", str(out)],
+            stdout=subprocess.DEVNULL, stderr=open(str(out) + ".log", "w"))
+    return recorders
+
+
+def engine_process_pid(server_pid: int) -> int | None:
+    """The engine process under `structgen serve` (--engine-process: a multiprocessing spawn child)."""
+    for entry in pathlib.Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == server_pid \
+                    and b"multiprocessing.spawn" in (entry / "cmdline").read_bytes():
+                return int(entry.name)
+        except OSError:
+            continue
+    return None
 
 
 def profile_summary(raw: pathlib.Path, seconds: float, rate: int = 200, top: int = 25) -> dict:
