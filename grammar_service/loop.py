@@ -302,8 +302,10 @@ class StepLoop:
                 if route == "apart":
                     apart.append((r, slot, state))
                     continue
-                if route == "timed":
+                if route == "timed":  # filled alone, but here on the step's path: its run too
                     timed.append((r, slot, state))
+                    if flags & FLAG_FORCED_DRAFTS and max_pos > 1:
+                        forcing.append((r, state.matcher))
                     continue
                 delay_s = max(delay_s, state.fill_delay_s)
                 first.append((r, state.matcher, state.backend))

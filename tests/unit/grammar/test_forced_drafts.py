@@ -132,3 +132,13 @@ def test_no_run_after_a_stop_draft_ended_the_grammar(driver, compile_id, mistral
                             drafts)])
     assert view.valid_positions[0] == len(drafts)  # no position after the stop draft
     assert view.forced[0] == []
+
+
+def test_a_row_timed_alone_on_a_host_step_gets_its_run_too(driver, compile_id, mistral_32k):
+    """On host steps (forward_us set) a row's first fill is timed alone (slow_rows.py); it is
+    still on the step's path, so its forced run is written as for a batch row."""
+    grammar_id = compile_id("json_schema", SHIPMENT, any_whitespace=False)
+    view = driver.step([Row(0, 1, FLAG_CONSTRAINED | FLAG_FRESH | FLAG_FORCED_DRAFTS, grammar_id)],
+                       forward_us=1_000_000)
+    assert view.valid_positions[0] == 1
+    assert mistral_32k.decode(view.forced[0]).startswith('{"customer')
