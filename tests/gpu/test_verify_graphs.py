@@ -66,13 +66,16 @@ def test_verify_graphs_give_the_eager_verify_tokens(model_spec, tied_model_spec,
     check_settled(eager_stats)
 
 
-def test_constrained_json_with_drafts_in_verify_graphs(model_spec, grammar_service):
+@pytest.mark.parametrize("proposer", ["ngram", "grammar"])
+def test_constrained_json_with_drafts_in_verify_graphs(model_spec, grammar_service, proposer):
+    """proposer "grammar": forced runs come with the masks of graphed steps too (wait_gpu)."""
     import jsonschema
     from grammar_contract.client import GrammarControlClient
     grammar = GrammarSpec("json_schema", json.dumps(SCHEMA), any_whitespace=False)
+    speculative = SpeculativeParams(num_draft_tokens=4, proposer=proposer)
     requests = [lambda engine, i=i: GenerationRequest(
         f"json{i}", tuple(engine.tokenizer.encode(JSON_PROMPT + " " * i)), SamplingParams(max_new_tokens=200),
-        grammar=grammar, speculative=DRAFTS) for i in range(3)]
+        grammar=grammar, speculative=speculative) for i in range(3)]
     # a free drafting row long enough to share grammar steps with the constrained rows
     requests += [drafting(20, REPEATING[0], max_new_tokens=200)]
     engine, results, stats = run_engine(engine_config(model_spec, "cuda_graph", verify_graphs=True), requests,
