@@ -66,24 +66,32 @@ def pack_mixed(rows: list[ScheduledRow], page_size: int, vocab_size: int) -> Mix
     cached = np.fromiter((row.num_cached for row in packed), dtype=np.int64, count=len(packed))
     token_rows = np.repeat(np.arange(len(packed)), lens)
     positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(cached - starts, lens)
-    width = max(len(row.request.pages) for row in packed)
+    num_pages = np.fromiter((len(row.request.pages) for row in packed), dtype=np.int64, count=len(packed))
+    width = int(num_pages.max())
     page_table = np.zeros((len(packed), width), dtype=np.int32)
-    for r, row in enumerate(packed):
-        page_table[r, :len(row.request.pages)] = row.request.pages
+    page_table[np.repeat(np.arange(len(packed)), num_pages), _offsets_within(num_pages)] = np.fromiter(
+        chain.from_iterable(row.request.pages for row in packed), dtype=np.int32, count=int(num_pages.sum()))
     columns = np.minimum(positions // page_size, width - 1)
     slot_ids = page_table[token_rows, columns].astype(np.int64) * page_size + positions % page_size
     where = np.empty(len(rows), dtype=np.int64)  # batch index -> packed row
     where[order] = np.arange(len(rows))
-    logits_indices = [int(starts[where[i]] + lens[where[i]]) - rows[i].num_positions + p
-                      for i in range(len(rows)) for p in range(rows[i].num_positions)]
+    # each row's sampling positions are its last num_positions tokens, in batch order
+    num_positions = np.fromiter((row.num_positions for row in rows), dtype=np.int64, count=len(rows))
+    ends = (starts + lens)[where]
+    logits_indices = np.repeat(ends - num_positions, num_positions) + _offsets_within(num_positions)
     extend_lens = lens.astype(np.int32)
     return MixedLayout(
         input_ids=input_ids, positions=positions, slot_ids=slot_ids,
-        logits_indices=np.asarray(logits_indices, dtype=np.int64), page_table=page_table,
+        logits_indices=logits_indices, page_table=page_table,
         seq_lens=(cached + lens).astype(np.int32), extend_lens=extend_lens,
         extend_start=starts[num_decode:] - num_decode, num_decode_rows=num_decode,
         max_extend_len=int(lens[num_decode:].max()) if len(packed) > num_decode else 0,
         row_starts=starts[where])
+
+
+def _offsets_within(counts: np.ndarray) -> np.ndarray:
+    """0..n-1 for each count n, concatenated: [2, 3] -> [0, 1, 0, 1, 2]."""
+    return np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
 @dataclass
