@@ -71,6 +71,8 @@ class Workload:
     tools: tuple[BenchTool, ...] = ()  # chat input (prompts are text) with these tools
     tool_choice: str = "auto"       # with tools: "none", "auto" or "required"
     reasoning_budget: int | None = None  # a reasoning span of at most this many tokens first
+    num_draft_tokens: int = 0       # > 0: speculative decoding, drafts from `proposer`
+    proposer: str = "ngram"         # "ngram" or "grammar" (DraftProposer)
 
     @property
     def is_chat(self) -> bool:
@@ -139,6 +141,9 @@ def _request(pb, workload: Workload, prompt: list[int] | str, max_tokens: int, s
         request.tool_choice.mode = pb.ToolChoiceMode.Value(f"TOOL_CHOICE_MODE_{workload.tool_choice.upper()}")
     if workload.tools and workload.tool_choice != "none":  # bounded whitespace in the arguments, as compact
         request.constraint_options.max_whitespace = 1       # for a schema (calls take no compact)
+    if workload.num_draft_tokens:
+        request.speculative.num_draft_tokens = workload.num_draft_tokens
+        request.speculative.proposer = pb.DraftProposer.Value(f"DRAFT_PROPOSER_{workload.proposer.upper()}")
     if workload.reasoning_budget is not None:
         request.reasoning.CopyFrom(pb.ReasoningOptions(
             mode=pb.REASONING_MODE_ENABLED, max_tokens=workload.reasoning_budget,

@@ -7,6 +7,7 @@ client processes, each result next to the same run's roofline (issue 16).
     python benchmarks/serve.py --plan http --shapes llama-3.1-8b --out ...          # HTTP vs gRPC, same server
     python benchmarks/serve.py --plan prefix --shapes llama-3.1-8b --out benchmarks/results/serve-h200-prefix.json
     python benchmarks/serve.py --plan features --shapes llama-3.1-8b --out ...      # tools/reasoning beside ordinary
+    python benchmarks/serve.py --plan forced --shapes llama-3.1-8b --out ...        # grammar-forced drafts, c=1
     python benchmarks/serve.py --plan quick --shapes llama-3.1-70b --tensor-parallel 4 --out ...   # sharded, 4 GPUs
 
 Per model shape (random weights of a preset shape, the real 131k Tekken tokenizer beside them):
@@ -102,7 +103,10 @@ TOOLS = (BenchTool("get_weather", "The current weather of a city.", json.dumps({
                                      "unit": {"enum": ["celsius", "fahrenheit"]}},
     "required": ["city", "unit"], "additionalProperties": False})),
     BenchTool("create_ticket", "Open a ticket with these fields.", json.dumps(SCHEMA)))
-PLANS = ("full", "quick", "load", "smoke", "http", "http-smoke", "prefix", "features", "features-smoke")
+PLANS = ("full", "quick", "load", "smoke", "http", "http-smoke", "prefix", "features", "features-smoke", "forced")
+# `--plan forced` (issue 26): one user at a time, documents the grammar mostly forces, greedy, without
+# speculation and with each proposer (prompt tokens, drafts per step)
+FORCED_PLAN = (64, 4)
 
 
 # ---- the server ---------------------------------------------------------------------------------
@@ -228,7 +232,7 @@ def step_delta(before: dict, after: dict, seconds: float) -> dict:
     d = {k: float(after[k]) - float(before[k]) for k in (
         "num_steps", "num_mixed_steps", "num_prefill_tokens", "graph_step_seconds", "mixed_step_seconds",
         "num_tokens_generated", "num_prefix_cache_query_tokens", "num_prefix_cache_hit_tokens",
-        "num_prefix_cache_evictions")}
+        "num_prefix_cache_evictions", "num_draft_tokens_proposed", "num_draft_tokens_accepted")}
     d["graph_steps"] = d["num_steps"] - d["num_mixed_steps"]
     d["busy_fraction"] = (d["graph_step_seconds"] + d["mixed_step_seconds"]) / seconds if seconds else None
     d["ms_per_graph_step"] = 1e3 * d["graph_step_seconds"] / d["graph_steps"] if d["graph_steps"] else None
@@ -305,6 +309,8 @@ def plan(shape: str, name: str, duration: float, warmup: float) -> dict:
     if name == "smoke":
         return {"idle": [64], "closed": [(48, 16, [1, 4])], "poisson": [0.5], "poisson_at": (48, 16, 4),
                 "prefix": PrefixPlan(256, 16, 16, 4, 64, 3, (48, 16, 4))}
+    if name == "forced":
+        return {"idle": [], "closed": [], "poisson": [], "poisson_at": None, "forced": FORCED_PLAN}
     if name == "load":  # the loaded closed loop alone
         return {"idle": [], "closed": [(512, 128, [64, 128])], "poisson": [], "poisson_at": None}
     if name == "prefix":  # the prefix-caching workloads alone
@@ -357,6 +363,8 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
     result = {"shape": shape, "model": model, "server_command": server.command, "server_startup_s": server.startup_s,
               "model_info": server.model_info(), "roofline": roofline, "workloads": []}
     lengths = set(p["idle"]) | {pl for pl, _, _ in p["closed"] + p.get("http", [])}
+    if p.get("forced"):
+        lengths.add(p["forced"][0])
     if prefix:
         lengths |= {prefix.shared_len, prefix.tail_len, prefix.turn_prompt_len, prefix.unshared[0]}
     if features:
@@ -468,6 +476,8 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
                 s["offered_tokens_per_s"] = rate * new_tokens
         cached = prefix_workloads(prefix, prompts, schema, common, lambda w, ps: run(w, prompt_set=ps),
                                   "cache on") if prefix else None
+        if p.get("forced"):
+            result["forced_drafts"] = forced_workloads(*p["forced"], prompts, common, run)
         if features:
             from tokenizers import Tokenizer
             decode = Tokenizer.from_file(str(folder / "tokenizer.json")).decode
@@ -494,6 +504,32 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
         for name, ratios in result["prefix_cache"].items():
             log(f"  prefix cache, {name}: " + ", ".join(f"{k} {fmt_ratio(v)}" for k, v in ratios.items()))
     return result
+
+
+def forced_workloads(prompt_len: int, drafts: int, prompts: dict, common: dict, run) -> dict:
+    """Concurrency 1 over a schema whose documents the grammar mostly forces (long keys, enums, a const:
+    benchmarks/forced_drafts.py's), greedy: without speculation, with grammar-forced drafts and with
+    n-gram drafts. Per proposer: output tok/s over no speculation, drafts accepted / proposed, the
+    documents' validation. (That greedy documents are the same with drafts as without is
+    forced_drafts.py's check: here each request's prompt spells its own number.)"""
+    from benchmarks.forced_drafts import SCHEMAS
+    schema = json.dumps(SCHEMAS["shipment"])
+    summaries = {}
+    for proposer in ("none", "grammar", "ngram"):
+        workload = Workload(f"forced-structure {prompt_len}/96 c=1 drafts {proposer}", prompt_len, 96, concurrency=1,
+                            json_schema=schema, ignore_eos=False, num_draft_tokens=0 if proposer == "none" else drafts,
+                            proposer="ngram" if proposer == "none" else proposer, **common)
+        summaries[proposer] = run(workload)
+    base = summaries["none"]["output_tokens_per_s"]
+    ratios = {proposer: {"over_no_speculation": s["output_tokens_per_s"] / base if base else None,
+                         "drafts_accepted": s["engine"]["num_draft_tokens_accepted"],
+                         "drafts_proposed": s["engine"]["num_draft_tokens_proposed"],
+                         "itl_p50_ms": s["itl_p50_ms"], "valid": s["validation"]}
+              for proposer, s in summaries.items()}
+    for proposer, r in ratios.items():
+        log(f"  forced structure, {proposer}: x{fmt_ratio(r['over_no_speculation'])} output tok/s, drafts "
+            f"{r['drafts_accepted']:.0f}/{r['drafts_proposed']:.0f}, ITL p50 {r['itl_p50_ms']:.1f} ms")
+    return ratios
 
 
 def profile_server(args, server: Server, shape: str, workload: Workload) -> dict[str, subprocess.Popen]:
