@@ -2,7 +2,7 @@
 
 `header` gives the command line, the device (`device_name`), the torch, triton and Python
 versions, the code (`code_version`: the git commit and whether tracked files differ from it,
-or $STRUCTGEN_COMMIT where there is no checkout, and a digest of the engine's sources,
+or $STRUCTGEN_CODE_COMMIT where there is no checkout, and a digest of the engine's sources,
 verify.py and its _verify_* modules that identifies a device copy of the working tree), the
 start time, the arguments and a one-line description of the workload.
 """
@@ -23,7 +23,7 @@ from benchmarks._harness import ROOT, command_line, utc_now
 
 def code_version() -> dict:
     """The git commit and whether tracked files differ from it where there is a checkout (else
-    $STRUCTGEN_COMMIT), and a digest of the engine's sources, benchmarks/verify.py and its
+    $STRUCTGEN_CODE_COMMIT), and a digest of the engine's sources, benchmarks/verify.py and its
     _verify_* modules, which identifies the code where there is no .git (a device copy of the
     working tree)."""
     def git(*words: str) -> str | None:
@@ -39,7 +39,7 @@ def code_version() -> dict:
     here = pathlib.Path(__file__).resolve().parent  # benchmarks/
     for path in sorted([*(ROOT / "generation_service").rglob("*.py"), here / "verify.py", *here.glob("_verify_*.py")]):
         digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
-    return {"code_commit": commit or os.environ.get("STRUCTGEN_COMMIT", "unknown"),
+    return {"code_commit": commit or os.environ.get("STRUCTGEN_CODE_COMMIT", "unknown"),
             "code_dirty": None if status is None else bool(status), "code_sha256": digest.hexdigest()[:16]}
 
 

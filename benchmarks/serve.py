@@ -81,13 +81,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._harness import (  # noqa: E402
-    ServeProcess, code_commit, command_line, free_port, log, random_model_folder, write_result,
+    VOCAB, ServeProcess, code_commit, command_line, free_port, log, random_model_folder, write_result,
 )
 from benchmarks._serve_load import (  # noqa: E402
     CANCELLED_AT_END, BenchTool, Record, Workload, make_prompts, run_workload, run_workloads,
 )
 
-VOCAB = 131072
 # Bounded fields: every document completes well inside 128 tokens of the Tekken vocabulary.
 SCHEMA = {"type": "object", "properties": {
     "id": {"type": "integer", "minimum": 0, "maximum": 99999},

@@ -31,7 +31,7 @@ OTHER_VARIABLES = {
     "STRUCTGEN_TOKEN": "structgen generate: the bearer token",
     "STRUCTGEN_CACHE": "where the built-in default model's files are kept",
     "STRUCTGEN_TEKKEN_DIR": "benchmarks and GPU tests: the 131k tokenizer",
-    "STRUCTGEN_COMMIT": "benchmarks: the commit recorded where there is no checkout",
+    "STRUCTGEN_CODE_COMMIT": "benchmarks: the commit a result records (a device copy has no checkout)",
 }
 
 
