@@ -92,11 +92,12 @@ def choose_backend(spec, backend_for: Callable[[str], object], default: str = "x
         except (ValueError, ImportError):
             continue
         if name == "llguidance":
-            from grammar_service.backends.llguidance import json_options, schema_text, unsupported
+            from grammar_service.backends.llguidance import json_options, unsupported
+            from grammar_service.schema_drafts import as_drafted
 
             error, unenforced = unsupported(spec), ()
             if not error:
-                error, unenforced = llguidance_report(schema_text(spec), json_options(spec))
+                error, unenforced = llguidance_report(as_drafted(spec.text), json_options(spec))
             candidates.append(Candidate(name, unenforced, error, speed_rank))
         else:
             candidates.append(Candidate(name, tuple(backend.unenforced_keywords(spec)), "", speed_rank))

@@ -23,6 +23,7 @@ import re
 from typing import Callable, Iterator, Mapping
 
 from grammar_contract.report import UnenforcedKeyword
+from grammar_service.look_around import without_look_around
 
 # Keywords whose value is a subschema / a map of subschemas / a list of subschemas.
 _ONE = ("additionalProperties", "additionalItems", "items", "not", "if", "then", "else", "contains",
@@ -130,13 +131,21 @@ def _llg_min_max_properties(schema: dict) -> list[tuple[str, str]]:
             for k in ("minProperties", "maxProperties") if k in schema]
 
 
+def _look_around(schema: dict) -> list[tuple[str, str]]:
+    pattern = schema.get("pattern")
+    if isinstance(pattern, str) and without_look_around(pattern) != pattern:
+        return [("pattern", "look-around assertions are dropped from the pattern: a string they "
+                 "exclude is let through")]
+    return []
+
+
 LLGUIDANCE_FORMATS = frozenset({"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6",
                                 "uri", "uuid"})
 
 LLGUIDANCE_RULES: tuple[Rule, ...] = (
     lambda s: _present(s, {**_NEVER, "propertyNames": "property names are not constrained",
                            "unevaluatedItems": "annotation-dependent keywords are not compiled"}),
-    _unique_items, _one_of, _formats(LLGUIDANCE_FORMATS), _llg_min_max_properties,
+    _unique_items, _one_of, _formats(LLGUIDANCE_FORMATS), _llg_min_max_properties, _look_around,
 )
 
 
@@ -185,13 +194,17 @@ def reconcile_llguidance_warnings(found: tuple[UnenforcedKeyword, ...],
 def llguidance_report(schema_text: str, options: dict) -> tuple[str, tuple[UnenforcedKeyword, ...]]:
     """(compile error or "", unenforced keywords) of a JSON Schema under llguidance.
 
-    Costs about what a compile costs without the tokenizer (ms); no matcher is built.
+    Costs about what a compile costs without the tokenizer (ms); no matcher is built. The
+    walk reads `schema_text`; llguidance compiles it rewritten into forms it takes, which move
+    no pointer (backends/llguidance_schema.py).
     """
     import llguidance as llg
 
+    from grammar_service.backends.llguidance_schema import for_llguidance
+
     try:
         schema = json.loads(schema_text)
-        grammar = llg.LLMatcher.grammar_from_json_schema(schema_text, defaults=options)
+        grammar = llg.LLMatcher.grammar_from_json_schema(for_llguidance(schema_text), defaults=options)
     except ValueError as exc:
         return f"json_schema: {exc}", ()
     found = walk_unenforced(schema) if isinstance(schema, dict) else ()

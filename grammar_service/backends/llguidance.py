@@ -232,7 +232,7 @@ class LLGuidanceBackend(GrammarBackend):
     def unenforced_keywords(self, spec: GrammarSpec) -> tuple:
         if spec.kind != "json_schema":
             return ()
-        return llguidance_unenforced(schema_text(spec), json_options(spec))
+        return llguidance_unenforced(as_drafted(spec.text), json_options(spec))
 
     @functools.cached_property
     def _token_ids(self) -> dict[str, int]:

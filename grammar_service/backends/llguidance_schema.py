@@ -1,8 +1,10 @@
-"""The schema text llguidance compiles: its `$schema` and local `$ref`s in forms it resolves.
+"""The schema text llguidance compiles: `$schema`, local `$ref`s and patterns in forms it takes.
 
-llguidance 1.9.1 resolves both through a registry of its own, which refuses two forms that
-xgrammar compiles and validators take (on the schema_truth corpus, 18 schemas that only xgrammar
-compiled, some in seconds, compile in llguidance in milliseconds once rewritten):
+On the schema_truth corpus, 25 schemas that only xgrammar compiled, some in seconds, compile in
+llguidance in milliseconds once rewritten (18 for their references, 7 for their patterns).
+
+llguidance 1.9.1 resolves references through a registry of its own, which refuses two forms
+that xgrammar compiles and validators take:
 
 - a `$schema` the registry does not hold ("Resource ... is not present in a registry"): drafts
   3-7 spelled with https, 2019-09 / 2020-12 with http, or a URI of no draft
@@ -12,6 +14,14 @@ compiled, some in seconds, compile in llguidance in milliseconds once rewritten)
 - a local reference with characters a URI may not hold (`#/$defs/Parameter Node`,
   `#/definitions/TopLevel<Spec>`; "Invalid URI reference" once joined to an `$id`): they are
   percent-encoded, which a resolver decodes back to the same JSON pointer.
+
+Its regex engine also refuses look-around, which a `pattern` uses to exclude names
+(`^(?!lucene\\.).*`): the assertions are dropped (grammar_service/look_around.py), which lets
+through the strings they excluded, so the guarantee report names it (guarantees.py's
+`_look_around`, read on the schema before this rewrite). A look-around in a
+`patternProperties` name stays: without it the pattern would also match the names it excluded,
+declared properties among them, whose values would then have to match its schema too (valid
+documents refused, not a weakening); llguidance refuses that schema as before.
 
 The draft a schema is read as is the one grammar_service/schema_drafts.py gave it, and nothing
 moves: every JSON pointer into the result names the same place in the schema.
@@ -24,6 +34,7 @@ import re
 from urllib.parse import quote
 
 from grammar_service.guarantees import iter_subschemas
+from grammar_service.look_around import without_look_around
 
 _OLD_DRAFT = re.compile(r"^https?://json-schema\.org/(draft-0[3-7])/schema#?$")
 _NEW_DRAFT = re.compile(r"^https?://json-schema\.org/draft/(2019-09|2020-12)/schema#?$")
@@ -42,9 +53,13 @@ def _registered(uri: str) -> str | None:
 
 
 def _rewrite(schema: dict) -> bool:
-    """Rewrites every `$schema` and local `$ref` in place; True if any changed."""
+    """Rewrites every `$schema`, local `$ref` and `pattern` in place; True if any changed."""
     changed = False
     for _, node in iter_subschemas(schema):
+        pattern = node.get("pattern")
+        if isinstance(pattern, str) and (kept := without_look_around(pattern)) != pattern:
+            node["pattern"] = kept
+            changed = True
         uri = node.get("$schema")
         if isinstance(uri, str) and (registered := _registered(uri)) != uri:
             if registered is None:
@@ -63,7 +78,7 @@ def _rewrite(schema: dict) -> bool:
 def for_llguidance(schema_text: str) -> str:
     """`schema_text` (as grammar_service/schema_drafts.py drafted it) with its `$schema` and
     local references in the forms llguidance resolves (module doc); malformed JSON as is."""
-    if "$schema" not in schema_text and "$ref" not in schema_text:
+    if "$schema" not in schema_text and "$ref" not in schema_text and "(?" not in schema_text:
         return schema_text
     try:
         schema = json.loads(schema_text)

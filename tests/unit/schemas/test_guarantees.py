@@ -39,6 +39,9 @@ NOT_ENFORCED = [
     ("format", "/properties/r", {"type": "object", "properties": {"r": {"type": "string", "format": "regex"}}},
      {"r": "("}),
     ("maxProperties", "", {"type": "object", "properties": OBJ_AB, "maxProperties": 1}, {"a": 1, "b": 2}),
+    # dropped so that llguidance compiles the schema at all (backends/llguidance_schema.py)
+    ("pattern", "/properties/index", {"type": "object", "properties": {"index": {
+        "type": "string", "pattern": "^(?!lucene\\.)[a-z.]+$"}}}, {"index": "lucene.x"}),
 ]
 # Keywords llguidance does enforce (xgrammar does not, for several): no report, violation refused.
 ENFORCED = [

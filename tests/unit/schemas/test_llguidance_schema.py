@@ -1,7 +1,7 @@
-"""llguidance compiles schemas whose `$schema` or local `$ref`s its resolver did not take: a
-draft spelled with https, a URI of no draft, a definition name with a space or angle brackets
-under an `$id` (grammar_service/backends/llguidance_schema.py). Each such schema had only
-xgrammar to compile it, in seconds for some of the corpus's."""
+"""llguidance compiles schemas its resolver or its regex engine refused: a draft spelled with
+https, a URI of no draft, a definition name with a space or angle brackets under an `$id`, a
+look-around in a `pattern` (grammar_service/backends/llguidance_schema.py). Each such schema
+had only xgrammar to compile it, in seconds for some of the corpus's."""
 from __future__ import annotations
 
 import json
@@ -12,6 +12,7 @@ from documents import accepts
 from grammar_contract.spec import GrammarSpec
 from grammar_service.auto_choice import choose_backend
 from grammar_service.backends.llguidance_schema import for_llguidance
+from grammar_service.look_around import without_look_around
 
 NAMED = {"$id": "https://example.com/pipeline", "type": "object", "required": ["node"],
          "$defs": {"Parameter Node": {"type": "integer"}, "Top<Spec>": {"type": "string"}},
@@ -45,3 +46,26 @@ def test_the_rewrite_spells_drafts_as_the_registry_and_encodes_names_only():
     plain = json.dumps({"$schema": "http://json-schema.org/draft-07/schema#", "$ref": "#/definitions/a%20b",
                         "definitions": {"a b": {"const": {"$ref": "#/not a schema"}}}})
     assert for_llguidance(plain) is plain, "registered drafts, encoded references and data stay as they are"
+
+
+@pytest.mark.parametrize("pattern,kept", [
+    ("^(?!^lucene\\.|builtin\\.).*", "^.*"),
+    ("^(?!-)[-a-z0-9]{0,49}[a-z0-9]$", "^[-a-z0-9]{0,49}[a-z0-9]$"),
+    ("(?<=^v?|\\sv?)(?:0|[1-9])", "(?:0|[1-9])"),
+    ("^((?!message|severity).)*$", "^(.)*$"),
+    ("^[(?!]a(?=[)]b)", "^[(?!]a"),       # inside a class it is text; a class may hold ")"
+    ("a\\(?!b", "a\\(?!b"),                # an escaped parenthesis opens no group
+    ("^(?!a)*b", "^(?!a)*b"),              # a quantified assertion: left for the compile to refuse
+])
+def test_look_around_is_dropped_and_nothing_else(pattern, kept):
+    assert without_look_around(pattern) == kept
+
+
+def test_a_look_around_in_a_property_name_pattern_stays(make_backend):
+    """Dropped there, the name would match declared properties, which would then have to
+    match the pattern's schema too: valid documents refused. llguidance refuses the schema."""
+    schema = {"type": "object", "properties": {"python": {"type": "string"}},
+              "patternProperties": {"^(?!python$)[a-z]+$": {"type": "integer"}}}
+    assert "(?!python$)" in for_llguidance(json.dumps(schema))
+    choice = choose_backend(GrammarSpec("json_schema", json.dumps(schema)), make_backend)
+    assert choice.backend == "xgrammar" and "llguidance" not in choice.fallbacks

@@ -1,0 +1,60 @@
+"""Look-around groups out of a regex: what llguidance's regex engine refuses in a `pattern`.
+
+An assertion only narrows a match, so a pattern without its look-around groups matches every
+string the pattern matches, and those the assertions excluded: a weakening, which the guarantee
+report names (grammar_service/guarantees.py) where llguidance compiles the pattern without them
+(grammar_service/backends/llguidance_schema.py).
+"""
+from __future__ import annotations
+
+_LOOK_AROUND = ("(?=", "(?!", "(?<=", "(?<!")
+
+
+def _class_end(pattern: str, i: int) -> int:
+    """Index after the character class that opens at pattern[i] ("[")."""
+    i += 1
+    i += pattern[i:i + 1] == "^"
+    i += pattern[i:i + 1] == "]"  # a "]" first in the class is literal
+    while i < len(pattern) and pattern[i] != "]":
+        i += 2 if pattern[i] == "\\" else 1
+    return i + 1
+
+
+def _group_end(pattern: str, i: int) -> int | None:
+    """Index after the group that opens at pattern[i] ("("); None when it never closes."""
+    depth = 0
+    while i < len(pattern):
+        if pattern[i] == "\\":
+            i += 2
+            continue
+        if pattern[i] == "[":
+            i = _class_end(pattern, i)
+            continue
+        depth += {"(": 1, ")": -1}.get(pattern[i], 0)
+        i += 1
+        if depth == 0:
+            return i
+    return None
+
+
+def without_look_around(pattern: str) -> str:
+    """`pattern` without its look-around groups (module doc); unchanged when one does not close
+    or is quantified (the compile then refuses it as before)."""
+    out, i = [], 0
+    while i < len(pattern):
+        if pattern[i] == "\\":
+            out.append(pattern[i:i + 2])
+            i += 2
+        elif pattern[i] == "[":
+            end = _class_end(pattern, i)
+            out.append(pattern[i:end])
+            i = end
+        elif pattern.startswith(_LOOK_AROUND, i):
+            end = _group_end(pattern, i)
+            if end is None or pattern[end:end + 1] in ("*", "+", "?", "{"):
+                return pattern
+            i = end
+        else:
+            out.append(pattern[i])
+            i += 1
+    return "".join(out)
