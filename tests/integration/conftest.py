@@ -1,11 +1,10 @@
 """Session fixtures: one real `structgen serve` (see live_server.py) and a client to it."""
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from live_server import LIMITS, SLOW_FILL_MARKER, SLOW_FILL_MS, LiveServer, free_port, start_serve, stop_serve
+from live_server import wait_idle as wait_until_idle
 
 
 @pytest.fixture(scope="session")
@@ -30,12 +29,4 @@ def client(live_server):
 @pytest.fixture
 def wait_idle(client):
     """wait_idle(timeout_s=10) -> engine stats once no request holds anything (else fails)."""
-    def wait(timeout_s: float = 10.0):
-        deadline = time.monotonic() + timeout_s
-        stats = client.engine_stats()
-        while not stats.is_idle and time.monotonic() < deadline:
-            time.sleep(0.05)
-            stats = client.engine_stats()
-        assert stats.is_idle, f"engine resources not released: {stats}"
-        return stats
-    return wait
+    return lambda timeout_s=10.0: wait_until_idle(client, timeout_s)

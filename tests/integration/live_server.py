@@ -96,3 +96,15 @@ def stop_serve(server: LiveServer, timeout_s: float = 60) -> int:
         server.process.kill()
         server.process.wait()
         return -9
+
+
+def wait_idle(client, timeout_s: float = 10.0):
+    """The engine's stats once no request holds anything (slots, pages, matchers); fails after
+    `timeout_s` with what is still held."""
+    deadline = time.monotonic() + timeout_s
+    stats = client.engine_stats()
+    while not stats.is_idle and time.monotonic() < deadline:
+        time.sleep(0.05)
+        stats = client.engine_stats()
+    assert stats.is_idle, f"engine resources not released: {stats}"
+    return stats

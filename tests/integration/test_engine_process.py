@@ -17,7 +17,7 @@ import time
 import jsonschema
 import pytest
 
-from live_server import free_port, start_serve, stop_serve
+from live_server import free_port, start_serve, stop_serve, wait_idle
 from structgen_client import Client, InvalidArgumentError, OutOfRangeError, UnavailableError
 
 MODEL = ["--model", "tiny-random", "--max-new-tokens-limit", "64", "--max-prompt-tokens", "256"]
@@ -56,16 +56,6 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _wait_idle(client: Client, timeout_s: float = 10.0):
-    deadline = time.monotonic() + timeout_s
-    stats = client.engine_stats()
-    while not stats.is_idle and time.monotonic() < deadline:
-        time.sleep(0.05)
-        stats = client.engine_stats()
-    assert stats.is_idle, f"engine resources not released: {stats}"
-    return stats
-
-
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """The same model served in-process and with --engine-process."""
@@ -91,7 +81,7 @@ def test_outputs_match_the_in_process_engine_and_constrained_ones_are_valid(pair
             if "json_schema" in options:
                 assert got.validation.status == "valid"
                 jsonschema.validate(json.loads(got.text), SCHEMA)
-        _wait_idle(b)
+        wait_idle(b)
 
 
 def _metric(server, name: str) -> float:
@@ -128,7 +118,7 @@ def test_refusals_keep_their_status_and_the_engine_keeps_serving(pair):
             client.generate_text("Again:", max_tokens=4, request_id="same-id")
         assert len([c for c in running]) >= 1
         assert client.generate_text("Still there?", max_tokens=4, ignore_eos=True).finish_reason == "max_tokens"
-        _wait_idle(client)
+        wait_idle(client)
 
 
 def test_cancel_mid_stream_frees_everything_in_the_engine_process(pair):
@@ -144,7 +134,7 @@ def test_cancel_mid_stream_frees_everything_in_the_engine_process(pair):
                 assert busy.num_running + busy.num_waiting >= 1 and busy.num_grammar_matchers >= 1
                 stream.cancel()
         assert received < 64
-        _wait_idle(client)
+        wait_idle(client)
 
 
 def test_engine_process_death_ends_streams_unavailable_and_stops_serve(tmp_path):
