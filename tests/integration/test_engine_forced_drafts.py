@@ -8,6 +8,7 @@ import json
 import jsonschema
 import pytest
 
+from forced_structure import SHIPMENT as SCHEMA
 from generation_service.engine.events import FinishReason
 from generation_service.engine.params import GenerationRequest, SamplingParams, SpeculativeParams
 from generation_service.engine.speculative import GrammarProposer
@@ -16,19 +17,6 @@ from tests.integration.test_engine_support import (
     collect, make_engine, run_all, shared_grammar_service, shared_model, wait_settled,
 )
 
-# Mostly fixed structure: long keys in a fixed order, enums with long shared tails, a const.
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "customer_account_identifier": {"enum": ["ACC-0000000001", "ACC-0000000002"]},
-        "shipping_status_description": {"enum": ["delivered_to_the_front_door", "returned_to_the_warehouse"]},
-        "schema_version": {"const": "structgen.forced-drafts.v1"},
-        "is_priority_shipment": {"type": "boolean"},
-    },
-    "required": ["customer_account_identifier", "shipping_status_description", "schema_version",
-                 "is_priority_shipment"],
-    "additionalProperties": False,
-}
 PROMPTS = ["Shipment record as JSON:", "{\"customer_account_identifier\": \"ACC-0000000002\", ", "Hello"]
 
 

@@ -8,25 +8,13 @@ import numpy as np
 import pytest
 
 from channel_driver import Row, allowed_tokens, is_allowed
+from forced_structure import SHIPMENT
 from generation_service.engine.request import ForcedRun
 from real_tokenizers import continuation_ids
 from step_channel import FLAG_CONSTRAINED, FLAG_FORCED_DRAFTS, FLAG_FRESH
 
 EOS = 2
 MAX_DRAFTS = 3  # the conftest geometry's max_positions - 1
-# Fixed structure only (long keys in a fixed order, enums, a const, a boolean): every path ends.
-SHIPMENT = {
-    "type": "object",
-    "properties": {
-        "customer_account_identifier": {"enum": ["ACC-0000000001", "ACC-0000000002"]},
-        "shipping_status_description": {"enum": ["delivered_to_the_front_door", "returned_to_the_warehouse"]},
-        "schema_version": {"const": "structgen.forced-drafts.v1"},
-        "is_priority_shipment": {"type": "boolean"},
-    },
-    "required": ["customer_account_identifier", "shipping_status_description", "schema_version",
-                 "is_priority_shipment"],
-    "additionalProperties": False,
-}
 
 
 DOCUMENT = ('{"customer_account_identifier":"ACC-0000000002","shipping_status_description":'
