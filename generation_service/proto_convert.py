@@ -24,7 +24,7 @@ from structgen.v1 import generation_pb2 as pb
 _BACKENDS = {pb.GRAMMAR_BACKEND_UNSPECIFIED: "auto", pb.GRAMMAR_BACKEND_XGRAMMAR: "xgrammar",
              pb.GRAMMAR_BACKEND_LLGUIDANCE: "llguidance"}
 _PROPOSERS = {pb.DRAFT_PROPOSER_UNSPECIFIED: "ngram", pb.DRAFT_PROPOSER_NGRAM: "ngram",
-              pb.DRAFT_PROPOSER_GRAMMAR: "grammar"}
+              pb.DRAFT_PROPOSER_GRAMMAR: "grammar", pb.DRAFT_PROPOSER_SELF: "self"}
 _FINISH = {FinishReason.STOP_TOKEN: pb.FINISH_REASON_STOP_TOKEN,
            FinishReason.STOP_STRING: pb.FINISH_REASON_STOP_STRING,
            FinishReason.MAX_TOKENS: pb.FINISH_REASON_MAX_TOKENS,

@@ -6,6 +6,7 @@
     structgen generate  stream one completion from a running server to stdout
     structgen demo      start a server, run a JSON-Schema request, validate it, stop
     structgen fetch-model  fetch a built-in model into the cache now (make setup runs it)
+    structgen calibrate-self-spec  choose the layers self-speculative drafts skip (once per model)
 
 Each subcommand lives in structgen/commands/ and imports heavy modules (torch) only when run.
 """
@@ -15,7 +16,7 @@ import argparse
 import os
 import sys
 
-from structgen.commands import demo, fetch_model, generate, serve
+from structgen.commands import calibrate_self_spec, demo, fetch_model, generate, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_parser(subparsers)
     demo.add_parser(subparsers)
     fetch_model.add_parser(subparsers)
+    calibrate_self_spec.add_parser(subparsers)
     for subparser in subparsers.choices.values():  # so a bad flag is reported with its usage
         subparser.set_defaults(parser=subparser)
     return parser

@@ -10,6 +10,7 @@
     sampler.py       NaN -> grammar mask -> temperature/top-k/top-p -> token, per-request seeds
     sample_row.py    SampleRow: one row's sampling work (sampler and logits processing read it)
     speculative.py   draft proposers (n-gram, grammar-forced); greedy / rejection verify rules
+    self_drafts.py   the self-speculative proposer: drafts from the model's calibrated draft layers
     grammar_link.py  the step channel from the engine's side, with the watchdog
     lifecycle.py     RequestTable: compile results, deadlines, events, finishing, releases
     output.py        detokenization, stop tokens / strings / max tokens per request

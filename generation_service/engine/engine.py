@@ -30,6 +30,7 @@ bookkeeping, never across the forward or the mask wait.
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import secrets
 import threading
@@ -55,10 +56,11 @@ from generation_service.engine.runners import make_runner, resolve_runner
 from generation_service.engine.sample_row import SampleRow
 from generation_service.engine.sampler import Sampler, SampleResult
 from generation_service.engine.scheduler import ScheduledBatch, ScheduledRow, Scheduler, SlotPool, TokenBudget
-from generation_service.engine.speculative import PROPOSERS, make_proposer
+from generation_service.engine.speculative import MODEL_PROPOSERS, PROPOSERS, DraftProposer, make_proposer
 from generation_service.engine.step_time import StepTime
 from generation_service.engine.stream import RequestStream
 from generation_service.engine.validation import RequestLimits, validate_request
+from generation_service.model.layer_skip import model_key
 from step_channel import Geometry
 
 log = logging.getLogger(__name__)
@@ -103,7 +105,7 @@ class Engine:
         self.allocator = PageAllocator(num_pages)
         self.prefix_cache = PrefixCache(self.allocator, config.page_size, enabled=config.prefix_caching)
         self.slots = SlotPool(2 * config.max_batch)  # admitted requests + pending matcher releases
-        self.proposers = {name: make_proposer(name) for name in PROPOSERS}
+        self.proposers = {name: make_proposer(name) for name in PROPOSERS} | self._model_proposers(loaded, kv_cache)
         self.runner = make_runner(self.runner_name, loaded.model, kv_cache, mc.vocab_size,
                                   max_batch=config.max_batch,
                                   verify_width=1 + config.max_draft_tokens if config.verify_graphs else 0,
@@ -171,6 +173,18 @@ class Engine:
                  f", the step within {step_time.stretch:g} decode steps" if step_time else "", budget.alone,
                  "configured" if config.prefill_chunk_tokens else "measured" if on_gpu else "the CPU default")
         return budget, step_time
+
+    def _model_proposers(self, loaded, kv_cache: KVCache) -> dict[str, DraftProposer]:
+        """The proposers that draft with the model (speculative.MODEL_PROPOSERS) over its KV
+        cache, reserving pages through the scheduler (built after them: hence the lambda)."""
+        key = model_key(loaded.path, self.config.model, self.config.seed)
+        proposers = {}
+        for name, target in MODEL_PROPOSERS.items():
+            module, class_name = target.split(":")
+            proposers[name] = getattr(importlib.import_module(module), class_name)(
+                loaded.model, kv_cache, lambda request, num_tokens: self.scheduler.reserve(request, num_tokens),
+                key, self.config.model, self.runner_name)
+        return proposers
 
     def _num_pages_from_budget(self, mc, dtype: torch.dtype, model) -> int:
         per_page = KVCache.bytes_per_page(mc.num_layers, self.config.page_size, model.config.num_kv_heads,
@@ -246,6 +260,8 @@ class Engine:
         if not self._is_accepting:
             raise ShuttingDownError("the engine is shutting down")
         validate_request(spec, self.limits)
+        if spec.speculative.num_draft_tokens:
+            self.proposers[spec.speculative.proposer].check_ready()
         seed = spec.sampling.seed if spec.sampling.seed is not None else secrets.randbits(63)
         stop_ids = frozenset(spec.sampling.stop_token_ids)
         request = Request(spec, stop_ids, seed, eos_token_ids=frozenset(self.eos_token_ids))

@@ -89,7 +89,8 @@ class SamplingParams:
 @dataclass(frozen=True)
 class SpeculativeParams:
     num_draft_tokens: int = 0  # 0 = no speculation for this request
-    proposer: str = "ngram"    # "ngram" (prompt lookup) or "grammar" (tokens the grammar forces)
+    proposer: str = "ngram"    # "ngram" (prompt lookup), "grammar" (tokens the grammar forces) or
+                               # "self" (the model's calibrated draft layers, engine/self_drafts.py)
 
     def __post_init__(self) -> None:
         if self.num_draft_tokens < 0:

@@ -20,14 +20,18 @@ from generation_service.engine.request import Request
 class DraftProposer(abc.ABC):
     """Proposes up to k draft tokens that continue a request's `token_ids`.
 
-    Invariant: proposing is a pure function of the request's tokens and the grammar's last
-    forced run (no model state), so a request that is preempted and resumed gets the same
-    drafts.
+    Invariant: proposing is a pure function of the request's tokens, the grammar's last
+    forced run and the model's weights (the "self" proposer's K/V is that of the request's own
+    tokens), so a request that is preempted and resumed gets the same drafts.
     """
 
     @abc.abstractmethod
     def propose(self, request: Request, k: int) -> list[int]:
         """At most k tokens; [] when there is nothing to propose."""
+
+    def check_ready(self) -> None:
+        """Raise InvalidRequestError (naming why) when this proposer cannot draft on this engine;
+        checked at submit for each request that asks for it."""
 
 
 class NgramProposer(DraftProposer):
@@ -76,11 +80,19 @@ class GrammarProposer(DraftProposer):
 
 
 PROPOSERS: dict[str, Callable[[], DraftProposer]] = {"ngram": NgramProposer, "grammar": GrammarProposer}
+# Proposers that draft with the model: the engine builds them with its model and KV cache
+# (module:class, imported when an engine is built).
+MODEL_PROPOSERS: dict[str, str] = {"self": "generation_service.engine.self_drafts:SelfDraftProposer"}
+
+
+def proposer_names() -> list[str]:
+    return sorted({*PROPOSERS, *MODEL_PROPOSERS})
 
 
 def make_proposer(name: str) -> DraftProposer:
     if name not in PROPOSERS:
-        raise ValueError(f"unknown draft proposer {name!r}; available: {sorted(PROPOSERS)}")
+        raise ValueError(f"unknown draft proposer {name!r}; available: {sorted(PROPOSERS)}"
+                         + (" (model proposers are built by the engine)" if name in MODEL_PROPOSERS else ""))
     return PROPOSERS[name]()
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from generation_service.engine.errors import InvalidRequestError, LimitExceededError
 from generation_service.engine.kv_cache import num_pages_for
 from generation_service.engine.params import GenerationRequest
-from generation_service.engine.speculative import PROPOSERS
+from generation_service.engine.speculative import proposer_names
 
 @dataclass(frozen=True)
 class RequestLimits:
@@ -47,6 +47,6 @@ def validate_request(spec: GenerationRequest, limits: RequestLimits) -> None:
         raise InvalidRequestError("stop_strings need a tokenizer; this model has none")
     if spec.is_constrained and not limits.has_tokenizer:
         raise InvalidRequestError("constrained decoding needs a tokenizer; this model has none")
-    if spec.speculative.num_draft_tokens and spec.speculative.proposer not in PROPOSERS:
+    if spec.speculative.num_draft_tokens and spec.speculative.proposer not in proposer_names():
         raise InvalidRequestError(f"unknown draft proposer {spec.speculative.proposer!r}; "
-                                  f"available: {sorted(PROPOSERS)}")
+                                  f"available: {proposer_names()}")

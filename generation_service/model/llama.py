@@ -6,6 +6,8 @@ The four families share this decoder; their differences are flags on ModelConfig
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -45,13 +47,15 @@ class LlamaForCausalLM(nn.Module):
     def output_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, kv: KVCache, layer_ids: Sequence[int] | None = None) -> torch.Tensor:
+        """`layer_ids`: run only these decoder layers (self-speculative drafts, calibration); the
+        others are skipped, their K/V at the batch's positions left unwritten."""
         # Out-of-range ids (garbage in padding rows) must not fault the gather.
         input_ids = batch.input_ids.clamp(0, self.config.vocab_size - 1)
         hidden = self.model.embed_tokens(input_ids)  # (T, hidden)
         cos, sin = self.rotary(batch.positions, hidden.dtype)
-        for index, layer in enumerate(self.model.layers):
-            hidden = layer(hidden, cos, sin, kv.layer(index), batch)
+        for index in range(len(self.model.layers)) if layer_ids is None else layer_ids:
+            hidden = self.model.layers[index](hidden, cos, sin, kv.layer(index), batch)
         # The final norm is per token, so norming only the returned rows is exact.
         hidden = self.model.norm(hidden[batch.logits_indices])  # (L, hidden)
         return F.linear(hidden, self.output_weight).float()  # (L, vocab)

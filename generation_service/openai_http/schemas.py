@@ -106,7 +106,7 @@ class StructgenOptions(Body):
     backend: Literal["auto", "xgrammar", "llguidance"] = "auto"
     ignore_eos: bool = False
     num_draft_tokens: int = Field(default=0, ge=0)
-    draft_proposer: Literal["ngram", "grammar"] = "ngram"
+    draft_proposer: Literal["ngram", "grammar", "self"] = "ngram"
     return_token_ids: bool = False       # each choice's token ids in its structgen extension
     reasoning: ReasoningOptions | None = None  # chat only
 

@@ -142,3 +142,14 @@ def test_out_of_range_logits_processing_is_invalid_argument_saying_what_to_fix(s
     with pytest.raises(InvalidRequestError, match=message) as raised:
         convert(pb.GenerateRequest(prompt="hi", sampling=sampling))
     assert status_of(raised.value)[0] == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize("proposer, name", [(pb.DRAFT_PROPOSER_UNSPECIFIED, "ngram"), (pb.DRAFT_PROPOSER_NGRAM, "ngram"),
+                                            (pb.DRAFT_PROPOSER_GRAMMAR, "grammar"), (pb.DRAFT_PROPOSER_SELF, "self")])
+def test_every_draft_proposer_reaches_the_domain_and_the_client_spells_it(proposer, name):
+    from structgen_client import build_request
+
+    request = pb.GenerateRequest(prompt="hi", speculative=pb.SpeculativeOptions(num_draft_tokens=3, proposer=proposer))
+    assert convert(request).speculative.proposer == name
+    if proposer != pb.DRAFT_PROPOSER_UNSPECIFIED:
+        assert build_request("hi", num_draft_tokens=3, proposer=name).speculative.proposer == proposer
