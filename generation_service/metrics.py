@@ -111,7 +111,7 @@ class GenerationMetrics:
         self._collector = EngineCollector(engine, {
             "model_name": engine.model_name, "device": str(config.device),
             "dtype": config.dtype or "checkpoint", "version": version,
-            "runner": str(getattr(engine, "runner_name", config.runner))})
+            "runner": engine.runner_name})
         self.registry.register(self._collector)
         engine.table.finish_listeners.append(self.record_finished)
 

@@ -170,6 +170,7 @@ class _StandInEngine:
         from generation_service.engine.config import EngineConfig
         self.config = EngineConfig()
         self.model_name = "stand-in"  # the metrics' model_name label
+        self.runner_name = "eager"
         self.table = SimpleNamespace(finish_listeners=[])
 
     def stats(self):

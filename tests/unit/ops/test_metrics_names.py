@@ -33,6 +33,7 @@ def promtool_problems(promtool: str, text: bytes) -> str:
 class StatsOnly:
     """What EngineCollector reads of an engine: its stats (all fields set, none zero)."""
     model_name = "tiny-model"
+    runner_name = "eager"
     config = EngineConfig()
     table = type("Table", (), {"finish_listeners": []})()
 
