@@ -14,7 +14,9 @@ Per model shape (random weights of a preset shape, the real 131k Tekken tokenize
 1. roofline (its own process, `_roofline.py`): bf16 matmul rate, copy bandwidth, and the free
    decode graph's step time at every batch and mean context the workloads use;
 2. `structgen serve --device cuda` with that model (grammar_service as its child), then the
-   workloads one after another, each from `--client-procs` processes (`_serve_load.py`):
+   workloads one after another, each from `--client-procs` processes (`_serve_load.py`; the
+   summaries `_serve_summary.py`, the groups beyond the closed loops `_serve_groups.py`,
+   `--profile` `_serve_profile.py`):
    - idle TTFT: one request at a time, prompts of 1k, 4k and 8k tokens;
    - closed loop at each concurrency: free (`ignore_eos`, max_tokens new tokens), constrained
      (a JSON Schema with bounded fields, compact, capped at max_tokens) and free-matched (free
@@ -63,19 +65,16 @@ Per model shape (random weights of a preset shape, the real 131k Tekken tokenize
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import pathlib
 import platform
-import re
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -83,29 +82,17 @@ sys.path.insert(0, str(ROOT))
 from benchmarks._harness import (  # noqa: E402
     VOCAB, ServeProcess, code_commit, command_line, free_port, log, random_model_folder, write_result,
 )
-from benchmarks._serve_load import (  # noqa: E402
-    CANCELLED_AT_END, BenchTool, Record, Workload, make_prompts, run_workload, run_workloads,
+from benchmarks._serve_groups import (  # noqa: E402
+    FEATURES_PLAN, FORCED_PLAN, PREFIX_PLAN, SCHEMA, FeaturesPlan, PrefixPlan, feature_workloads,
+    forced_workloads, prefix_workloads,
+)
+from benchmarks._serve_load import Workload, make_prompts, run_workload, run_workloads  # noqa: E402
+from benchmarks._serve_profile import profile_server, profile_summary  # noqa: E402
+from benchmarks._serve_summary import (  # noqa: E402
+    cache_ratios, decode_step_ms, fmt_ratio, line, output_lengths, roofline_tok_s, step_delta, summarize,
 )
 
-# Bounded fields: every document completes well inside 128 tokens of the Tekken vocabulary.
-SCHEMA = {"type": "object", "properties": {
-    "id": {"type": "integer", "minimum": 0, "maximum": 99999},
-    "name": {"type": "string", "minLength": 3, "maxLength": 24},
-    "status": {"enum": ["new", "open", "blocked", "done"]},
-    "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "minItems": 1, "maxItems": 4},
-    "scores": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 100}, "maxItems": 6},
-    "active": {"type": "boolean"}},
-    "required": ["id", "name", "status", "tags", "scores", "active"], "additionalProperties": False}
-# Tools of the feature requests: bounded arguments, so a call completes under any model.
-TOOLS = (BenchTool("get_weather", "The current weather of a city.", json.dumps({
-    "type": "object", "properties": {"city": {"type": "string", "minLength": 2, "maxLength": 20},
-                                     "unit": {"enum": ["celsius", "fahrenheit"]}},
-    "required": ["city", "unit"], "additionalProperties": False})),
-    BenchTool("create_ticket", "Open a ticket with these fields.", json.dumps(SCHEMA)))
 PLANS = ("full", "quick", "load", "smoke", "http", "http-smoke", "prefix", "features", "features-smoke", "forced")
-# `--plan forced` (issue 26): one user at a time, documents the grammar mostly forces, greedy, without
-# speculation and with each proposer (prompt tokens, drafts per step)
-FORCED_PLAN = (64, 4)
 
 
 # ---- the server ---------------------------------------------------------------------------------
@@ -166,136 +153,7 @@ class Server(ServeProcess):
         return time.monotonic() - started
 
 
-# ---- results ------------------------------------------------------------------------------------
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
-
-
-def summarize(workload: Workload, records: list[Record]) -> dict:
-    """Figures over the measured window [warmup, warmup + duration] (idle runs: every request)."""
-    lo, hi = (0.0, float("inf")) if workload.num_requests else (workload.warmup_s, workload.warmup_s + workload.duration_s)
-    tokens = sum(n for r in records for t, n in zip(r.message_times, r.message_tokens) if lo <= t < hi)
-    started = [r for r in records if lo <= r.start < hi]
-    ttft = [r.ttft for r in started if r.ttft is not None]
-    gaps = [b - a for r in records for a, b in zip(r.message_times, r.message_times[1:]) if lo <= b < hi]
-    messages = sum(1 for r in records for t in r.message_times if lo <= t < hi)
-    finished = [r for r in records if r.code == "OK"]
-    count = lambda values: {k: values.count(k) for k in sorted(set(values))}  # noqa: E731
-    window = (hi - lo) if not workload.num_requests else None
-    out = {
-        "name": workload.name, "prompt_len": workload.prompt_len, "max_tokens": workload.max_tokens,
-        "concurrency": workload.concurrency, "rate_rps": workload.rate, "constrained": workload.json_schema is not None,
-        "matched_lengths": bool(workload.max_tokens_list), "num_requests": len(records),
-        "num_finished": len(finished),
-        "output_tokens_per_s": tokens / window if window else None,
-        "requests_per_s": sum(1 for r in finished if lo <= r.end < hi) / window if window else None,
-        "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
-        "itl_p50_ms": _ms(percentile(gaps, 0.5)), "itl_p99_ms": _ms(percentile(gaps, 0.99)),
-        "tokens_per_message": tokens / messages if messages else None,
-        "errors": count([r.code for r in records if r.code not in ("OK", CANCELLED_AT_END)]),
-        "finish_reasons": count([r.finish_reason for r in finished]),
-        "validation": count([r.validation for r in finished if r.validation]),
-        **({"tool_call_validation": count([v for r in records for v in r.call_validation]),
-            "reasoning_fraction": sum(r.reasoning_chars > 0 for r in finished) / len(finished) if finished else None}
-           if workload.tools or workload.reasoning_budget is not None else {}),
-        "mean_output_len": statistics.mean([r.num_tokens for r in finished]) if finished else None,
-        "mean_prompt_len": statistics.mean([r.prompt_len for r in finished]) if finished else None,
-        # prompt tokens the server found in its prefix cache (usage.cached_prompt_tokens, gRPC)
-        "cached_prompt_fraction": (sum(r.cached_tokens for r in finished) / sum(r.prompt_len for r in finished)
-                                   if finished else None),
-    }
-    if workload.turns:
-        out["turns"] = workload.turns
-        for name, turns in (("first_turn", lambda t: t == 0), ("later_turns", lambda t: t > 0)):
-            values = [r.ttft for r in started if turns(r.turn) and r.ttft is not None]
-            out[f"ttft_p50_{name}_s"], out[f"ttft_p99_{name}_s"] = percentile(values, 0.5), percentile(values, 0.99)
-    if workload.num_requests:
-        out["ttft_s"] = ttft
-    return out
-
-
-def output_lengths(records: list[Record]) -> list[int]:
-    """Tokens of each finished request: the lengths the free-matched run replays."""
-    return [r.num_tokens for r in records if r.code == "OK" and r.num_tokens]
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else seconds * 1e3
-
-
-def step_delta(before: dict, after: dict, seconds: float) -> dict:
-    """The engine's step counters over a workload: where the engine loop's time went."""
-    d = {k: float(after[k]) - float(before[k]) for k in (
-        "num_steps", "num_mixed_steps", "num_prefill_tokens", "graph_step_seconds", "mixed_step_seconds",
-        "num_tokens_generated", "num_prefix_cache_query_tokens", "num_prefix_cache_hit_tokens",
-        "num_prefix_cache_evictions", "num_draft_tokens_proposed", "num_draft_tokens_accepted")}
-    d["graph_steps"] = d["num_steps"] - d["num_mixed_steps"]
-    d["busy_fraction"] = (d["graph_step_seconds"] + d["mixed_step_seconds"]) / seconds if seconds else None
-    d["ms_per_graph_step"] = 1e3 * d["graph_step_seconds"] / d["graph_steps"] if d["graph_steps"] else None
-    d["ms_per_mixed_step"] = 1e3 * d["mixed_step_seconds"] / d["num_mixed_steps"] if d["num_mixed_steps"] else None
-    d["prefill_tokens_per_mixed_step"] = d["num_prefill_tokens"] / d["num_mixed_steps"] if d["num_mixed_steps"] else None
-    return d
-
-
-def roofline_tok_s(roofline: dict, config, concurrency: int, prompt_len: int, new_tokens: float) -> float | None:
-    """C x N output tokens over C prefills at the matmul rate + N decode steps at batch C."""
-    from benchmarks._roofline import prefill_flops
-    step = decode_step_ms(roofline, concurrency, prompt_len + new_tokens / 2)
-    if step is None:
-        return None
-    seconds = (concurrency * prefill_flops(config, prompt_len) / (roofline["matmul_tflops"] * 1e12)
-               + new_tokens * step / 1e3)
-    return concurrency * new_tokens / seconds
-
-
-def decode_step_ms(roofline: dict, batch: int, context: float) -> float | None:
-    """The measured step at this batch, linear in context between the measured ones."""
-    rows = sorted((r["context"], r["step_ms"]) for r in roofline["decode_steps"] if r["batch"] == batch)
-    if not rows:
-        return None
-    if context <= rows[0][0] or len(rows) == 1:
-        return rows[0][1]
-    for (c0, t0), (c1, t1) in zip(rows, rows[1:]):
-        if context <= c1:
-            return t0 + (t1 - t0) * (context - c0) / (c1 - c0)
-    return rows[-1][1]
-
-
 # ---- the plan -----------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class PrefixPlan:
-    """The prefix-caching workloads (2b. above), each run with the cache on and off."""
-
-    shared_len: int        # the shared system prompt
-    tail_len: int          # each request's own part after it
-    new_tokens: int
-    concurrency: int
-    turn_prompt_len: int   # multi-turn: the first turn's prompt
-    turns: int
-    unshared: tuple[int, int, int]  # (prompt, new tokens, concurrency) with no prefix shared
-
-
-PREFIX_PLAN = PrefixPlan(2048, 64, 128, 16, 1024, 4, (512, 128, 16))
-
-
-@dataclass(frozen=True)
-class FeaturesPlan:
-    """Ordinary requests alone and beside requests with tools and reasoning (2c. above)."""
-
-    prompt_len: int
-    new_tokens: int            # of each ordinary request
-    concurrency: int           # ordinary users
-    feature_concurrency: int   # users of each feature workload
-    feature_max_tokens: int    # of a feature request (the reasoning span's budget on top)
-    reasoning_budget: int
-
-
-FEATURES_PLAN = FeaturesPlan(512, 128, 16, 4, 192, 32)
-
-
 def plan(shape: str, name: str, duration: float, warmup: float) -> dict:
     """idle TTFT prompt lengths, closed-loop (prompt, new tokens, concurrencies), Poisson fractions,
     the prefix-caching workloads (`prefix`: a PrefixPlan, if any), the features' (`features`)."""
@@ -503,185 +361,6 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
         for name, ratios in result["prefix_cache"].items():
             log(f"  prefix cache, {name}: " + ", ".join(f"{k} {fmt_ratio(v)}" for k, v in ratios.items()))
     return result
-
-
-def forced_workloads(prompt_len: int, drafts: int, prompts: dict, common: dict, run) -> dict:
-    """Concurrency 1 over a schema whose documents the grammar mostly forces (long keys, enums, a const:
-    benchmarks/forced_drafts.py's), greedy: without speculation, with grammar-forced drafts and with
-    n-gram drafts. Per proposer: output tok/s over no speculation, drafts accepted / proposed, the
-    documents' validation. (That greedy documents are the same with drafts as without is
-    forced_drafts.py's check: here each request's prompt spells its own number.)"""
-    from benchmarks.forced_drafts import SCHEMAS
-    schema = json.dumps(SCHEMAS["shipment"])
-    summaries = {}
-    for proposer in ("none", "grammar", "ngram"):
-        workload = Workload(f"forced-structure {prompt_len}/96 c=1 drafts {proposer}", prompt_len, 96, concurrency=1,
-                            json_schema=schema, ignore_eos=False, num_draft_tokens=0 if proposer == "none" else drafts,
-                            proposer="ngram" if proposer == "none" else proposer, **common)
-        summaries[proposer] = run(workload)
-    base = summaries["none"]["output_tokens_per_s"]
-    ratios = {proposer: {"over_no_speculation": s["output_tokens_per_s"] / base if base else None,
-                         "drafts_accepted": s["engine"]["num_draft_tokens_accepted"],
-                         "drafts_proposed": s["engine"]["num_draft_tokens_proposed"],
-                         "itl_p50_ms": s["itl_p50_ms"], "valid": s["validation"]}
-              for proposer, s in summaries.items()}
-    for proposer, r in ratios.items():
-        log(f"  forced structure, {proposer}: x{fmt_ratio(r['over_no_speculation'])} output tok/s, drafts "
-            f"{r['drafts_accepted']:.0f}/{r['drafts_proposed']:.0f}, ITL p50 {r['itl_p50_ms']:.1f} ms")
-    return ratios
-
-
-def profile_server(args, server: Server, shape: str, workload: Workload) -> dict[str, subprocess.Popen]:
-    """`--profile TEXT`: py-spy samples the server through a workload whose name holds TEXT, one
-    recorder per process ("serving", and "engine" when the engine runs in a process of its own):
-    the GIL holder (`--profile-mode gil`) or every thread, idle or not (`wall`); the stacks (py-spy's
-    raw format) go beside --out."""
-    if not args.profile or args.profile not in workload.name:
-        return {}
-    places = [pathlib.Path(sys.prefix), *map(pathlib.Path, sys.path)]  # a venv's bin/, pip --target's bin/
-    spy = shutil.which("py-spy") or next((str(p / "bin" / "py-spy") for p in places if (p / "bin" / "py-spy").is_file()),
-                                         None)
-    if spy is None:
-        log("--profile: no py-spy found")
-        return {}
-    name = re.sub(r"[^A-Za-z0-9]+", "-", f"{shape} {workload.name}").strip("-")
-    seconds = int(workload.warmup_s + workload.duration_s + 3)
-    mode = ["--gil"] if args.profile_mode == "gil" else ["--idle"]
-    pids = {"serving": server.process.pid}
-    engine = engine_process_pid(server.process.pid)
-    if engine is not None:
-        pids["engine"] = engine
-    recorders = {}
-    for process, pid in pids.items():
-        out = pathlib.Path(args.out).with_name(f"{pathlib.Path(args.out).stem}-profile-{name}-{process}.txt")
-        recorders[process] = subprocess.Popen(
-            [spy, "record", "--pid", str(pid), *mode, "--threads", "--nonblocking", "--rate", "200",
-             "--duration", str(seconds), "--format", "raw", "--output", str(out)],
-            stdout=subprocess.DEVNULL, stderr=open(str(out) + ".log", "w"))
-    return recorders
-
-
-def engine_process_pid(server_pid: int) -> int | None:
-    """The engine process under `structgen serve` (--engine-process: a multiprocessing spawn child)."""
-    for entry in pathlib.Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == server_pid \
-                    and b"multiprocessing.spawn" in (entry / "cmdline").read_bytes():
-                return int(entry.name)
-        except OSError:
-            continue
-    return None
-
-
-def profile_summary(raw: pathlib.Path, seconds: float, rate: int = 200, top: int = 25) -> dict:
-    """What py-spy's raw stacks say, small enough for the result: the share of the window each
-    thread was sampled (under `--gil`: held the GIL), and the functions (inclusive) with the
-    largest shares. Shares are of rate x seconds samples."""
-    if not raw.is_file():
-        return {"error": f"no profile at {raw.name}"}
-    threads, functions, total = {}, {}, 0
-    for line in raw.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not stack or not count.isdigit():
-            continue
-        frames, n = stack.split(";"), int(count)
-        total += n
-        thread = re.sub(r"^thread \(\w+\):\s*|\s*\(idle\)", "", frames[0]).strip() or frames[0]
-        threads[thread] = threads.get(thread, 0) + n
-        for frame in set(re.sub(r" \(.*?:\d+\)$", "", f) for f in frames[1:]):  # a function once per stack
-            functions[frame] = functions.get(frame, 0) + n
-    window = rate * seconds
-    share = lambda n: round(n / window, 4)  # noqa: E731
-    return {"samples": total, "window_samples": int(window), "sampled_share": share(total),
-            "threads": {t: share(n) for t, n in sorted(threads.items(), key=lambda kv: -kv[1])},
-            "top_functions": {f: share(n) for f, n in sorted(functions.items(), key=lambda kv: -kv[1])[:top]}}
-
-
-def prefix_workloads(plan: PrefixPlan, prompts: dict, schema: str, common: dict, run, tag: str) -> dict[str, dict]:
-    """The shared-prefix, multi-turn and unshared workloads on one server; summaries by kind."""
-    shared = prompts[plan.shared_len][0]
-    shared_prompts = [shared + tail for tail in prompts[plan.tail_len]]
-    c, (unshared_len, unshared_new, unshared_c) = plan.concurrency, plan.unshared
-    return {
-        "shared_prefix": run(Workload(
-            f"shared-prefix {plan.shared_len}+{plan.tail_len}/{plan.new_tokens} c={c} ({tag})",
-            plan.shared_len + plan.tail_len, plan.new_tokens, concurrency=c, json_schema=schema, ignore_eos=False,
-            unique_at=plan.shared_len, **common), shared_prompts),
-        "multi_turn": run(Workload(
-            f"multi-turn {plan.turn_prompt_len}+{plan.turns}x({plan.new_tokens}+{plan.tail_len}) c={c} ({tag})",
-            plan.turn_prompt_len, plan.new_tokens, concurrency=c, turns=plan.turns, turn_tokens=plan.tail_len,
-            **common), prompts[plan.turn_prompt_len]),
-        "unshared": run(Workload(f"unshared {unshared_len}/{unshared_new} c={unshared_c} ({tag})", unshared_len,
-                                 unshared_new, concurrency=unshared_c, **common), prompts[unshared_len]),
-    }
-
-
-def feature_workloads(plan: FeaturesPlan, prompts: list[list[int]], texts: list[str], schema: str, common: dict,
-                      run_together, lengths: dict[str, list[int]]) -> dict[str, dict]:
-    """The ordinary workload alone, beside the feature workloads, beside their plain counterparts,
-    alone again; the ordinary requests' ratios."""
-    c, fc = plan.concurrency, plan.feature_concurrency
-
-    def ordinary(tag: str) -> tuple[Workload, list]:
-        return Workload(f"ordinary {plan.prompt_len}/{plan.new_tokens} c={c} ({tag})", plan.prompt_len,
-                        plan.new_tokens, concurrency=c, **common), prompts
-
-    def feature(name: str, prompt_set: list, **kw) -> tuple[Workload, list]:
-        return Workload(f"{name} {plan.prompt_len}/{plan.feature_max_tokens} c={fc}", plan.prompt_len,
-                        plan.feature_max_tokens, concurrency=fc, ignore_eos=False, **kw, **common), prompt_set
-
-    featured = [feature("tools-auto", texts, tools=TOOLS, tool_choice="auto"),
-                feature("tools-required", texts, tools=TOOLS, tool_choice="required"),
-                feature(f"reasoning-{plan.reasoning_budget}+schema", prompts, json_schema=schema,
-                        reasoning_budget=plan.reasoning_budget)]
-    alone = run_together([ordinary("alone")])[0]
-    beside = run_together([ordinary("beside features")] + featured)[0]
-    plain = [(dataclasses.replace(w, name=f"plain-matched ({w.name})", tool_choice="none", json_schema=None,
-                                  reasoning_budget=None, ignore_eos=True,
-                                  max_tokens_list=lengths[w.name] or [w.max_tokens]),
-              ps) for w, ps in featured]  # the same prompts and output lengths, no feature in use
-    beside_plain = run_together([ordinary("beside plain")] + plain)[0]
-    again = run_together([ordinary("alone again")])[0]
-    return {"beside_features_over_alone": side_ratios(beside, alone),
-            "beside_features_over_beside_plain": side_ratios(beside, beside_plain),
-            "alone_again_over_alone": side_ratios(again, alone)}
-
-
-def side_ratios(a: dict, b: dict) -> dict:
-    """Workload a over b: output tok/s, TTFT, inter-token p50/p99, ms per graph step (> 1: a is higher)."""
-    def ratio(x, y):
-        return x / y if x is not None and y else None
-    return {"output_tok_s": ratio(a["output_tokens_per_s"], b["output_tokens_per_s"]),
-            "ttft_p50": ratio(a["ttft_p50_s"], b["ttft_p50_s"]),
-            "itl_p50": ratio(a["itl_p50_ms"], b["itl_p50_ms"]), "itl_p99": ratio(a["itl_p99_ms"], b["itl_p99_ms"]),
-            "ms_per_graph_step": ratio(a["engine"]["ms_per_graph_step"], b["engine"]["ms_per_graph_step"])}
-
-
-def cache_ratios(on: dict, off: dict) -> dict:
-    """Cache on against off: TTFT off / on (> 1: faster with the cache), output tok/s on / off."""
-    def ratio(a, b):
-        return a / b if a is not None and b else None
-    out = {"ttft_p50_off_over_on": ratio(off["ttft_p50_s"], on["ttft_p50_s"]),
-           "ttft_p99_off_over_on": ratio(off["ttft_p99_s"], on["ttft_p99_s"]),
-           "output_tok_s_on_over_off": ratio(on["output_tokens_per_s"], off["output_tokens_per_s"]),
-           "cached_prompt_fraction_on": on["cached_prompt_fraction"]}
-    if "ttft_p50_later_turns_s" in on:
-        out["ttft_p50_later_turns_off_over_on"] = ratio(off["ttft_p50_later_turns_s"], on["ttft_p50_later_turns_s"])
-    return out
-
-
-def fmt_ratio(value) -> str:
-    return "-" if value is None else f"{value:.3f}"
-
-
-def line(s: dict) -> str:
-    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
-    return (f"{s['name']:40s} {fmt(s['output_tokens_per_s'], '9.1f')} tok/s  TTFT p50 {fmt(s['ttft_p50_s'], '.3f')}"
-            f" p99 {fmt(s['ttft_p99_s'], '.3f')} s  ITL p50 {fmt(s['itl_p50_ms'], '.1f')} p99 {fmt(s['itl_p99_ms'], '.1f')} ms"
-            f"  x{fmt(s.get('over_roofline'), '.2f')} roofline  err {s['errors']} fin {s['finish_reasons']}"
-            f" val {s['validation']} cached {fmt(s.get('cached_prompt_fraction'), '.2f')}"
-            + (f" calls {s['tool_call_validation']} reasoning {fmt(s['reasoning_fraction'], '.2f')}"
-               if "tool_call_validation" in s else ""))
 
 
 def main() -> int:
