@@ -3,6 +3,7 @@ client processes, each result next to the same run's roofline (issue 16).
 
     python benchmarks/serve.py --out benchmarks/results/serve-h200.json            # every workload
     python benchmarks/serve.py --plan quick --out /tmp/serve.json                   # a short subset
+    python benchmarks/serve.py --plan targets --out /tmp/serve.json                 # the workloads issue 16 sets targets for
     python benchmarks/serve.py --device cpu --shapes tiny-random --plan smoke ...       # CPU: the harness only
     python benchmarks/serve.py --plan http --shapes llama-3.1-8b --out ...          # HTTP vs gRPC, same server
     python benchmarks/serve.py --plan prefix --shapes llama-3.1-8b --out benchmarks/results/serve-h200-prefix.json
@@ -92,7 +93,8 @@ from benchmarks._serve_summary import (  # noqa: E402
     cache_ratios, decode_step_ms, fmt_ratio, line, output_lengths, roofline_tok_s, step_delta, summarize,
 )
 
-PLANS = ("full", "quick", "load", "smoke", "http", "http-smoke", "prefix", "features", "features-smoke", "forced")
+PLANS = ("full", "targets", "quick", "load", "smoke", "http", "http-smoke", "prefix", "features", "features-smoke",
+         "forced")
 
 
 # ---- the server ---------------------------------------------------------------------------------
@@ -168,6 +170,9 @@ def plan(shape: str, name: str, duration: float, warmup: float) -> dict:
                 "prefix": PrefixPlan(256, 16, 16, 4, 64, 3, (48, 16, 4))}
     if name == "forced":
         return {"idle": [], "closed": [], "poisson": [], "poisson_at": None, "forced": FORCED_PLAN}
+    if name == "targets" and shape != "llama-3.2-1b":  # the full plan's workloads with a target: no Poisson, no prefix
+        return {"idle": [1024, 4096, 8192], "closed": [(512, 128, [1, 16, 64, 128, 256]), (2048, 128, [64]),
+                                                       (512, 256, [64])], "poisson": [], "poisson_at": None}
     if name == "load":  # the loaded closed loop alone
         return {"idle": [], "closed": [(512, 128, [64, 128])], "poisson": [], "poisson_at": None}
     if name == "prefix":  # the prefix-caching workloads alone
