@@ -31,10 +31,10 @@ import numpy as np
 
 from grammar_contract.spec import GrammarSpec, ReasoningSpan
 from grammar_service.backends.base import GrammarBackend, GrammarCompileError, Matcher, TokenizerData
+from grammar_service.backends.llguidance_schema import for_llguidance
 from grammar_service.backends.llguidance_tags import structural_tag_grammar
 from grammar_service.config import llguidance_lanes
 from grammar_service.guarantees import llguidance_unenforced
-from grammar_service.backends.llguidance_schema import for_llguidance
 from grammar_service.schema_drafts import as_drafted
 
 WHITESPACE = r"[\x20\x0A\x0D\x09]"
@@ -61,7 +61,7 @@ class LLGuidanceGrammar:
 
 def schema_text(spec: GrammarSpec) -> str:
     """The JSON Schema text llguidance compiles for a json_schema spec: as its draft means it,
-    references in forms llguidance resolves (backends/llguidance_schema.py)."""
+    references and patterns in forms llguidance takes (backends/llguidance_schema.py)."""
     return for_llguidance(as_drafted(spec.text))
 
 
