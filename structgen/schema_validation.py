@@ -19,6 +19,8 @@ import jsonschema
 from jsonschema.exceptions import SchemaError
 from referencing.exceptions import Unresolvable
 
+from structgen.schema_draft_uri import draft_of
+
 MAX_ERRORS = 50  # a final message stays small; `num_errors` still counts them all
 
 
@@ -85,10 +87,26 @@ def _pattern_properties(validator, pattern_properties, instance, schema):
                 yield from validator.descend(value, subschema, path=key, schema_path=pattern)
 
 
+_VALIDATORS = {"draft-03": jsonschema.Draft3Validator, "draft-04": jsonschema.Draft4Validator,
+               "draft-06": jsonschema.Draft6Validator, "draft-07": jsonschema.Draft7Validator,
+               "2019-09": jsonschema.Draft201909Validator, "2020-12": jsonschema.Draft202012Validator}
+
+
+def _validator_class(schema):
+    """The draft's validator: its `$schema` however spelled (jsonschema's lookup knows one
+    spelling per draft and takes 2020-12 for https://json-schema.org/draft-07/schema#), else
+    jsonschema's own lookup, 2020-12 when absent."""
+    uri = schema.get("$schema") if isinstance(schema, dict) else None
+    draft = draft_of(uri) if isinstance(uri, str) else None
+    if draft in _VALIDATORS:
+        return _VALIDATORS[draft]
+    return jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+
+
 @lru_cache(maxsize=256)
 def _validator(schema_text: str):
     schema = json.loads(schema_text)
-    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    cls = _validator_class(schema)
     cls = jsonschema.validators.extend(cls, {"pattern": _pattern, "patternProperties": _pattern_properties})
     return cls(schema, format_checker=cls.FORMAT_CHECKER)
 

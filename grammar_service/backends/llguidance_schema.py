@@ -30,14 +30,12 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 from urllib.parse import quote
 
 from grammar_service.guarantees import iter_subschemas
 from grammar_service.look_around import without_look_around
+from structgen.schema_draft_uri import draft_of
 
-_OLD_DRAFT = re.compile(r"^https?://json-schema\.org/(draft-0[3-7])/schema#?$")
-_NEW_DRAFT = re.compile(r"^https?://json-schema\.org/draft/(2019-09|2020-12)/schema#?$")
 # what a URI fragment may hold as it is (RFC 3986: pchar / "/" / "?"); "%" keeps an encoding
 _FRAGMENT_SAFE = "/?:@!$&'()*+,;=~%"
 _MAX_CACHED = 64  # auto's analysis and the compile read the same text one after the other
@@ -45,11 +43,11 @@ _MAX_CACHED = 64  # auto's analysis and the compile read the same text one after
 
 def _registered(uri: str) -> str | None:
     """`uri` as llguidance's registry spells its draft; None for a URI of no draft."""
-    if old := _OLD_DRAFT.match(uri.strip()):
-        return f"http://json-schema.org/{old[1]}/schema#"
-    if new := _NEW_DRAFT.match(uri.strip()):
-        return f"https://json-schema.org/draft/{new[1]}/schema"
-    return None
+    draft = draft_of(uri)
+    if draft is None:
+        return None
+    return f"http://json-schema.org/{draft}/schema#" if draft.startswith("draft-") else \
+        f"https://json-schema.org/draft/{draft}/schema"
 
 
 def _rewrite(schema: dict) -> bool:

@@ -36,6 +36,15 @@ def test_draft_comes_from_dollar_schema(schema, valid):
     assert validate_output(json.dumps(schema), "3").valid is valid
 
 
+@pytest.mark.parametrize("uri", ["http://json-schema.org/draft-07/schema#", "https://json-schema.org/draft-07/schema#",
+                                 "https://json-schema.org/draft-07/schema", " http://json-schema.org/draft-07/schema "])
+def test_the_draft_is_read_however_its_uri_is_spelled(uri):
+    # `dependencies` is draft 7's keyword (2020-12 ignores it): {"a": 1} lacks the "b" it requires
+    schema = json.dumps({"$schema": uri, "type": "object", "dependencies": {"a": ["b"]}})
+    assert not validate_output(schema, '{"a": 1}').valid
+    assert validate_output(schema, '{"a": 1, "b": 2}').valid
+
+
 def test_formats_are_checked():
     schema = {"type": "object", "properties": {"when": {"type": "string", "format": "date-time"},
                                                "site": {"type": "string", "format": "uri"}}}
