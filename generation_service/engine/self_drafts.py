@@ -13,6 +13,10 @@ reads it, so nothing a draft wrote is ever read by the verify. Rolled-back posit
 num_cached, where a later forward writes before it reads, as after any rejected draft. The
 pages are reserved before the first draft forward (the verify needs them anyway).
 
+NOTE: drafting runs inside Scheduler.schedule (the proposer interface), so under the engine
+lock: submit, cancel and stats wait for a step's draft forwards (k one-token forwards of the
+draft layers per row, one row at a time).
+
 Only the eager runner drafts: the draft forward is the model's eager forward over the same
 KV cache, and the CUDA-graph runner's verify graphs and fused weights are not wired for it,
 so there a request for "self" is INVALID_ARGUMENT (`check_ready`).

@@ -54,6 +54,10 @@ def run(args, _rest) -> int:
     choice = calibrate(loaded.model, texts, model_key(loaded.path, args.model, args.seed),
                        num_draft_tokens=args.num_draft_tokens)
     path = store_choice(choice)
+    if choice.estimated_speedup < 1:
+        print(f"note: even the best choice is estimated at x{choice.estimated_speedup:.2f} tokens/s: this model's "
+              "layers are not redundant enough (or its LM head too large a share) for self-speculation to pay",
+              file=sys.stderr)
     print(json.dumps({"path": str(path), "skip_layers": choice.skip_layers, "acceptance": round(choice.acceptance, 3),
                       "estimated_speedup": round(choice.estimated_speedup, 3), "num_tokens": choice.num_tokens,
                       "seconds": choice.seconds}))

@@ -52,3 +52,18 @@ def test_the_choice_is_cached_per_model(tiny, tiny_random_path, tmp_path, monkey
     assert load_choice(key) == choice
     assert choice.draft_layers(loaded.config.num_layers) == tuple(
         i for i in range(loaded.config.num_layers) if i not in choice.skip_layers)
+
+
+def test_the_cli_step_caches_what_an_engine_reads(tiny_random_path, tmp_path, monkeypatch, capsys):
+    import json
+
+    from structgen.cli import main
+    monkeypatch.setenv("STRUCTGEN_CACHE", str(tmp_path))
+    text = tmp_path / "text.txt"
+    text.write_text("One two three.\n===\nFour five six seven eight nine ten.\n")
+    assert main(["calibrate-self-spec", "--model", str(tiny_random_path), "--text-file", str(text),
+                 "--max-tokens", "16"]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    choice = load_choice(model_key(str(tiny_random_path), "any"))
+    assert choice is not None and list(choice.skip_layers) == printed["skip_layers"]
+    assert printed["path"] == str(choice_path(choice.model_key))
