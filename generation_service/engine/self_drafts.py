@@ -68,8 +68,8 @@ class SelfDraftProposer(DraftProposer):
         if self.runner not in DRAFTING_RUNNERS:
             raise InvalidRequestError(
                 f"draft proposer 'self' drafts with the eager forward; this server's runner is {self.runner!r} "
-                "(its verify graphs and fused weights are not wired for draft layers): serve with --runner eager, "
-                "or use proposer ngram or grammar")
+                "(its verify graphs, fused weights or sharded ranks are not wired for draft layers): serve one "
+                "process with --runner eager, or use proposer ngram or grammar")
         if self.choice is None:
             choice = load_choice(self.model_key)
             if choice is None:
