@@ -20,7 +20,7 @@ import copy
 import re
 from dataclasses import dataclass
 
-from grammar_service.guarantees import iter_subschemas
+from grammar_service.schema_walk import iter_subschemas
 
 _MAX_REFS = 32  # $ref hops followed from one place (cycles)
 _MAX_DEPTH = 8  # nested allOf/anyOf/oneOf levels looked into

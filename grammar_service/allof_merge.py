@@ -28,7 +28,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from grammar_service.guarantees import iter_subschemas
+from grammar_service.schema_walk import iter_subschemas
 
 _ANNOTATIONS = frozenset({"title", "description", "$comment", "examples", "default", "deprecated",
                           "readOnly", "writeOnly"})

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 
 from grammar_contract.report import UnenforcedKeyword
-from grammar_service.guarantees import iter_subschemas
+from grammar_service.schema_walk import iter_subschemas
 
 _ORDER = "declared properties are written in the order the schema lists them: a valid document in another order is refused"
 _PLACE = "undeclared properties are written after the declared ones: a valid document with one before them is refused"

@@ -25,7 +25,7 @@ import json
 import re
 
 from grammar_service.allof_merge import fold_all_of
-from grammar_service.guarantees import iter_subschemas
+from grammar_service.schema_walk import iter_subschemas
 
 _SIBLINGS_IGNORED = re.compile(r"^https?://json-schema\.org/draft-0[3-7]/schema#?$")
 _KEPT_BESIDE_REF = frozenset({"$ref", "definitions", "$defs"})

@@ -32,7 +32,7 @@ import functools
 import json
 from urllib.parse import quote
 
-from grammar_service.guarantees import iter_subschemas
+from grammar_service.schema_walk import iter_subschemas
 from grammar_service.look_around import without_look_around
 from structgen.schema_draft_uri import draft_of
 

@@ -6,7 +6,7 @@ import importlib.metadata
 import jsonschema
 
 from benchmarks.corpus import load_corpus
-from grammar_service.guarantees import iter_subschemas
+from grammar_service.schema_walk import iter_subschemas
 
 
 def test_at_least_twenty_real_schemas_from_installed_packages():
