@@ -30,6 +30,7 @@ def summarize(workload: Workload, records: list[Record]) -> dict:
         "name": workload.name, "prompt_len": workload.prompt_len, "max_tokens": workload.max_tokens,
         "concurrency": workload.concurrency, "rate_rps": workload.rate, "constrained": workload.json_schema is not None,
         "matched_lengths": bool(workload.max_tokens_list), "num_requests": len(records),
+        "warmup_s": workload.warmup_s, "duration_s": workload.duration_s,
         "num_finished": len(finished),
         "output_tokens_per_s": tokens / window if window else None,
         "requests_per_s": sum(1 for r in finished if lo <= r.end < hi) / window if window else None,

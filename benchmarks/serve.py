@@ -187,6 +187,17 @@ def plan(shape: str, name: str, duration: float, warmup: float) -> dict:
             "poisson": [0.5, 1.0], "poisson_at": (512, 128, 128), "prefix": PREFIX_PLAN}
 
 
+def steady_window(args, roofline: dict | None, config, concurrency: int, prompt_len: int) -> dict:
+    """A closed loop's warm-up and window: at least twice the first wave's prefill at the matmul
+    rate each (the users start together, so a window shorter than that measures the start: 64
+    users of 2,048 tokens take ~2.6 s of 8B prefill before any decodes), else --warmup/--duration."""
+    if not roofline:
+        return dict(duration_s=args.duration, warmup_s=args.warmup)
+    from benchmarks._roofline import prefill_flops
+    wave_s = concurrency * prefill_flops(config, prompt_len) / (roofline["matmul_tflops"] * 1e12)
+    return dict(duration_s=max(args.duration, 2 * wave_s), warmup_s=max(args.warmup, 2 * wave_s))
+
+
 def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, save) -> dict:
     """Roofline, server, workloads of one shape; `save(result)` after every workload (a run cut
     short keeps what it measured)."""
@@ -297,19 +308,20 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
             for c in concurrencies_here:
                 tag = f"{prompt_len}/{new_tokens} c={c}"
                 roof = roofline_tok_s(roofline, config, c, prompt_len, new_tokens) if roofline else None
-                free = run(Workload(f"free {tag}", prompt_len, new_tokens, concurrency=c, **common), roof)
+                window = steady_window(args, roofline, config, c, prompt_len)
+                free = run(Workload(f"free {tag}", prompt_len, new_tokens, concurrency=c, **window), roof)
                 if c == 1 and roofline and roofline.get("weight_read_floor_ms") and free["itl_p50_ms"]:
                     free["step_over_weight_floor"] = free["itl_p50_ms"] / roofline["weight_read_floor_ms"]
                     log(f"  batch-1 step (ITL p50) over the per-GPU weight-read floor "
                         f"{roofline['weight_read_floor_ms']:.2f} ms: x{free['step_over_weight_floor']:.2f}")
                 constrained = run(Workload(f"constrained {tag}", prompt_len, new_tokens, concurrency=c,
-                                           json_schema=schema, ignore_eos=False, **common))
+                                           json_schema=schema, ignore_eos=False, **window))
                 if roofline and constrained["mean_output_len"]:
                     n = constrained["mean_output_len"]
                     constrained["roofline_tokens_per_s"] = roofline_tok_s(roofline, config, c, prompt_len, n)
                     constrained["over_roofline"] = constrained["output_tokens_per_s"] / constrained["roofline_tokens_per_s"]
                 matched = run(Workload(f"free-matched {tag}", prompt_len, new_tokens, concurrency=c,
-                                       max_tokens_list=lengths[constrained["name"]] or [new_tokens], **common),
+                                       max_tokens_list=lengths[constrained["name"]] or [new_tokens], **window),
                               constrained.get("roofline_tokens_per_s"))
                 matched["constrained_over_matched_free"] = (
                     constrained["output_tokens_per_s"] / matched["output_tokens_per_s"]
