@@ -190,7 +190,7 @@ def coalesce(events: list[OutputEvent]) -> list[OutputEvent]:
     merged: list[OutputEvent] = []
     run: list[OutputEvent] = []
     for event in events:
-        if _is_plain_tokens(event):
+        if is_plain_tokens(event):
             run.append(event)
             continue
         if run:
@@ -202,7 +202,8 @@ def coalesce(events: list[OutputEvent]) -> list[OutputEvent]:
     return merged
 
 
-def _is_plain_tokens(event: OutputEvent) -> bool:
+def is_plain_tokens(event: OutputEvent) -> bool:
+    """Tokens and text only: no guarantee, finish, error or usage (what `coalesce` merges)."""
     return (event.finish_reason is None and event.guarantee is None and event.error is None
             and event.usage is None)
 

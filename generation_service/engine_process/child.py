@@ -101,7 +101,7 @@ def main(conn, engine_config, grammar_address: str | None, log_level: str, switc
     engine.table.finish_listeners.append(
         lambda request: outbox.add((FINISHED, request.request_id, FinishedRequest.of(request))))
     sender.send((LOADED, EngineInfo(engine.config, engine.model_config, engine.tokenizer, engine.model_name,
-                                    engine.runner_name, engine.limits, engine.eos_token_ids)))
+                                    engine.runner_name, engine.limits)))
     from structgen.heap import freeze_heap
     freeze_heap()
     _serve(conn, engine, outbox)

@@ -57,7 +57,6 @@ class RemoteEngine:
         self.model_name = info.model_name
         self.runner_name = info.runner_name
         self.limits = info.limits
-        self.eos_token_ids = info.eos_token_ids
         self.table = _Table()
         self.on_exit: Callable[[str], None] | None = None  # the engine process ended unasked: why
         self.failure: str | None = None

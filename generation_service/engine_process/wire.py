@@ -1,7 +1,7 @@
 """What the serving process and the engine process say over their pipe.
 
-Serving -> engine, one message each: `(START,)`, `(SUBMIT, GenerationRequest)`,
-`(CANCEL, request_id)`, `(CALL, call_id, method)`, `(STOP, grace_s)`.
+Serving -> engine, one message each: `(SUBMIT, GenerationRequest)`, `(CANCEL, request_id)`,
+`(CALL, call_id, method)` (the engine's `start` and `stats`), `(STOP, grace_s)`.
 Engine -> serving: `(LOADED, EngineInfo)` or `(FAILED, error)` once the model is loaded,
 then `(ITEMS, [item, ...])`, each item one of
     (TOKENS, request_id, token_ids, text)   a plain token event (most of the traffic)
@@ -18,10 +18,11 @@ from dataclasses import dataclass
 
 from generation_service.engine.config import EngineConfig
 from generation_service.engine.events import FinishReason, OutputEvent
+from generation_service.engine.stream import is_plain_tokens
 from generation_service.engine.validation import RequestLimits
 from grammar_contract.report import GuaranteeReport
 
-START, SUBMIT, CANCEL, CALL, STOP = "start", "submit", "cancel", "call", "stop"
+SUBMIT, CANCEL, CALL, STOP = "submit", "cancel", "call", "stop"
 LOADED, FAILED, ITEMS, STOPPED = "loaded", "failed", "items", "stopped"
 TOKENS, EVENT, FINISHED, REPLY = 0, 1, 2, 3
 
@@ -36,7 +37,6 @@ class EngineInfo:
     model_name: str
     runner_name: str
     limits: RequestLimits
-    eos_token_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -72,8 +72,7 @@ class FinishedRequest:
 
 def item_of(request_id: str, event: OutputEvent) -> tuple:
     """The wire item of one event: plain tokens as a tuple (cheaper to pickle), else the event."""
-    if (event.finish_reason is None and event.guarantee is None and event.error is None
-            and event.usage is None and not event.logprobs):
+    if is_plain_tokens(event) and not event.logprobs:
         return (TOKENS, request_id, event.token_ids, event.text)
     return (EVENT, request_id, event)
 
