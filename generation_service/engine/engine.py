@@ -30,7 +30,6 @@ bookkeeping, never across the forward or the mask wait.
 """
 from __future__ import annotations
 
-import importlib
 import logging
 import secrets
 import threading
@@ -56,7 +55,8 @@ from generation_service.engine.runners import make_runner, resolve_runner
 from generation_service.engine.sample_row import SampleRow
 from generation_service.engine.sampler import Sampler, SampleResult
 from generation_service.engine.scheduler import ScheduledBatch, ScheduledRow, Scheduler, SlotPool, TokenBudget
-from generation_service.engine.speculative import MODEL_PROPOSERS, PROPOSERS, DraftProposer, make_proposer
+from generation_service.engine.self_drafts import SelfDraftProposer
+from generation_service.engine.speculative import PROPOSERS, DraftProposer, make_proposer
 from generation_service.engine.step_time import StepTime
 from generation_service.engine.stream import RequestStream
 from generation_service.engine.validation import RequestLimits, validate_request
@@ -178,13 +178,9 @@ class Engine:
         """The proposers that draft with the model (speculative.MODEL_PROPOSERS) over its KV
         cache, reserving pages through the scheduler (built after them: hence the lambda)."""
         key = model_key(loaded.path, self.config.model, self.config.seed)
-        proposers = {}
-        for name, target in MODEL_PROPOSERS.items():
-            module, class_name = target.split(":")
-            proposers[name] = getattr(importlib.import_module(module), class_name)(
-                loaded.model, kv_cache, lambda request, num_tokens: self.scheduler.reserve(request, num_tokens),
-                key, self.config.model, self.runner_name)
-        return proposers
+        return {"self": SelfDraftProposer(loaded.model, kv_cache,
+                                          lambda request, num_tokens: self.scheduler.reserve(request, num_tokens),
+                                          key, self.config.model, self.runner_name)}
 
     def _num_pages_from_budget(self, mc, dtype: torch.dtype, model) -> int:
         per_page = KVCache.bytes_per_page(mc.num_layers, self.config.page_size, model.config.num_kv_heads,

@@ -81,8 +81,8 @@ class GrammarProposer(DraftProposer):
 
 PROPOSERS: dict[str, Callable[[], DraftProposer]] = {"ngram": NgramProposer, "grammar": GrammarProposer}
 # Proposers that draft with the model: the engine builds them with its model and KV cache
-# (module:class, imported when an engine is built).
-MODEL_PROPOSERS: dict[str, str] = {"self": "generation_service.engine.self_drafts:SelfDraftProposer"}
+# (engine/self_drafts.py); here only their names, which requests are checked against.
+MODEL_PROPOSERS = ("self",)
 
 
 def proposer_names() -> list[str]:
