@@ -351,8 +351,8 @@ class Engine:
         """One engine step; False when there was nothing to do."""
         start = time.perf_counter()
         if self._in_flight is not None:
-            self._step_chained()
-            self._decode_step_done(time.perf_counter() - start)
+            num_rows = self._step_chained()
+            self._decode_step_done(time.perf_counter() - start, num_rows)
             return True
         if self.mixed.in_flight is not None:  # chain the next mixed step, or read this one
             self.mixed.step()
@@ -395,16 +395,17 @@ class Engine:
             self.num_prefill_tokens += batch.num_prefill_tokens
         self.finish_step(batch, step, samples, masks, graphed, rows)
         if graphed:
-            self._decode_step_done(time.perf_counter() - start)
+            self._decode_step_done(time.perf_counter() - start, len(batch.rows))
         else:
             self.step_s_total["mixed"] += time.perf_counter() - start
         return True
 
-    def _decode_step_done(self, seconds: float) -> None:
-        """A decode graph step took `seconds` of the loop (overlapped: from the previous one)."""
+    def _decode_step_done(self, seconds: float, num_rows: int) -> None:
+        """A decode graph step of `num_rows` rows took `seconds` of the loop (overlapped: from
+        the previous one)."""
         self.step_s_total["graph"] += seconds
         if self.step_time is not None:
-            self.step_time.observe_decode(seconds)
+            self.step_time.observe_decode(seconds, num_rows)
 
     def deliver_deferred(self) -> bool:
         """Stream the tokens the last mixed step deferred (engine lock held); whether a request
@@ -421,9 +422,9 @@ class Engine:
                 self.link.publish(step, [kept.get(id(row.request), []) for row in rows])
             self.num_steps += 1
 
-    def _step_chained(self) -> bool:
+    def _step_chained(self) -> int:
         """Overlap: launch N+1 for the rows of the in-flight step N if nothing changes the
-        batch, then read and postprocess N (while the GPU runs N+1)."""
+        batch, then read and postprocess N (while the GPU runs N+1); N's rows."""
         previous, self._in_flight = self._in_flight, None
         with self.lock:
             batch = self._chained_batch(previous)
@@ -434,7 +435,7 @@ class Engine:
             self._in_flight = InFlight(batch, step, self.runner.launch(batch, step, self.link, chained=True))
         samples, masks = self.runner.collect(previous.launch, self.link)
         self.finish_step(previous.batch, previous.step, samples, masks, True)
-        return True
+        return len(previous.batch.rows)
 
     def _chained_batch(self, previous: InFlight) -> ScheduledBatch | None:
         """The step after `previous` for the same rows, one token further, or None when

@@ -210,7 +210,7 @@ class Scheduler:
     def _within_step_time(self, budget: int, num_decode_tokens: int) -> int:
         """`budget` cut so the step's slots (its bucket's) stay within `step_time`'s cap; never
         below `with_decode`, the budget that holds whatever the load."""
-        max_tokens = self.step_time.max_step_tokens if self.step_time is not None else None
+        max_tokens = self.step_time.max_step_tokens(num_decode_tokens) if self.step_time is not None else None
         if max_tokens is None or self.token_bucket(num_decode_tokens + budget) <= max_tokens:
             return budget
         low, high = 0, max_tokens  # the largest step whose bucket is within the cap

@@ -4,9 +4,12 @@ Every decode row of a mixed step waits for the whole step: its inter-token time 
 So while decode rows share a step, the step's token slots stay within what `stretch` plain
 decode steps take. A mixed step of t slots costs about `fixed_s + per_token_s * t` (measured at
 start, `CudaGraphRunner.measure_step_cost`); a plain decode step takes what the engine's recent
-ones took, host time included (a running mean: that is the cadence a stream sees between
-mixed steps, and a host-bound server can afford more prefill per step than its graphs alone
-suggest).
+ones of as many rows took, host time included (a running mean per batch bucket: that is the
+cadence a stream sees between mixed steps, and a host-bound server can afford more prefill per
+step than its graphs alone suggest). A batch no plain decode step of its size has run is not
+capped: every step of it is mixed, so no decode step alternates with them, and a mean of
+another batch (the 1-row steps of an idle server) held the 1B shape's prefill at its floor
+(benchmarks/results/serve-h200-targets.json: 320 prompt tokens a step at c=128, TTFT p50 0.48 s).
 """
 from __future__ import annotations
 
@@ -34,27 +37,37 @@ class MixedStepCost:
         return max(int((seconds - self.fixed_s) / self.per_token_s + 1e-6), 0)  # (1e-6: float error)
 
 
+def batch_bucket(num_rows: int) -> int:
+    """The power of two at or above `num_rows`: decode steps of about one size share a mean."""
+    return 1 << max(num_rows - 1, 0).bit_length()
+
+
 class StepTime:
-    """The running decode-step time and the step size it allows (the scheduler's cap)."""
+    """The running decode-step time per batch bucket and the step size it allows (the
+    scheduler's cap)."""
 
     def __init__(self, cost: MixedStepCost, stretch: float) -> None:
         if stretch < 1:
             raise ValueError(f"the step stretch must be >= 1 (a mixed step takes at least a decode step), got {stretch}")
         self.cost = cost
         self.stretch = stretch
-        self.decode_s: float | None = None   # the running mean; None before any decode step
+        self._decode_s: dict[int, float] = {}  # batch bucket -> running mean of its decode steps
 
-    def observe_decode(self, seconds: float) -> None:
-        """A plain decode step took `seconds` of the engine loop."""
-        if self.decode_s is None:
-            self.decode_s = seconds
-        else:
-            self.decode_s = DECODE_STEP_DECAY * self.decode_s + (1 - DECODE_STEP_DECAY) * seconds
+    def observe_decode(self, seconds: float, num_rows: int) -> None:
+        """A plain decode step of `num_rows` rows took `seconds` of the engine loop."""
+        bucket = batch_bucket(num_rows)
+        mean = self._decode_s.get(bucket)
+        self._decode_s[bucket] = seconds if mean is None else \
+            DECODE_STEP_DECAY * mean + (1 - DECODE_STEP_DECAY) * seconds
 
-    @property
-    def max_step_tokens(self) -> int | None:
-        """The most token slots of a step that decode rows share; None (no cap) before the
-        first decode step."""
-        if self.decode_s is None:
+    def decode_s(self, num_rows: int) -> float | None:
+        """The running mean of decode steps of about `num_rows` rows; None before one ran."""
+        return self._decode_s.get(batch_bucket(num_rows))
+
+    def max_step_tokens(self, num_decode_rows: int) -> int | None:
+        """The most token slots of a step that `num_decode_rows` decode rows share; None (no
+        cap) before a decode step of about that many rows ran."""
+        decode_s = self.decode_s(num_decode_rows)
+        if decode_s is None:
             return None
-        return self.cost.tokens_within(self.stretch * self.decode_s)
+        return self.cost.tokens_within(self.stretch * decode_s)

@@ -200,16 +200,19 @@ def test_a_step_beside_decode_rows_stays_within_its_time_cap():
         return sum(len(row.input_ids) for row in batch.rows if not row.is_decode)
 
     s, a = loaded()
-    assert step_time.max_step_tokens is None and prefill(s.schedule()) == 144 - 1  # not timed: the limit, filled
-    step_time.observe_decode(0.0045)  # 2 x 4.5 ms holds 50 slots: bucket 48 = a's token + 47
-    assert step_time.max_step_tokens == 50
+    assert step_time.max_step_tokens(1) is None and prefill(s.schedule()) == 144 - 1  # not timed: the limit, filled
+    step_time.observe_decode(0.0045, num_rows=8)  # a decode step of another batch: still no cap for 1 row
+    s, a = loaded()
+    assert step_time.max_step_tokens(1) is None and prefill(s.schedule()) == 144 - 1
+    step_time.observe_decode(0.0045, num_rows=1)  # 2 x 4.5 ms holds 50 slots: bucket 48 = a's token + 47
+    assert step_time.max_step_tokens(1) == 50
     s, a = loaded()
     batch = s.schedule()
     assert prefill(batch) == 47 and bucket(batch.num_tokens) <= 50
-    step_time.decode_s = 0.0036  # decode steps got faster: 2 x 3.6 ms holds 32 slots
+    step_time._decode_s[1] = 0.0036  # decode steps got faster: 2 x 3.6 ms holds 32 slots
     s, a = loaded()
     assert prefill(s.schedule()) == 31
-    step_time.decode_s = 0.002  # under the fixed cost: no room, yet the chunk still goes in
+    step_time._decode_s[1] = 0.002  # under the fixed cost: no room, yet the chunk still goes in
     s, a = loaded()
     assert prefill(s.schedule()) == 8
     idle = make_scheduler(num_pages=1024, max_batch=8, chunk=8, alone=256, queued=128, token_bucket=bucket,
@@ -218,13 +221,16 @@ def test_a_step_beside_decode_rows_stays_within_its_time_cap():
     assert prefill(idle.schedule()) == 200  # no decode row: the budget alone, uncapped
 
 
-def test_step_time_follows_the_recent_decode_steps_and_refuses_a_stretch_under_one():
+def test_step_time_follows_the_recent_decode_steps_of_each_batch_size_and_refuses_a_stretch_under_one():
     step_time = StepTime(MixedStepCost(0.004, 0.0001, 0.006), stretch=2.5)
-    step_time.observe_decode(0.006)
+    step_time.observe_decode(0.006, num_rows=64)
     for _ in range(60):
-        step_time.observe_decode(0.010)  # the load changed: the mean follows within a few dozen steps
-    assert abs(step_time.decode_s - 0.010) < 0.0001
-    assert step_time.max_step_tokens == int((2.5 * step_time.decode_s - 0.004) / 0.0001)
+        step_time.observe_decode(0.010, num_rows=61)  # the load changed: the mean follows within a few dozen steps
+    assert abs(step_time.decode_s(64) - 0.010) < 0.0001 and step_time.decode_s(33) == step_time.decode_s(64)
+    assert step_time.max_step_tokens(64) == int((2.5 * step_time.decode_s(64) - 0.004) / 0.0001)
+    step_time.observe_decode(0.002, num_rows=1)  # an idle server's 1-row steps: their own mean
+    assert step_time.decode_s(1) == 0.002 and abs(step_time.decode_s(64) - 0.010) < 0.0001
+    assert step_time.max_step_tokens(128) is None  # no 128-row decode step ran: every such step is mixed
     assert MixedStepCost(0.004, 0.0001, 0.006).chunk(max_tokens=4096, granule=16) == 48  # 6 ms of tokens
     assert MixedStepCost(0.004, 0.0001, 0.006).tokens_within(0.003) == 0
     with pytest.raises(ValueError, match="stretch must be >= 1"):
