@@ -1,7 +1,8 @@
 """The step loop of one open channel: docs/step_channel.md §"Entry N", step 3, as code.
 
     wait inputs_seq >= N
-    a. advance the matchers of step N-1's rows by the tokens it accepted -> results (entry N)
+    a. advance the matchers of step N-1's rows by the tokens it accepted -> results (entry N);
+       a slow row's next fill starts in the slow filler at once
     b. release-only rows, then FRESH binds
     c. fill step N's mask rows, walking drafts with accept + rollback -> valid_positions;
        a slow row's mask comes from the slow filler, or the row is late (VALID_LATE);
@@ -233,6 +234,7 @@ class StepLoop:
             elif not state.is_terminated and counts[r] > 0:
                 active.append((r, slot, state, out_tokens[r][:counts[r]]))
         single = the_only_backend(a[2].backend for a in active)
+        moved = [(slot, state) for _, slot, state, _ in active]
         j = 0
         while active:  # one batched accept per token index j
             still = []
@@ -250,6 +252,7 @@ class StepLoop:
                 elif j + 1 < len(tokens):
                     still.append(item)
             active, j = still, j + 1
+        self.slow_rows.prefetch([state for slot, state in moved if states[slot] is state])
 
     def _bind_and_release(self, rows: list[list[int]]) -> None:
         """b. Release-only rows first (a slot may be reused in the same step), then FRESH."""

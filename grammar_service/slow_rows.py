@@ -13,6 +13,8 @@ mask comes from:
   it again, so only that row waits for its mask. A slow fill under half the threshold makes the
   row fast again;
 - "batch": every other row, in the step's batch calls.
+A slow row's next fill starts as soon as its matcher advances (`prefetch`): the engine leaves
+a late row out of steps while that fill is likely running (engine/late_mask.py).
 A row slow from its very first fill holds that one step (its timed fill). Rows with drafts are
 never late: their positions walk in the batch (a pending slow fill is waited for first).
 """
@@ -69,6 +71,16 @@ class SlowRows:
             return "timed"
         state.num_fills_since_timed += 1
         return "batch"
+
+    def prefetch(self, advanced: list[Slot]) -> None:
+        """Start the next fill of each slow row that just advanced: the engine leaves a late row
+        out of steps while that fill runs (generation_service/engine/late_mask.py), so its next
+        step finds the mask done instead of starting it."""
+        if not self.enabled:
+            return
+        for state in advanced:
+            if state.is_slow and state.slow_fill is None and state.matcher is not None and not state.is_terminated:
+                state.slow_fill = self.filler.submit(state.matcher, state.backend, state.fill_delay_s)
 
     def start(self, apart: list[tuple[int, int, Slot]]) -> None:
         """Hand the rows filled apart (row, slot, state) without a fill under way to the filler."""
