@@ -447,9 +447,9 @@ class Engine:
         if previous.step is not None and self.runner.channel is not self.link.channel:
             return None
         requests = [row.request for row in previous.batch.rows]
-        if len(self.scheduler.running) != len(requests):
-            return None  # a running request outside the batch (compiling) may join
         now = time.monotonic()
+        if len(self.scheduler.running) != len(requests) and self._may_join(requests, now):
+            return None  # a running request outside the batch (compiling, a late row now due) may join
         for row in previous.batch.rows:
             request = row.request
             if (request.status is not RequestStatus.RUNNING
@@ -467,6 +467,12 @@ class Engine:
         # NOTE: the rest of can_graph (one sampling token per row, no drafts or logprobs,
         # the batch fits a bucket) held for `previous` and nothing of it changed.
         return ScheduledBatch(rows)
+
+    def _may_join(self, requests: list[Request], now: float) -> bool:
+        """Whether a running request outside `requests` may join the next step: any but a late
+        row that sits out (late_mask.py), which leaves a chain of decode graphs alone."""
+        inside = {id(request) for request in requests}
+        return any(id(request) not in inside and not request.sits_out(now) for request in self.scheduler.running)
 
     def _sample(self, batch: ScheduledBatch, logits, masks: StepMasks | None) -> list[SampleResult]:
         rows = batch.sampling_rows

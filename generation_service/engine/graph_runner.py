@@ -142,10 +142,10 @@ class CudaGraphRunner(ModelRunner):
     def can_graph(self, batch: ScheduledBatch) -> bool:
         """Decode-only rows that the captured step can run as they are, or (verify graphs on)
         rows with drafts that the captured verify step can run. Never a row whose mask came late
-        (`Request.has_late_mask`): a decode graph waits for every row's mask."""
+        (`Request.late_mask`): a decode graph waits for every row's mask."""
         rows = batch.rows
         max_pages = self.max_pages_per_row
-        if any(row.request.has_late_mask for row in rows):
+        if any(row.request.late_mask is not None for row in rows):
             return False
         if 0 < len(rows) <= self.gpu.max_batch and all(
                 row.is_sampling and len(row.input_ids) == 1 and not row.drafts

@@ -17,6 +17,7 @@ from generation_service.engine.errors import (
 )
 from generation_service.engine.events import FinishReason, OutputEvent, Usage
 from generation_service.engine.grammar_link import GrammarLink, LinkRow, RowResult, StepMasks
+from generation_service.engine.late_mask import LateMask
 from generation_service.engine.output import OutputProcessor
 from generation_service.engine.request import ForcedRun, Request, RequestStatus
 from generation_service.engine.sampler import SampleResult
@@ -167,6 +168,8 @@ class RequestTable:
                 # the run starts at the token this step sampled at position valid - 1
                 request.forced_run = ForcedRun(request.num_tokens + valid - 1,
                                                tuple(masks.forced.get(id(request), ())))
+            if request.late_mask is not None:
+                request.late_mask.sampled(time.monotonic())
             kept[id(request)] = self._accept(row, request, result, pushed, defer)
             if not request.is_finished:  # (a finished one's pages were keyed as they were freed)
                 self.scheduler.store_pages(request)
@@ -220,7 +223,9 @@ class RequestTable:
         """A late row accepts nothing: K/V stays valid up to its last known token, which the next
         step computes again and samples after (the same draw: seeded by token index)."""
         request.num_cached = row.seq_len - len(row.drafts) - 1
-        request.has_late_mask = True
+        if request.late_mask is None:
+            request.late_mask = LateMask()
+        request.late_mask.late(time.monotonic())
         self.num_late_rows += 1
         if row.drafts:
             self.scheduler.trim_pages(request)

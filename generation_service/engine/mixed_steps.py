@@ -138,7 +138,8 @@ class MixedSteps:
             if (request.status is not RequestStatus.RUNNING
                     or request.num_generated + 1 >= request.max_new_tokens  # N's token is its last
                     or (request.spec.deadline is not None and now > request.spec.deadline)
-                    or (request.is_constrained and valid in (0, VALID_LATE))):
+                    or (request.is_constrained and valid in (0, VALID_LATE))
+                    or request.sits_out(now)):  # its next mask is likely not ready (late_mask.py)
                 continue
             if not engine.scheduler.reserve(request, row.seq_len + 1):
                 return None  # (pages reserved before a refusal are kept for the next step)
@@ -147,7 +148,7 @@ class MixedSteps:
         if not continuing:
             return None
         batch = engine.scheduler.schedule(0, continuing=continuing)
-        if not batch.num_prefill_tokens and not any(row.request.has_late_mask for row in continuing):
+        if not batch.num_prefill_tokens and not any(row.request.late_mask is not None for row in continuing):
             return None  # decode rows alone: a decode graph runs them once N is read (not a slow row)
         self._fed_sources = sources
         return batch

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from generation_service.engine.errors import EngineError
 from generation_service.engine.events import FinishReason
+from generation_service.engine.late_mask import LateMask
 from generation_service.engine.params import GenerationRequest
 from grammar_contract.report import GuaranteeReport
 
@@ -68,9 +69,10 @@ class Request:
     grammar_id: int | None = None                 # set once the compile succeeded
     guarantee: GuaranteeReport | None = None
     is_matcher_bound: bool = False                # FRESH was sent for this slot
-    # A mask of it came late (VALID_LATE) once: a slow grammar. Its steps stay off the decode
-    # graphs, which wait for every row's mask; mixed steps let it be late alone (issue 19).
-    has_late_mask: bool = False
+    # Set once a mask of it came late (VALID_LATE): a slow grammar. It sits out of steps while its
+    # next mask is likely not ready, and the steps it joins are host steps, which let it be late
+    # alone; decode graphs wait for every row's mask (engine/late_mask.py, issue 19).
+    late_mask: LateMask | None = None
     # speculation
     forced_run: ForcedRun | None = None           # the grammar's last forced run (grammar proposer)
     num_preemptions: int = 0                      # times its pages were dropped for lack of room
@@ -160,6 +162,10 @@ class Request:
     def can_sample(self) -> bool:
         """A free request always; a constrained one once its grammar is compiled."""
         return not self.is_compiling
+
+    def sits_out(self, now: float) -> bool:
+        """A late row whose next mask is likely still being filled: no step takes it now."""
+        return self.late_mask is not None and not self.late_mask.is_due(now)
 
     @property
     def is_finished(self) -> bool:

@@ -178,8 +178,10 @@ class Scheduler:
         waits for a later step."""
         rows: list[ScheduledRow] = list(continuing)
         can_preempt = not continuing
+        now = time.monotonic()
         num_decode_tokens = len(continuing) + sum(
-            1 for r in self.running if r.is_decoding and r.can_sample and r.status is RequestStatus.RUNNING)
+            1 for r in self.running if r.is_decoding and r.can_sample and r.status is RequestStatus.RUNNING
+            and not r.sits_out(now))
         if num_decode_tokens:
             budget = self.budget.beside_decode(self._num_prompt_tokens_to_prefill())
             # the step pays for its whole bucket: padding slots may as well be prompt tokens
@@ -190,6 +192,8 @@ class Scheduler:
         for request in list(self.running):
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if request.sits_out(now):
+                continue  # a late row while its next mask is likely still filled (late_mask.py)
             row = self._schedule_running(request, budget, max_drafts, can_preempt)
             if row is not None:
                 rows.append(row)

@@ -1,7 +1,10 @@
+import time
+
 import pytest
 
 from generation_service.engine.errors import QueueFullError
 from generation_service.engine.kv_cache import PageAllocator
+from generation_service.engine.late_mask import LateMask
 from generation_service.engine.prefix_cache import PrefixCache
 from generation_service.engine.request import RequestStatus
 from generation_service.engine.scheduler import Scheduler, SlotPool, TokenBudget
@@ -258,3 +261,33 @@ def test_continuing_rows_come_first_and_nothing_is_preempted_beside_them():
     continuing = [ScheduledRow(a, a.num_tokens, [-1], is_sampling=True)]
     batch = s.schedule(continuing=continuing)
     assert batch.rows == continuing and a.status is RequestStatus.RUNNING and s.num_preemptions == 0
+
+
+def test_a_late_row_sits_out_while_its_next_mask_is_likely_filled_and_comes_back_when_due():
+    s = make_scheduler(chunk=8)
+    a, b = make_request("a", 4), make_request("b", 4)
+    s.add(a)
+    s.add(b)
+    complete(s.schedule())
+    a.late_mask = LateMask()
+    a.late_mask.late(time.monotonic())  # late once, no fill time learnt: due again at once
+    assert [row.request.request_id for row in s.schedule().rows] == ["a", "b"]
+    a.late_mask.sampled(time.monotonic() - 0.050)  # a token 50 ms ago...
+    a.late_mask.sampled(time.monotonic())  # ...and one now: its fills take about 50 ms
+    assert a.sits_out(time.monotonic())
+    assert [row.request.request_id for row in s.schedule().rows] == ["b"]
+    a.late_mask.due_s = time.monotonic()
+    assert [row.request.request_id for row in s.schedule().rows] == ["a", "b"]
+
+
+def test_a_late_masks_due_time_follows_its_fill_time():
+    mask, now = LateMask(), 100.0
+    mask.sampled(now)
+    assert mask.is_due(now)  # nothing learnt yet
+    for _ in range(8):  # a token every 60 ms: due again a little before the next fill is done
+        now += 0.060
+        mask.sampled(now)
+    assert abs(mask.fill_s - 0.060) < 1e-9
+    assert not mask.is_due(now + 0.050) and mask.is_due(now + 0.055)
+    mask.late(now + 0.055)  # not ready yet: back after a quarter of it
+    assert not mask.is_due(now + 0.065) and mask.is_due(now + 0.071)
