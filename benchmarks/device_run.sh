@@ -14,9 +14,10 @@
 #   cannot run there.)
 # .bench: the real tokenizers as tgz, made here from the converted copies:
 #   tar czf .bench/<name>.tgz -C ~/.cache/structgen/tokenizers <name>   (tekken_131k, mistral_32k)
-#   run: bash benchmarks/device_run.sh [tests|serve|bench|verify|profile|gemv|grammar|ab|all|a,b,...] [extra decode.py args...]
+#   run: bash benchmarks/device_run.sh [tests|serve|slow|bench|verify|profile|gemv|grammar|ab|all|a,b,...] [extra decode.py args...]
 #   (TESTS: the test paths, default tests/gpu; SERVE_ARGS: serve.py's arguments, default the full plan;
-#    SERVE_NAME: its result's name under $OUT, default serve-h200; SERVE_PROFILE: py-spy the server
+#    SERVE_NAME: its result's name under $OUT, default serve-h200; SLOW_SHAPES / SLOW_ARGS: slow_row.py's
+#    shapes and arguments; SERVE_PROFILE: py-spy the server
 #    through the workloads whose name holds it, e.g. "free 512/128 c=128" (py-spy in .whl); SERVE_ARGS may add
 #    --profile-mode wall)
 #   (PROFILE_ARGS: extra profile_step.py args, e.g. "--variants gemv+pdl-torch-prologue gemv+pdl";
@@ -25,7 +26,8 @@
 #   session's first commit, not the one measured (the result files' code_commit).
 # Writes under $OUT: env.txt, tests.log, junit.xml, serve.log, serve-h200.json, bench.log, decode-h200.json,
 #   grammar_step.log, grammar_step-h200-host-16cpu.json, profile.log, profile-h200.json,
-#   kernels-gemv.log, kernels-gemv-h200.json, verify.log, verify-h200.json, decode-ab-<name>.json|.log.
+#   kernels-gemv.log, kernels-gemv-h200.json, verify.log, verify-h200.json, decode-ab-<name>.json|.log,
+#   slow_row-h200-<shape>.json|.log.
 set -uo pipefail
 what=${1:-all}; shift || true   # one part, a comma-separated list, or all
 want() { [[ $what == all || ,$what, == *,$1,* ]]; }
@@ -64,6 +66,16 @@ if want serve; then
   timeout ${SERVE_TIMEOUT:-540} python3 benchmarks/serve.py --out "$OUT/${SERVE_NAME:-serve-h200}.json" \
     ${SERVE_PROFILE:+--profile "$SERVE_PROFILE"} ${SERVE_ARGS:-} 2>&1 \
     | tee "$OUT/${SERVE_NAME:-serve-h200}.log" | tail -70
+fi
+if want slow; then
+  # issue 19 point 6: one slow grammar among 63 ordinary requests, per shape (random weights, Tekken)
+  for shape in ${SLOW_SHAPES:-llama-3.2-1b llama-3.1-8b}; do
+    folder=$(python3 -c "import sys; from benchmarks._harness import random_model_folder as f; import pathlib; \
+print(f(sys.argv[1], sys.argv[2], pathlib.Path('/tmp/m-' + sys.argv[1]), 131072, 16384))" "$shape" "$STRUCTGEN_TEKKEN_DIR")
+    timeout ${SLOW_TIMEOUT:-200} python3 benchmarks/slow_row.py --device cuda --model "random:$folder/config.json" \
+      --label "h200-$shape" --out "$OUT/slow_row-h200-$shape.json" ${SLOW_ARGS:---slow-fill-ms 50 --slow-max-tokens 24 --max-tokens 64 --repeats 1} \
+      2>&1 | tee "$OUT/slow_row-h200-$shape.log" | tail -15
+  done
 fi
 if want bench; then
   timeout ${BENCH_TIMEOUT:-180} python3 benchmarks/decode.py --out "$OUT/decode-h200.json" "$@" 2>&1 | tee "$OUT/bench.log" | tail -45
