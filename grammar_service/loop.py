@@ -2,7 +2,7 @@
 
     wait inputs_seq >= N
     a. advance the matchers of step N-1's rows by the tokens it accepted -> results (entry N);
-       a slow row's next fill starts in the slow filler at once
+       the next fill of a slow row that was late once starts in the slow filler at once
     b. release-only rows, then FRESH binds
     c. fill step N's mask rows, walking drafts with accept + rollback -> valid_positions;
        a slow row's mask comes from the slow filler, or the row is late (VALID_LATE);

@@ -20,6 +20,7 @@ class Slot:
     fill_delay_s: float = 0.0      # GrammarServiceConfig.slow_fill_ms for this slot's grammar
     num_fills_since_timed: int = -1  # -1: never timed (its next fill is); slow_rows.RETIME_EVERY
     is_slow: bool = False
+    was_late: bool = False             # a step got VALID_LATE for it: the engine sits it out (prefetch)
     slow_fill: SlowFill | None = None  # a slow fill of the current state, not yet used
 
     @property

@@ -13,8 +13,9 @@ mask comes from:
   it again, so only that row waits for its mask. A slow fill under half the threshold makes the
   row fast again;
 - "batch": every other row, in the step's batch calls.
-A slow row's next fill starts as soon as its matcher advances (`prefetch`): the engine leaves
-a late row out of steps while that fill is likely running (engine/late_mask.py).
+A slow row that was late once has its next fill started as soon as its matcher advances
+(`prefetch`): the engine leaves a late row out of steps while that fill is likely running
+(engine/late_mask.py).
 A row slow from its very first fill holds that one step (its timed fill). Rows with drafts are
 never late: their positions walk in the batch (a pending slow fill is waited for first).
 """
@@ -73,13 +74,16 @@ class SlowRows:
         return "batch"
 
     def prefetch(self, advanced: list[Slot]) -> None:
-        """Start the next fill of each slow row that just advanced: the engine leaves a late row
-        out of steps while that fill runs (generation_service/engine/late_mask.py), so its next
-        step finds the mask done instead of starting it."""
+        """Start the next fill of each slow row that was late once and just advanced: the engine
+        leaves such a row out of steps while that fill runs (generation_service/engine/late_mask.py),
+        so its next step finds the mask done instead of starting it. Only once late: the engine
+        learns that a row is slow from that alone, and a row whose fills were always done in time
+        would stay in its decode graphs, which wait for every mask."""
         if not self.enabled:
             return
         for state in advanced:
-            if state.is_slow and state.slow_fill is None and state.matcher is not None and not state.is_terminated:
+            if (state.is_slow and state.was_late and state.slow_fill is None and state.matcher is not None
+                    and not state.is_terminated):
                 state.slow_fill = self.filler.submit(state.matcher, state.backend, state.fill_delay_s)
 
     def start(self, apart: list[tuple[int, int, Slot]]) -> None:
@@ -112,6 +116,7 @@ class SlowRows:
             fill = state.slow_fill
             if not self._is_done(fill, step, slow_ns):
                 valid[r] = VALID_LATE
+                state.was_late = True
                 self.num_late_rows += 1
                 metrics.ROWS_LATE.inc()
                 continue

@@ -100,11 +100,13 @@ def test_without_a_deadline_no_row_is_late(driver, compile_id, mistral_32k):
         view = driver.step([Row(2)])
 
 
-def test_a_slow_rows_next_fill_starts_when_it_advances_so_a_row_that_sat_out_finds_it_done(
+def test_a_slow_row_late_once_has_its_next_fill_started_when_it_advances_so_it_can_sit_out(
         driver, compile_id, mistral_32k, service):
-    """The engine leaves a late row out of steps while its next mask is likely being filled
-    (generation_service/engine/late_mask.py): that fill must already be under way, so the step
-    that takes the row back gets its mask at once, the same as one filled on time."""
+    """The engine leaves a row that was late out of steps while its next mask is likely being
+    filled (generation_service/engine/late_mask.py): that fill must already be under way, so the
+    step that takes the row back gets its mask at once, the same as one filled on time. Before
+    it was ever late nothing is filled ahead: the engine learns that a row is slow from its
+    being late alone."""
     fast, slow = compile_id("json_schema", FAST), compile_id("json_schema", SLOW)
     fast_ids = continuation_ids(mistral_32k, '{"name": "Ada Lovelace", "age": 36}')
     slow_ids = continuation_ids(mistral_32k, '{"n": 7}')
@@ -112,12 +114,23 @@ def test_a_slow_rows_next_fill_starts_when_it_advances_so_a_row_that_sat_out_fin
     view = driver.step([Row.fresh(0, fast), Row.fresh(3, slow)], forward_us=FORWARD_US)  # timed: slow
     assert view.valid_positions.tolist() == [1, 1]
     driver.finish([[fast_ids[0]], [slow_ids[0]]])
-    for f in range(1, 3):  # the slow row sits out; its state advanced by slow_ids[0] in the first of these
+    view = driver.step([Row(0)], forward_us=FORWARD_US)  # it advances by slow_ids[0] here
+    driver.finish([[fast_ids[1]]])
+    time.sleep(2 * SLOW_MS / 1000)
+    view = driver.step([Row(0), Row(3)], forward_us=FORWARD_US)  # never late yet: its fill starts now
+    assert view.valid_positions.tolist() == [1, VALID_LATE]
+    driver.finish([[fast_ids[2]], []])
+    time.sleep(2 * SLOW_MS / 1000)
+    view = driver.step([Row(0), Row(3)], forward_us=FORWARD_US)
+    assert view.valid_positions.tolist() == [1, 1]
+    np.testing.assert_array_equal(view.masks[1, 0], reference[1])
+    driver.finish([[fast_ids[3]], [slow_ids[1]]])
+    for f in range(4, 6):  # the slow row sits out; its state advances by slow_ids[1] in the first of these
         view = driver.step([Row(0)], forward_us=FORWARD_US)
         assert view.valid_positions.tolist() == [1]
         driver.finish([[fast_ids[f]]])
     time.sleep(2 * SLOW_MS / 1000)  # longer than its fill
     view = driver.step([Row(0), Row(3)], forward_us=FORWARD_US)  # the forward is done at once
     assert view.valid_positions.tolist() == [1, 1], "the row that sat out found its fill not even started"
-    np.testing.assert_array_equal(view.masks[1, 0], reference[1])
-    driver.finish([[fast_ids[3]], [slow_ids[1]]])
+    np.testing.assert_array_equal(view.masks[1, 0], reference[2])
+    driver.finish([[fast_ids[6]], [slow_ids[2]]])
