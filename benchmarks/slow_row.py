@@ -12,7 +12,8 @@ Both on a server with isolate_slow_rows on, then `slow` again on a server with i
 (`lockstep`: every step waits for the slow row). Per workload: the ordinary requests'
 inter-token p50 / p90 (gap between streamed messages over their tokens, from each request's
 second message on; for `slow` only gaps that ended while the slow row was running), and the slow
-row's tokens, time and validation. The figure: ordinary p50 slow / baseline (target <= 1.05).
+row's tokens, time and validation, and the engine's steps over it (GetEngineStats: all, mixed,
+and the loop's seconds in each kind). The figure: ordinary p50 slow / baseline (target <= 1.05).
 """
 from __future__ import annotations
 
@@ -86,6 +87,16 @@ def _gaps(messages: list[tuple[float, int]], until: float | None) -> list[float]
     return gaps
 
 
+def _step_counts(address: str) -> dict:
+    """The engine's step counters (GetEngineStats): what kind of steps a workload ran."""
+    import grpc
+    from structgen.v1 import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
+    with grpc.insecure_channel(address) as channel:
+        r = pb_grpc.GenerationServiceStub(channel).GetEngineStats(pb.GetEngineStatsRequest(), timeout=30)
+    return {"steps": r.num_steps, "mixed_steps": r.num_mixed_steps,
+            "graph_step_s": r.graph_step_seconds, "mixed_step_s": r.mixed_step_seconds}
+
+
 def _percentile(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
@@ -156,7 +167,10 @@ def main(argv: list[str] | None = None) -> int:
                 for repeat in range(args.repeats):
                     kinds = (("baseline", False), ("slow", True)) if isolate else (("lockstep", True),)
                     for name, with_slow in kinds:
+                        before = _step_counts(server.address)
                         result = run_workload(client, args, with_slow, repeat)
+                        after = _step_counts(server.address)
+                        result["engine_steps"] = {k: round(after[k] - before[k], 3) for k in after}
                         print(f"{name} #{repeat}: {json.dumps(result)}", flush=True)
                         runs[name].append(result)
         finally:

@@ -7,7 +7,11 @@ mask is likely still being filled: grammar_service starts that fill as soon as t
 advances (loop.py), and the engine schedules the row again once about the fill's time has passed
 since its last token. The other rows run as decode graphs meanwhile; the late row joins a host
 step when due, and if its mask is still not ready then, tries again a fraction of that time
-later. The fill time is learnt from the row itself: the time from one of its tokens to the next.
+later. The fill time is learnt from the row itself, between its last late step and the step that
+found the mask ready (a mask ready at the first look moves the estimate down, so it keeps being
+probed; measuring from its last token instead would count the time it sat out, and the estimate
+would grow with every token). Until a first estimate its retries back off exponentially, so the
+others' steps are not host steps while it learns.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from dataclasses import dataclass
 
 DUE_FRACTION = 0.9     # back in steps after this share of the learnt fill time since its last token
 RETRY_FRACTION = 0.25  # late again: back after this share of it
+FIRST_RETRY_S = 0.004  # late with nothing learnt yet: back after this, twice as long each time again
 DECAY = 0.5            # the running estimate's weight on its past (a few tokens follow a change)
 
 
@@ -22,21 +27,33 @@ DECAY = 0.5            # the running estimate's weight on its past (a few tokens
 class LateMask:
     """A late row's fill-time estimate and when it is next scheduled (times: time.monotonic)."""
 
-    fill_s: float | None = None       # running estimate: one of its tokens to the next; None: unknown yet
-    last_token_s: float | None = None
-    due_s: float = 0.0                # it sits out of steps until then
+    fill_s: float | None = None         # running estimate of its fill time; None: unknown yet
+    start_s: float | None = None        # its fill began then at the latest: its last token, or its first late step
+    late_after_s: float | None = None   # its fill was not done this long after start_s (its latest late step)
+    retry_s: float = FIRST_RETRY_S
+    due_s: float = 0.0                  # it sits out of steps until then
 
     def is_due(self, now: float) -> bool:
         return now >= self.due_s
 
     def late(self, now: float) -> None:
-        """Its mask was late again in a step."""
-        self.due_s = now + RETRY_FRACTION * (self.fill_s or 0.0)
+        """Its mask was late in a step."""
+        if self.start_s is None:
+            self.start_s = now
+        self.late_after_s = now - self.start_s
+        if self.fill_s is None:
+            self.due_s, self.retry_s = now + self.retry_s, 2 * self.retry_s
+        else:
+            self.due_s = now + RETRY_FRACTION * self.fill_s
 
     def sampled(self, now: float) -> None:
         """A token of it was sampled (its mask was ready): its next mask fills from now."""
-        if self.last_token_s is not None:
-            seen = now - self.last_token_s
+        if self.start_s is not None:
+            done_by = now - self.start_s
+            if self.late_after_s is not None:  # the fill took between its latest late step and now
+                seen = (self.late_after_s + done_by) / 2
+            else:  # ready at the first look: it may take less, so look a little earlier next time
+                seen = min(done_by, DUE_FRACTION * (self.fill_s or done_by))
             self.fill_s = seen if self.fill_s is None else DECAY * self.fill_s + (1 - DECAY) * seen
-        self.last_token_s = now
+        self.start_s, self.late_after_s, self.retry_s = now, None, FIRST_RETRY_S
         self.due_s = now + DUE_FRACTION * (self.fill_s or 0.0)

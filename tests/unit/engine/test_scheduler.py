@@ -4,7 +4,7 @@ import pytest
 
 from generation_service.engine.errors import QueueFullError
 from generation_service.engine.kv_cache import PageAllocator
-from generation_service.engine.late_mask import LateMask
+from generation_service.engine.late_mask import FIRST_RETRY_S, RETRY_FRACTION, LateMask
 from generation_service.engine.prefix_cache import PrefixCache
 from generation_service.engine.request import RequestStatus
 from generation_service.engine.scheduler import Scheduler, SlotPool, TokenBudget
@@ -270,24 +270,36 @@ def test_a_late_row_sits_out_while_its_next_mask_is_likely_filled_and_comes_back
     s.add(b)
     complete(s.schedule())
     a.late_mask = LateMask()
-    a.late_mask.late(time.monotonic())  # late once, no fill time learnt: due again at once
+    a.late_mask.late(time.monotonic())  # late, no fill time learnt: back after FIRST_RETRY_S
+    assert [row.request.request_id for row in s.schedule().rows] == ["b"]
+    time.sleep(FIRST_RETRY_S)
     assert [row.request.request_id for row in s.schedule().rows] == ["a", "b"]
-    a.late_mask.sampled(time.monotonic() - 0.050)  # a token 50 ms ago...
-    a.late_mask.sampled(time.monotonic())  # ...and one now: its fills take about 50 ms
+    a.late_mask.fill_s = 0.050  # learnt: its fills take about 50 ms
+    a.late_mask.sampled(time.monotonic())  # a token now: its next fill runs
     assert a.sits_out(time.monotonic())
     assert [row.request.request_id for row in s.schedule().rows] == ["b"]
     a.late_mask.due_s = time.monotonic()
     assert [row.request.request_id for row in s.schedule().rows] == ["a", "b"]
 
 
-def test_a_late_masks_due_time_follows_its_fill_time():
+def test_a_late_masks_due_time_follows_its_fill_time_and_backs_off_before_it_is_known():
     mask, now = LateMask(), 100.0
-    mask.sampled(now)
-    assert mask.is_due(now)  # nothing learnt yet
-    for _ in range(8):  # a token every 60 ms: due again a little before the next fill is done
-        now += 0.060
+    mask.late(now)
+    mask.late(now + FIRST_RETRY_S)  # late again: twice as long
+    assert not mask.is_due(now + 2.9 * FIRST_RETRY_S) and mask.is_due(now + 3 * FIRST_RETRY_S)
+    mask.late(now + 0.040)
+    now += 0.060
+    mask.sampled(now)  # its fill took 40-60 ms
+    assert abs(mask.fill_s - 0.050) < 1e-9 and not mask.is_due(now + 0.044) and mask.is_due(now + 0.045)
+    for _ in range(30):  # fills of 50 ms, looked at when due: late, or ready
+        looked = now + (mask.due_s - now)
+        while looked - now < 0.050:
+            mask.late(looked)
+            looked = mask.due_s
+        now = looked
         mask.sampled(now)
-    assert abs(mask.fill_s - 0.060) < 1e-9
-    assert not mask.is_due(now + 0.050) and mask.is_due(now + 0.055)
-    mask.late(now + 0.055)  # not ready yet: back after a quarter of it
-    assert not mask.is_due(now + 0.065) and mask.is_due(now + 0.071)
+    assert 0.045 < mask.fill_s < 0.065  # bracketed: no growth from the time it sat out
+    for _ in range(60):  # its fills got fast: ready at every first look, the estimate follows down
+        now += 0.9 * mask.fill_s
+        mask.sampled(now)
+    assert mask.fill_s < 0.010
