@@ -151,13 +151,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slow-fill-ms", type=float, default=2000.0,
                         help="extra time of each of the slow row's mask fills (several of the batch's steps)")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--no-lockstep", dest="lockstep", action="store_false",
+                        help="skip the server with isolate_slow_rows off (its figures are then absent)")
     args = parser.parse_args(argv)
     from structgen_client import Client
 
     runs: dict[str, list[dict]] = {"baseline": [], "slow": [], "lockstep": []}
     load_before = os.getloadavg()[0]  # a shared machine's other work is noise in every figure
     log_dir = args.out.parent
-    for isolate in (True, False):
+    for isolate in (True, False) if args.lockstep else (True,):
         log_path = log_dir / f"{args.out.stem}-{'isolated' if isolate else 'lockstep'}.log"
         print(f"starting structgen serve (isolate_slow_rows={isolate}); log {log_path}", flush=True)
         server = start_server(args, isolate, log_path)
@@ -177,11 +179,12 @@ def main(argv: list[str] | None = None) -> int:
             server.stop(timeout_s=120)
             log_path.unlink(missing_ok=True)  # the log is only for a failed start
 
-    def p50(name: str) -> float:
-        return round(statistics.median(r["ordinary_inter_token_ms"]["p50"] for r in runs[name]), 2)
+    def p50(name: str) -> float | None:
+        values = [r["ordinary_inter_token_ms"]["p50"] for r in runs[name]]
+        return round(statistics.median(values), 2) if values else None
     summary = {"ordinary_p50_ms": {name: p50(name) for name in runs},
                "slow_over_baseline_p50": round(p50("slow") / p50("baseline"), 3),
-               "lockstep_over_baseline_p50": round(p50("lockstep") / p50("baseline"), 3),
+               "lockstep_over_baseline_p50": round(p50("lockstep") / p50("baseline"), 3) if runs["lockstep"] else None,
                "slow_rows_valid": all(r["slow_row"]["valid"] for r in runs["slow"] + runs["lockstep"])}
     result = {"benchmark": "slow_row", "label": args.label,
               "command": command_line("python benchmarks/slow_row.py", argv),

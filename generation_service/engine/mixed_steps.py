@@ -17,10 +17,11 @@ so the host work of a step hides behind the next forward. A row that N finishes 
 token, grammar completion, a stop string found in 4) has one token too many computed in N+1:
 it is dropped (its request is finished). Rows whose token in N is their last, past their
 deadline, or whose mask was late (VALID_LATE) are left out of N+1 and come back, if at all,
-through the scheduler once N is read. A step that cannot chain (a row with drafts, logprobs or
-logits processing; no prefill left beside the decode rows, where a decode graph does better,
-unless a row's mask came late once, since a decode graph waits for every mask; a page that
-cannot be reserved without preemption) reads N first: then N's delivery follows the next
+through the scheduler once N is read; so is a row whose mask came late once (a slow grammar:
+its next fill starts once N's token is known, and it sits out until that is likely done,
+late_mask.py). A step that cannot chain (a row with drafts, logprobs or logits processing; no
+prefill left beside the decode rows, where a decode graph does better; a page that cannot be
+reserved without preemption) reads N first: then N's delivery follows the next
 step's launch instead (`pipelined`, the same order one step later).
 """
 from __future__ import annotations
@@ -139,7 +140,7 @@ class MixedSteps:
                     or request.num_generated + 1 >= request.max_new_tokens  # N's token is its last
                     or (request.spec.deadline is not None and now > request.spec.deadline)
                     or (request.is_constrained and valid in (0, VALID_LATE))
-                    or request.sits_out(now)):  # its next mask is likely not ready (late_mask.py)
+                    or request.late_mask is not None):  # a slow row: its next mask is not ready yet (late_mask.py)
                 continue
             if not engine.scheduler.reserve(request, row.seq_len + 1):
                 return None  # (pages reserved before a refusal are kept for the next step)
@@ -148,7 +149,7 @@ class MixedSteps:
         if not continuing:
             return None
         batch = engine.scheduler.schedule(0, continuing=continuing)
-        if not batch.num_prefill_tokens and not any(row.request.late_mask is not None for row in continuing):
-            return None  # decode rows alone: a decode graph runs them once N is read (not a slow row)
+        if not batch.num_prefill_tokens:
+            return None  # decode rows alone: a decode graph runs them once N is read
         self._fed_sources = sources
         return batch
