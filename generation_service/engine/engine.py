@@ -361,6 +361,8 @@ class Engine:
         with self.lock:
             self.apply_inbox()
             self.table.poll(self.link)  # compiles, deadlines, grammar reconnect
+            if self.link is not None:
+                self.scheduler.mask_lead_s = self.link.forward_s_mean or 0.0
             batch = self.scheduler.schedule(self.config.max_draft_tokens)
             graphed = self.runner.can_graph(batch)
             pipelined = self._pipeline_mixed and bool(batch.rows) and not graphed
@@ -448,7 +450,7 @@ class Engine:
             return None
         requests = [row.request for row in previous.batch.rows]
         now = time.monotonic()
-        if len(self.scheduler.running) != len(requests) and self._may_join(requests, now):
+        if len(self.scheduler.running) != len(requests) and self._may_join(requests, now + self.scheduler.mask_lead_s):
             return None  # a running request outside the batch (compiling, a late row now due) may join
         for row in previous.batch.rows:
             request = row.request
@@ -469,8 +471,9 @@ class Engine:
         return ScheduledBatch(rows)
 
     def _may_join(self, requests: list[Request], now: float) -> bool:
-        """Whether a running request outside `requests` may join the next step: any but a late
-        row that sits out (late_mask.py), which leaves a chain of decode graphs alone."""
+        """Whether a running request outside `requests` may join a step whose masks are read at
+        `now`: any but a late row that sits out (late_mask.py), which leaves a chain of decode
+        graphs alone."""
         inside = {id(request) for request in requests}
         return any(id(request) not in inside and not request.sits_out(now) for request in self.scheduler.running)
 

@@ -4,8 +4,9 @@ A row whose mask was late once (VALID_LATE: its grammar fills masks slower than 
 forward) would keep every step of its batch on the host path, which lets one row be late but
 costs the decode graphs' speed to every other row. Instead it sits out of steps while its next
 mask is likely still being filled: grammar_service starts that fill as soon as the row's matcher
-advances (loop.py), and the engine schedules the row again once about the fill's time has passed
-since its last token. The other rows run as decode graphs meanwhile; the late row joins a host
+advances (loop.py), and the engine schedules the row again in a step whose forward ends once
+about the fill's time has passed since its last token (the masks are read then; joining only
+after that time would cost a whole step where steps are long, as on a CPU). The other rows run as decode graphs meanwhile; the late row joins a host
 step when due, and if its mask is still not ready then, tries again a fraction of that time
 later. The fill time is learnt from the row itself, between its last late step and the step that
 found the mask ready (a mask ready at the first look moves the estimate down, so it keeps being

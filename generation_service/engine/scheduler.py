@@ -155,6 +155,9 @@ class Scheduler:
         self.step_time = step_time
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # A late row joins a step whose forward ends after its next mask is likely done: the
+        # engine sets this to its recent forward time (late_mask.py; the masks are read then)
+        self.mask_lead_s = 0.0
         self.num_preemptions = 0
 
     # ---- queue ---------------------------------------------------------------------------
@@ -178,7 +181,7 @@ class Scheduler:
         waits for a later step."""
         rows: list[ScheduledRow] = list(continuing)
         can_preempt = not continuing
-        now = time.monotonic()
+        now = time.monotonic() + self.mask_lead_s  # when this step's masks are read
         num_decode_tokens = len(continuing) + sum(
             1 for r in self.running if r.is_decoding and r.can_sample and r.status is RequestStatus.RUNNING
             and not r.sits_out(now))

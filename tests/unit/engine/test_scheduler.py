@@ -278,6 +278,9 @@ def test_a_late_row_sits_out_while_its_next_mask_is_likely_filled_and_comes_back
     a.late_mask.sampled(time.monotonic())  # a token now: its next fill runs
     assert a.sits_out(time.monotonic())
     assert [row.request.request_id for row in s.schedule().rows] == ["b"]
+    s.mask_lead_s = 0.060  # steps whose forward takes 60 ms: this one reads masks after it is due
+    assert [row.request.request_id for row in s.schedule().rows] == ["a", "b"]
+    s.mask_lead_s = 0.0
     a.late_mask.due_s = time.monotonic()
     assert [row.request.request_id for row in s.schedule().rows] == ["a", "b"]
 
