@@ -128,7 +128,8 @@ class Engine:
             max_prompt_tokens=config.max_prompt_tokens, max_new_tokens_limit=config.max_new_tokens_limit,
             page_size=config.page_size, num_usable_pages=num_pages - 1, has_tokenizer=self.tokenizer is not None)
         self.link = self._make_link(grammar)
-        self.table = RequestTable(self.scheduler, self.slots, self.tokenizer, self.eos_token_ids)
+        self.table = RequestTable(self.scheduler, self.slots, self.tokenizer, self.eos_token_ids,
+                                  late_rows_sit_out=self.runner.waits_for_every_mask)
         self.lock = threading.Lock()
         self._wake = threading.Event()
         self._inbox: list[Request] = []

@@ -93,6 +93,8 @@ class CudaGraphRunner(ModelRunner):
     step number whenever a grammar step is replayed; rows [0, B) of the persistent buffers
     are rewritten from the scheduler before every replay."""
 
+    waits_for_every_mask = True
+
     supports_overlap = True
 
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, vocab_size: int, *,

@@ -13,6 +13,10 @@ found the mask ready (a mask ready at the first look moves the estimate down, so
 probed; measuring from its last token instead would count the time it sat out, and the estimate
 would grow with every token). Until a first estimate its retries back off exponentially, so the
 others' steps are not host steps while it learns.
+
+Only on a runner whose graphed steps wait for every row's mask (ModelRunner.waits_for_every_mask:
+the CUDA-graph runner). Where every step is a host step (the CPU) a late row costs the others
+nothing, and it joins every step, so it is sampled in the first one that finds its mask ready.
 """
 from __future__ import annotations
 

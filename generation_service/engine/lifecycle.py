@@ -39,8 +39,10 @@ class Deferred:
 
 
 class RequestTable:
-    def __init__(self, scheduler: Scheduler, slots: SlotPool, tokenizer, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, scheduler: Scheduler, slots: SlotPool, tokenizer, eos_token_ids: tuple[int, ...],
+                 late_rows_sit_out: bool = False) -> None:
         self.scheduler = scheduler
+        self.late_rows_sit_out = late_rows_sit_out  # the runner's ModelRunner.waits_for_every_mask
         self.slots = slots
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
@@ -223,9 +225,10 @@ class RequestTable:
         """A late row accepts nothing: K/V stays valid up to its last known token, which the next
         step computes again and samples after (the same draw: seeded by token index)."""
         request.num_cached = row.seq_len - len(row.drafts) - 1
-        if request.late_mask is None:
-            request.late_mask = LateMask()
-        request.late_mask.late(time.monotonic())
+        if self.late_rows_sit_out:
+            if request.late_mask is None:
+                request.late_mask = LateMask()
+            request.late_mask.late(time.monotonic())
         self.num_late_rows += 1
         if row.drafts:
             self.scheduler.trim_pages(request)

@@ -69,9 +69,9 @@ class Request:
     grammar_id: int | None = None                 # set once the compile succeeded
     guarantee: GuaranteeReport | None = None
     is_matcher_bound: bool = False                # FRESH was sent for this slot
-    # Set once a mask of it came late (VALID_LATE): a slow grammar. It sits out of steps while its
-    # next mask is likely not ready, and the steps it joins are host steps, which let it be late
-    # alone; decode graphs wait for every row's mask (engine/late_mask.py, issue 19).
+    # Set once a mask of it came late (VALID_LATE) on a runner whose decode graphs wait for every
+    # row's mask: a slow grammar. It sits out of steps while its next mask is likely not ready,
+    # and the steps it joins are host steps, which let it be late alone (late_mask.py, issue 19).
     late_mask: LateMask | None = None
     # speculation
     forced_run: ForcedRun | None = None           # the grammar's last forced run (grammar proposer)

@@ -61,6 +61,9 @@ class ModelRunner:
     """
 
     supports_overlap = False
+    # Its graphed steps wait for every row's mask: a row whose mask came late sits out of steps
+    # rather than keep them all on the host path (late_mask.py). Host steps let a row be late.
+    waits_for_every_mask = False
     channel = None   # the StepChannel a graphed step reads its masks from (graph runners)
     # graphed steps so far; graph runners count them, the eager runner never has any
     num_graph_steps = 0
