@@ -1,0 +1,79 @@
+"""A slow grammar on the CUDA-graph runner (issue 19 point 6, engine/late_mask.py).
+
+grammar_service here makes every fill of a grammar marked MARKER take SLOW_MS longer. Decode
+graphs wait for every row's mask, so a request found late once sits out of steps while its next
+fill runs and joins a host step when due: the other requests run decode graphs meanwhile (before
+it sat out, every step beside it was a mixed step), every document is valid, and nothing is left
+behind. (That a late row's output is the one it gives on time is shown on the CPU, where runs
+are bit-exact: tests/integration/test_api_slow_grammar.py.)"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gpu_helpers import PROMPTS, SCHEMA, TOKENIZER_DIR, check_settled, engine_config
+from generation_service.engine.events import FinishReason
+from generation_service.engine.params import GenerationRequest, SamplingParams
+from grammar_contract.spec import GrammarSpec
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not (TOKENIZER_DIR / "tokenizer.json").is_file(),
+                                                  reason="no Tekken tokenizer")]
+MARKER = "gpu-slow-row-test"
+SLOW_MS = 40
+SLOW = {"type": "object", "description": MARKER,
+        "properties": {"motto": {"type": "string", "minLength": 12, "maxLength": 24}},
+        "required": ["motto"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def slow_grammar_service(tmp_path_factory):
+    """`python -m grammar_service` whose fills of MARKER grammars take SLOW_MS longer."""
+    from tests.integration.test_engine_support import start_grammar_service
+    env = pytest.MonkeyPatch()
+    env.setenv("STRUCTGEN_GRAMMAR_SLOW_FILL_MS", str(SLOW_MS))
+    env.setenv("STRUCTGEN_GRAMMAR_SLOW_FILL_MARKER", MARKER)
+    try:
+        service = start_grammar_service(tmp_path_factory.mktemp("slow-grammar"))
+    finally:
+        env.undo()
+    yield service
+    service.stop()
+
+
+def _request(engine, request_id: str, prompt: str, schema: dict) -> GenerationRequest:
+    return GenerationRequest(request_id, tuple(engine.tokenizer.encode(prompt)), SamplingParams(max_new_tokens=64),
+                             grammar=GrammarSpec("json_schema", json.dumps(schema), any_whitespace=False))
+
+
+def test_a_slow_grammar_sits_out_while_the_other_requests_run_decode_graphs(model_spec, slow_grammar_service):
+    import jsonschema
+    from generation_service.engine.engine import Engine
+    from grammar_contract.client import GrammarControlClient
+    from tests.integration.test_engine_support import collect, run_all, wait_settled
+    engine = Engine(engine_config(model_spec, "cuda_graph"), GrammarControlClient(slow_grammar_service.address))
+    engine.start()
+    try:
+        slow_stream = engine.submit(_request(engine, "slow", PROMPTS[0], SLOW))
+        head = [slow_stream.get(timeout=120)]
+        while not (head[-1].token_ids or head[-1].is_final):  # its first token: its timed fill is behind it
+            head.append(slow_stream.get(timeout=120))
+        graph_steps = engine.runner.num_graph_steps
+        ordinary = run_all(engine, [_request(engine, f"o{i}", PROMPTS[1 + i % 4], SCHEMA) for i in range(6)])
+        graph_steps_beside = engine.runner.num_graph_steps - graph_steps
+        rest = collect(slow_stream)
+        stats = wait_settled(engine)
+        num_late_rows = engine.table.num_late_rows
+    finally:
+        engine.stop()
+    slow_text = "".join(event.text for event in head) + rest.text
+    assert rest.error is None and rest.finish_reason is FinishReason.GRAMMAR_COMPLETE, (rest.error, slow_text)
+    jsonschema.validate(json.loads(slow_text), SLOW)
+    for result in ordinary:
+        assert result.error is None and result.finish_reason is FinishReason.GRAMMAR_COMPLETE, (result.error, result.text)
+        jsonschema.validate(json.loads(result.text), SCHEMA)
+    assert num_late_rows >= 1, "the slow row was never late: nothing here tested sitting out"
+    # the ordinary requests decoded in graphs while the slow one lived (SLOW_MS a token, 12+ tokens)
+    assert graph_steps_beside >= 10, (graph_steps_beside, num_late_rows)
+    print(f"graph steps beside the slow row: {graph_steps_beside}; late rows {num_late_rows}")
+    check_settled(stats)
