@@ -67,6 +67,8 @@ log = logging.getLogger(__name__)
 CPU_KV_BUDGET_BYTES = 256 << 20
 CPU_PREFILL_CHUNK_TOKENS = 512   # the CPU's reference attention holds chunk x context fp32 scores
 GPU_MAX_PREFILL_TOKENS = 8192    # a step no decode row shares: an idle server's long prompt in few steps
+IDLE_WAIT_S = 0.02              # a step found no work: the loop waits this long for some (or a wake-up)
+MIN_IDLE_WAIT_S = 0.0005        # ...or less, never so little that it spins
 QUEUED_CHUNK_FACTOR = 3          # max_prefill_chunk_tokens unset: this many chunks while prompts queue
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "RequestStream"]
@@ -337,7 +339,7 @@ class Engine:
                     self.table.fail_all(EngineError(f"engine step failed: {error!r}"), self.link)
                 did_work = False
             if not did_work:
-                self._wake.wait(0.02)
+                self._wake.wait(self._idle_wait_s())
                 self._wake.clear()
         if self._in_flight is not None:  # stopped with a step on the GPU: read it (watchdog)
             in_flight, self._in_flight = self._in_flight, None
@@ -470,6 +472,14 @@ class Engine:
         # NOTE: the rest of can_graph (one sampling token per row, no drafts or logprobs,
         # the batch fits a bucket) held for `previous` and nothing of it changed.
         return ScheduledBatch(rows)
+
+    def _idle_wait_s(self) -> float:
+        """How long the loop waits for work: IDLE_WAIT_S, or until the first late row that sits
+        out is due (its step reads masks a forward after it starts; late_mask.py)."""
+        due = min((r.late_mask.due_s for r in self.scheduler.running if r.late_mask is not None), default=None)
+        if due is None:
+            return IDLE_WAIT_S
+        return min(IDLE_WAIT_S, max(due - self.scheduler.mask_lead_s - time.monotonic(), MIN_IDLE_WAIT_S))
 
     def _may_join(self, requests: list[Request], now: float) -> bool:
         """Whether a running request outside `requests` may join a step whose masks are read at
