@@ -73,7 +73,7 @@ if want slow; then
     folder=$(python3 -c "import sys; from benchmarks._harness import random_model_folder as f; import pathlib; \
 print(f(sys.argv[1], sys.argv[2], pathlib.Path('/tmp/m-' + sys.argv[1]), 131072, 16384))" "$shape" "$STRUCTGEN_TEKKEN_DIR")
     timeout ${SLOW_TIMEOUT:-200} python3 benchmarks/slow_row.py --device cuda --model "random:$folder/config.json" \
-      --label "h200-$shape" --out "$OUT/slow_row-h200-$shape.json" ${SLOW_ARGS:---slow-fill-ms 50 --slow-max-tokens 24 --max-tokens 64 --repeats 1} \
+      --label "h200-$shape" --out "$OUT/slow_row-h200-$shape.json" ${SLOW_ARGS:---slow-fill-ms 50 --slow-max-tokens 24 --max-tokens 64 --repeats 3} \
       2>&1 | tee "$OUT/slow_row-h200-$shape.log" | tail -15
   done
 fi
