@@ -28,6 +28,7 @@ from typing import Any, Iterator
 import jsonschema
 
 from grammar_contract.report import UnenforcedKeyword
+from grammar_service.schema_walk import escape
 
 ENFORCED_FORMATS = frozenset({
     "date", "time", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "uuid",
@@ -65,10 +66,6 @@ _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
 _SUBSCHEMA_ONE = ("additionalProperties", "unevaluatedProperties", "unevaluatedItems",
                   "propertyNames", "additionalItems")
-
-
-def _escape(token: str) -> str:
-    return token.replace("~", "~0").replace("/", "~1")
 
 
 def _is_number_schema(schema: dict) -> bool:
@@ -215,11 +212,11 @@ def _children(schema: dict, pointer: str) -> Iterator[tuple[Any, str]]:
     if "$ref" in schema:  # the siblings are not compiled (reported whole); definitions are
         for key in ("$defs", "definitions"):
             for name, sub in (schema.get(key) or {}).items():
-                yield sub, f"{pointer}/{key}/{_escape(name)}"
+                yield sub, f"{pointer}/{key}/{escape(name)}"
         return
     for key in _SUBSCHEMA_MAPS:
         for name, sub in (schema.get(key) or {}).items():
-            yield sub, f"{pointer}/{key}/{_escape(name)}"
+            yield sub, f"{pointer}/{key}/{escape(name)}"
     for key in _SUBSCHEMA_LISTS:
         for i, sub in enumerate(schema.get(key) or ()):
             yield sub, f"{pointer}/{key}/{i}"
