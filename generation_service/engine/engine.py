@@ -452,9 +452,9 @@ class Engine:
         if previous.step is not None and self.runner.channel is not self.link.channel:
             return None
         requests = [row.request for row in previous.batch.rows]
-        now = time.monotonic()
-        if len(self.scheduler.running) != len(requests) and self._may_join(requests, now + self.scheduler.mask_lead_s):
+        if len(self.scheduler.running) != len(requests) and self._may_join(requests, self.scheduler.masks_read_at()):
             return None  # a running request outside the batch (compiling, a late row now due) may join
+        now = time.monotonic()
         for row in previous.batch.rows:
             request = row.request
             if (request.status is not RequestStatus.RUNNING
@@ -479,7 +479,7 @@ class Engine:
         due = min((r.late_mask.due_s for r in self.scheduler.running if r.late_mask is not None), default=None)
         if due is None:
             return IDLE_WAIT_S
-        return min(IDLE_WAIT_S, max(due - self.scheduler.mask_lead_s - time.monotonic(), MIN_IDLE_WAIT_S))
+        return min(IDLE_WAIT_S, max(due - self.scheduler.masks_read_at(), MIN_IDLE_WAIT_S))
 
     def _may_join(self, requests: list[Request], now: float) -> bool:
         """Whether a running request outside `requests` may join a step whose masks are read at

@@ -174,6 +174,10 @@ class Scheduler:
         return bool(self.running) or any(self._can_start(r) for r in self.waiting)
 
     # ---- one step ----------------------------------------------------------------------
+    def masks_read_at(self) -> float:
+        """When a step scheduled now reads its masks: a late row joins it if due by then."""
+        return time.monotonic() + self.mask_lead_s
+
     def schedule(self, max_drafts: int = 0, continuing: list[ScheduledRow] = ()) -> ScheduledBatch:
         """The next step's batch. `continuing`: the decode rows of a chained step (engine.py:
         their requests' tokens of the step in flight are still on the GPU); they come first,
@@ -181,7 +185,7 @@ class Scheduler:
         waits for a later step."""
         rows: list[ScheduledRow] = list(continuing)
         can_preempt = not continuing
-        now = time.monotonic() + self.mask_lead_s  # when this step's masks are read
+        now = self.masks_read_at()
         num_decode_tokens = len(continuing) + sum(
             1 for r in self.running if r.is_decoding and r.can_sample and r.status is RequestStatus.RUNNING
             and not r.sits_out(now))
