@@ -6,6 +6,7 @@ and maps `ValueError` to INVALID_ARGUMENT with the message unchanged.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from grammar_contract.spec import GrammarSpec
 
@@ -68,7 +69,8 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
-    @property
+    # cached (frozen: the answers never change): the mixed steps' sampler asks every row every step
+    @cached_property
     def uses_filters(self) -> bool:
         """top-k or top-p act (they never do when greedy)."""
         return not self.is_greedy and (self.top_k > 0 or self.top_p < 1.0)
@@ -78,7 +80,7 @@ class SamplingParams:
         """Some penalty reads the token history (the prompt and the output so far)."""
         return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
 
-    @property
+    @cached_property
     def uses_logit_processing(self) -> bool:
         """Some step of engine/logit_processing.py changes this request's logits. min_p never
         changes a greedy pick, so it counts only when sampling."""

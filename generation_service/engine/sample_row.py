@@ -2,8 +2,8 @@
 processing both read (engine/sampler.py, engine/logit_processing.py)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
 
 from generation_service.engine.params import SamplingParams
 
@@ -11,19 +11,20 @@ if TYPE_CHECKING:
     from generation_service.engine.scheduler import ScheduledRow
 
 
-@dataclass
+@dataclass(slots=True)
 class SampleRow:
-    """The sampling work of one scheduled row: 1 + len(drafts) consecutive logit rows."""
+    """The sampling work of one scheduled row: 1 + len(drafts) consecutive logit rows.
+    (Made per sampling row per step, read-only after: slots and no per-row default lists.)"""
 
     params: SamplingParams
     seed: int
     first_index: int                 # generated-token index that position 0 produces
-    drafts: list[int] = field(default_factory=list)
+    drafts: Sequence[int] = ()
     is_constrained: bool = False
     position: int | None = None      # of the token whose logits row 0 holds; None: CPU sampler
     # token history, set only for rows whose params use logits processing
     prompt_ids: tuple[int, ...] = ()
-    output_ids: list[int] = field(default_factory=list)  # generated before position 0
+    output_ids: Sequence[int] = ()                # generated before position 0
     end_token_ids: frozenset[int] = frozenset()           # what min_tokens holds back
 
     @classmethod
@@ -32,7 +33,7 @@ class SampleRow:
         1 + drafts input tokens, so row 0 is the token at seq_len - num_positions (a decode
         row: num_cached, the position the decode graphs sample at)."""
         request = row.request
-        sample = cls(request.sampling, request.sample_seed, request.num_generated, list(row.drafts),
+        sample = cls(request.sampling, request.sample_seed, request.num_generated, row.drafts,
                      is_constrained, position=row.seq_len - row.num_positions)
         if request.sampling.uses_logit_processing:
             sample.prompt_ids, sample.output_ids = request.spec.prompt_ids, request.output_ids
