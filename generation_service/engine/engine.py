@@ -57,6 +57,7 @@ from generation_service.engine.sampler import Sampler, SampleResult
 from generation_service.engine.scheduler import ScheduledBatch, ScheduledRow, Scheduler, SlotPool, TokenBudget
 from generation_service.engine.self_drafts import SelfDraftProposer
 from generation_service.engine.speculative import PROPOSERS, DraftProposer, make_proposer
+from generation_service.engine.late_mask import HeldGraphs
 from generation_service.engine.step_time import StepTime
 from generation_service.engine.stream import RequestStream
 from generation_service.engine.validation import RequestLimits, validate_request
@@ -132,6 +133,8 @@ class Engine:
         self.link = self._make_link(grammar)
         self.table = RequestTable(self.scheduler, self.slots, self.tokenizer, self.eos_token_ids,
                                   late_rows_sit_out=self.runner.waits_for_every_mask)
+        self.held = HeldGraphs(self.step_time.cost.decode_s) \
+            if self.runner.waits_for_every_mask and self.step_time is not None else None
         self.lock = threading.Lock()
         self._wake = threading.Event()
         self._inbox: list[Request] = []
@@ -354,8 +357,8 @@ class Engine:
         """One engine step; False when there was nothing to do."""
         start = time.perf_counter()
         if self._in_flight is not None:
-            num_rows = self._step_chained()
-            self._decode_step_done(time.perf_counter() - start, num_rows)
+            previous = self._step_chained()
+            self._decode_step_done(time.perf_counter() - start, previous.batch, previous.step)
             return True
         if self.mixed.in_flight is not None:  # chain the next mixed step, or read this one
             self.mixed.step()
@@ -367,7 +370,9 @@ class Engine:
             if self.link is not None:
                 self.scheduler.mask_lead_s = self.link.forward_s_mean or 0.0
             batch = self.scheduler.schedule(self.config.max_draft_tokens)
-            graphed = self.runner.can_graph(batch)
+            graphed = self.runner.can_graph(batch) and not (self.held is not None and self.held.wants_host_step)
+            if self.held is not None and batch.rows and not graphed:
+                self.held.host_step()
             pipelined = self._pipeline_mixed and bool(batch.rows) and not graphed
             delivered = bool(self.table.deferred)
             if not pipelined:
@@ -400,17 +405,19 @@ class Engine:
             self.num_prefill_tokens += batch.num_prefill_tokens
         self.finish_step(batch, step, samples, masks, graphed, rows)
         if graphed:
-            self._decode_step_done(time.perf_counter() - start, len(batch.rows))
+            self._decode_step_done(time.perf_counter() - start, batch, step)
         else:
             self.step_s_total["mixed"] += time.perf_counter() - start
         return True
 
-    def _decode_step_done(self, seconds: float, num_rows: int) -> None:
-        """A decode graph step of `num_rows` rows took `seconds` of the loop (overlapped: from
-        the previous one)."""
+    def _decode_step_done(self, seconds: float, batch: ScheduledBatch, step: int | None) -> None:
+        """A decode graph step of `batch` (grammar step `step`) took `seconds` of the loop
+        (overlapped: from the previous one)."""
         self.step_s_total["graph"] += seconds
         if self.step_time is not None:
-            self.step_time.observe_decode(seconds, num_rows)
+            self.step_time.observe_decode(seconds, len(batch.rows))
+        if self.held is not None:
+            self.held.graph_step(seconds, step is not None)
 
     def deliver_deferred(self) -> bool:
         """Stream the tokens the last mixed step deferred (engine lock held); whether a request
@@ -427,9 +434,9 @@ class Engine:
                 self.link.publish(step, [kept.get(id(row.request), []) for row in rows])
             self.num_steps += 1
 
-    def _step_chained(self) -> int:
+    def _step_chained(self) -> InFlight:
         """Overlap: launch N+1 for the rows of the in-flight step N if nothing changes the
-        batch, then read and postprocess N (while the GPU runs N+1); N's rows."""
+        batch, then read and postprocess N (while the GPU runs N+1); N."""
         previous, self._in_flight = self._in_flight, None
         with self.lock:
             batch = self._chained_batch(previous)
@@ -440,13 +447,15 @@ class Engine:
             self._in_flight = InFlight(batch, step, self.runner.launch(batch, step, self.link, chained=True))
         samples, masks = self.runner.collect(previous.launch, self.link)
         self.finish_step(previous.batch, previous.step, samples, masks, True)
-        return len(previous.batch.rows)
+        return previous
 
     def _chained_batch(self, previous: InFlight) -> ScheduledBatch | None:
         """The step after `previous` for the same rows, one token further, or None when
         anything may change the batch (then `previous` is read and the scheduler runs)."""
         if self._inbox or self._cancels or self.scheduler.waiting or self.table.pending_release:
             return None
+        if self.held is not None and self.held.wants_host_step:
+            return None  # a fill held a graph step: the scheduler makes the next a host step (late_mask.py)
         if self.link is not None and not self.link.is_connected:
             return None  # let `poll` reconnect and fail what needs the grammar
         if previous.step is not None and self.runner.channel is not self.link.channel:

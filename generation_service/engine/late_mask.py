@@ -62,3 +62,34 @@ class LateMask:
             self.fill_s = seen if self.fill_s is None else DECAY * self.fill_s + (1 - DECAY) * seen
         self.start_s, self.late_after_s, self.retry_s = now, None, FIRST_RETRY_S
         self.due_s = now + DUE_FRACTION * (self.fill_s or 0.0)
+
+
+HELD_FACTOR = 4.0   # a decode graph step this many times the free one of the largest batch was held by a fill
+PROBE_EVERY = 16    # at most one host step asked for per this many graph steps
+
+
+class HeldGraphs:
+    """Only a host step can find a row late (its descriptor gives grammar_service the forward
+    time; a decode graph waits for every mask). A slow row whose one host step was its first,
+    timed fill (beside the others' prefill) would hold every decode graph after it. So a grammar
+    graph step that took HELD_FACTOR x the free decode step of the largest batch (`decode_s`,
+    measured at start) asks for the next step to be a host step, in which a slow row is late and
+    then sits out (LateMask); at most one per PROBE_EVERY graph steps, and none while host steps
+    run anyway."""
+
+    def __init__(self, decode_s: float) -> None:
+        self.threshold_s = HELD_FACTOR * decode_s
+        self.wants_host_step = False
+        self.num_probes = 0                      # host steps asked for
+        self._graph_steps = PROBE_EVERY          # graph steps since the last host step
+
+    def graph_step(self, seconds: float, waited_for_masks: bool) -> None:
+        """A decode graph step took `seconds` of the loop (waited_for_masks: a grammar step)."""
+        self._graph_steps += 1
+        if waited_for_masks and seconds > self.threshold_s and self._graph_steps >= PROBE_EVERY:
+            self.wants_host_step = True
+
+    def host_step(self) -> None:
+        """A host step was scheduled: grammar_service could find a slow row late in it."""
+        self.num_probes += self.wants_host_step
+        self.wants_host_step, self._graph_steps = False, 0
