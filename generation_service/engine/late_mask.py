@@ -74,14 +74,13 @@ class HeldGraphs:
     timed fill (beside the others' prefill) would hold every decode graph after it. So a grammar
     graph step that took HELD_FACTOR x the free decode step of the largest batch (`decode_s`,
     measured at start) asks for the next step to be a host step, in which a slow row is late and
-    then sits out (LateMask); at most one per PROBE_EVERY graph steps, and none while host steps
-    run anyway."""
+    then sits out (LateMask); at most one per PROBE_EVERY graph steps."""
 
     def __init__(self, decode_s: float) -> None:
         self.threshold_s = HELD_FACTOR * decode_s
         self.wants_host_step = False
         self.num_probes = 0                      # host steps asked for
-        self._graph_steps = PROBE_EVERY          # graph steps since the last host step
+        self._graph_steps = PROBE_EVERY          # graph steps since the last host step asked for
 
     def graph_step(self, seconds: float, waited_for_masks: bool) -> None:
         """A decode graph step took `seconds` of the loop (waited_for_masks: a grammar step)."""
@@ -90,6 +89,7 @@ class HeldGraphs:
             self.wants_host_step = True
 
     def host_step(self) -> None:
-        """A host step was scheduled: grammar_service could find a slow row late in it."""
-        self.num_probes += self.wants_host_step
-        self.wants_host_step, self._graph_steps = False, 0
+        """A host step was scheduled: grammar_service can find a slow row late in it."""
+        if self.wants_host_step:
+            self.num_probes += 1
+            self.wants_host_step, self._graph_steps = False, 0
