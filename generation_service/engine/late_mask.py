@@ -65,31 +65,39 @@ class LateMask:
 
 
 HELD_FACTOR = 4.0   # a decode graph step this many times the free one of the largest batch was held by a fill
-PROBE_EVERY = 16    # at most one host step asked for per this many graph steps
+PROBE_BURST = 2     # host steps asked for in a row: the first may only time a slow row's fill, the second finds it late
+PROBE_EVERY = 16    # graph steps after a burst before the next
 
 
 class HeldGraphs:
     """Only a host step can find a row late (its descriptor gives grammar_service the forward
-    time; a decode graph waits for every mask). A slow row whose one host step was its first,
-    timed fill (beside the others' prefill) would hold every decode graph after it. So a grammar
-    graph step that took HELD_FACTOR x the free decode step of the largest batch (`decode_s`,
-    measured at start) asks for the next step to be a host step, in which a slow row is late and
-    then sits out (LateMask); at most one per PROBE_EVERY graph steps."""
+    time; a decode graph waits for every mask). A slow row whose first fill fell in a decode
+    graph (its last prompt token is one) would hold every graph after it. So a grammar graph
+    step that took HELD_FACTOR x the free decode step of the largest batch (`decode_s`, measured
+    at start) asks for the next step to be a host step. grammar_service times a row's first fill
+    on a host step alone (it holds that step), and fills a row it knows is slow apart, late if not
+    done by the forward's end: so up to PROBE_BURST such host steps, then the row is late and sits
+    out (LateMask); then none for PROBE_EVERY graph steps."""
 
     def __init__(self, decode_s: float) -> None:
         self.threshold_s = HELD_FACTOR * decode_s
         self.wants_host_step = False
         self.num_probes = 0                      # host steps asked for
-        self._graph_steps = PROBE_EVERY          # graph steps since the last host step asked for
+        self._left = PROBE_BURST                 # host steps that may be asked for now
+        self._graph_steps = 0                    # graph steps since the last burst ended
 
     def graph_step(self, seconds: float, waited_for_masks: bool) -> None:
         """A decode graph step took `seconds` of the loop (waited_for_masks: a grammar step)."""
         self._graph_steps += 1
-        if waited_for_masks and seconds > self.threshold_s and self._graph_steps >= PROBE_EVERY:
+        if not self._left and self._graph_steps >= PROBE_EVERY:
+            self._left = PROBE_BURST
+        if waited_for_masks and seconds > self.threshold_s and self._left:
             self.wants_host_step = True
 
     def host_step(self) -> None:
-        """A host step was scheduled: grammar_service can find a slow row late in it."""
+        """A host step was scheduled: grammar_service can time or find late a slow row in it."""
         if self.wants_host_step:
             self.num_probes += 1
-            self.wants_host_step, self._graph_steps = False, 0
+            self.wants_host_step, self._left = False, self._left - 1
+            if not self._left:
+                self._graph_steps = 0
