@@ -52,7 +52,7 @@ from generation_service.engine.params import GenerationRequest
 from generation_service.engine.prefix_cache import PrefixCache
 from generation_service.engine.request import Request, RequestStatus
 from generation_service.engine.runners import make_runner, resolve_runner
-from generation_service.engine.sample_row import SampleRow
+from generation_service.engine.sample_row import SampleRow, all_plain_greedy
 from generation_service.engine.sampler import Sampler, SampleResult
 from generation_service.engine.scheduler import ScheduledBatch, ScheduledRow, Scheduler, SlotPool, TokenBudget
 from generation_service.engine.self_drafts import SelfDraftProposer
@@ -501,6 +501,8 @@ class Engine:
         rows = batch.sampling_rows
         if not rows:
             return []
+        if all_plain_greedy(rows):
+            return self.sampler.launch_greedy(logits).result()
         sample_rows = [SampleRow.of(row, row.request.is_constrained and masks is not None) for row in rows]
         return self.sampler(logits, sample_rows, masks.bitmask if masks is not None else None)
 

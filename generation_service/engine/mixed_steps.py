@@ -34,7 +34,7 @@ import torch
 from generation_service.engine.fed_back import FED_BACK_TOKEN, FedBack
 from generation_service.engine.grammar_link import LinkRow, StepMasks
 from generation_service.engine.request import RequestStatus
-from generation_service.engine.sample_row import SampleRow
+from generation_service.engine.sample_row import SampleRow, all_plain_greedy
 from generation_service.engine.sampler import SampleLaunch
 from generation_service.engine.scheduler import ScheduledBatch, ScheduledRow
 from step_channel import VALID_LATE
@@ -119,6 +119,8 @@ class MixedSteps:
             engine = self.engine
             logits = logits.index_select(0, engine.sampler.staging(logits.device).tensor(torch.int64, index)) \
                 if logits.device.type == "cuda" else logits[index]
+        if all_plain_greedy(rows):  # (the argmax needs nothing per row: no SampleRow, no draw arguments)
+            return self.engine.sampler.launch_greedy(logits)
         sample_rows = [SampleRow.of(row, row.request.is_constrained and masks is not None) for row in rows]
         return self.engine.sampler.launch(logits, sample_rows, masks.bitmask if masks is not None else None)
 

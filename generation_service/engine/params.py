@@ -81,6 +81,11 @@ class SamplingParams:
         return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @cached_property
+    def is_plain_greedy(self) -> bool:
+        """The token is the argmax of the raw logits: greedy, nothing processes them, no logprobs."""
+        return self.is_greedy and not self.num_logprobs and not self.uses_logit_processing
+
+    @cached_property
     def uses_logit_processing(self) -> bool:
         """Some step of engine/logit_processing.py changes this request's logits. min_p never
         changes a greedy pick, so it counts only when sampling."""

@@ -53,3 +53,10 @@ class SampleRow:
         it, graphed verify steps draw per position with mask_sample and accept a draft iff
         the draw equals it (docs/gpu.md)."""
         return not self.drafts and self.position is not None
+
+
+def all_plain_greedy(rows: list[ScheduledRow]) -> bool:
+    """Every row takes the argmax of its one position's raw logits (`Sampler.launch_greedy`):
+    plain greedy (SamplingParams.is_plain_greedy), unconstrained, no drafts."""
+    return all(row.request.sampling.is_plain_greedy and not row.drafts and not row.request.is_constrained
+               for row in rows)

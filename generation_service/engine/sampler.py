@@ -155,6 +155,19 @@ class Sampler:
             tokens = torch.tensor([result.token_ids[0] for result in results], dtype=torch.int64)
         return SampleLaunch(results, tokens)
 
+    def launch_greedy(self, logits: torch.Tensor) -> SampleLaunch:
+        """`launch` for (R, V) logits whose rows all take the argmax (sample_row.all_plain_greedy),
+        with no work per row on the host: NaN counts as -inf and ties go to the smallest id, as in
+        mask_sample's greedy draw and the CPU sampler's."""
+        tokens = logits.masked_fill(logits.isnan(), float("-inf")).argmax(dim=-1)
+        if logits.device.type != "cuda":
+            return SampleLaunch([SampleResult([token]) for token in tokens.tolist()], tokens)
+        host = self._host_buffer(len(tokens))
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return SampleLaunch(None, tokens, host, ready)
+
     def _host_buffer(self, num_rows: int) -> torch.Tensor:
         """A pinned buffer of `num_rows` tokens not holding a launch's tokens still to be read."""
         if not self._host_tokens or self._host_tokens[0].numel() < num_rows:

@@ -140,6 +140,25 @@ def test_sample_row_of_a_scheduled_row_carries_the_position_the_graphs_sample_at
     assert decode.can_sample_on_device and not SampleRow(SamplingParams(), 0, 0).can_sample_on_device
 
 
+def test_only_plain_greedy_unconstrained_rows_without_drafts_take_the_greedy_launch():
+    from generation_service.engine.params import GenerationRequest
+    from generation_service.engine.request import Request
+    from generation_service.engine.sample_row import all_plain_greedy
+    from generation_service.engine.scheduler import ScheduledRow
+    from grammar_contract.spec import GrammarSpec
+
+    def row(sampling=SamplingParams(), drafts=(), grammar=None):
+        request = Request(GenerationRequest("r", (1, 2, 3), sampling, grammar=grammar), frozenset(), 0)
+        return ScheduledRow(request, 3, [4, *drafts], list(drafts), is_sampling=True)
+    plain = row()
+    assert all_plain_greedy([plain, row(SamplingParams(top_k=5, max_new_tokens=9))])  # top-k: no effect when greedy
+    for other in (row(SamplingParams(temperature=0.7)), row(SamplingParams(num_logprobs=1)),
+                  row(SamplingParams(min_tokens=2)), row(SamplingParams(logit_bias=((5, 1.0),))),
+                  row(SamplingParams(repetition_penalty=1.2)), row(drafts=(7, 8)),
+                  row(grammar=GrammarSpec("regex", "[0-9]+"))):
+        assert not all_plain_greedy([plain, other])
+
+
 _DEVICE_PATH_SCRIPT = """
 import torch
 from generation_service.engine.params import SamplingParams

@@ -43,3 +43,22 @@ def test_device_path_processing_matches_the_cpu_sampler():
     assert on_device[3] != EOS and on_device[4] == EOS and on_device[5] != EOS
     allowed = reference(logits[6].tolist(), rows[6].params, [1, 2, 3], [], {EOS}, 0)
     assert allowed[on_device[6]] > -math.inf and on_device[6] != EOS
+
+
+def test_the_greedy_launch_picks_what_mask_sample_and_the_cpu_sampler_pick():
+    """Sampler.launch_greedy (plain greedy rows, no work per row): NaN never picked, ties to the
+    smallest id, as mask_sample's greedy draw (interpreted here) and the CPU sampler."""
+    gen = torch.Generator().manual_seed(1)
+    logits = (torch.randn(5, V, generator=gen) * 3).to(torch.bfloat16)
+    logits[1, 40] = logits[1, 9] = 50.0           # a tie: the smaller id wins
+    logits[2, 3] = float("nan")                   # NaN is -inf, not a maximum
+    logits[3] = float("-inf")
+    logits[3, 300] = 0.0
+    logits[4, :] = float("nan")
+    logits[4, 17] = -5.0
+    rows = [row(SamplingParams(), 20 + i) for i in range(5)]
+    launched = Sampler().launch_greedy(logits)
+    greedy = [r.token_ids[0] for r in launched.result()]
+    assert greedy == launched.tokens.tolist() == sample_on_device(logits, rows, None) \
+        == [r.token_ids[0] for r in Sampler()(logits, rows)]
+    assert greedy[1] == 9 and greedy[3] == 300 and greedy[4] == 17
