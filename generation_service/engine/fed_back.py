@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from generation_service.engine.pinned import PinnedStaging
@@ -25,6 +26,8 @@ class FedBack:
 
     def apply(self, input_ids: torch.Tensor, row_starts: Sequence[int], staging: PinnedStaging) -> None:
         """input_ids[first token of row b] = tokens[sources[b]] for every fed row b."""
-        rows = list(self.sources)
-        index = staging.tensor(torch.int64, [[int(row_starts[b]) for b in rows], [self.sources[b] for b in rows]])
+        count = len(self.sources)
+        rows = np.fromiter(self.sources.keys(), dtype=np.int64, count=count)
+        sources = np.fromiter(self.sources.values(), dtype=np.int64, count=count)
+        index = staging.tensor(torch.int64, np.stack([np.asarray(row_starts, dtype=np.int64)[rows], sources]))
         input_ids.index_copy_(0, index[0], self.tokens.index_select(0, index[1]).to(input_ids.dtype))
