@@ -5,7 +5,8 @@ depending on context) and for byte tokens (one UTF-8 character may span several 
 So each push decodes a short window of recent ids twice, with and without the unread
 tokens, and emits the difference; the window only moves past text that ended cleanly.
 (In a steady decode the window without the unread tokens is the one token read last, whose
-text is memoized per tokenizer: one decode call per token, not two.)
+text is memoized per tokenizer: one decode call per token, not two. With a byte-level decoder a
+token of whole characters needs none: its memoized text is its delta.)
 If the decoded text ends in U+FFFD the tail is an incomplete character (a partial
 byte-level sequence), and the tokens stay unread until more arrive or ``flush`` is called.
 Byte-fallback runs (<0xE2><0x82><0xAC>) are held until a non-byte token ends them: the
@@ -44,6 +45,7 @@ class IncrementalDetokenizer:
                                              else frozenset())
         texts = _single_token_texts.setdefault(tokenizer, {})
         self._token_texts: dict[int, str] = texts.setdefault(skip_special_tokens, {})
+        self._concatenates = tokenizer.decodes_by_concatenation
         self._ids: list[int] = list(prompt_ids or [])[-_PROMPT_CONTEXT:]
         self._prefix_offset = 0  # window start: decoded text before read_offset is already emitted
         self._read_offset = len(self._ids)  # first id whose text is not emitted yet
@@ -51,18 +53,26 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
 
-    def _prefix_text(self) -> str:
-        """Text of the window before the unread ids."""
-        if self._read_offset - self._prefix_offset != 1:
-            return self._decode(self._ids[self._prefix_offset : self._read_offset])
-        token_id = self._ids[self._prefix_offset]
+    def _token_text(self, token_id: int) -> str:
         text = self._token_texts.get(token_id)
         if text is None:
             text = self._token_texts[token_id] = self._decode([token_id])
         return text
 
+    def _prefix_text(self) -> str:
+        """Text of the window before the unread ids."""
+        if self._read_offset - self._prefix_offset != 1:
+            return self._decode(self._ids[self._prefix_offset : self._read_offset])
+        return self._token_text(self._ids[self._prefix_offset])
+
     def _unread_text(self) -> str:
         """Text of the unread ids, decoded in the context of the window before them."""
+        if self._concatenates and len(self._ids) - self._read_offset == 1:
+            # one unread token of whole characters: its own text, whatever precedes it (a
+            # byte-level decoder concatenates bytes; UTF-8 resynchronises at a lead byte)
+            text = self._token_text(self._ids[-1])
+            if _REPLACEMENT not in text:
+                return text
         prefix_text = self._prefix_text()
         full_text = self._decode(self._ids[self._prefix_offset :])
         return full_text[len(prefix_text) :] if full_text.startswith(prefix_text) else full_text

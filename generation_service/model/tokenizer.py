@@ -110,6 +110,15 @@ class Tokenizer:
         decoder = self._tokenizer.decoder
         return decoder is not None and b"ByteLevel" in decoder.__getstate__()
 
+    @cached_property
+    def decodes_by_concatenation(self) -> bool:
+        """The decoder is ByteLevel alone: the text of ids whose bytes each form whole UTF-8
+        characters is the concatenation of their texts (added tokens decode to their content;
+        Tekken's and Llama 3's decoders). SentencePiece's are not: "▁" reads as a space or nothing
+        by position."""
+        decoder = self._tokenizer.decoder
+        return decoder is not None and json.loads(decoder.__getstate__()).get("type") == "ByteLevel"
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 

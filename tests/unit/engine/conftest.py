@@ -21,6 +21,7 @@ class CharTokenizer:
     vocab_size = 256
     eos_token_ids = (0,)
     byte_fallback_ids = frozenset()
+    decodes_by_concatenation = True  # chr per id
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return "".join(chr(i) for i in ids if i)

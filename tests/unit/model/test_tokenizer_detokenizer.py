@@ -169,6 +169,7 @@ class CountingTokenizer:
         self.num_decodes = 0
         self.byte_fallback_ids = tokenizer.byte_fallback_ids
         self.special_token_ids = tokenizer.special_token_ids
+        self.decodes_by_concatenation = tokenizer.decodes_by_concatenation
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         self.num_decodes += 1
@@ -176,6 +177,7 @@ class CountingTokenizer:
 
 
 def test_steady_decode_needs_one_decode_call_per_token(mistral_tokenizer):
+    assert not mistral_tokenizer.decodes_by_concatenation  # SentencePiece: "▁" depends on position
     counting = CountingTokenizer(mistral_tokenizer)
     ids = mistral_tokenizer.encode("The cat sat on the mat." * 8, add_special_tokens=False)
     detokenizer = IncrementalDetokenizer(counting)
@@ -186,3 +188,26 @@ def test_steady_decode_needs_one_decode_call_per_token(mistral_tokenizer):
     assert text == mistral_tokenizer.decode(ids) and counting.num_decodes == len(ids) - half + 1  # + flush
     # The memo of single-token texts is per tokenizer: another one does not see its entries.
     assert IncrementalDetokenizer(CountingTokenizer(mistral_tokenizer))._token_texts == {}
+
+
+def test_a_byte_level_token_of_whole_characters_is_its_own_delta(tekken_131k_dir):
+    """Tekken (byte-level BPE): a token whose bytes are whole characters streams its memoized text
+    without a decode call, and every delta equals what the windowed decode gives, on real text
+    (accents, CJK, emoji split across tokens), on arbitrary ids, with and without special tokens."""
+    tekken = Tokenizer(tekken_131k_dir)
+    assert tekken.decodes_by_concatenation
+    rng = random.Random(2)
+    streams = [tekken.encode(text, add_special_tokens=False) for text in TEXTS]
+    streams += [[rng.randrange(tekken.num_tokens) for _ in range(40)] for _ in range(40)]
+    for skip in (True, False):
+        for ids in streams:
+            fast = IncrementalDetokenizer(tekken, ids[:3], skip_special_tokens=skip)
+            windowed = IncrementalDetokenizer(tekken, ids[:3], skip_special_tokens=skip)
+            windowed._concatenates = False
+            assert [fast.push([i]) for i in ids[3:]] == [windowed.push([i]) for i in ids[3:]]
+            assert fast.flush() == windowed.flush()
+    counting = CountingTokenizer(tekken)
+    detokenizer = IncrementalDetokenizer(counting)
+    ids = streams[0] * 3
+    text = "".join(detokenizer.push([i]) for i in ids) + detokenizer.flush()
+    assert text == tekken.decode(ids) and counting.num_decodes <= len(set(ids)) + 1  # the memo's, + flush
