@@ -2,7 +2,8 @@
 
 On the GPU the engine overlaps step N+1 with the host work of step N (engine.py
 `_step_chained`); for a small model at a large batch that host work is the bound. This
-times it alone: N running requests (default 128) with the tiny-random model's tokenizer, each
+times it alone: N running requests (default 128) with the tiny-random model's tokenizer (or
+`--tokenizer DIR`, e.g. the serving benchmark's byte-level Tekken), each
 step one ScheduledBatch of N decode rows with one sampled token each. The tokens replay the
 tokenization of real text (prose, JSON documents, accents, CJK, emoji, byte-fallback runs),
 each request from its own offset, so the detokenizer sees real pieces. Six cases:
@@ -179,16 +180,19 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--consumers", nargs="+", choices=list(CONSUMERS), default=list(CONSUMERS))
     parser.add_argument("--no-stop-strings", action="store_true", help="only the cases without")
+    parser.add_argument("--tokenizer", type=pathlib.Path, default=None,
+                        help="a tokenizer folder (default: the tiny-random model's, Mistral 32k SentencePiece)")
     parser.add_argument("--out", type=pathlib.Path, default=None)
     args = parser.parse_args()
 
     from generation_service.model.tiny_random_model import ensure_tiny_random_model
     from generation_service.model.tokenizer import Tokenizer
 
-    tokenizer = Tokenizer(ensure_tiny_random_model())
+    tokenizer = Tokenizer(args.tokenizer or ensure_tiny_random_model())
     corpus_ids = tokenizer.encode(corpus_text(), add_special_tokens=False)
-    assert any(i in tokenizer.byte_fallback_ids for i in corpus_ids)
-    prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}])
+    assert tokenizer.decodes_by_concatenation or any(i in tokenizer.byte_fallback_ids for i in corpus_ids)
+    prompt_ids = (tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}]) if tokenizer.chat_template
+                  else tokenizer.encode(PROMPT))
     stop_cases = ((),) if args.no_stop_strings else ((), STOP_STRINGS)
     cases = [(stop_strings, consumers) for stop_strings in stop_cases for consumers in args.consumers]
     runs: dict[tuple, list[dict]] = {case: [] for case in cases}
@@ -212,7 +216,8 @@ def main() -> int:
               flush=True)
     if args.out is not None:
         result = {"benchmark": "engine_host", "machine": args.machine, "python": platform.python_version(),
-                  "tokenizer": "tiny-random (Mistral 32k SentencePiece)", "rows": rows,
+                  "tokenizer": str(args.tokenizer.name) if args.tokenizer else "tiny-random (Mistral 32k SentencePiece)",
+                  "rows": rows,
                   "command": command_line(f".venv/bin/python {sys.argv[0]}"), "code_commit": code_commit()}
         write_result(args.out, result, indent=2)
     return 0
