@@ -46,6 +46,7 @@ from generation_service.engine.events import FinishReason
 from generation_service.engine.grammar_link import GrammarControl, GrammarLink, LinkRow, StepMasks
 from generation_service.engine.fed_back import FED_BACK_TOKEN
 from generation_service.engine.kv_cache import KVCache, PageAllocator, num_pages_for
+from generation_service.engine.late_mask import HeldGraphs
 from generation_service.engine.lifecycle import RequestTable
 from generation_service.engine.mixed_steps import MixedSteps
 from generation_service.engine.params import GenerationRequest
@@ -57,7 +58,6 @@ from generation_service.engine.sampler import Sampler, SampleResult
 from generation_service.engine.scheduler import ScheduledBatch, ScheduledRow, Scheduler, SlotPool, TokenBudget
 from generation_service.engine.self_drafts import SelfDraftProposer
 from generation_service.engine.speculative import PROPOSERS, DraftProposer, make_proposer
-from generation_service.engine.late_mask import HeldGraphs
 from generation_service.engine.step_time import StepTime
 from generation_service.engine.stream import RequestStream
 from generation_service.engine.validation import RequestLimits, validate_request
