@@ -94,7 +94,8 @@ def _step_counts(address: str) -> dict:
     with grpc.insecure_channel(address) as channel:
         r = pb_grpc.GenerationServiceStub(channel).GetEngineStats(pb.GetEngineStatsRequest(), timeout=30)
     return {"steps": r.num_steps, "mixed_steps": r.num_mixed_steps,
-            "graph_step_s": r.graph_step_seconds, "mixed_step_s": r.mixed_step_seconds}
+            "graph_step_s": r.graph_step_seconds, "mixed_step_s": r.mixed_step_seconds,
+            "late_rows": r.num_late_rows, "held_graph_host_steps": r.num_held_graph_host_steps}
 
 
 def _percentile(values: list[float], q: float) -> float:

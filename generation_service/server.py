@@ -163,7 +163,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             num_kv_pages_cached=stats.num_kv_pages_cached,
             num_prefix_cache_query_tokens=stats.prefix_cache_query_tokens,
             num_prefix_cache_hit_tokens=stats.prefix_cache_hit_tokens,
-            num_prefix_cache_evictions=stats.prefix_cache_evictions)
+            num_prefix_cache_evictions=stats.prefix_cache_evictions,
+            num_late_rows=stats.num_late_rows, num_held_graph_host_steps=stats.num_held_graph_host_steps)
 
 
 class AioLoop:

@@ -108,6 +108,7 @@ class EngineStats:
     prefix_cache_hit_tokens: int = 0    # ...of which were found cached (not prefilled)
     prefix_cache_evictions: int = 0     # cached pages evicted to make room
     num_late_rows: int = 0              # sampling rows skipped because their grammar mask was late
+    num_held_graph_host_steps: int = 0  # host steps asked for by held decode graphs (late_mask.HeldGraphs)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -326,7 +326,8 @@ class Engine:
                 prefix_cache_query_tokens=self.prefix_cache.num_query_tokens,
                 prefix_cache_hit_tokens=self.prefix_cache.num_hit_tokens,
                 prefix_cache_evictions=self.prefix_cache.num_evictions,
-                num_late_rows=self.table.num_late_rows)
+                num_late_rows=self.table.num_late_rows,
+                num_held_graph_host_steps=self.held.num_probes if self.held is not None else 0)
 
     # ---- the loop ----------------------------------------------------------------------------
     def _loop(self) -> None:

@@ -71,4 +71,5 @@ def test_a_slow_grammar_does_not_hold_another_requests_tokens(client, wait_idle)
     num_ordinary = sum(len(chunk.token_ids) for w, chunk in window if w == "ordinary")
     assert num_ordinary >= 4 and num_slow * 2 < num_ordinary, \
         f"the slow request kept pace: {num_slow} tokens while the ordinary one streamed {num_ordinary}"
+    assert client.engine_stats().num_late_rows > 0  # what an operator sees of it (GetEngineStats)
     wait_idle()

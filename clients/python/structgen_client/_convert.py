@@ -218,4 +218,4 @@ def to_engine_stats(r: pb.GetEngineStatsResponse) -> EngineStats:
     return EngineStats(r.num_waiting, r.num_running, r.num_kv_pages_used, r.num_slots_used,
                        r.num_grammar_matchers, r.grammar_available, r.num_kv_pages_total,
                        r.num_finished, r.num_tokens_generated, r.num_draft_tokens_proposed,
-                       r.num_draft_tokens_accepted, r.num_kv_pages_cached)
+                       r.num_draft_tokens_accepted, r.num_kv_pages_cached, r.num_late_rows)

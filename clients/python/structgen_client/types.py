@@ -156,6 +156,7 @@ class EngineStats:
     num_draft_tokens_proposed: int = 0
     num_draft_tokens_accepted: int = 0
     num_kv_pages_cached: int = 0    # kept by the prefix cache for reuse, held by no request
+    num_late_rows: int = 0          # rows that sampled a step later: their grammar's mask was late
 
     @property
     def is_idle(self) -> bool:
