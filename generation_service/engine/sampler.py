@@ -143,12 +143,7 @@ class Sampler:
         copy to the host under way; anything else is sampled now."""
         if logits.device.type == "cuda" and rows and all(
                 row.can_sample_on_device and not row.params.num_logprobs for row in rows):
-            tokens = sample_on_device_tensor(logits, rows, bitmask, self.staging(logits.device)).long()
-            host = self._host_buffer(len(rows))
-            host.copy_(tokens, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
-            return SampleLaunch(None, tokens, host, ready)
+            return self._reading(sample_on_device_tensor(logits, rows, bitmask, self.staging(logits.device)).long())
         results = self(logits, rows, bitmask)
         tokens = None
         if logits.device.type != "cuda" and all(len(result.token_ids) == 1 for result in results):
@@ -162,6 +157,10 @@ class Sampler:
         tokens = logits.masked_fill(logits.isnan(), float("-inf")).argmax(dim=-1)
         if logits.device.type != "cuda":
             return SampleLaunch([SampleResult([token]) for token in tokens.tolist()], tokens)
+        return self._reading(tokens)
+
+    def _reading(self, tokens: torch.Tensor) -> SampleLaunch:
+        """The launch of (R,) int64 device tokens, their copy to a pinned host buffer under way."""
         host = self._host_buffer(len(tokens))
         host.copy_(tokens, non_blocking=True)
         ready = torch.cuda.Event()
