@@ -369,7 +369,7 @@ class Engine:
             self.apply_inbox()
             self.table.poll(self.link)  # compiles, deadlines, grammar reconnect
             if self.link is not None:
-                self.scheduler.mask_lead_s = self.link.forward_s_mean or 0.0
+                self.scheduler.mask_lead_s = self.link.forward_s
             batch = self.scheduler.schedule(self.config.max_draft_tokens)
             graphed = self.runner.can_graph(batch) and not (self.held is not None and self.held.wants_host_step)
             if self.held is not None and batch.rows and not graphed:

@@ -34,6 +34,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
@@ -54,7 +55,9 @@ log = logging.getLogger(__name__)
 # is ~1 ms, docs/gpu.md), so it sleeps in short steps rather than backing off to 1 ms.
 GPU_POLL_SPIN_S = 100e-6
 GPU_POLL_SLEEP_S = 50e-6
-FORWARD_EWMA_WEIGHT = 0.2  # of the newest forward in the mean forward time (`forward_us`)
+# `forward_us` is the median of the latest host forwards: a mean would keep a first forward that
+# compiled kernels (seconds) for dozens of steps, and no fill would be slow beside it (issue 19).
+FORWARD_WINDOW = 9
 
 
 class GrammarControl(Protocol):
@@ -143,7 +146,7 @@ class GrammarLink:
         self._released_tokens: dict[int, list[int]] = {}  # GPU steps the watchdog released early
         self.num_steps = 0
         self.wait_s_total = 0.0
-        self.forward_s_mean = 0.0  # of host steps' forwards (forward_done); 0: none seen yet
+        self._forwards: deque[float] = deque(maxlen=FORWARD_WINDOW)  # host steps' (forward_done)
         self.num_disconnects = 0
         # Called with a region before it is unmapped (the GPU runner unregisters it first).
         self.before_close: Callable[[StepChannel], None] | None = None
@@ -266,15 +269,20 @@ class GrammarLink:
         return step
 
     @property
+    def forward_s(self) -> float:
+        """The recent host forward time: the lower median of the latest (0.0 until one was timed)."""
+        recent = sorted(self._forwards)
+        return recent[(len(recent) - 1) // 2] if recent else 0.0
+
+    @property
     def forward_us(self) -> int:
-        """The mean forward time of host steps (0 until one was timed: no row is late then)."""
-        return max(1, int(self.forward_s_mean * 1e6)) if self.forward_s_mean else 0
+        """`forward_s` in us (0 until a host step was timed: no row is late then)."""
+        return max(1, int(self.forward_s * 1e6)) if self._forwards else 0
 
     def forward_done(self, step: int | None, seconds: float) -> None:
         """A host step's forward is done after `seconds`; from now on the engine waits for the
         masks of `step` (None: a step without the channel), so a mask not ready now is late."""
-        mean = self.forward_s_mean
-        self.forward_s_mean = seconds if not mean else mean + FORWARD_EWMA_WEIGHT * (seconds - mean)
+        self._forwards.append(seconds)
         if step is not None and self.channel is not None:
             self.channel.publish_seq("forward_seq", step)
 

@@ -63,6 +63,7 @@ def test_a_slow_grammar_sits_out_while_the_other_requests_run_decode_graphs(mode
     try:
         # a timed host step first: until one is, no row is late (GrammarLink.forward_us)
         run_all(engine, [_request(engine, "warm", PROMPTS[1], SCHEMA)])
+        warm_forward_us = engine.link.forward_us  # a first forward that compiled kernels must not count long
         # all at once: the others prefill in one host step; the slow row's first fill comes there
         # or, if its grammar compiles later, in a decode graph; every later step is a decode graph
         # until one held by its fill asks for host steps (HeldGraphs), where it is late
@@ -74,13 +75,13 @@ def test_a_slow_grammar_sits_out_while_the_other_requests_run_decode_graphs(mode
         slow = collect(slow_stream)
         slow_s = time.monotonic() - started
         stats = wait_settled(engine)
-        num_late_rows, num_probes = engine.table.num_late_rows, engine.held.num_probes
+        num_late_rows, num_probes, forward_us = engine.table.num_late_rows, engine.held.num_probes, engine.link.forward_us
     finally:
         engine.stop()
     longest = max(len(result.token_ids) for result in ordinary)
     print(f"ordinary: {longest} tokens in {ordinary_s:.2f} s; slow row: {len(slow.token_ids)} tokens in "
           f"{slow_s:.2f} s; graph steps beside it {graph_steps_beside}; late rows {num_late_rows}; "
-          f"host steps asked for by held graphs {num_probes}")
+          f"host steps asked for by held graphs {num_probes}; host forward {warm_forward_us} us after the warm-up, {forward_us} us at the end")
     assert slow.error is None and slow.finish_reason is FinishReason.GRAMMAR_COMPLETE, (slow.error, slow.text)
     jsonschema.validate(json.loads(slow.text), SLOW)
     for result in ordinary:
