@@ -122,7 +122,8 @@ class Engine:
             self.prefix_cache, config.page_size, self.slots, max_batch=config.max_batch,
             max_waiting=config.max_waiting, budget=self.token_budget,
             propose_drafts=lambda r, k: self.proposers[r.spec.speculative.proposer].propose(r, k),
-            token_bucket=self.runner.token_bucket, step_time=self.step_time)
+            token_bucket=self.runner.token_bucket, step_time=self.step_time,
+            max_step_tokens=self.runner.max_step_tokens)
         self.sampler = Sampler(config.mask_backend)
         eos = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids if self.tokenizer else ())
         self.eos_token_ids = tuple(sorted(eos))

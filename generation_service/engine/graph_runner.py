@@ -171,6 +171,10 @@ class CudaGraphRunner(ModelRunner):
         """Mixed steps replay a graph of a bucket's slots: the padding up to it costs what tokens do."""
         return self.mixed_graphs.token_bucket(num_tokens) if self.mixed_graphs is not None else num_tokens
 
+    @property
+    def max_step_tokens(self) -> int | None:
+        return self.mixed_graphs.max_tokens if self.mixed_graphs is not None else None
+
     @torch.no_grad()
     def _warm_eager_mixed(self) -> None:
         """Compile the eager mixed step's kernels now (a long prompt beside a decode row, verify

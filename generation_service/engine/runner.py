@@ -98,6 +98,12 @@ class ModelRunner:
         bucket; the scheduler fills that padding with prefill when prompts wait)."""
         return num_tokens
 
+    @property
+    def max_step_tokens(self) -> int | None:
+        """The most tokens a mixed step runs at its fast path (graph runners: the largest
+        mixed graph); None: no limit."""
+        return None
+
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
         return self.model(forward_batch, self.kv_cache)
 

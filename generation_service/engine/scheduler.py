@@ -141,7 +141,8 @@ class Scheduler:
     def __init__(self, cache: PrefixCache, page_size: int, slots: SlotPool, *,
                  max_batch: int, max_waiting: int, budget: TokenBudget,
                  propose_drafts: DraftFn | None = None,
-                 token_bucket: Callable[[int], int] | None = None, step_time: StepTime | None = None) -> None:
+                 token_bucket: Callable[[int], int] | None = None, step_time: StepTime | None = None,
+                 max_step_tokens: int | None = None) -> None:
         self.cache = cache
         self.page_size = page_size
         self.slots = slots
@@ -153,6 +154,9 @@ class Scheduler:
         self.token_bucket = token_bucket or (lambda n: n)
         # Caps the slots of a step that decode rows share at a few plain decode steps' time
         self.step_time = step_time
+        # The most tokens a step that decode rows share may hold (the runner's largest mixed
+        # graph): a step past it runs eagerly, many times slower (serve-h200-1b-budget-wide.json)
+        self.max_step_tokens = max_step_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # A late row joins a step whose forward ends after its next mask is likely done: the
@@ -194,6 +198,8 @@ class Scheduler:
             # the step pays for its whole bucket: padding slots may as well be prompt tokens
             budget = max(budget, self.token_bucket(num_decode_tokens + budget) - num_decode_tokens)
             budget = self._within_step_time(budget, num_decode_tokens)
+            if self.max_step_tokens is not None and num_decode_tokens + budget > self.max_step_tokens:
+                budget = max(self.max_step_tokens - num_decode_tokens, min(budget, self.budget.with_decode))
         else:
             budget = self.budget.alone
         for request in list(self.running):

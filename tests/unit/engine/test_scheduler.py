@@ -16,10 +16,10 @@ PAGE = 4
 
 
 def make_scheduler(num_pages=64, max_batch=4, max_waiting=8, chunk=8, alone=None, drafts=None, caching=True,
-                   queued=0, token_bucket=None, step_time=None):
+                   queued=0, token_bucket=None, step_time=None, max_step_tokens=None):
     return Scheduler(PrefixCache(PageAllocator(num_pages), PAGE, caching), PAGE, SlotPool(2 * max_batch), max_batch=max_batch,
                      max_waiting=max_waiting, budget=TokenBudget(chunk, alone or chunk, queued), propose_drafts=drafts,
-                     token_bucket=token_bucket, step_time=step_time)
+                     token_bucket=token_bucket, step_time=step_time, max_step_tokens=max_step_tokens)
 
 
 def complete(batch, token=7, accepted=0):
@@ -179,6 +179,32 @@ def test_prefill_fills_the_token_bucket_a_step_pays_for():
     s.add(make_request("b", 40))
     batch = s.schedule()
     assert [(row.request.request_id, len(row.input_ids)) for row in batch.rows] == [("a", 1), ("b", 15)]
+
+
+def test_a_step_beside_decode_rows_stays_within_the_largest_mixed_graph():
+    """A step past the runner's largest mixed graph runs eagerly, many times slower: while
+    decode rows share the step, the queued budget stops there (never below the chunk);
+    alone, a prompt takes the whole budget."""
+    def loaded(max_step_tokens):
+        s = make_scheduler(num_pages=1024, max_batch=8, chunk=8, alone=256, queued=128,
+                           max_step_tokens=max_step_tokens)
+        for name in "ab":
+            s.add(make_request(name, 4))
+        complete(s.schedule())  # a and b decode from now on
+        for name in "cdefgh":
+            s.add(make_request(name, 200))  # 1,200 waiting: an eighth is over the limit of 128
+        return s
+
+    def step(s):
+        batch = s.schedule()
+        return batch.num_tokens, sum(len(row.input_ids) for row in batch.rows if not row.is_decode)
+
+    assert step(loaded(None)) == (2 + 128, 128)
+    assert step(loaded(64)) == (64, 62)
+    assert step(loaded(9)) == (2 + 8, 8)  # the chunk beside decode rows holds whatever the limit
+    idle = make_scheduler(num_pages=1024, max_batch=8, chunk=8, alone=256, queued=128, max_step_tokens=64)
+    idle.add(make_request("z", 200))
+    assert step(idle) == (200, 200)
 
 
 def test_a_step_beside_decode_rows_stays_within_its_time_cap():
