@@ -35,6 +35,7 @@ def summarize(workload: Workload, records: list[Record]) -> dict:
         "output_tokens_per_s": tokens / window if window else None,
         "requests_per_s": sum(1 for r in finished if lo <= r.end < hi) / window if window else None,
         "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
+        "ttft_mean_s": statistics.mean(ttft) if ttft else None,
         "itl_p50_ms": _ms(percentile(gaps, 0.5)), "itl_p99_ms": _ms(percentile(gaps, 0.99)),
         "tokens_per_message": tokens / messages if messages else None,
         "errors": count([r.code for r in records if r.code not in ("OK", CANCELLED_AT_END)]),
@@ -80,6 +81,39 @@ def step_delta(before: dict, after: dict, seconds: float) -> dict:
     d["ms_per_mixed_step"] = 1e3 * d["mixed_step_seconds"] / d["num_mixed_steps"] if d["num_mixed_steps"] else None
     d["prefill_tokens_per_mixed_step"] = d["num_prefill_tokens"] / d["num_mixed_steps"] if d["num_mixed_steps"] else None
     return d
+
+
+# The server's request timings (Prometheus histograms, generation_service/metrics.py) whose
+# means split a client's TTFT: in the servicer, waiting for a batch, prefilling, decoding
+SERVER_TIMINGS = {
+    "ttft_servicer": "structgen_time_to_first_token_seconds",
+    "engine_queue": "structgen_request_queue_time_seconds",
+    "engine_prefill": "structgen_request_prefill_time_seconds",
+    "engine_decode": "structgen_request_decode_time_seconds",
+    "request": "structgen_request_duration_seconds",
+}
+
+
+def histogram_totals(metrics_text: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of each SERVER_TIMINGS histogram in a /metrics scrape, over its labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+    wanted = {name: key for key, name in SERVER_TIMINGS.items()}
+    totals = {key: [0.0, 0.0] for key in SERVER_TIMINGS}
+    for family in text_string_to_metric_families(metrics_text):
+        key = wanted.get(family.name)
+        for sample in family.samples if key else ():
+            if sample.name.endswith("_sum"):
+                totals[key][0] += sample.value
+            elif sample.name.endswith("_count"):
+                totals[key][1] += sample.value
+    return {key: (total, count) for key, (total, count) in totals.items()}
+
+
+def timing_means(before: str, after: str) -> dict[str, float | None]:
+    """Mean seconds of each SERVER_TIMINGS histogram over the requests finished between two scrapes."""
+    a, b = histogram_totals(before), histogram_totals(after)
+    return {key: (b[key][0] - a[key][0]) / (b[key][1] - a[key][1]) if b[key][1] > a[key][1] else None
+            for key in SERVER_TIMINGS}
 
 
 def roofline_tok_s(roofline: dict, config, concurrency: int, prompt_len: int, new_tokens: float) -> float | None:
@@ -139,5 +173,7 @@ def line(s: dict) -> str:
             f" p99 {fmt(s['ttft_p99_s'], '.3f')} s  ITL p50 {fmt(s['itl_p50_ms'], '.1f')} p99 {fmt(s['itl_p99_ms'], '.1f')} ms"
             f"  x{fmt(s.get('over_roofline'), '.2f')} roofline  err {s['errors']} fin {s['finish_reasons']}"
             f" val {s['validation']} cached {fmt(s.get('cached_prompt_fraction'), '.2f')}"
+            + (" server ms " + " ".join(f"{k} {fmt(v and 1e3 * v, '.1f')}" for k, v in means.items())
+               if (means := s.get("server_mean_s") or s.get("engine", {}).get("server_mean_s")) else "")
             + (f" calls {s['tool_call_validation']} reasoning {fmt(s['reasoning_fraction'], '.2f')}"
                if "tool_call_validation" in s else ""))

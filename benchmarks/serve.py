@@ -91,6 +91,7 @@ from benchmarks._serve_load import Workload, make_prompts, run_workload, run_wor
 from benchmarks._serve_profile import profile_server, profile_summary  # noqa: E402
 from benchmarks._serve_summary import (  # noqa: E402
     cache_ratios, decode_step_ms, fmt_ratio, line, output_lengths, roofline_tok_s, step_delta, summarize,
+    timing_means,
 )
 
 PLANS = ("full", "targets", "quick", "load", "smoke", "http", "http-smoke", "prefix", "features", "features-smoke",
@@ -108,12 +109,13 @@ class Server(ServeProcess):
                    "--port", "0", "--max-batch", str(max_batch), "--max-waiting", "4096",
                    "--max-prompt-tokens", "8192", "--max-new-tokens-limit", "1024",
                    "--num-workers", str(max_batch + 64), "--tensor-parallel", str(args.tensor_parallel),
-                   *extra, *args.server_args]
+                   "--metrics-port", str(metrics_port := free_port()), *extra, *args.server_args]
         if args.device == "cpu":
             command += ["--dtype", "float32"]
         if http:  # the OpenAI-compatible API beside gRPC, same process and engine
             command += ["--http-port", str(free_port())]
         super().__init__(command, log_path, env={"PYTHONUNBUFFERED": "1"})
+        self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         import grpc
 
         from structgen.v1 import generation_pb2 as pb
@@ -128,6 +130,12 @@ class Server(ServeProcess):
         from google.protobuf.json_format import MessageToDict
         return MessageToDict(self.stub.GetEngineStats(self.pb.GetEngineStatsRequest()),
                              preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+    def metrics(self) -> str:
+        """The Prometheus scrape of the serving process."""
+        import urllib.request
+        with urllib.request.urlopen(self.metrics_url, timeout=30) as response:
+            return response.read().decode()
 
     def wait_idle(self, timeout_s: float = 120) -> dict:
         deadline = time.monotonic() + timeout_s
@@ -254,7 +262,7 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
             prompt_set: list[list[int]] | None = None) -> dict:
         on = on or server
         on.wait_idle()
-        before = on.stats()
+        before, scraped = on.stats(), on.metrics()
         address = on.http_url if workload.transport == "http" else on.address
         profilers = profile_server(args, on, shape, workload)
         records = run_workload(address, workload, prompt_set or prompts[workload.prompt_len], args.client_procs,
@@ -268,6 +276,7 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
         lengths[workload.name] = output_lengths(records)
         summary["engine"] = step_delta(before, on.wait_idle(), workload.warmup_s + workload.duration_s
                                        if not workload.num_requests else 0)
+        summary["server_mean_s"] = timing_means(scraped, on.metrics())
         if roof:
             summary["roofline_tokens_per_s"] = roof
             summary["over_roofline"] = summary["output_tokens_per_s"] / roof if summary["output_tokens_per_s"] else None
@@ -280,10 +289,11 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
         """Workloads in one window on `server`: the first from --client-procs processes, the others
         from one each; `engine`: the window's step counters, every workload's requests together."""
         server.wait_idle()
-        before = server.stats()
+        before, scraped = server.stats(), server.metrics()
         runs = [(w, ps, args.client_procs if i == 0 else 1) for i, (w, ps) in enumerate(workloads)]
         records = run_workloads(server.address, runs, salt=len(result["workloads"]) << 30)
         engine = step_delta(before, server.wait_idle(), workloads[0][0].warmup_s + workloads[0][0].duration_s)
+        engine["server_mean_s"] = timing_means(scraped, server.metrics())
         summaries = []
         for (workload, _), these in zip(workloads, records):
             summaries.append(summarize(workload, these) | {"engine": engine})
