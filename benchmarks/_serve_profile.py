@@ -57,10 +57,11 @@ def engine_process_pid(server_pid: int) -> int | None:
 def profile_summary(raw: pathlib.Path, seconds: float, rate: int = 200, top: int = 25) -> dict:
     """What py-spy's raw stacks say, small enough for the result: the share of the window each
     thread was sampled (under `--gil`: held the GIL), and the functions (inclusive) with the
-    largest shares. Shares are of rate x seconds samples."""
+    largest shares, overall and per thread. Shares are of rate x seconds samples."""
     if not raw.is_file():
         return {"error": f"no profile at {raw.name}"}
     threads, functions, total = {}, {}, 0
+    per_thread: dict[str, dict[str, int]] = {}
     for line in raw.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
         if not stack or not count.isdigit():
@@ -69,10 +70,14 @@ def profile_summary(raw: pathlib.Path, seconds: float, rate: int = 200, top: int
         total += n
         thread = re.sub(r"^thread \(\w+\):\s*|\s*\(idle\)", "", frames[0]).strip() or frames[0]
         threads[thread] = threads.get(thread, 0) + n
+        mine = per_thread.setdefault(thread, {})
         for frame in set(re.sub(r" \(.*?:\d+\)$", "", f) for f in frames[1:]):  # a function once per stack
             functions[frame] = functions.get(frame, 0) + n
+            mine[frame] = mine.get(frame, 0) + n
     window = rate * seconds
     share = lambda n: round(n / window, 4)  # noqa: E731
     return {"samples": total, "window_samples": int(window), "sampled_share": share(total),
             "threads": {t: share(n) for t, n in sorted(threads.items(), key=lambda kv: -kv[1])},
-            "top_functions": {f: share(n) for f, n in sorted(functions.items(), key=lambda kv: -kv[1])[:top]}}
+            "top_functions": {f: share(n) for f, n in sorted(functions.items(), key=lambda kv: -kv[1])[:top]},
+            "thread_functions": {t: {f: share(n) for f, n in sorted(fs.items(), key=lambda kv: -kv[1])[:top]}
+                                 for t, fs in per_thread.items()}}
