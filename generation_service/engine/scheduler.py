@@ -86,6 +86,9 @@ class ScheduledBatch:
 
 DraftFn = Callable[[Request, int], list[int]]  # (request, max drafts) -> draft tokens
 
+# Beside decode rows a step takes the waiting prompt tokens over this many steps (TokenBudget)
+QUEUE_SPREAD_STEPS = 8
+
 
 @dataclass(frozen=True)
 class TokenBudget:
@@ -112,7 +115,7 @@ class TokenBudget:
         """The budget of a step that decode rows share, with this many prompt tokens to
         prefill: an eighth of them (what waits is spread over eight steps, so the steps stay
         even when requests arrive together), between `with_decode` and `max_with_decode`."""
-        return min(self.max_with_decode, max(self.with_decode, num_waiting_tokens // 8))
+        return min(self.max_with_decode, max(self.with_decode, num_waiting_tokens // QUEUE_SPREAD_STEPS))
 
 
 class SlotPool:
@@ -241,7 +244,7 @@ class Scheduler:
         count stops where the budget reaches its limit)."""
         if self.budget.max_with_decode == self.budget.with_decode:  # a fixed budget: nothing to count
             return 0
-        limit = 8 * self.budget.max_with_decode
+        limit = QUEUE_SPREAD_STEPS * self.budget.max_with_decode
         total = 0
         for queue in (self.running, self.waiting):
             for request in queue:
