@@ -365,24 +365,28 @@ async def _wait_until(t0: float, end: float, tasks: list) -> None:
 
 
 def _process_main(address, workload, prompts, share, seed, start_at, queue, proc, salt, index) -> None:
+    cpu_before = time.process_time()
     records = asyncio.run(_drive(address, workload, prompts, share, seed, start_at, proc, salt))
+    # the client's own CPU over its run: near 1, it (not the server) may set the pace
+    busy = (time.process_time() - cpu_before) / (time.time() - start_at) if time.time() > start_at + 0.1 else None
     queue.put((index, [(r.start, r.message_times, r.message_tokens, r.end, r.finish_reason, r.validation, r.code,
                         r.prompt_len, r.cached_tokens, r.turn, r.call_validation, r.reasoning_chars)
-                       for r in records]))
+                       for r in records], busy))
 
 
 def run_workload(address: str, workload: Workload, prompts: list[list[int]] | list[str], num_procs: int,
-                 seed: int = 0, salt: int = 0) -> list[Record]:
+                 seed: int = 0, salt: int = 0, client_cpu: list[float] | None = None) -> list[Record]:
     """Run `workload` from `num_procs` client processes (one for a fixed request count). `salt`:
     the first request number (`Workload.unique_at`); workloads on one server take ranges apart."""
-    return run_workloads(address, [(workload, prompts, num_procs)], seed, salt)[0]
+    return run_workloads(address, [(workload, prompts, num_procs)], seed, salt, client_cpu)[0]
 
 
 def run_workloads(address: str, runs: list[tuple[Workload, list, int]], seed: int = 0,
-                  salt: int = 0) -> list[list[Record]]:
+                  salt: int = 0, client_cpu: list[float] | None = None) -> list[list[Record]]:
     """Several workloads in one window, each (workload, prompts, client processes): their
     processes start at once; the records of each. Request numbers of the i-th start at
-    salt + i << 28 (apart from each other)."""
+    salt + i << 28 (apart from each other). `client_cpu` gets each client process's CPU
+    seconds per second of its run (its channel's setup included)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = []
@@ -397,8 +401,10 @@ def run_workloads(address: str, runs: list[tuple[Workload, list, int]], seed: in
     records: list[list[Record]] = [[] for _ in runs]
     timeout = max(w.warmup_s + w.duration_s for w, _, _ in runs) + 600
     for _ in procs:
-        index, fields = queue.get(timeout=timeout)
+        index, fields, busy = queue.get(timeout=timeout)
         records[index] += [Record(*f) for f in fields]
+        if client_cpu is not None and busy is not None:
+            client_cpu.append(busy)
     for p in procs:
         p.join(timeout=30)
     return records

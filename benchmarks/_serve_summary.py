@@ -173,6 +173,7 @@ def line(s: dict) -> str:
             f" p99 {fmt(s['ttft_p99_s'], '.3f')} s  ITL p50 {fmt(s['itl_p50_ms'], '.1f')} p99 {fmt(s['itl_p99_ms'], '.1f')} ms"
             f"  x{fmt(s.get('over_roofline'), '.2f')} roofline  err {s['errors']} fin {s['finish_reasons']}"
             f" val {s['validation']} cached {fmt(s.get('cached_prompt_fraction'), '.2f')}"
+            + (f" client cpu {s['client_cpu_max']:.2f}" if s.get("client_cpu_max") is not None else "")
             + (" server ms " + " ".join(f"{k} {fmt(v and 1e3 * v, '.1f')}" for k, v in means.items())
                if (means := s.get("server_mean_s") or s.get("engine", {}).get("server_mean_s")) else "")
             + (f" calls {s['tool_call_validation']} reasoning {fmt(s['reasoning_fraction'], '.2f')}"

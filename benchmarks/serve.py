@@ -265,9 +265,12 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
         before, scraped = on.stats(), on.metrics()
         address = on.http_url if workload.transport == "http" else on.address
         profilers = profile_server(args, on, shape, workload)
+        client_cpu: list[float] = []
         records = run_workload(address, workload, prompt_set or prompts[workload.prompt_len], args.client_procs,
-                               salt=len(result["workloads"]) << 30)  # request numbers apart from every other run's
+                               salt=len(result["workloads"]) << 30,  # request numbers apart from every other run's
+                               client_cpu=client_cpu)
         summary = summarize(workload, records)
+        summary["client_cpu_max"] = round(max(client_cpu), 3) if client_cpu else None
         for process, profiler in profilers.items():
             profiler.wait(timeout=60)
             summary.setdefault("profile", {})[process] = profile_summary(

@@ -42,6 +42,7 @@ def test_serve_benchmark_runs_every_workload_on_cpu(tmp_path):
     assert all(v is not None and v > 0 for v in means.values()), means
     assert means["engine_queue"] + means["engine_prefill"] <= means["ttft_servicer"] * 1.05 + 0.005, means
     assert means["ttft_servicer"] <= client * 1.05 + 0.005, (means, client)
+    assert 0 < by["free 48/16 c=4"]["client_cpu_max"] < 1.5  # one thread's CPU, mostly
     assert shape["model_info"]["prefill_chunk_tokens"] == 512 and shape["workloads"][1]["engine"]["num_steps"] > 0
     # prefix caching: requests of the other workloads share no prefix; the shared system prompt
     # and the resent conversations are found cached, by the cache-on server only
