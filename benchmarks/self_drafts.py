@@ -12,6 +12,7 @@ every output equals the no-speculation one (greedy: it must). Random weights acc
 only a trained model's figures mean anything (the default model on CPU).
 
     .venv/bin/python benchmarks/self_drafts.py --machine ci-2core
+    python benchmarks/self_drafts.py --device cuda --machine h200   (the GPU: the same eager runner)
 """
 from __future__ import annotations
 
@@ -111,6 +112,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--machine", default=default_machine())
     parser.add_argument("--model", default="default")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (the eager runner either way)")
+    parser.add_argument("--dtype", default=None, help="weights dtype (default: float32 on cpu, bfloat16 on cuda)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--skip-counts", type=int, nargs="*", default=[4, 8],
@@ -121,7 +124,8 @@ def main() -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     engine = make_engine(None, model=args.model, runner="eager", max_batch=max(args.batch, 2),
-                         max_draft_tokens=args.drafts)
+                         max_draft_tokens=args.drafts, device=args.device,
+                         dtype=args.dtype or ("bfloat16" if args.device.startswith("cuda") else None))
     rows = []
     try:
         proposer = engine.proposers["self"]
