@@ -53,7 +53,11 @@ Per model shape (random weights of a preset shape, the real 131k Tekken tokenize
    Preset shapes get the tokenizer's chat template beside it (Tekken's: Mistral's [TOOL_CALLS]).
    Per workload: output tok/s over the measured window, TTFT p50/p99, inter-token (gap between
    streamed messages) p50/p99, tokens per message, errors by code, finish reasons, validation
-   statuses, and the engine's step counters over the window (GetEngineStats).
+   statuses, and the engine's step counters over the window (GetEngineStats); the means of the
+   server's request timings (`server_mean_s`: servicer TTFT, engine queue, prefill, decode, from
+   its /metrics before and after) and the busiest client process's CPU share (`client_cpu_max`).
+   The result's `host_python_ms` times a fixed Python loop on this host: host-bound figures of
+   different machines compare only next to it.
    With --tensor-parallel N > 1 the server shards the model over N GPUs and the roofline has
    no decode-graph steps (that runner is single-GPU; a 70B shape does not fit one GPU): it
    gives the per-GPU weight-read floor instead (the weights' bytes / N at the copy
@@ -81,7 +85,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._harness import (  # noqa: E402
-    VOCAB, ServeProcess, code_commit, command_line, free_port, log, random_model_folder, write_result,
+    VOCAB, ServeProcess, code_commit, command_line, free_port, host_python_ms, log, random_model_folder, write_result,
 )
 from benchmarks._serve_groups import (  # noqa: E402
     FEATURES_PLAN, FORCED_PLAN, PREFIX_PLAN, SCHEMA, FeaturesPlan, PrefixPlan, feature_workloads,
@@ -415,7 +419,8 @@ def main() -> int:
     tok = pathlib.Path(os.environ.get("STRUCTGEN_TEKKEN_DIR") or tokenizer_dir("tekken_131k"))
     result = {"benchmark": "serve", "command": command_line(pathlib.Path(sys.argv[0]).name),
               "code_commit": code_commit(), "python": platform.python_version(), "client_procs": args.client_procs,
-              "plan": args.plan, "tensor_parallel": args.tensor_parallel, "duration_s": args.duration, "warmup_s": args.warmup, "shapes": []}
+              "plan": args.plan, "tensor_parallel": args.tensor_parallel, "duration_s": args.duration, "warmup_s": args.warmup,
+              "host_python_ms": host_python_ms(), "shapes": []}
     if args.device == "cuda":
         import torch
         result.update(device=torch.cuda.get_device_name(), torch=torch.__version__, cpus=os.cpu_count())
