@@ -86,7 +86,8 @@ class ScheduledBatch:
 
 DraftFn = Callable[[Request, int], list[int]]  # (request, max drafts) -> draft tokens
 
-# Beside decode rows a step takes the waiting prompt tokens over this many steps (TokenBudget)
+# Beside decode rows a step takes the waiting prompt tokens over this many steps (TokenBudget);
+# 2 shortened the queue but not the throughput (benchmarks/results/serve-h200-1b-spread2.json)
 QUEUE_SPREAD_STEPS = 8
 
 
