@@ -1,5 +1,5 @@
 """Self-speculative drafts (issue 26 point 2): the model drafting with its calibrated draft
-layers against no speculation and n-gram drafts, greedy, in the in-process Engine (eager runner).
+layers against no speculation and n-gram drafts, greedy, in the in-process Engine.
 
 Workloads: chat answers (the chat template), code completion, and a JSON document continued as
 free text. Variants: no speculation, "self" with the model's cached calibration (`structgen
@@ -12,7 +12,7 @@ every output equals the no-speculation one (greedy: it must). Random weights acc
 only a trained model's figures mean anything (the default model on CPU).
 
     .venv/bin/python benchmarks/self_drafts.py --machine ci-2core
-    python benchmarks/self_drafts.py --device cuda --machine h200   (the GPU: the same eager runner)
+    python benchmarks/self_drafts.py --device cuda --machine h200   (the CUDA-graph runner; --runner eager)
 """
 from __future__ import annotations
 
@@ -112,7 +112,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--machine", default=default_machine())
     parser.add_argument("--model", default="default")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda (the eager runner either way)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--runner", default="auto", help="auto (cuda_graph on cuda), eager or cuda_graph")
     parser.add_argument("--dtype", default=None, help="weights dtype (default: float32 on cpu, bfloat16 on cuda)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=2)
@@ -123,10 +124,10 @@ def main() -> int:
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    engine = make_engine(None, model=args.model, runner="eager", max_batch=max(args.batch, 2),
+    engine = make_engine(None, model=args.model, runner=args.runner, max_batch=max(args.batch, 2),
                          max_draft_tokens=args.drafts, device=args.device,
                          dtype=args.dtype or ("bfloat16" if args.device.startswith("cuda") else None))
-    rows = []
+    rows, runner = [], engine.runner_name
     try:
         proposer = engine.proposers["self"]
         proposer.check_ready()  # the cached calibration, or the command to run
@@ -141,7 +142,7 @@ def main() -> int:
               f"{row['tokens_per_step']:>8} {accept:>7} {row['same_output']}")
     choice = proposer.choice  # the calibrated one again (measure restores it)
     out = write_result(args.out or ROOT / "benchmarks" / "results" / f"self_drafts-{args.machine}.json",
-                       {"machine": args.machine, "model": args.model, "args": vars(args),
+                       {"machine": args.machine, "model": args.model, "runner": runner, "args": vars(args),
                         "calibration": {"skip_layers": choice.skip_layers, "acceptance": choice.acceptance,
                                         "estimated_speedup": choice.estimated_speedup,
                                         "num_layers": engine.model_config.num_layers},

@@ -17,9 +17,13 @@ NOTE: drafting runs inside Scheduler.schedule (the proposer interface), so under
 lock: submit, cancel and stats wait for a step's draft forwards (k one-token forwards of the
 draft layers per row, one row at a time).
 
-Only the eager runner drafts: the draft forward is the model's eager forward over the same
-KV cache, and the CUDA-graph runner's verify graphs and fused weights are not wired for it,
-so there a request for "self" is INVALID_ARGUMENT (`check_ready`).
+The draft forward is the model's own eager forward (its modules and weights) over the engine's
+KV cache, on either single-process runner: the CUDA-graph runner keeps the model's parameters
+beside its fused copies, and a step with drafts is scheduled only once every earlier step's
+tokens are read (engine.py and mixed_steps.py never chain one), on the stream its forwards
+run on. The verify is the runner's own (verify graphs or a mixed step). Under tensor
+parallelism the forward must run on every rank at once, which a draft does not: there a request
+for "self" is INVALID_ARGUMENT (`check_ready`).
 """
 from __future__ import annotations
 
@@ -36,7 +40,7 @@ from generation_service.model.forward_batch import build_forward_batch
 from generation_service.model.layer_skip import LayerSkipChoice, load_choice
 
 log = logging.getLogger(__name__)
-DRAFTING_RUNNERS = ("eager",)
+DRAFTING_RUNNERS = ("eager", "cuda_graph")
 
 
 class SelfDraftProposer(DraftProposer):
@@ -67,9 +71,9 @@ class SelfDraftProposer(DraftProposer):
     def check_ready(self) -> None:
         if self.runner not in DRAFTING_RUNNERS:
             raise InvalidRequestError(
-                f"draft proposer 'self' drafts with the eager forward; this server's runner is {self.runner!r} "
-                "(its verify graphs, fused weights or sharded ranks are not wired for draft layers): serve one "
-                "process with --runner eager, or use proposer ngram or grammar")
+                f"draft proposer 'self' drafts with one process's forward; this server's runner is {self.runner!r} "
+                "(a sharded model forwards on every rank at once): serve the model without tensor parallelism, "
+                "or use proposer ngram or grammar")
         if self.choice is None:
             choice = load_choice(self.model_key)
             if choice is None:

@@ -94,9 +94,9 @@ def test_drafting_stops_at_eos_and_without_pages(model):
 
 def test_refusals_name_the_runner_and_the_missing_calibration(model, tmp_path, monkeypatch):
     monkeypatch.setenv("STRUCTGEN_CACHE", str(tmp_path))
-    graphs = SelfDraftProposer(model, None, reserve_pages, "m", "m", "cuda_graph")
-    with pytest.raises(InvalidRequestError, match="runner is 'cuda_graph'.*--runner eager"):
-        graphs.check_ready()
+    sharded = SelfDraftProposer(model, None, reserve_pages, "m", "m", "tensor_parallel")
+    with pytest.raises(InvalidRequestError, match="runner is 'tensor_parallel'.*without tensor parallelism"):
+        sharded.check_ready()
     eager = SelfDraftProposer(model, None, reserve_pages, "m", "default", "eager")
     with pytest.raises(InvalidRequestError, match="structgen calibrate-self-spec --model default"):
         eager.check_ready()
