@@ -224,17 +224,20 @@ class DecodeForward:
 
     def tokens(self, ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
                attend: Callable, proj: Projections | None = None,
-               logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+               logits_indices: torch.Tensor | None = None,
+               layer_ids: tuple[int, ...] | None = None) -> torch.Tensor:
         """(T, vocab) logits of T token slots (the verify graphs, verify_graphs.py; the mixed
         steps, mixed_forward.py, with `logits_indices`: (L, vocab) of those slots): ids (T,)
         already clamped, positions and flat cache slots (T,), `attend(q (T, Hq, D), layer)`
         the attention over the cache once the slots' K/V are written; cuBLAS GEMMs unless
-        `proj` says otherwise. Graph safe."""
+        `proj` says otherwise; `layer_ids`: only these decoder layers, in order (a
+        self-speculative draft, self_drafts.py). Graph safe."""
         if self.fused_ops:
             residual, cos, sin, _ = self._prologue(ids, positions)
             return self.fused_layers(residual, cos, sin, slot_ids, attend, proj or CUBLAS,
-                                     logits_indices=logits_indices)
-        return self.torch_tokens(ids, positions, slot_ids, attend, logits_indices=logits_indices)
+                                     logits_indices=logits_indices, layer_ids=layer_ids)
+        return self.torch_tokens(ids, positions, slot_ids, attend, logits_indices=logits_indices,
+                                 layer_ids=layer_ids)
 
     def _prologue(self, ids: torch.Tensor, positions: torch.Tensor, page_table: torch.Tensor | None = None,
                   publish: tuple[torch.Tensor, torch.Tensor] | None = None):
@@ -251,23 +254,26 @@ class DecodeForward:
     def fused_layers(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      slot_ids: torch.Tensor, attend: Callable, proj: Projections,
                      before_head: Callable[[], None] | None = None,
-                     logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+                     logits_indices: torch.Tensor | None = None,
+                     layer_ids: tuple[int, ...] | None = None) -> torch.Tensor:
         """The fused layer loop over T token slots (one per row for decode): residual (T, hidden)
         the embedded tokens, cos/sin (T, D) at their positions (`kernels/decode_prologue.py`).
         Each norm's input x comes with rms = None (x normalised by a kernel) or with the RowRms of
         the raw residual stream x (a folded norm: the consumer GEMM normalises).
         logits_indices (L,) int64: logits of those token slots only (a prefill chunk needs none
-        but its last); the last down projection, the final norm and the LM head run on L rows."""
+        but its last); the last down projection, the final norm and the LM head run on L rows.
+        layer_ids: the decoder layers to run, in order (default all)."""
         from generation_service.kernels.decode_fused import add_rmsnorm, rope_write_kv
         cfg, m, kv = self.config, self.model, self.kv
         layers = m.model.layers
         num_tokens = residual.shape[0]
         q_dim, eps = cfg.num_heads * cfg.head_dim, cfg.rms_norm_eps
-        input_norm, post_norm = self._norm_weights(0)
+        order = range(len(layers)) if layer_ids is None else layer_ids
+        input_norm, post_norm = self._norm_weights(order[0])
         x, residual = add_rmsnorm(residual, None, input_norm, eps)
         rms = None
-        for index, layer in enumerate(layers):
-            w = self.weights[index]
+        for position, index in enumerate(order):
+            layer, w = layers[index], self.weights[index]
             qkv = proj.linear(x, w.qkv, w.qkv_bias, rms)
             q = rope_write_kv(qkv, cos, sin, kv.k[index], kv.v[index], slot_ids,
                               cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
@@ -275,12 +281,12 @@ class DecodeForward:
             x, residual, rms = self._add_norm(proj, proj.fold_post_norm, o.view(num_tokens, q_dim),
                                               layer.self_attn.o_proj, residual, post_norm)
             act = proj.gate_up_silu(x, w.gate_up, rms)
-            if index + 1 == len(layers):
+            if position + 1 == len(order):
                 break
-            input_norm, post_norm = self._norm_weights(index + 1)
+            input_norm, post_norm = self._norm_weights(order[position + 1])
             x, residual, rms = self._add_norm(proj, proj.fold_input_norm, act, layer.mlp.down_proj,
                                               residual, input_norm)
-        down_proj = layers[-1].mlp.down_proj
+        down_proj = layers[order[-1]].mlp.down_proj
         if logits_indices is not None:  # per token from here on: only the rows that sample
             act, residual = act[logits_indices], residual[logits_indices]
         # the final norm keeps its weight: the LM head's weight may be the (tied) embedding
@@ -314,16 +320,18 @@ class DecodeForward:
 
     def torch_tokens(self, ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
                      attend: Callable, before_head: Callable[[], None] | None = None,
-                     logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+                     logits_indices: torch.Tensor | None = None,
+                     layer_ids: tuple[int, ...] | None = None) -> torch.Tensor:
         """The unfused layer loop over T token slots; float32 logits (of `logits_indices` only,
-        if given, as in `fused_layers`)."""
+        if given, and of `layer_ids` only, as in `fused_layers`)."""
         assert self.weights is None or not self.weights[0].norms_folded, "folded: for fused_layers"
         cfg, m, kv = self.config, self.model, self.kv
         num_tokens = ids.shape[0]
         hidden = m.model.embed_tokens(ids)  # (T, hidden)
         cos, sin = m.rotary(positions, hidden.dtype)
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        for index, layer in enumerate(m.model.layers):
+        for index in range(len(m.model.layers)) if layer_ids is None else layer_ids:
+            layer = m.model.layers[index]
             attn = layer.self_attn
             x = layer.input_layernorm(hidden)
             if self.weights is not None:

@@ -108,7 +108,7 @@ class Engine:
         self.allocator = PageAllocator(num_pages)
         self.prefix_cache = PrefixCache(self.allocator, config.page_size, enabled=config.prefix_caching)
         self.slots = SlotPool(2 * config.max_batch)  # admitted requests + pending matcher releases
-        self.proposers = {name: make_proposer(name) for name in PROPOSERS} | self._model_proposers(loaded, kv_cache)
+        self.proposers = {name: make_proposer(name) for name in PROPOSERS} | self._model_proposers(loaded)
         self.runner = make_runner(self.runner_name, loaded.model, kv_cache, mc.vocab_size,
                                   max_batch=config.max_batch,
                                   verify_width=1 + config.max_draft_tokens if config.verify_graphs else 0,
@@ -181,11 +181,12 @@ class Engine:
                  "configured" if config.prefill_chunk_tokens else "measured" if on_gpu else "the CPU default")
         return budget, step_time
 
-    def _model_proposers(self, loaded, kv_cache: KVCache) -> dict[str, DraftProposer]:
-        """The proposers that draft with the model (speculative.MODEL_PROPOSERS) over its KV
-        cache, reserving pages through the scheduler (built after them: hence the lambda)."""
+    def _model_proposers(self, loaded) -> dict[str, DraftProposer]:
+        """The proposers that draft with the model (speculative.MODEL_PROPOSERS) through the
+        runner's draft forward, reserving pages through the scheduler (both built after them:
+        hence the lambdas)."""
         key = model_key(loaded.path, self.config.model, self.config.seed)
-        return {"self": SelfDraftProposer(loaded.model, kv_cache,
+        return {"self": SelfDraftProposer(loaded.model, lambda *args: self.runner.draft_logits(*args),
                                           lambda request, num_tokens: self.scheduler.reserve(request, num_tokens),
                                           key, self.config.model, self.runner_name)}
 

@@ -49,6 +49,8 @@ from generation_service.engine.verify_graphs import VerifyGraphs
 from step_channel.layout import seq_reached
 
 log = logging.getLogger(__name__)
+# A self-speculative draft's row: its uncached tokens, one after a verify or a first token.
+DRAFT_TOKEN_BUCKET = 16
 
 
 @dataclass
@@ -108,10 +110,11 @@ class CudaGraphRunner(ModelRunner):
         self.mixed = MixedForward(self.gpu.forward)  # every batch no graph runs
         # Mixed steps of rows up to max_context_tokens long as graphs per token bucket (0: eager only)
         self.mixed_graphs: MixedGraphs | None = None
+        self._context_pages = -(-max_context_tokens // kv_cache.page_size)
         if max_context_tokens:
-            pages = -(-max_context_tokens // kv_cache.page_size)
-            self.mixed_graphs = MixedGraphs(self.gpu.forward, self.gpu.max_batch, pages)
+            self.mixed_graphs = MixedGraphs(self.gpu.forward, self.gpu.max_batch, self._context_pages)
             self.mixed_graphs.capture()
+        self._draft_graphs: MixedGraphs | None = None  # one row through the draft layers (`draft_logits`)
         self._warm_eager_mixed()
         self.channel = None     # the StepChannel the graphs are captured over
         self._mapped = None
@@ -206,6 +209,33 @@ class CudaGraphRunner(ModelRunner):
         log.info("step cost: decode step of %d rows %.2f ms, mixed step %.3f ms + %.1f us a token",
                  self.gpu.max_batch, decode_s * 1e3, cost.fixed_s * 1e3, per_token_s * 1e6)
         return cost
+
+    # ---- self-speculative drafts -------------------------------------------------------------
+    @torch.inference_mode()
+    def draft_logits(self, pages: list[int], new_ids: list[int], num_cached: int,
+                     layer_ids: tuple[int, ...]) -> torch.Tensor:
+        """A one-row draft through `layer_ids` (self_drafts.py): one replay of a mixed-step graph
+        of those layers (DRAFT_TOKEN_BUCKET slots, one row), captured at the first draft with
+        them (the calibration is read at the first request that asks for it); a row it does not
+        fit runs the same fused layers eagerly. On the engine loop's stream, after every step
+        whose tokens it reads."""
+        row = ScheduledRow(_ProbeRequest(pages), num_cached, list(new_ids), is_sampling=True)
+        graphs = self._drafts_through(tuple(layer_ids))
+        if graphs is not None and graphs.can_run([row]):
+            return graphs([row])[0]
+        return self.mixed([row], layer_ids=tuple(layer_ids))[0]
+
+    def _drafts_through(self, layer_ids: tuple[int, ...]) -> MixedGraphs | None:
+        """The draft graph of `layer_ids` (recaptured when they change); None without mixed graphs."""
+        if self.mixed_graphs is None:
+            return None
+        if self._draft_graphs is None or self._draft_graphs.layer_ids != layer_ids:
+            if self._draft_graphs is not None:
+                self._draft_graphs.close()
+            self._draft_graphs = MixedGraphs(self.gpu.forward, 1, self._context_pages, (DRAFT_TOKEN_BUCKET,),
+                                             layer_ids=layer_ids)
+            self._draft_graphs.capture()
+        return self._draft_graphs
 
     # ---- one graph step ----------------------------------------------------------------------
     @torch.no_grad()
@@ -359,8 +389,9 @@ class CudaGraphRunner(ModelRunner):
 
     def close(self) -> None:
         """Engine stop, after the loop ended and before the link closes its region."""
-        if self.mixed_graphs is not None:
-            self.mixed_graphs.close()
+        for graphs in (self.mixed_graphs, self._draft_graphs):
+            if graphs is not None:
+                graphs.close()
         if self.channel is not None:
             self.release_channel(self.channel, recapture=False)
         self.gpu.close()

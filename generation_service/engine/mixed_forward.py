@@ -157,7 +157,9 @@ class MixedForward:
                            table.view(layout.page_table.shape), seq_lens, extend_lens)
 
     @torch.inference_mode()
-    def __call__(self, rows: list[ScheduledRow], fed_back: FedBack | None = None) -> torch.Tensor:
+    def __call__(self, rows: list[ScheduledRow], fed_back: FedBack | None = None,
+                 layer_ids: tuple[int, ...] | None = None) -> torch.Tensor:
+        """layer_ids: only these decoder layers (a self-speculative draft, self_drafts.py)."""
         layout = pack_mixed(rows, self.page_size, self.vocab_size)
         inputs = self.upload(layout)
         if fed_back is not None:
@@ -166,4 +168,4 @@ class MixedForward:
         self.num_steps += 1
         self.num_tokens += layout.num_tokens
         return self.forward.tokens(inputs.input_ids, inputs.positions, inputs.slot_ids, attend, CUBLAS,
-                                   logits_indices=inputs.logits_indices)
+                                   logits_indices=inputs.logits_indices, layer_ids=layer_ids)

@@ -70,11 +70,13 @@ def _numel(shape: tuple[int, ...]) -> int:
 class MixedGraphs:
     """Captured mixed steps over `forward`'s weights and cache. Invariants: every bucket's graph
     reads only the mirrors' device fields and writes only the cache, its pool and `logits`;
-    the host mirror is rewritten only after the previous step's copy completed (`_copied`)."""
+    the host mirror is rewritten only after the previous step's copy completed (`_copied`).
+    layer_ids: the graphs run only these decoder layers (self-speculative drafts, self_drafts.py)."""
 
     def __init__(self, forward: DecodeForward, max_rows: int, max_pages: int,
-                 buckets: tuple[int, ...] = MIXED_TOKEN_BUCKETS) -> None:
+                 buckets: tuple[int, ...] = MIXED_TOKEN_BUCKETS, layer_ids: tuple[int, ...] | None = None) -> None:
         self.forward, self.kv, self.config = forward, forward.kv, forward.config
+        self.layer_ids = layer_ids
         self.device = forward.kv.device
         self.max_rows, self.max_pages = max_rows, max_pages
         self.buckets = tuple(b for b in buckets if b >= 16)
@@ -138,7 +140,7 @@ class MixedGraphs:
         num_logits = min(self.max_rows, bucket)
         logits = self.forward.tokens(ints["input_ids"][:bucket], ints["positions"][:bucket],
                                      ints["slot_ids"][:bucket], self._attend(bucket), CUBLAS,
-                                     logits_indices=ints["logits_indices"][:num_logits])
+                                     logits_indices=ints["logits_indices"][:num_logits], layer_ids=self.layer_ids)
         self.logits[:num_logits].copy_(logits)
 
     def warmup(self, bucket: int) -> None:
@@ -148,8 +150,9 @@ class MixedGraphs:
     @torch.no_grad()
     def capture(self) -> float:
         self.graphs = capture_graphs(self, self.buckets, (FREE,))
-        log.info("mixed-step graphs (%d token buckets up to %d) captured in %.2f s", len(self.buckets),
-                 self.max_tokens, self.graphs.capture_s)
+        log.info("mixed-step graphs (%d token buckets up to %d%s) captured in %.2f s", len(self.buckets),
+                 self.max_tokens, "" if self.layer_ids is None else f", layers {list(self.layer_ids)}",
+                 self.graphs.capture_s)
         return self.graphs.capture_s
 
     # ---- one step ---------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from generation_service.engine.kv_cache import KVCache
 from generation_service.engine.pinned import PinnedStaging
 from generation_service.engine.scheduler import ScheduledBatch
 from generation_service.engine.step_time import MixedStepCost
-from generation_service.model.forward_batch import ForwardBatch
+from generation_service.model.forward_batch import ForwardBatch, build_forward_batch
 
 
 def prepare(batch: ScheduledBatch, device: torch.device) -> ForwardBatch:
@@ -106,6 +106,15 @@ class ModelRunner:
 
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
         return self.model(forward_batch, self.kv_cache)
+
+    @torch.inference_mode()
+    def draft_logits(self, pages: list[int], new_ids: list[int], num_cached: int,
+                     layer_ids: tuple[int, ...]) -> torch.Tensor:
+        """(vocab,) logits after one row's `new_ids` (written into its `pages` from position
+        num_cached) through the decoder layers `layer_ids` only: a self-speculative draft
+        (self_drafts.py). Here the model's own forward."""
+        batch = build_forward_batch([new_ids], [num_cached], [pages], device=self.device)
+        return self.model(batch, self.kv_cache, layer_ids)[-1]
 
     def measure_step_cost(self) -> MixedStepCost | None:
         """What decode and mixed steps cost on this runner's device (the prefill budget's

@@ -17,13 +17,14 @@ NOTE: drafting runs inside Scheduler.schedule (the proposer interface), so under
 lock: submit, cancel and stats wait for a step's draft forwards (k one-token forwards of the
 draft layers per row, one row at a time).
 
-The draft forward is the model's own eager forward (its modules and weights) over the engine's
-KV cache, on either single-process runner: the CUDA-graph runner keeps the model's parameters
-beside its fused copies, and a step with drafts is scheduled only once every earlier step's
-tokens are read (engine.py and mixed_steps.py never chain one), on the stream its forwards
-run on. The verify is the runner's own (verify graphs or a mixed step). Under tensor
-parallelism the forward must run on every rank at once, which a draft does not: there a request
-for "self" is INVALID_ARGUMENT (`check_ready`).
+The draft forward is the runner's (`ModelRunner.draft_logits`): the model's own eager forward
+on the eager runner; on the CUDA-graph runner a one-row mixed-step graph of the draft layers,
+captured at the first draft with them (graph_runner.py), on the stream its steps run on. A
+step with drafts is scheduled only once every earlier step's tokens are read (engine.py and
+mixed_steps.py never chain one), so a draft reads final tokens and K/V. The verify is the
+runner's own (verify graphs or a mixed step). Under tensor parallelism the forward must run on
+every rank at once, which a draft does not: there a request for "self" is INVALID_ARGUMENT
+(`check_ready`).
 """
 from __future__ import annotations
 
@@ -33,10 +34,8 @@ from typing import Callable
 import torch
 
 from generation_service.engine.errors import InvalidRequestError
-from generation_service.engine.kv_cache import KVCache
 from generation_service.engine.request import Request
 from generation_service.engine.speculative import DraftProposer
-from generation_service.model.forward_batch import build_forward_batch
 from generation_service.model.layer_skip import LayerSkipChoice, load_choice
 
 log = logging.getLogger(__name__)
@@ -46,14 +45,15 @@ DRAFTING_RUNNERS = ("eager", "cuda_graph")
 class SelfDraftProposer(DraftProposer):
     """k greedy drafts from the model's calibrated draft layers (module docstring).
 
-    `reserve(request, num_tokens)` makes the request's pages hold num_tokens tokens
-    (Scheduler.reserve); `runner` is the engine's runner name.
+    `draft_logits(pages, new_ids, num_cached, layer_ids)`: the runner's draft forward
+    (ModelRunner.draft_logits); `reserve(request, num_tokens)` makes the request's pages hold
+    num_tokens tokens (Scheduler.reserve); `runner` is the engine's runner name.
     """
 
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, reserve: Callable[[Request, int], bool],
-                 model_key: str, model_source: str, runner: str) -> None:
+    def __init__(self, model: torch.nn.Module, draft_logits: Callable[..., torch.Tensor],
+                 reserve: Callable[[Request, int], bool], model_key: str, model_source: str, runner: str) -> None:
         self.model = model
-        self.kv_cache = kv_cache
+        self.draft_logits = draft_logits
         self.reserve = reserve
         self.model_key = model_key
         self.model_source = model_source
@@ -89,8 +89,7 @@ class SelfDraftProposer(DraftProposer):
         new_ids, num_cached = request.token_ids[request.num_cached:], request.num_cached
         drafts: list[int] = []
         for _ in range(k):
-            batch = build_forward_batch([new_ids], [num_cached], [request.pages], device=self.kv_cache.device)
-            token = int(self.model(batch, self.kv_cache, self.layer_ids)[-1].argmax())
+            token = int(self.draft_logits(request.pages, new_ids, num_cached, self.layer_ids).argmax())
             drafts.append(token)
             if token in request.eos_token_ids:  # nothing the model says after its end is worth a draft
                 break

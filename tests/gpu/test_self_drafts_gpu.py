@@ -1,5 +1,6 @@
 """Self-speculative drafts (proposer "self", engine/self_drafts.py) on the GPU, on both runners
-(the draft is the model's eager forward; the CUDA-graph runner verifies in its verify graphs):
+(eager: the model's own forward drafts; CUDA-graph: a captured one-row graph of the draft layers,
+and the verify graphs verify):
 drafts from the model's draft layers, verified by the full model, give the greedy tokens of no
 speculation up to bf16 near ties, and drafts that random weights reject roll back leaving
 nothing behind. A "draft" of every layer is the full model's own greedy token, so the verify

@@ -9,6 +9,7 @@ from generation_service.engine.errors import InvalidRequestError
 from generation_service.engine.kv_cache import KVCache
 from generation_service.engine.params import GenerationRequest
 from generation_service.engine.request import Request
+from generation_service.engine.runner import ModelRunner
 from generation_service.engine.self_drafts import SelfDraftProposer
 from generation_service.model.forward_batch import build_forward_batch
 from generation_service.model.layer_skip import LayerSkipChoice, store_choice
@@ -61,7 +62,7 @@ def test_drafts_are_the_draft_layers_greedy_continuation_and_leave_cached_kv_alo
     prompt = [5, 17, 300, 42, 9, 77, 1000, 23, 8]
     request, kv = prefilled(model, prompt)
     cached_k = [k[1:3].clone() for k in kv.k]  # pages of positions 0..7: the cached tokens
-    proposer = SelfDraftProposer(model, kv, reserve_pages, "m", "m", "eager")
+    proposer = SelfDraftProposer(model, ModelRunner(model, kv, model.config.vocab_size).draft_logits, reserve_pages, "m", "m", "eager")
     proposer.use(choice("m", (1, 2)))
     drafts = proposer.propose(request, 5)
     assert len(drafts) == 5 and len(request.pages) * PAGE_SIZE >= len(prompt) + 5
@@ -82,12 +83,12 @@ def test_drafts_are_the_draft_layers_greedy_continuation_and_leave_cached_kv_alo
 def test_drafting_stops_at_eos_and_without_pages(model):
     prompt = [5, 17, 300, 42, 9]
     request, kv = prefilled(model, prompt)
-    proposer = SelfDraftProposer(model, kv, reserve_pages, "m", "m", "eager")
+    proposer = SelfDraftProposer(model, ModelRunner(model, kv, model.config.vocab_size).draft_logits, reserve_pages, "m", "m", "eager")
     proposer.use(choice("m", (2,)))
     first = proposer.propose(request, 1)
     request.eos_token_ids = frozenset(first)
     assert proposer.propose(request, 4) == first
-    refusing = SelfDraftProposer(model, kv, lambda r, n: False, "m", "m", "eager")
+    refusing = SelfDraftProposer(model, ModelRunner(model, kv, model.config.vocab_size).draft_logits, lambda r, n: False, "m", "m", "eager")
     refusing.use(choice("m", (2,)))
     assert refusing.propose(request, 4) == []
 

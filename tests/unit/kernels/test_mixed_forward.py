@@ -114,3 +114,26 @@ def test_the_bucketed_body_gives_the_reference_step_after_step(model, rel_err):
     for layer in range(model.config.num_layers):
         assert rel_err(forward_kv.k[layer][1:], ref_kv.k[layer][1:]) < 1e-5
         assert rel_err(forward_kv.v[layer][1:], ref_kv.v[layer][1:]) < 1e-5
+
+
+@pytest.mark.parametrize("layer_ids", [(0,), (1,)], ids=["first-layer", "second-layer"])
+@pytest.mark.parametrize("fused_ops", [True, False], ids=["fused", "torch-layers"])
+def test_a_draft_through_some_layers_gives_the_models_forward_of_them(model, rel_err, layer_ids, fused_ops):
+    """A self-speculative draft on the graph runner (`CudaGraphRunner.draft_logits`): one row
+    through the draft graph's body (one row, a bucket of 16 slots) and through the eager fused
+    layers gives the model's own forward of those layers, and writes K/V in those layers only."""
+    row = ScheduledRow(SimpleNamespace(pages=[3, 1, 2]), 9, [17], is_sampling=True)
+    ref_kv, kv = random_cache(model, 1), random_cache(model, 1)
+    with torch.inference_mode():
+        want = model(prepare(ScheduledBatch([row]), torch.device("cpu")), ref_kv, layer_ids)[-1].float()
+    forward = DecodeForward(model, kv, DecodeBuffers.allocate(4, 8, "cpu"), fused_ops=fused_ops, gemv_max_batch=0)
+    graphs = MixedGraphs(forward, max_rows=1, max_pages=8, buckets=(16,), layer_ids=layer_ids)
+    assert graphs.can_run([row])
+    got = graphs([row], use_graph=False)[0].float()
+    eager = MixedForward(forward)([row], layer_ids=layer_ids)[0].float()
+    assert rel_err(got, want) < 1e-4 and rel_err(eager, want) < 1e-4
+    untouched = random_cache(model, 1)
+    for layer in range(model.config.num_layers):  # page 0 is the padding slots' dummy page
+        assert rel_err(kv.k[layer][1:], ref_kv.k[layer][1:]) < 1e-5, layer
+        assert rel_err(kv.v[layer][1:], ref_kv.v[layer][1:]) < 1e-5, layer
+        assert torch.equal(kv.k[layer][1:], untouched.k[layer][1:]) == (layer not in layer_ids)
