@@ -7,8 +7,8 @@ calibrate-self-spec --model ...` first), n-gram drafts, and "self" skipping the 
 ranking's first N layers (`--skip-counts`: what skipping more would give). Each runs the same
 requests (`--repeats` rounds over the workload's prompts, `--batch` at a time, rounds of the
 variants interleaved, after a warm-up request each); reported per workload and variant:
-tokens/s, engine steps, draft acceptance (accepted / proposed), tokens per step, and whether
-every output equals the no-speculation one (greedy: it must). Random weights accept nothing, so
+tokens/s, engine steps, draft acceptance (accepted / proposed), tokens per step, and how many
+outputs equal the no-speculation ones (greedy in float32: all must; in bf16 a near tie may tip). Random weights accept nothing, so
 only a trained model's figures mean anything (the default model on CPU).
 
     .venv/bin/python benchmarks/self_drafts.py --machine ci-2core
@@ -88,7 +88,9 @@ class Variant:
                 "steps": self.steps, "tokens_per_step": round(tokens / max(self.steps, 1), 2),
                 "drafts_proposed": self.proposed, "drafts_accepted": self.accepted,
                 "acceptance": round(self.accepted / self.proposed, 3) if self.proposed else None,
-                "same_output": self.outputs == baseline.outputs}
+                "same_output": self.outputs == baseline.outputs,
+                "identical_requests": sum(a == b for a, b in zip(self.outputs, baseline.outputs)),
+                "requests": len(self.outputs)}
 
 
 def measure(engine, workload: str, args) -> list[dict]:
@@ -124,9 +126,10 @@ def main() -> int:
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else None)
     engine = make_engine(None, model=args.model, runner=args.runner, max_batch=max(args.batch, 2),
                          max_draft_tokens=args.drafts, device=args.device,
-                         dtype=args.dtype or ("bfloat16" if args.device.startswith("cuda") else None))
+                         dtype=dtype)
     rows, runner = [], engine.runner_name
     try:
         proposer = engine.proposers["self"]
@@ -135,11 +138,12 @@ def main() -> int:
             rows += measure(engine, workload, args)
     finally:
         engine.stop()
-    print(f"{'workload':<8} {'variant':<11} {'tok/s':>7} {'x':>5} {'steps':>6} {'tok/step':>8} {'accept':>7} same")
+    print(f"{'workload':<8} {'variant':<11} {'tok/s':>7} {'x':>5} {'steps':>6} {'tok/step':>8} {'accept':>7} "
+          "identical")
     for row in rows:
         accept = "-" if row["acceptance"] is None else f"{row['acceptance']:.2f}"
         print(f"{row['workload']:<8} {row['variant']:<11} {row['tokens_per_s']:>7} {row['speedup']:>5} {row['steps']:>6} "
-              f"{row['tokens_per_step']:>8} {accept:>7} {row['same_output']}")
+              f"{row['tokens_per_step']:>8} {accept:>7} {row['identical_requests']}/{row['requests']}")
     choice = proposer.choice  # the calibrated one again (measure restores it)
     out = write_result(args.out or ROOT / "benchmarks" / "results" / f"self_drafts-{args.machine}.json",
                        {"machine": args.machine, "model": args.model, "runner": runner, "args": vars(args),
@@ -149,7 +153,10 @@ def main() -> int:
                         "results": rows, "command": command_line(f".venv/bin/python {sys.argv[0]}"),
                         "code_commit": code_commit()}, indent=2)
     print(f"wrote {out}")
-    return 0 if all(row["same_output"] for row in rows) else 1
+    # bf16 (the GPU's default): a verify step's numbers differ from a decode step's, so a near tie
+    # may go the other way and the rest of that output with it; tests/gpu/test_self_drafts_gpu.py
+    # checks that every divergence is one
+    return 0 if all(row["same_output"] for row in rows) or dtype not in (None, "float32") else 1
 
 
 if __name__ == "__main__":
