@@ -54,6 +54,13 @@ def default_machine() -> str:
     return f"{socket.gethostname()}-{os.cpu_count()}cpu"
 
 
+def scrape(url: str, timeout_s: float = 30) -> str:
+    """The Prometheus text a `/metrics` URL serves (a service's scrape)."""
+    import urllib.request
+    with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        return response.read().decode()
+
+
 def host_python_ms(repeats: int = 5) -> float:
     """This host's speed at the engine loop's kind of work: the best of `repeats` runs of a fixed
     pure-Python loop (dicts, lists, attribute reads), in ms. Host-bound serving figures of

@@ -53,14 +53,15 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 
 import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # tests/: the real tokenizers and the channel driver
 
-from benchmarks._harness import command_line, default_machine, free_port, utc_now, versions, write_result  # noqa: E402
+from benchmarks._harness import (  # noqa: E402
+    command_line, default_machine, free_port, scrape, utc_now, versions, write_result,
+)
 from grammar_contract.client import GrammarControlClient  # noqa: E402
 from grammar_contract.spec import GrammarSpec  # noqa: E402
 from grammar_service.config import GrammarServiceConfig, llguidance_fill_threads, llguidance_lanes  # noqa: E402
@@ -97,7 +98,7 @@ def start_service(sock: str, tok_dir: str, vocab: int, fill_threads: int, metric
 def phase_seconds(metrics_port: int) -> dict[str, float]:
     """The service's structgen_grammar_step_phase_seconds_total by phase."""
     from prometheus_client.parser import text_string_to_metric_families
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+    text = scrape(f"http://127.0.0.1:{metrics_port}/metrics", timeout_s=5)
     out = dict.fromkeys(PHASES, 0.0)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:

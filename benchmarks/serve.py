@@ -85,7 +85,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._harness import (  # noqa: E402
-    VOCAB, ServeProcess, code_commit, command_line, free_port, host_python_ms, log, random_model_folder, write_result,
+    VOCAB, ServeProcess, code_commit, command_line, free_port, host_python_ms, log, random_model_folder, scrape,
+    write_result,
 )
 from benchmarks._serve_groups import (  # noqa: E402
     FEATURES_PLAN, FORCED_PLAN, PREFIX_PLAN, SCHEMA, FeaturesPlan, PrefixPlan, feature_workloads,
@@ -137,9 +138,7 @@ class Server(ServeProcess):
 
     def metrics(self) -> str:
         """The Prometheus scrape of the serving process."""
-        import urllib.request
-        with urllib.request.urlopen(self.metrics_url, timeout=30) as response:
-            return response.read().decode()
+        return scrape(self.metrics_url)
 
     def wait_idle(self, timeout_s: float = 120) -> dict:
         deadline = time.monotonic() + timeout_s
