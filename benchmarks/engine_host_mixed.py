@@ -20,7 +20,8 @@ steady step has `--rows` decode rows beside one prompt (serve.py's 128 outputs m
 rows). One client more than that keeps a request waiting, so admission never waits for one.
 Streams are read between steps (untimed).
 
-Reported per piece, microseconds per chained step, median over the steps after the ramp, the
+Reported per piece, microseconds of the engine thread's CPU time (`thread_time`: what other
+processes take is not counted) per chained step, median over the steps after the ramp, the
 best of `--repeats` runs (the machine may be shared: the least disturbed run is the cost):
 `step` (MixedSteps.step whole, stand-ins excluded), `chained_batch` (MixedSteps._chained_batch,
 with `schedule`, Scheduler.schedule(0, continuing=...)), `pack_mixed`, `postprocess`
@@ -67,7 +68,7 @@ PIECES = ("step", "chained_batch", "schedule", "pack_mixed", "postprocess", "del
 
 
 class Timer:
-    """Seconds spent in each piece during the current step; `stand_in` is not host work."""
+    """CPU seconds spent in each piece during the current step; `stand_in` is not host work."""
 
     def __init__(self) -> None:
         self.step: dict[str, float] = defaultdict(float)
@@ -77,11 +78,11 @@ class Timer:
         function = getattr(owner, name)
 
         def timed(*args, **kwargs):
-            start = time.perf_counter()
+            start = time.thread_time()
             try:
                 return function(*args, **kwargs)
             finally:
-                self.step[piece] += time.perf_counter() - start
+                self.step[piece] += time.thread_time() - start
         setattr(owner, name, timed)
 
 
@@ -93,9 +94,9 @@ class HostRunner:
         self.batch: ScheduledBatch | None = None  # the latest run (what HostSampler samples)
 
     def run(self, batch: ScheduledBatch, fed_back=None) -> None:
-        start = time.perf_counter()
+        start = time.thread_time()
         pack_mixed(batch.rows, PAGE_SIZE, self.vocab_size)
-        self.timer.step["pack_mixed"] += time.perf_counter() - start
+        self.timer.step["pack_mixed"] += time.thread_time() - start
         self.batch = batch
 
 
@@ -106,13 +107,13 @@ class HostSampler:
         self.timer, self.runner, self.corpus_ids, self.offsets = timer, runner, corpus_ids, offsets
 
     def launch_greedy(self, logits) -> SampleLaunch:
-        start = time.perf_counter()
+        start = time.thread_time()
         corpus = self.corpus_ids
         tokens = [corpus[(self.offsets[row.request.request_id] + row.request.num_generated) % len(corpus)]
                   for row in self.runner.batch.sampling_rows if not row.request.is_finished]
         host = torch.tensor(tokens, dtype=torch.int64)
         launch = SampleLaunch(None, host, host, ReadyEvent())
-        self.timer.step["stand_in"] += time.perf_counter() - start
+        self.timer.step["stand_in"] += time.thread_time() - start
         return launch
 
 
@@ -209,7 +210,7 @@ def run_once(tokenizer, corpus_ids: list[int], *, num_rows: int, prompt_len: int
     for index in range(ramp + num_steps):
         timer.step.clear()
         num_chained = steps.num_chained
-        start = time.perf_counter()
+        start = time.thread_time()
         if steps.in_flight is None:  # Engine.step's pipelined path: schedule and launch
             with engine.lock:
                 engine.apply_inbox()
@@ -217,7 +218,7 @@ def run_once(tokenizer, corpus_ids: list[int], *, num_rows: int, prompt_len: int
             steps.launch(batch)
         else:
             steps.step()
-        elapsed = time.perf_counter() - start
+        elapsed = time.thread_time() - start
         clients.read()
         if index >= ramp and steps.num_chained > num_chained:
             per_step["step"].append(elapsed - timer.step["stand_in"])
