@@ -158,7 +158,7 @@ class RequestTable:
             _, result = next(sampling)
             if request.is_finished:
                 continue
-            valid = masks.valid_positions[id(request)] if request.is_constrained and masks is not None else 1
+            valid = masks.valid_positions[id(request)] if masks is not None and request.is_constrained else 1
             if valid == 0:
                 self.finish(request, FinishReason.ERROR, GrammarUnavailableError(
                     "grammar_service has no matcher for this request"))
@@ -166,7 +166,7 @@ class RequestTable:
             if valid == VALID_LATE:  # its mask was not ready: sampled again next step
                 self._skip(row, request)
                 continue
-            if request.wants_forced_drafts and masks is not None:
+            if masks is not None and request.wants_forced_drafts:
                 # the run starts at the token this step sampled at position valid - 1
                 request.forced_run = ForcedRun(request.num_tokens + valid - 1,
                                                tuple(masks.forced.get(id(request), ())))

@@ -27,6 +27,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Callable
 
 from generation_service.engine.errors import QueueFullError
@@ -70,15 +71,16 @@ class ScheduledBatch:
     def is_empty(self) -> bool:
         return not self.rows
 
-    @property
+    @cached_property
     def sampling_rows(self) -> list[ScheduledRow]:
+        """(Cached: a batch's rows never change once scheduled, and a step reads these often.)"""
         return [row for row in self.rows if row.is_sampling]
 
     @property
     def num_tokens(self) -> int:
         return sum(len(row.input_ids) for row in self.rows)
 
-    @property
+    @cached_property
     def num_prefill_tokens(self) -> int:
         """Tokens of the rows that compute more than their one uncached token (prefill chunks)."""
         return sum(n for n in (len(row.input_ids) - len(row.drafts) for row in self.rows) if n > 1)
@@ -194,8 +196,12 @@ class Scheduler:
         rows: list[ScheduledRow] = list(continuing)
         can_preempt = not continuing
         now = self.masks_read_at()
+        # NOTE: a request with no uncached token gets no row: a continuing one, or one whose
+        # token of the step in flight is its last. Left out before the per-request checks,
+        # they cost a chained step nothing per row.
+        uncached = [r for r in self.running if r.num_uncached]
         num_decode_tokens = len(continuing) + sum(
-            1 for r in self.running if r.is_decoding and r.can_sample and r.status is RequestStatus.RUNNING
+            1 for r in uncached if r.is_decoding and r.can_sample and r.status is RequestStatus.RUNNING
             and not r.sits_out(now))
         if num_decode_tokens:
             budget = self.budget.beside_decode(self._num_prompt_tokens_to_prefill())
@@ -206,7 +212,7 @@ class Scheduler:
                 budget = max(self.max_step_tokens - num_decode_tokens, min(budget, self.budget.with_decode))
         else:
             budget = self.budget.alone
-        for request in list(self.running):
+        for request in uncached:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             if request.sits_out(now):
