@@ -118,7 +118,7 @@ def graph_engine(monkeypatch, grammar_address, **config):
         self.num_graph_steps = self.num_chained_steps = self.num_mixed_steps = self.num_verify_steps = 0
         # mixed steps through the eager runner's model forward (the fused MixedForward needs CUDA)
         self.mixed = lambda rows, fed_back=None: runner.ModelRunner.run(self, ScheduledBatch(rows), fed_back)
-        self.verify = self.mixed_graphs = None
+        self.verify = self.mixed_graphs = self._draft_graphs = None
 
     class FakeMapped:
         def __init__(self, channel):
