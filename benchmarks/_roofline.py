@@ -8,10 +8,14 @@ freeing the device, before the server starts):
   with every row at that context, median replay time;
 - with --tensor-parallel N > 1, no decode-graph steps (that runner is single-GPU) but the
   per-GPU weight-read floor of a decode step: the weights' bytes / N at the copy bandwidth;
+- with --mixed-points, the captured mixed step (`MixedGraphs`, the graphs the server replays for a
+  step that holds a prompt chunk) of D decode rows at context C beside one P-token chunk: the
+  replay alone on the GPU, and the whole call from the host (pack, upload, replay), unoverlapped;
 - the model's FLOPs per prompt: 2 x the linear parameters per token, the causal attention's
   4 x layers x heads x head_dim x (n^2 / 2), and one LM-head row.
 
     python benchmarks/_roofline.py --config folder/config.json --points 1:1024 64:576 --out r.json
+    python benchmarks/_roofline.py --config folder/config.json --points 128:576 --mixed-points 96:576:448 --out r.json
     python benchmarks/_roofline.py --config folder/config.json --points 1:1024 --tensor-parallel 4 --out r.json
 """
 from __future__ import annotations
@@ -76,11 +80,56 @@ def decode_steps(config, points: list[tuple[int, int]]) -> list[dict]:
     return rows
 
 
+@torch.no_grad()
+def mixed_steps(config, points: list[tuple[int, int, int]], max_rows: int) -> list[dict]:
+    """Mixed-step graph time of each (decode rows, context, prompt chunk): D rows of one new token
+    at context C, then a first chunk of P prompt tokens, sampled at its end; graphs of `max_rows`
+    rows (the server's max batch)."""
+    from types import SimpleNamespace
+
+    from benchmarks._gpu_model import pages_per_row, random_kv_cache, random_model
+    from generation_service.engine.cuda_graphs import FREE
+    from generation_service.engine.gpu_runner import GpuDecodeRunner
+    from generation_service.engine.mixed_graphs import MixedGraphs
+    from generation_service.engine.scheduler import ScheduledRow
+
+    model = random_model(config)
+    max_pages = max(pages_per_row(max(c, p) + 1) for _, c, p in points)
+    kv = random_kv_cache(config, 1 + max(d * pages_per_row(c + 1) + pages_per_row(p) for d, c, p in points))
+    runner = GpuDecodeRunner(model, kv, max_batch=max_rows, buckets=(max_rows,), variants=(FREE,))
+    graphs = MixedGraphs(runner.forward, runner.max_batch, max_pages)
+    graphs.capture()
+    ids = torch.Generator().manual_seed(0)
+
+    def row(first_page: int, cached: int, new: int) -> ScheduledRow:
+        pages = list(range(first_page, first_page + pages_per_row(cached + new)))
+        tokens = torch.randint(0, config.vocab_size, (new,), generator=ids).tolist()
+        return ScheduledRow(SimpleNamespace(pages=pages), cached, tokens, is_sampling=True)
+
+    results = []
+    for decode, context, prefill in points:
+        per_row = pages_per_row(context + 1)  # page 0 is the padding's dummy page
+        rows = [row(1 + i * per_row, context, 1) for i in range(decode)] + [row(1 + decode * per_row, 0, prefill)]
+        bucket = graphs.token_bucket(decode + prefill)
+        graphs(rows)  # the inputs of that step in the graphs' buffers
+        gpu_ms = median_ms(lambda: graphs.graphs.replay(bucket, FREE), 20)
+        call_ms = median_ms(lambda: graphs(rows), 20)
+        results.append({"decode_rows": decode, "context": context, "prefill_tokens": prefill, "bucket": bucket,
+                        "replay_ms": gpu_ms, "call_ms": call_ms})
+        print(f"mixed graph d={decode:3d} ctx={context:5d} prefill={prefill:5d} (bucket {bucket}): replay "
+              f"{gpu_ms:.3f} ms, pack + upload + replay {call_ms:.3f} ms", flush=True)
+    graphs.close()
+    runner.close()
+    return results
+
+
 def main() -> int:
     from generation_service.model.loader import read_config
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="the served model's config.json")
     parser.add_argument("--points", nargs="+", required=True, help="BATCH:CONTEXT pairs to time")
+    parser.add_argument("--mixed-points", nargs="*", default=[], help="DECODE_ROWS:CONTEXT:PROMPT_CHUNK triples to time")
+    parser.add_argument("--max-batch", type=int, default=0, help="the mixed graphs' rows (default: the largest point)")
     parser.add_argument("--tensor-parallel", type=int, default=1)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -95,6 +144,10 @@ def main() -> int:
     result["weight_read_floor_ms"] = result["weight_bytes_per_gpu"] / (result["copy_bandwidth_GBps"] * 1e9) * 1e3
     print(f"weight-read floor per GPU at TP={n}: {result['weight_read_floor_ms']:.3f} ms", flush=True)
     result["decode_steps"] = decode_steps(config, points) if n == 1 else []
+    mixed = sorted({tuple(int(x) for x in point.split(":")) for point in args.mixed_points})
+    if mixed and n == 1:
+        torch.cuda.empty_cache()
+        result["mixed_steps"] = mixed_steps(config, mixed, args.max_batch or max(d for d, _, _ in mixed))
     pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
     return 0
 

@@ -13,7 +13,9 @@ client processes, each result next to the same run's roofline (issue 16).
 
 Per model shape (random weights of a preset shape, the real 131k Tekken tokenizer beside them):
 1. roofline (its own process, `_roofline.py`): bf16 matmul rate, copy bandwidth, and the free
-   decode graph's step time at every batch and mean context the workloads use;
+   decode graph's step time at every batch and mean context the workloads use; for each closed
+   loop of 64 users or more, the mixed-step graph's time beside a prompt chunk (its replay on
+   the GPU, and pack + upload + replay), against which the engine's own mixed steps are read;
 2. `structgen serve --device cuda` with that model (grammar_service as its child), then the
    workloads one after another, each from `--client-procs` processes (`_serve_load.py`; the
    summaries `_serve_summary.py`, the groups beyond the closed loops `_serve_groups.py`,
@@ -99,6 +101,8 @@ from benchmarks._serve_summary import (  # noqa: E402
     timing_means,
 )
 
+# the prompt tokens of a loaded 1B mixed step (455 a step at c=128, serve-h200-1b-host-1-after.json)
+MIXED_CHUNK_TOKENS = 448
 PLANS = ("full", "targets", "quick", "load", "smoke", "http", "http-smoke", "prefix", "features", "features-smoke",
          "forced")
 
@@ -234,11 +238,16 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
     roofline = None
     points = sorted({f"{c}:{int(pl + n / 2)}" for pl, n, cs in p["closed"] + p.get("http", []) for c in cs}
                     | {f"1:{pl}" for pl in p["idle"]})  # idle TTFT: one decode step after the prompt
+    # the mixed step of a loaded closed loop: half, three quarters, all but one of its rows decoding
+    # beside a prompt chunk of MIXED_CHUNK_TOKENS, the GPU's part of what the engine's mixed steps took
+    mixed_points = sorted({f"{d}:{int(pl + n / 2)}:{MIXED_CHUNK_TOKENS}" for pl, n, cs in p["closed"] for c in cs
+                           if c >= 64 for d in (c // 2, 3 * c // 4, c - 1)})
     if args.device == "cuda" and points:
         out = tmp / f"roofline-{shape}.json"
         log(f"{shape}: roofline (decode graph at batch:context {points})")
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "_roofline.py"), "--config",
-                        str(folder / "config.json"), "--points", *points, "--out", str(out),
+                        str(folder / "config.json"), "--points", *points, "--mixed-points", *mixed_points,
+                        "--max-batch", str(max_batch), "--out", str(out),
                         "--tensor-parallel", str(args.tensor_parallel)], check=True, cwd=ROOT)
         roofline = json.loads(out.read_text())
     log(f"{shape}: starting the server")
