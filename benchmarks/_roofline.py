@@ -84,7 +84,7 @@ def decode_steps(config, points: list[tuple[int, int]]) -> list[dict]:
 def mixed_steps(config, points: list[tuple[int, int, int]], max_rows: int) -> list[dict]:
     """Mixed-step graph time of each (decode rows, context, prompt chunk): D rows of one new token
     at context C, then a first chunk of P prompt tokens, sampled at its end; graphs of `max_rows`
-    rows (the server's max batch)."""
+    rows (the server's max batch; at least D + 1)."""
     from types import SimpleNamespace
 
     from benchmarks._gpu_model import pages_per_row, random_kv_cache, random_model
@@ -129,7 +129,7 @@ def main() -> int:
     parser.add_argument("--config", required=True, help="the served model's config.json")
     parser.add_argument("--points", nargs="+", required=True, help="BATCH:CONTEXT pairs to time")
     parser.add_argument("--mixed-points", nargs="*", default=[], help="DECODE_ROWS:CONTEXT:PROMPT_CHUNK triples to time")
-    parser.add_argument("--max-batch", type=int, default=0, help="the mixed graphs' rows (default: the largest point)")
+    parser.add_argument("--max-batch", type=int, default=0, help="the mixed graphs' rows (default: the most a point needs)")
     parser.add_argument("--tensor-parallel", type=int, default=1)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -147,7 +147,7 @@ def main() -> int:
     mixed = sorted({tuple(int(x) for x in point.split(":")) for point in args.mixed_points})
     if mixed and n == 1:
         torch.cuda.empty_cache()
-        result["mixed_steps"] = mixed_steps(config, mixed, args.max_batch or max(d for d, _, _ in mixed))
+        result["mixed_steps"] = mixed_steps(config, mixed, args.max_batch or 1 + max(d for d, _, _ in mixed))
     pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
     return 0
 
