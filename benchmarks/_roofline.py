@@ -56,13 +56,13 @@ def ceilings() -> dict:
 
 
 @torch.no_grad()
-def decode_steps(config, points: list[tuple[int, int]]) -> list[dict]:
-    """Free decode-graph step time of each (batch, context)."""
-    from benchmarks._gpu_model import load_rows, pages_per_row, random_kv_cache, random_model
+def decode_steps(model, points: list[tuple[int, int]]) -> list[dict]:
+    """Free decode-graph step time of each (batch, context) of `model` (`random_model`)."""
+    from benchmarks._gpu_model import load_rows, pages_per_row, random_kv_cache
     from generation_service.engine.cuda_graphs import FREE
     from generation_service.engine.gpu_runner import GpuDecodeRunner
 
-    model = random_model(config)
+    config = model.config
     batches = sorted({b for b, _ in points})
     max_batch, reps = max(batches), 20
     row_pages = [pages_per_row(c + reps + 8) for _, c in points]
@@ -81,19 +81,19 @@ def decode_steps(config, points: list[tuple[int, int]]) -> list[dict]:
 
 
 @torch.no_grad()
-def mixed_steps(config, points: list[tuple[int, int, int]], max_rows: int) -> list[dict]:
+def mixed_steps(model, points: list[tuple[int, int, int]], max_rows: int) -> list[dict]:
     """Mixed-step graph time of each (decode rows, context, prompt chunk): D rows of one new token
     at context C, then a first chunk of P prompt tokens, sampled at its end; graphs of `max_rows`
     rows (the server's max batch; at least D + 1)."""
     from types import SimpleNamespace
 
-    from benchmarks._gpu_model import pages_per_row, random_kv_cache, random_model
+    from benchmarks._gpu_model import pages_per_row, random_kv_cache
     from generation_service.engine.cuda_graphs import FREE
     from generation_service.engine.gpu_runner import GpuDecodeRunner
     from generation_service.engine.mixed_graphs import MixedGraphs
     from generation_service.engine.scheduler import ScheduledRow
 
-    model = random_model(config)
+    config = model.config
     max_pages = max(pages_per_row(max(c, p) + 1) for _, c, p in points)
     kv = random_kv_cache(config, 1 + max(d * pages_per_row(c + 1) + pages_per_row(p) for d, c, p in points))
     runner = GpuDecodeRunner(model, kv, max_batch=max_rows, buckets=(max_rows,), variants=(FREE,))
@@ -143,11 +143,15 @@ def main() -> int:
     result["weight_bytes_per_gpu"] = (config.num_parameters - embedding) * 2 / n  # bf16
     result["weight_read_floor_ms"] = result["weight_bytes_per_gpu"] / (result["copy_bandwidth_GBps"] * 1e9) * 1e3
     print(f"weight-read floor per GPU at TP={n}: {result['weight_read_floor_ms']:.3f} ms", flush=True)
-    result["decode_steps"] = decode_steps(config, points) if n == 1 else []
-    mixed = sorted({tuple(int(x) for x in point.split(":")) for point in args.mixed_points})
-    if mixed and n == 1:
-        torch.cuda.empty_cache()
-        result["mixed_steps"] = mixed_steps(config, mixed, args.max_batch or 1 + max(d for d, _, _ in mixed))
+    result["decode_steps"] = []
+    if n == 1:  # one random model for both kinds of step
+        from benchmarks._gpu_model import random_model
+        model = random_model(config)
+        result["decode_steps"] = decode_steps(model, points)
+        mixed = sorted({tuple(int(x) for x in point.split(":")) for point in args.mixed_points})
+        if mixed:
+            torch.cuda.empty_cache()
+            result["mixed_steps"] = mixed_steps(model, mixed, args.max_batch or 1 + max(d for d, _, _ in mixed))
     pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
     return 0
 
