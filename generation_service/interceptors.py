@@ -1,5 +1,5 @@
 """Cross-cutting concerns of the public gRPC server (grpc.aio): request decoding, exception ->
-status mapping, authentication.
+status mapping, authentication, the open-RPC limit.
 
 Request bytes are parsed inside the handler (`DecodeInHandlerInterceptor`), so malformed
 protobuf and invalid UTF-8 are INVALID_ARGUMENT, not grpc's own INTERNAL "Exception
@@ -133,6 +133,32 @@ def _already_aborted(context: grpc.aio.ServicerContext) -> bool:
     """True when grpc's own abort (health, reflection) is unwinding through us."""
     code = context.code()
     return code not in (None, grpc.StatusCode.OK)
+
+
+class OpenRpcLimitInterceptor(grpc.aio.ServerInterceptor):
+    """--max-concurrent-rpcs: unary and server-streaming RPCs open at once on the API port, over
+    all its listeners (one instance shared by their servers; grpc's own limit counts per server).
+    Beyond it a call gets RESOURCE_EXHAUSTED at once. Runs on the servers' one event loop."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.num_open = 0
+
+    async def intercept_service(self, continuation, handler_call_details):
+        return rewrap_handler(await continuation(handler_call_details), self._counted, self._counted)
+
+    def _counted(self, behavior):
+        async def counted(request, context):
+            if self.num_open >= self.limit:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"the server has {self.num_open} open RPCs, its limit (--max-concurrent-rpcs); "
+                                    "retry later or send the request to another replica")
+            self.num_open += 1
+            try:
+                return await behavior(request, context)
+            finally:
+                self.num_open -= 1
+        return counted
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):

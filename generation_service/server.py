@@ -30,7 +30,7 @@ from generation_service.engine.errors import (DeadlineExceededError, EngineError
                                               ShuttingDownError)
 from generation_service.engine.events import FinishReason
 from generation_service.interceptors import (BearerTokenInterceptor, DecodeInHandlerInterceptor,
-                                             ErrorMappingInterceptor)
+                                             ErrorMappingInterceptor, OpenRpcLimitInterceptor)
 from grammar_contract.spec import GRAMMAR_KINDS
 import structgen
 from structgen import telemetry
@@ -43,6 +43,11 @@ log = logging.getLogger("structgen.server")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
 _NO_DEADLINE_S = 1e7  # grpc reports a far-future deadline when the client set none
+# grpc.aio servers on the API port, one event loop: each accepts one call at a time, and each
+# accept takes several turns of the loop, which under a heavy stream load (the 1B at c=128: ~28k
+# messages a second) kept new calls waiting ~90 ms; connections are spread over the listeners
+# (serve-h200-1b-listeners.json).
+LISTENERS = 4
 
 
 class GenerationServicer(pb_grpc.GenerationServiceServicer):
@@ -193,7 +198,7 @@ class AioLoop:
 @dataclass
 class RunningServer:
     aio: AioLoop
-    server: grpc.aio.Server
+    servers: list[grpc.aio.Server]  # the listeners of the API port
     health: health.aio.HealthServicer
     port: int
     servicer: GenerationServicer
@@ -214,11 +219,15 @@ class RunningServer:
         self.servicer.is_draining = True
         while self.servicer.num_open_streams and time.monotonic() < deadline:
             time.sleep(0.02)
-        self.aio.call(self.server.stop(max(0.0, deadline - time.monotonic())))
+        self.aio.call(_stop_all(self.servers, max(0.0, deadline - time.monotonic())))
         if self.health_server is not None:
             self.aio.call(self.health_server.stop(0))
         self.aio.close()
         self.blocking.shutdown(wait=False, cancel_futures=True)
+
+
+async def _stop_all(servers: list[grpc.aio.Server], grace_s: float) -> None:
+    await asyncio.gather(*(server.stop(grace_s) for server in servers))
 
 
 def _credentials(config: ServeConfig) -> grpc.ServerCredentials:
@@ -230,10 +239,10 @@ def _credentials(config: ServeConfig) -> grpc.ServerCredentials:
                                        root_certificates=ca, require_client_auth=ca is not None)
 
 
-def _interceptors(config: ServeConfig) -> list[grpc.aio.ServerInterceptor]:
-    # Outermost first: the server span and the status count see undecodable requests and auth
-    # refusals too.
-    interceptors: list[grpc.aio.ServerInterceptor] = [metrics.get().interceptor()]
+def _interceptors(config: ServeConfig, open_rpcs: OpenRpcLimitInterceptor) -> list[grpc.aio.ServerInterceptor]:
+    # Outermost first: the server span and the status count see undecodable requests, auth and
+    # open-RPC refusals too.
+    interceptors: list[grpc.aio.ServerInterceptor] = [metrics.get().interceptor(), open_rpcs]
     if telemetry.is_enabled():
         interceptors.insert(0, tracing.TracingInterceptor())
     interceptors.append(DecodeInHandlerInterceptor())
@@ -255,7 +264,9 @@ def server_options(config: ServeConfig) -> list[tuple[str, int]]:
     """gRPC core channel arguments of the public server: message limit and HTTP/2 keepalive."""
     ms = lambda seconds: int(seconds * 1000)  # noqa: E731
     options = [("grpc.max_receive_message_length", config.max_message_bytes),
-               ("grpc.so_reuseport", 0),
+               # the listeners share the port; `structgen serve` checks that nothing else holds it
+               # (serve_preflight), and a later process cannot bind it without SO_REUSEPORT itself
+               ("grpc.so_reuseport", int(LISTENERS > 1)),
                # clients may ping between calls too, as often as this (else GOAWAY too_many_pings)
                ("grpc.keepalive_permit_without_calls", 1),
                ("grpc.http2.min_ping_interval_without_data_ms", ms(config.min_client_ping_interval_s)),
@@ -281,28 +292,32 @@ def start_server(engine, config: ServeConfig) -> RunningServer:
 
 
 async def _start(aio: AioLoop, engine, config: ServeConfig) -> RunningServer:
-    server = grpc.aio.server(interceptors=_interceptors(config), options=server_options(config),
-                             maximum_concurrent_rpcs=config.max_concurrent_rpcs)
     blocking = futures.ThreadPoolExecutor(max_workers=config.num_workers, thread_name_prefix="rpc")
     servicer = GenerationServicer(engine, config, blocking)
-    pb_grpc.add_GenerationServiceServicer_to_server(servicer, server)
     metrics.get().watch(engine, structgen.__version__)  # engine gauges at scrape time
     engine.table.finish_listeners.append(tracing.RequestSpans())
     health_servicer = health.aio.HealthServicer()
     await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)  # not before we are
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    enable_reflection((SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), server)
-    if config.uses_tls:
-        port = server.add_secure_port(config.bind_address, _credentials(config))
-    else:
-        port = server.add_insecure_port(config.bind_address)
-    if port == 0:
-        raise OSError(f"cannot listen on {config.bind_address}")
-    await server.start()
+    open_rpcs = OpenRpcLimitInterceptor(config.max_concurrent_rpcs)  # one count over every listener
+    servers, port = [], 0
+    for address in [config.bind_address] + [None] * (LISTENERS - 1):
+        server = grpc.aio.server(interceptors=_interceptors(config, open_rpcs), options=server_options(config))
+        pb_grpc.add_GenerationServiceServicer_to_server(servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        enable_reflection((SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), server)
+        address = address or f"{config.bind_address.rsplit(':', 1)[0]}:{port}"  # the first one's port
+        bound = (server.add_secure_port(address, _credentials(config)) if config.uses_tls
+                 else server.add_insecure_port(address))
+        if bound == 0 or port not in (0, bound):
+            raise OSError(f"cannot listen on {address}")
+        port = bound
+        servers.append(server)
+    for server in servers:
+        await server.start()
     health_server = _start_health_server(config, health_servicer) if config.health_port else None
     if health_server is not None:
         await health_server.start()
-    running = RunningServer(aio, server, health_servicer, port, servicer, blocking, health_server)
+    running = RunningServer(aio, servers, health_servicer, port, servicer, blocking, health_server)
     await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
     return running
 
