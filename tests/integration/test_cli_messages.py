@@ -105,6 +105,15 @@ def test_serve_on_a_busy_port_says_so_before_loading():
     assert time.monotonic() - started < 60
 
 
+def test_serve_cannot_join_the_port_of_a_running_serve(live_server):
+    """The API port's listeners share it (SO_REUSEPORT); another process may not join them."""
+    port = live_server.port
+    result = structgen("serve", "--port", str(port))
+    assert result.returncode == 2 and result.stdout == ""
+    assert serve_lines(result) == [f"structgen serve: --port {port}: 127.0.0.1:{port} is not free (Address already "
+                                   "in use); stop what listens there or choose another --port (0 = any free port)"]
+
+
 def test_serve_with_a_missing_model_folder_says_so(tmp_path):
     result = structgen("serve", "--port", "0", "--model", str(tmp_path / "nope"))
     assert result.returncode == 2
