@@ -22,7 +22,7 @@ class ServeConfig:
     default_temperature: float = 0.0       # temperature of a request that leaves it unset
     default_top_p: float = 1.0             # top_p of a request that leaves it unset
     default_top_k: int = 0                 # top_k of a request that leaves it unset
-    max_concurrent_rpcs: int = 512         # beyond: RESOURCE_EXHAUSTED from gRPC itself
+    max_concurrent_rpcs: int = 512         # open RPCs over all listeners; beyond: RESOURCE_EXHAUSTED
     num_workers: int = 64                  # threads that tokenize prompts and render chats (off the event loop)
     grace_s: float = 10.0                  # SIGTERM: open streams get this long, then are cancelled
     health_port: int = 0                   # >0: plaintext grpc.health.v1 only, for probes under TLS/auth

@@ -43,10 +43,9 @@ log = logging.getLogger("structgen.server")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
 _NO_DEADLINE_S = 1e7  # grpc reports a far-future deadline when the client set none
-# grpc.aio servers on the API port, one event loop: each accepts one call at a time, and each
-# accept takes several turns of the loop, which under a heavy stream load (the 1B at c=128: ~28k
-# messages a second) kept new calls waiting ~90 ms; connections are spread over the listeners
-# (serve-h200-1b-listeners.json).
+# grpc.aio servers on the API port, one event loop: each accepts one call at a time, each accept a
+# few turns of the loop; one server kept new calls 86-165 ms from their handler under the 1B's
+# c=128 stream load (serve-h200-1b-accept-probe.log, serve-h200-1b-listeners-after2.json).
 LISTENERS = 4
 
 

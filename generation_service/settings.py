@@ -81,7 +81,8 @@ SERVE_SETTINGS = SettingsTable("structgen serve", (
         Setting("default-top-k", "top_k of requests that leave it unset (0 = off)", minimum=0),
         Setting("num-workers", "threads that tokenize prompts and render chats for the rpcs (streams "
                 "themselves hold no thread)", minimum=1),
-        Setting("max-concurrent-rpcs", "open RPCs beyond which gRPC answers RESOURCE_EXHAUSTED", minimum=1),
+        Setting("max-concurrent-rpcs", "open RPCs on the API port (all its listeners) beyond which a call gets "
+                "RESOURCE_EXHAUSTED", minimum=1),
         Setting("keepalive-time-s", "seconds between server pings of a connection, which find dead "
                 "clients (0 = gRPC's default, 2 h)",
                 minimum=0),
