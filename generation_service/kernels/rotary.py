@@ -1,4 +1,4 @@
-"""Rotary embedding of q and k (Triton): one launch, one program per (token, head).
+"""Rotary embedding of q and k (Triton): one launch, a program per token and block of heads.
 
 Rotate-half convention of Hugging Face checkpoints: with x = [x1, x2] halves of a head,
     x1' = x1 cos - x2 sin,   x2' = x2 cos + x1 sin.
@@ -40,27 +40,33 @@ def _rotate_head(src, dst, cos1, cos2, sin1, sin2, offs, mask, HALF: tl.constexp
 def _rope_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, v_out_ptr,
                  slot_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                  stride_qot, stride_qoh, stride_kot, stride_koh, stride_cs,
-                 NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                 HAS_SLOTS: tl.constexpr, HAS_V: tl.constexpr, PDL: tl.constexpr):
-    """Grid (T, Hq + Hkv): programs [0, Hq) rotate q heads, the rest k heads (and copy the
-    matching v head). k/v land in row slot_ids[t] of k_out/v_out with HAS_SLOTS, else row t."""
+                 NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+                 BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, HAS_SLOTS: tl.constexpr,
+                 HAS_V: tl.constexpr, PDL: tl.constexpr):
+    """Grid (T, cdiv(Hq, BLOCK_H) + cdiv(Hkv, BLOCK_H)): a program rotates BLOCK_H heads of one
+    token, q heads on the first programs of axis 1, k heads (and the matching v heads' copy)
+    on the rest. k/v land in row slot_ids[t] of k_out/v_out with HAS_SLOTS, else row t."""
     pdl_launch_dependents(PDL)
     pdl_wait(PDL)  # before any global access (pdl.py)
     row = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    offs = tl.arange(0, BLOCK_HALF)
-    mask = offs < HALF
+    block = tl.program_id(1)
+    q_blocks: tl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
+    offs = tl.arange(0, BLOCK_HALF)[None, :]
+    mask_d = offs < HALF
     cs = row * stride_cs
-    cos1 = tl.load(cos_ptr + cs + offs, mask=mask, other=0.0).to(tl.float32)
-    cos2 = tl.load(cos_ptr + cs + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-    sin1 = tl.load(sin_ptr + cs + offs, mask=mask, other=0.0).to(tl.float32)
-    sin2 = tl.load(sin_ptr + cs + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-    if head < NUM_HEADS:
+    cos1 = tl.load(cos_ptr + cs + offs, mask=mask_d, other=0.0).to(tl.float32)
+    cos2 = tl.load(cos_ptr + cs + HALF + offs, mask=mask_d, other=0.0).to(tl.float32)
+    sin1 = tl.load(sin_ptr + cs + offs, mask=mask_d, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin_ptr + cs + HALF + offs, mask=mask_d, other=0.0).to(tl.float32)
+    if block < q_blocks:
+        head = (block * BLOCK_H + tl.arange(0, BLOCK_H))[:, None]
+        mask = mask_d & (head < NUM_HEADS)
         _rotate_head(q_ptr + row * stride_qt + head * stride_qh,
                      q_out_ptr + row * stride_qot + head * stride_qoh,
                      cos1, cos2, sin1, sin2, offs, mask, HALF)
     else:
-        kv_head = head - NUM_HEADS
+        kv_head = ((block - q_blocks) * BLOCK_H + tl.arange(0, BLOCK_H))[:, None]
+        mask = mask_d & (kv_head < NUM_KV_HEADS)
         dst_row = row
         if HAS_SLOTS:
             dst_row = tl.load(slot_ptr + row).to(tl.int64)
@@ -76,7 +82,20 @@ def _rope_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, v_
                      mask=mask)
 
 
-def _launch(q, k, v, cos, sin, q_out, k_out, v_out, slot_ids) -> None:
+# Heads a program rotates: 16 (4 warps) is within 0.6 us of the best setting measured up to 768
+# tokens for the 1B and 8B shapes, and 9x one head a program at 768
+# (benchmarks/results/mixed_kernels-h200.json)
+HEADS_PER_PROGRAM, NUM_WARPS = 16, 4
+
+
+def heads_per_program(num_heads: int) -> tuple[int, int]:
+    """(heads a program rotates, its warps)."""
+    block = min(triton.next_power_of_2(num_heads), HEADS_PER_PROGRAM)
+    return block, max(1, min(NUM_WARPS, block // 4))
+
+
+def _launch(q, k, v, cos, sin, q_out, k_out, v_out, slot_ids, block_h: int | None = None,
+            num_warps: int | None = None) -> None:
     """q (T, Hq, D), k/v (T, Hkv, D) views with a contiguous last dim; k_out/v_out (N, Hkv, D)
     with the same strides; cos/sin (T, D) contiguous rows."""
     num_tokens, num_heads, head_dim = q.shape
@@ -88,18 +107,22 @@ def _launch(q, k, v, cos, sin, q_out, k_out, v_out, slot_ids) -> None:
     if num_tokens == 0:
         return
     half = head_dim // 2
+    chosen_h, chosen_warps = heads_per_program(num_heads)
+    block_h, num_warps = block_h or chosen_h, num_warps or chosen_warps
     v_in, v_dst = (v, v_out) if v is not None else (k, k_out)  # never read without HAS_V
-    _rope_kernel[(num_tokens, num_heads + num_kv_heads)](
+    grid = (num_tokens, triton.cdiv(num_heads, block_h) + triton.cdiv(num_kv_heads, block_h))
+    _rope_kernel[grid](
         q, k, v_in, cos, sin, q_out, k_out, v_dst, slot_ids if slot_ids is not None else cos,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v_in.stride(0), v_in.stride(1),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos.stride(0),
-        NUM_HEADS=num_heads, HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
-        HAS_SLOTS=slot_ids is not None, HAS_V=v is not None, num_warps=1, **pdl_launch(q))
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
+        BLOCK_H=block_h, HAS_SLOTS=slot_ids is not None, HAS_V=v is not None, num_warps=num_warps,
+        **pdl_launch(q))
 
 
 def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, slot_ids: torch.Tensor, num_heads: int, num_kv_heads: int,
-                  head_dim: int) -> torch.Tensor:
+                  head_dim: int, block_h: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """qkv (T, (Hq + 2 Hkv) * D) -> rotated q (T, Hq, D); rotated k and v into the cache slots
     (k_cache/v_cache (pages, page_size, Hkv, D) contiguous, slot_ids (T,) flat slot per token)."""
     num_tokens = qkv.shape[0]
@@ -112,7 +135,7 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
     v_in = qkv[:, q_dim + kv_dim:q_dim + 2 * kv_dim].unflatten(1, (num_kv_heads, head_dim))
     q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     _launch(q_in, k_in, v_in, cos, sin, q, k_cache.view(-1, num_kv_heads, head_dim),
-            v_cache.view(-1, num_kv_heads, head_dim), slot_ids)
+            v_cache.view(-1, num_kv_heads, head_dim), slot_ids, block_h, num_warps)
     return q
 
 

@@ -135,10 +135,16 @@ def main() -> int:
             HAS_RESIDUAL=True, HAS_WEIGHT=False, BLOCK=4096, PDL=True, num_warps=8),
         "rope_write_kv": lambda: compile_sm90(
             rotary._rope_kernel, BF, BF, BF, BF, BF, BF, BF, BF, I64, *[N] * 11,
-            NUM_HEADS=32, HALF=64, BLOCK_HALF=64, HAS_SLOTS=True, HAS_V=True, PDL=True, num_warps=1),
+            NUM_HEADS=32, NUM_KV_HEADS=8, HALF=64, BLOCK_HALF=64, BLOCK_H=1, HAS_SLOTS=True, HAS_V=True,
+            PDL=True, num_warps=1),
+        "rope_write_kv_head_blocks": lambda: compile_sm90(
+            rotary._rope_kernel, BF, BF, BF, BF, BF, BF, BF, BF, I64, *[N] * 11,
+            NUM_HEADS=32, NUM_KV_HEADS=8, HALF=64, BLOCK_HALF=64, BLOCK_H=16, HAS_SLOTS=True, HAS_V=True,
+            PDL=True, num_warps=4),
         "rope_qk_in_place": lambda: compile_sm90(
             rotary._rope_kernel, BF, BF, BF, BF, BF, BF, BF, BF, BF, *[N] * 11,
-            NUM_HEADS=32, HALF=48, BLOCK_HALF=64, HAS_SLOTS=False, HAS_V=False, PDL=False, num_warps=1),
+            NUM_HEADS=32, NUM_KV_HEADS=8, HALF=48, BLOCK_HALF=64, BLOCK_H=1, HAS_SLOTS=False, HAS_V=False,
+            PDL=False, num_warps=1),
         "decode_prologue": lambda: compile_sm90(
             decode_prologue._prologue_kernel, I64, I64, I32, BF, BF, BF, BF, BF, BF, I64, I32, I32,
             131072, 4096, 131072, *[N] * 3, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=1024, PAGE_SIZE=16,

@@ -21,8 +21,11 @@ def test_add_rmsnorm(rel_err, dtype):
     assert same is x and rel_err(out, rmsnorm_torch(x, weight, 1e-5)) < 2e-3
 
 
-def test_rope_write_kv(rel_err):
-    tokens, hq, hkv, dim, page = 3, 4, 2, 32, 16
+@pytest.mark.parametrize("block_h", [None, 1, 2, 4])  # a decode step's launch; a prefill's head blocks
+def test_rope_write_kv(rel_err, block_h):
+    """Every head of every token rotated, k and v in their slots, whatever heads a program
+    takes (3 kv heads: a block of 2 or 4 has masked heads)."""
+    tokens, hq, hkv, dim, page = 3, 6, 3, 32, 16
     qkv = torch.randn(tokens, (hq + 2 * hkv) * dim)
     positions = torch.tensor([5, 17, 40])
     inv_freq = 1.0 / 10000.0 ** (torch.arange(0, dim, 2).float() / dim)
@@ -32,7 +35,8 @@ def test_rope_write_kv(rel_err):
     v_cache = torch.randn_like(k_cache)
     slots = torch.tensor([16 + 5, 32 + 1, 48 + 8])
     k_want, v_want = k_cache.clone(), v_cache.clone()
-    q = decode_fused.rope_write_kv(qkv, cos, sin, k_cache, v_cache, slots, hq, hkv, dim)
+    q = decode_fused.rope_write_kv(qkv, cos, sin, k_cache, v_cache, slots, hq, hkv, dim, block_h=block_h,
+                                   num_warps=None if block_h is None else max(1, block_h // 2))
 
     def rope(x):
         half = dim // 2
