@@ -90,13 +90,14 @@ def _extend_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, TILED: tl.constexpr,
 ):
-    kvh = tl.program_id(1)
-    if TILED:  # program 0-axis index = a tile of the host's list: (row, m block), row -1 = padding
-        b = tl.load(tile_rows_ptr + tl.program_id(0))
+    if TILED:  # grid (kv heads, tiles of the host's list: (row, m block), row -1 = padding)
+        kvh = tl.program_id(0)
+        b = tl.load(tile_rows_ptr + tl.program_id(1))
         if b < 0:
             return
-        m_block = tl.load(tile_blocks_ptr + tl.program_id(0))
+        m_block = tl.load(tile_blocks_ptr + tl.program_id(1))
     else:
+        kvh = tl.program_id(1)
         b = tl.program_id(0)
         m_block = tl.program_id(2)
         if b == batch:  # the extra row of programs: the padding tail
@@ -200,13 +201,11 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def tile_list(extend_lens: list[int], group: int, block_m: int) -> tuple[list[int], list[int]]:
     """(rows, m blocks) of every tile `extend_attention_tiles` must run: cdiv(n * group, block_m)
-    tiles for a row of n new tokens, none for a row of 0."""
-    rows, blocks = [], []
-    for row, n in enumerate(extend_lens):
-        count = -(-n * group // block_m)
-        rows += [row] * count
-        blocks += range(count)
-    return rows, blocks
+    tiles for a row of n new tokens, none for a row of 0; the latest m blocks, which see the
+    most keys, first (the GPU starts programs in order: the longest do not start last)."""
+    tiles = [(block, row) for row, n in enumerate(extend_lens) for block in range(-(-n * group // block_m))]
+    tiles.sort(key=lambda tile: -tile[0])
+    return [row for _, row in tiles], [block for block, _ in tiles]
 
 
 def max_tiles(num_tokens: int, num_rows: int, group: int, block_m: int) -> int:
@@ -219,7 +218,7 @@ def extend_attention_tiles(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            extend_start: torch.Tensor, tile_rows: torch.Tensor, tile_blocks: torch.Tensor,
                            sm_scale: float, block_m: int, out: torch.Tensor, block_n: int = 64,
                            sliding_window: int | None = None, num_warps: int | None = None,
-                           num_stages: int = 2) -> torch.Tensor:
+                           num_stages: int | None = None) -> torch.Tensor:
     """`extend_attention` over a host-made tile list (`tile_list`, padded with row -1): one
     program per (tile, kv head), so the grid is fixed by the list's length, not by the rows'
     lengths -- graph safe for any mix of rows up to that many tiles. extend_start (B,) int64:
@@ -230,7 +229,10 @@ def extend_attention_tiles(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     group = num_q_heads // num_kv_heads
     if num_warps is None:
         num_warps = 8 if block_m >= 128 else 4
-    _extend_kernel[(tile_rows.shape[0], num_kv_heads, 1)](
+    if num_stages is None:  # one stage at head_dim 64: ~0.8x the time of two (mixed_kernels-h200.json)
+        num_stages = 1 if head_dim <= 64 else 2
+    # kv heads on axis 0: programs start tile by tile, in the list's order (tile_list)
+    _extend_kernel[(num_kv_heads, tile_rows.shape[0], 1)](
         q, k_cache, v_cache, out, page_table, seq_lens, extend_lens, extend_start, sm_scale,
         sliding_window or 0, seq_lens.shape[0], num_tokens, q.stride(0), q.stride(1), out.stride(0),
         out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
