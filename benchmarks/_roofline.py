@@ -11,6 +11,8 @@ freeing the device, before the server starts):
 - with --mixed-points, the captured mixed step (`MixedGraphs`, the graphs the server replays for a
   step that holds a prompt chunk) of D decode rows at context C beside one P-token chunk: the
   replay alone on the GPU, and the whole call from the host (pack, upload, replay), unoverlapped;
+  with --mixed-kernels, also each replay's kernels by group (torch.profiler) and its GEMMs'
+  time and TFLOP/s by projection; with --mixed-buckets, graphs of those token buckets;
 - the model's FLOPs per prompt: 2 x the linear parameters per token, the causal attention's
   4 x layers x heads x head_dim x (n^2 / 2), and one LM-head row.
 
@@ -81,10 +83,11 @@ def decode_steps(model, points: list[tuple[int, int]]) -> list[dict]:
 
 
 @torch.no_grad()
-def mixed_steps(model, points: list[tuple[int, int, int]], max_rows: int) -> list[dict]:
+def mixed_steps(model, points: list[tuple[int, int, int]], max_rows: int, kernels: bool = False,
+                buckets: tuple[int, ...] | None = None) -> list[dict]:
     """Mixed-step graph time of each (decode rows, context, prompt chunk): D rows of one new token
     at context C, then a first chunk of P prompt tokens, sampled at its end; graphs of `max_rows`
-    rows (the server's max batch; at least D + 1)."""
+    rows (the server's max batch; at least D + 1); `kernels`: and the replay's kernels."""
     from types import SimpleNamespace
 
     from benchmarks._gpu_model import pages_per_row, random_kv_cache
@@ -97,7 +100,8 @@ def mixed_steps(model, points: list[tuple[int, int, int]], max_rows: int) -> lis
     max_pages = max(pages_per_row(max(c, p) + 1) for _, c, p in points)
     kv = random_kv_cache(config, 1 + max(d * pages_per_row(c + 1) + pages_per_row(p) for d, c, p in points))
     runner = GpuDecodeRunner(model, kv, max_batch=max_rows, buckets=(max_rows,), variants=(FREE,))
-    graphs = MixedGraphs(runner.forward, runner.max_batch, max_pages)
+    graphs = (MixedGraphs(runner.forward, runner.max_batch, max_pages) if buckets is None
+              else MixedGraphs(runner.forward, runner.max_batch, max_pages, buckets=buckets))
     graphs.capture()
     ids = torch.Generator().manual_seed(0)
 
@@ -118,9 +122,34 @@ def mixed_steps(model, points: list[tuple[int, int, int]], max_rows: int) -> lis
                         "replay_ms": gpu_ms, "call_ms": call_ms})
         print(f"mixed graph d={decode:3d} ctx={context:5d} prefill={prefill:5d} (bucket {bucket}): replay "
               f"{gpu_ms:.3f} ms, pack + upload + replay {call_ms:.3f} ms", flush=True)
+        if kernels:
+            results[-1]["kernels"] = replay_kernels(model, lambda: graphs.graphs.replay(bucket, FREE), bucket,
+                                                    min(max_rows, bucket))
     graphs.close()
     runner.close()
     return results
+
+
+def replay_kernels(model, replay, num_tokens: int, num_logits: int, reps: int = 10) -> dict:
+    """The kernels of `reps` replays of a mixed graph of `num_tokens` slots (`num_logits` LM-head
+    rows) by group, and its GEMMs by projection: mean time and TFLOP/s at those rows."""
+    from benchmarks._kernel_profile import profile_kernels, projection_bytes, projection_times, summarize
+    found = profile_kernels(replay, reps, None)
+    summary = summarize(found, reps)
+    times = projection_times(found, model.config.num_layers)
+    if times is not None:
+        summary["projections"] = {}
+        for name, nbytes in projection_bytes(model).items():
+            ts = times[name][:len(times[name]) - 1] if name == "down" else times[name]  # the last: L rows
+            rows = num_logits if name == "lm_head" else num_tokens
+            mean_us = sum(ts) / len(ts)
+            summary["projections"][name] = {"mean_us": mean_us, "rows": rows,
+                                            "tflops": 2 * rows * (nbytes // 2) / (mean_us * 1e-6) / 1e12}
+    print("  kernels/replay %.0f, %.3f ms: %s" % (summary["kernels_per_step"], summary["kernel_ms"], ", ".join(
+        f"{g} {v['total_us']:.0f} us" for g, v in summary["groups"].items())), flush=True)
+    for name, p in summary.get("projections", {}).items():
+        print(f"  {name:8s} {p['mean_us']:7.1f} us at {p['rows']} rows: {p['tflops']:.0f} TFLOP/s", flush=True)
+    return summary
 
 
 def main() -> int:
@@ -130,6 +159,9 @@ def main() -> int:
     parser.add_argument("--points", nargs="+", required=True, help="BATCH:CONTEXT pairs to time")
     parser.add_argument("--mixed-points", nargs="*", default=[], help="DECODE_ROWS:CONTEXT:PROMPT_CHUNK triples to time")
     parser.add_argument("--max-batch", type=int, default=0, help="the mixed graphs' rows (default: the most a point needs)")
+    parser.add_argument("--mixed-kernels", action="store_true", help="profile each mixed point's replay (kernels by group)")
+    parser.add_argument("--mixed-buckets", type=int, nargs="*", default=None,
+                        help="the mixed graphs' token buckets (default: the server's, MIXED_TOKEN_BUCKETS)")
     parser.add_argument("--tensor-parallel", type=int, default=1)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -151,7 +183,9 @@ def main() -> int:
         mixed = sorted({tuple(int(x) for x in point.split(":")) for point in args.mixed_points})
         if mixed:
             torch.cuda.empty_cache()
-            result["mixed_steps"] = mixed_steps(model, mixed, args.max_batch or 1 + max(d for d, _, _ in mixed))
+            result["mixed_steps"] = mixed_steps(model, mixed, args.max_batch or 1 + max(d for d, _, _ in mixed),
+                                                args.mixed_kernels,
+                                                tuple(args.mixed_buckets) if args.mixed_buckets else None)
     pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
     return 0
 
