@@ -72,7 +72,7 @@ def bench_rope(shape: str) -> list[dict]:
 
 def bench_extend(shape: str) -> list[dict]:
     from generation_service.engine.mixed_graphs import extend_block_m
-    from generation_service.kernels.extend_attention import extend_attention_tiles, max_tiles, tile_list
+    from generation_service.kernels.extend_attention import extend_attention_tiles, max_tiles, tile_array
     hq, hkv, d = SHAPES[shape]
     group = hq // hkv
     out = []
@@ -93,14 +93,14 @@ def bench_extend(shape: str) -> list[dict]:
         default_m = extend_block_m(bucket, group)
         default_warps = 8 if default_m >= 128 else 4
         for block_m, block_n, warps, stages, order in EXTEND_SETTINGS:
-            rows, blocks = tile_list([prompt], group, block_m)
+            rows, blocks = tile_array([prompt], group, block_m)
             if order == "asc":
-                rows, blocks = rows[::-1], blocks[::-1]
+                rows, blocks = rows[::-1].copy(), blocks[::-1].copy()
             n = max_tiles(bucket, MAX_ROWS, group, block_m)
             tile_rows = torch.full((n,), -1, dtype=torch.int64, device="cuda")
             tile_blocks = torch.zeros(n, dtype=torch.int64, device="cuda")
-            tile_rows[:len(rows)] = torch.tensor(rows)
-            tile_blocks[:len(blocks)] = torch.tensor(blocks)
+            tile_rows[:len(rows)] = torch.from_numpy(rows)
+            tile_blocks[:len(blocks)] = torch.from_numpy(blocks)
             case = {"kernel": "extend_attention_tiles", "shape": shape, "prompt": prompt, "prefix": prefix,
                     "bucket": bucket, "block_m": block_m, "block_n": block_n, "num_warps": warps,
                     "num_stages": stages, "order": order,

@@ -43,7 +43,9 @@ def extend_block_m(num_tokens: int, group: int) -> int:
 
 
 class _Mirror:
-    """Named fields of one flat pinned host tensor and of its device twin (same offsets)."""
+    """Named fields of one flat pinned host tensor and of its device twin (same offsets); `host`
+    holds numpy views of the host fields (a step's fill is numpy: a torch op on a small CPU
+    tensor costs several microseconds of dispatch)."""
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, device: torch.device) -> None:
         total = sum(_numel(shape) for shape in shapes.values())
@@ -52,7 +54,7 @@ class _Mirror:
         self.host, self.device, offset = {}, {}, 0
         for name, shape in shapes.items():
             n = _numel(shape)
-            self.host[name] = self.host_flat[offset:offset + n].view(shape)
+            self.host[name] = self.host_flat[offset:offset + n].view(shape).numpy()
             self.device[name] = self.device_flat[offset:offset + n].view(shape)
             offset += n
 
@@ -89,7 +91,7 @@ class MixedGraphs:
                             torch.int64, self.device)
         self.int32s = _Mirror({"page_table": (r, max_pages), "decode_seq_lens": (r,), "seq_lens": (r,),
                                "extend_lens": (r,)}, torch.int32, self.device)
-        self.ints.host["tile_rows"].fill_(-1)
+        self.ints.host["tile_rows"].fill(-1)
         self.ints.upload()
         dtype = forward.model.model.embed_tokens.weight.dtype if forward.fused_ops else torch.float32
         self.logits = torch.zeros(r, self.config.vocab_size, dtype=dtype, device=self.device)
@@ -181,30 +183,29 @@ class MixedGraphs:
 
     def _fill(self, layout: MixedLayout, bucket: int) -> None:
         """The host mirror of one step: the layout, then padding up to the bucket."""
-        from generation_service.kernels.extend_attention import tile_list
+        from generation_service.kernels.extend_attention import tile_array
         ints, int32s = self.ints.host, self.int32s.host
         n, d, rows = layout.num_tokens, layout.num_decode_rows, layout.seq_lens.shape[0]
         for name in ("input_ids", "positions", "slot_ids"):
-            ints[name][:n] = torch.from_numpy(getattr(layout, name))
+            ints[name][:n] = getattr(layout, name)
             ints[name][n:bucket] = 0
         num_logits = len(layout.logits_indices)
-        ints["logits_indices"][:num_logits] = torch.from_numpy(layout.logits_indices)
+        ints["logits_indices"][:num_logits] = layout.logits_indices
         ints["logits_indices"][num_logits:] = 0
         width = layout.page_table.shape[1]
-        int32s["page_table"][:rows, :width] = torch.from_numpy(layout.page_table)
-        seq_lens, extend_lens = torch.from_numpy(layout.seq_lens), torch.from_numpy(layout.extend_lens)
+        int32s["page_table"][:rows, :width] = layout.page_table
         for name in ("decode_seq_lens", "seq_lens", "extend_lens"):
-            int32s[name].zero_()
-        int32s["decode_seq_lens"][:d] = seq_lens[:d]
-        int32s["seq_lens"][d:rows] = seq_lens[d:]
-        int32s["extend_lens"][d:rows] = extend_lens[d:]
-        ints["extend_start"].zero_()
-        ints["extend_start"][d:rows] = torch.from_numpy(layout.extend_start) + d
-        tile_rows, tile_blocks = tile_list(int32s["extend_lens"][:rows].tolist(), self.group,
-                                           extend_block_m(bucket, self.group))
-        ints["tile_rows"].fill_(-1)
-        ints["tile_rows"][:len(tile_rows)] = torch.tensor(tile_rows, dtype=torch.int64)
-        ints["tile_blocks"][:len(tile_blocks)] = torch.tensor(tile_blocks, dtype=torch.int64)
+            int32s[name][:] = 0
+        int32s["decode_seq_lens"][:d] = layout.seq_lens[:d]
+        int32s["seq_lens"][d:rows] = layout.seq_lens[d:]
+        int32s["extend_lens"][d:rows] = layout.extend_lens[d:]
+        ints["extend_start"][:] = 0
+        ints["extend_start"][d:rows] = layout.extend_start + d
+        tile_rows, tile_blocks = tile_array(int32s["extend_lens"][:rows], self.group,
+                                            extend_block_m(bucket, self.group))
+        ints["tile_rows"][:] = -1
+        ints["tile_rows"][:len(tile_rows)] = tile_rows
+        ints["tile_blocks"][:len(tile_blocks)] = tile_blocks
 
     def close(self) -> None:
         if self.graphs is not None:

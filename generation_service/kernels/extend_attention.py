@@ -20,6 +20,7 @@ tokens, which would launch B x T x GROUP / BLOCK_M programs mostly to return: th
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -199,17 +200,19 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
-def tile_list(extend_lens: list[int], group: int, block_m: int) -> tuple[list[int], list[int]]:
-    """(rows, m blocks) of every tile `extend_attention_tiles` must run: cdiv(n * group, block_m)
-    tiles for a row of n new tokens, none for a row of 0; the latest m blocks, which see the
-    most keys, first (the GPU starts programs in order: the longest do not start last)."""
-    tiles = [(block, row) for row, n in enumerate(extend_lens) for block in range(-(-n * group // block_m))]
-    tiles.sort(key=lambda tile: -tile[0])
-    return [row for _, row in tiles], [block for block, _ in tiles]
+def tile_array(extend_lens: np.ndarray, group: int, block_m: int) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, m blocks), int64, of every tile `extend_attention_tiles` must run: cdiv(n * group,
+    block_m) tiles for a row of n new tokens, none for a row of 0; the latest m blocks, which see
+    the most keys, first (the GPU starts programs in order: the longest do not start last)."""
+    counts = -(-np.asarray(extend_lens, dtype=np.int64) * group // block_m)
+    rows = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+    blocks = np.arange(len(rows), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    order = np.argsort(-blocks, kind="stable")
+    return rows[order], blocks[order]
 
 
 def max_tiles(num_tokens: int, num_rows: int, group: int, block_m: int) -> int:
-    """An upper bound of len(tile_list(...)) for num_tokens new tokens over num_rows rows."""
+    """An upper bound of len(tile_array(...)[0]) for num_tokens new tokens over num_rows rows."""
     return -(-num_tokens * group // block_m) + num_rows
 
 
@@ -219,7 +222,7 @@ def extend_attention_tiles(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            sm_scale: float, block_m: int, out: torch.Tensor, block_n: int = 64,
                            sliding_window: int | None = None, num_warps: int | None = None,
                            num_stages: int | None = None) -> torch.Tensor:
-    """`extend_attention` over a host-made tile list (`tile_list`, padded with row -1): one
+    """`extend_attention` over a host-made tile list (`tile_array`, padded with row -1): one
     program per (tile, kv head), so the grid is fixed by the list's length, not by the rows'
     lengths -- graph safe for any mix of rows up to that many tiles. extend_start (B,) int64:
     each row's first token in q. Tokens no tile covers are left as they are in `out`."""
@@ -231,7 +234,7 @@ def extend_attention_tiles(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         num_warps = 8 if block_m >= 128 else 4
     if num_stages is None:  # one stage at head_dim 64: ~0.8x the time of two (mixed_kernels-h200.json)
         num_stages = 1 if head_dim <= 64 else 2
-    # kv heads on axis 0: programs start tile by tile, in the list's order (tile_list)
+    # kv heads on axis 0: programs start tile by tile, in the list's order (tile_array)
     _extend_kernel[(num_kv_heads, tile_rows.shape[0], 1)](
         q, k_cache, v_cache, out, page_table, seq_lens, extend_lens, extend_start, sm_scale,
         sliding_window or 0, seq_lens.shape[0], num_tokens, q.stride(0), q.stride(1), out.stride(0),

@@ -107,6 +107,10 @@ def main() -> int:
             ea._extend_kernel, BF, BF, BF, BF, I32, I32, I32, I64, 0.1, 0, 7, N, *[N] * 12, I64, I64,
             GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=128, BLOCK_N=64, PAGE_SIZE=16,
             BLOCK_G=4, TILED=True, num_warps=8),
+        "extend_tiled_head_dim_64": lambda: compile_sm90(  # the 1B's mixed steps: one stage
+            ea._extend_kernel, BF, BF, BF, BF, I32, I32, I32, I64, 0.1, 0, 7, N, *[N] * 12, I64, I64,
+            GROUP=4, HEAD_DIM=64, BLOCK_D=64, BLOCK_M=128, BLOCK_N=64, PAGE_SIZE=16,
+            BLOCK_G=4, TILED=True, num_warps=8, num_stages=1),
         "prepare_inputs": lambda: compile_sm90(
             prepare_inputs._prepare_kernel, I64, I32, I32, I32, I32, I64, I64, I32, I32, I64,
             *[N] * 5, PAGE_SIZE=16, BLOCK_R=256, BLOCK_W=4, BLOCK_T=1024),

@@ -5,7 +5,7 @@ import torch
 pytest.importorskip("triton")
 
 from generation_service.kernels.extend_attention import (  # noqa: E402
-    extend_attention, extend_attention_torch)
+    extend_attention, extend_attention_torch, max_tiles, tile_array)
 
 # (seq_len, extend_len): full prefill, prefix crossing pages, one token, padding row,
 # verify-style 4 tokens over a cached prefix.
@@ -78,3 +78,14 @@ def test_padding_tail_tokens_get_zeros(make_paged, rel_err):
                                  compute_dtype=torch.float64)
     assert rel_err(out[:5], ref) < 1e-5
     assert torch.equal(out[5:], torch.zeros_like(out[5:]))
+
+
+def test_tile_array_lists_every_tile_once_the_latest_m_blocks_first():
+    """Rows of 0, 1, 40 and 17 new tokens, 4 heads a kv head, 32-row tiles: cdiv(n * 4, 32)
+    tiles each; blocks in descending order (the ones that see the most keys start first)."""
+    lens = [0, 1, 40, 17]
+    rows, blocks = tile_array(lens, 4, 32)
+    want = {(row, block) for row, n in enumerate(lens) for block in range(-(-n * 4 // 32))}
+    assert sorted(zip(rows.tolist(), blocks.tolist())) == sorted(want)
+    assert blocks.tolist() == sorted(blocks.tolist(), reverse=True)
+    assert len(rows) <= max_tiles(sum(lens), len(lens), 4, 32)
