@@ -38,7 +38,7 @@ import torch
 from generation_service.engine.cuda_graphs import DEFAULT_BUCKETS, FREE, SERVING_VARIANTS, with_filters
 from generation_service.engine.fed_back import FedBack
 from generation_service.engine.gpu_runner import GpuDecodeRunner
-from generation_service.engine.kv_cache import DUMMY_PAGE, KVCache
+from generation_service.engine.kv_cache import DUMMY_PAGE, KVCache, page_table_of
 from generation_service.engine.mixed_forward import MixedForward
 from generation_service.engine.mixed_graphs import MixedGraphs
 from generation_service.engine.runner import ModelRunner
@@ -309,10 +309,7 @@ class CudaGraphRunner(ModelRunner):
         return [SampleResult(row[:count]) for row, count in zip(tokens, counts)], masks
 
     def _load(self, rows: list[ScheduledRow]) -> None:
-        width = max(len(row.request.pages) for row in rows)
-        table = torch.zeros((len(rows), width), dtype=torch.int32)
-        for r, row in enumerate(rows):
-            table[r, :len(row.request.pages)] = torch.tensor(row.request.pages, dtype=torch.int32)
+        table = torch.from_numpy(page_table_of([row.request.pages for row in rows]))
         self._num_loaded_pages = [len(row.request.pages) for row in rows]
         ids = torch.tensor([row.input_ids[0] for row in rows], dtype=torch.int64).clamp_(0, self.vocab_size - 1)
         self.gpu.load_rows(ids, torch.tensor([row.num_cached for row in rows], dtype=torch.int64),

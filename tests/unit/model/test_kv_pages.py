@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from generation_service.engine.kv_cache import DUMMY_PAGE, KVCache, PageAllocator, num_pages_for
+from generation_service.engine.kv_cache import DUMMY_PAGE, KVCache, PageAllocator, num_pages_for, page_table_of
 
 
 def test_allocator_never_hands_out_the_dummy_page():
@@ -33,3 +33,10 @@ def test_cache_shapes_and_size():
     assert cache.layer(1).k.shape == (6, 4, 2, 8) and cache.layer(1).page_size == 4
     assert cache.num_bytes == KVCache.bytes_per_page(2, 4, 2, 8, torch.bfloat16) * 6
     assert num_pages_for(0, 4) == 0 and num_pages_for(4, 4) == 1 and num_pages_for(5, 4) == 2
+
+
+def test_page_table_rows_are_the_page_lists_padded_with_the_dummy_page():
+    table = page_table_of([[7, 3], [], [5, 9, 11]])
+    assert table.dtype.name == "int32"
+    assert table.tolist() == [[7, 3, DUMMY_PAGE], [DUMMY_PAGE] * 3, [5, 9, 11]]
+    assert page_table_of([]).shape == (0, 0)
