@@ -125,6 +125,6 @@ def page_table_of(page_lists: Sequence[Sequence[int]]) -> np.ndarray:
     in numpy: a torch op per row costs microseconds of dispatch, a step has up to hundreds."""
     counts = np.fromiter((len(pages) for pages in page_lists), dtype=np.int64, count=len(page_lists))
     table = np.full((len(page_lists), int(counts.max(initial=0))), DUMMY_PAGE, dtype=np.int32)
-    table[np.repeat(np.arange(len(page_lists)), counts), offsets_within(counts)] = np.fromiter(
-        chain.from_iterable(page_lists), dtype=np.int32, count=int(counts.sum()))
+    is_page = np.arange(table.shape[1]) < counts[:, None]  # row-major: the lists' order
+    table[is_page] = np.fromiter(chain.from_iterable(page_lists), dtype=np.int32, count=int(counts.sum()))
     return table

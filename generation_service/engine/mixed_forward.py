@@ -26,6 +26,7 @@ import torch
 
 from generation_service.engine.decode_forward import CUBLAS, DecodeForward, DecodeMeta
 from generation_service.engine.fed_back import FedBack
+from generation_service.engine.kv_cache import offsets_within, page_table_of
 from generation_service.engine.pinned import PinnedStaging
 from generation_service.engine.scheduler import ScheduledRow
 
@@ -53,45 +54,39 @@ class MixedLayout:
 
 def pack_mixed(rows: list[ScheduledRow], page_size: int, vocab_size: int) -> MixedLayout:
     """The packed layout of `rows` (each with >= 1 new token: its uncached tokens, then drafts)."""
-    order = ([i for i, row in enumerate(rows) if len(row.input_ids) == 1]
-             + [i for i, row in enumerate(rows) if len(row.input_ids) > 1])
-    packed = [rows[i] for i in order]
-    num_decode = sum(1 for row in packed if len(row.input_ids) == 1)
-    lens = np.fromiter((len(row.input_ids) for row in packed), dtype=np.int64, count=len(packed))
+    # the rows' order and page table in numpy, not per row in Python: a step has over a hundred
+    # rows (benchmarks/results/engine_host_mixed-ci-2core-pack.json)
+    num_rows = len(rows)
+    batch_lens = np.fromiter((len(row.input_ids) for row in rows), dtype=np.int64, count=num_rows)
+    order = np.argsort(batch_lens > 1, kind="stable")  # decode rows (one new token) first
+    packed = [rows[i] for i in order.tolist()]
+    lens = batch_lens[order]
+    num_decode = int(np.count_nonzero(batch_lens == 1))
     starts = np.cumsum(lens) - lens
     num_tokens = int(lens.sum())
     input_ids = np.fromiter(chain.from_iterable(row.input_ids for row in packed), dtype=np.int64,
                             count=num_tokens)
     np.clip(input_ids, 0, vocab_size - 1, out=input_ids)  # a bad id never indexes past the table
-    cached = np.fromiter((row.num_cached for row in packed), dtype=np.int64, count=len(packed))
-    token_rows = np.repeat(np.arange(len(packed)), lens)
+    cached = np.fromiter((row.num_cached for row in packed), dtype=np.int64, count=num_rows)
+    token_rows = np.repeat(np.arange(num_rows), lens)
     positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(cached - starts, lens)
-    num_pages = np.fromiter((len(row.request.pages) for row in packed), dtype=np.int64, count=len(packed))
-    width = int(num_pages.max())
-    page_table = np.zeros((len(packed), width), dtype=np.int32)
-    page_table[np.repeat(np.arange(len(packed)), num_pages), _offsets_within(num_pages)] = np.fromiter(
-        chain.from_iterable(row.request.pages for row in packed), dtype=np.int32, count=int(num_pages.sum()))
-    columns = np.minimum(positions // page_size, width - 1)
+    page_table = page_table_of([row.request.pages for row in packed])
+    columns = np.minimum(positions // page_size, page_table.shape[1] - 1)
     slot_ids = page_table[token_rows, columns].astype(np.int64) * page_size + positions % page_size
-    where = np.empty(len(rows), dtype=np.int64)  # batch index -> packed row
-    where[order] = np.arange(len(rows))
+    where = np.empty(num_rows, dtype=np.int64)  # batch index -> packed row
+    where[order] = np.arange(num_rows)
     # each row's sampling positions are its last num_positions tokens, in batch order
-    num_positions = np.fromiter((row.num_positions for row in rows), dtype=np.int64, count=len(rows))
+    num_positions = np.fromiter((row.num_positions for row in rows), dtype=np.int64, count=num_rows)
     ends = (starts + lens)[where]
-    logits_indices = np.repeat(ends - num_positions, num_positions) + _offsets_within(num_positions)
+    logits_indices = np.repeat(ends - num_positions, num_positions) + offsets_within(num_positions)
     extend_lens = lens.astype(np.int32)
     return MixedLayout(
         input_ids=input_ids, positions=positions, slot_ids=slot_ids,
         logits_indices=logits_indices, page_table=page_table,
         seq_lens=(cached + lens).astype(np.int32), extend_lens=extend_lens,
         extend_start=starts[num_decode:] - num_decode, num_decode_rows=num_decode,
-        max_extend_len=int(lens[num_decode:].max()) if len(packed) > num_decode else 0,
+        max_extend_len=int(lens[num_decode:].max()) if num_rows > num_decode else 0,
         row_starts=starts[where])
-
-
-def _offsets_within(counts: np.ndarray) -> np.ndarray:
-    """0..n-1 for each count n, concatenated: [2, 3] -> [0, 1, 0, 1, 2]."""
-    return np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
 @dataclass
