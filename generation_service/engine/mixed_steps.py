@@ -129,25 +129,31 @@ class MixedSteps:
         engine = self.engine
         if previous.sample.tokens is None or (engine.link is not None and not engine.link.is_connected):
             return None
+        # NOTE: what every row reads is looked up once: this loop runs per row per step
+        # (benchmarks/results/engine_host_mixed-ci-2core-chain.json)
         now = time.monotonic()
+        may_draft = bool(engine.config.max_draft_tokens)
+        valid_positions = previous.masks.valid_positions if previous.masks is not None else {}
+        reserve = engine.scheduler.reserve
         continuing, sources = [], {}
         for index, row in enumerate(previous.batch.sampling_rows):
             request = row.request
-            sampling = request.sampling
+            spec = request.spec
+            sampling = spec.sampling
             if (sampling.num_logprobs or sampling.uses_logit_processing
-                    or (engine.config.max_draft_tokens and request.spec.speculative.num_draft_tokens)):
+                    or (may_draft and spec.speculative.num_draft_tokens)):
                 return None  # the sampler's CPU rules, or drafts: scheduled once N is read
-            valid = previous.masks.valid_positions.get(id(request), 1) if previous.masks is not None else 1
             if (request.status is not RequestStatus.RUNNING
-                    or request.num_generated + 1 >= request.max_new_tokens  # N's token is its last
-                    or (request.spec.deadline is not None and now > request.spec.deadline)
-                    or (request.is_constrained and valid in (0, VALID_LATE))
+                    or request.num_generated + 1 >= sampling.max_new_tokens  # N's token is its last
+                    or (spec.deadline is not None and now > spec.deadline)
+                    or (spec.grammar is not None and valid_positions.get(id(request), 1) in (0, VALID_LATE))
                     or request.late_mask is not None):  # a slow row: its next mask is not ready yet (late_mask.py)
                 continue
-            if not engine.scheduler.reserve(request, row.seq_len + 1):
+            seq_len = row.seq_len
+            if not reserve(request, seq_len + 1):
                 return None  # (pages reserved before a refusal are kept for the next step)
             sources[len(continuing)] = index  # the continuing rows come first in the batch
-            continuing.append(ScheduledRow(request, row.seq_len, [FED_BACK_TOKEN], is_sampling=True))
+            continuing.append(ScheduledRow(request, seq_len, [FED_BACK_TOKEN], is_sampling=True))
         if not continuing:
             return None
         batch = engine.scheduler.schedule(0, continuing=continuing)

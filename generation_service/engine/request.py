@@ -128,7 +128,8 @@ class Request:
 
     @property
     def num_generated(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        # (not through num_prompt_tokens: a property's call, and this is asked per row per step)
+        return len(self.token_ids) - len(self.spec.prompt_ids)
 
     @property
     def output_ids(self) -> list[int]:
