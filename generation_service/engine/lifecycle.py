@@ -34,6 +34,7 @@ class Deferred:
     """A token accepted by a pipelined step whose text and stream event are still to come."""
 
     request: Request
+    output: OutputProcessor  # the request's, looked up once by `_accept`: `deliver` runs per row
     token: int
     logprobs: list
 
@@ -187,12 +188,13 @@ class RequestTable:
             request.num_cached = max(request.num_cached, row.seq_len)
         if request.first_token_s is None and result.token_ids:
             request.first_token_s = time.monotonic()
-        output = self._outputs[request.request_id]
+        request_id = request.request_id
+        output = self._outputs[request_id]
         if defer and len(result.token_ids) == 1:
             token = result.token_ids[0]
             reason = output.accept(token)
             if reason is None:
-                self.deferred[request.request_id] = Deferred(request, token, result.logprobs)
+                self.deferred[request_id] = Deferred(request, output, token, result.logprobs)
                 return [token]
             delta = output.render(token, result.logprobs, reason)
         else:
@@ -215,8 +217,7 @@ class RequestTable:
         deferred, self.deferred = self.deferred, {}
         num_finished = self.num_finished
         for item in deferred.values():
-            request = item.request
-            self._emit(request, self._outputs[request.request_id].render(item.token, item.logprobs), pushed)
+            self._emit(item.request, item.output.render(item.token, item.logprobs), pushed)
         for stream in pushed:
             stream.wake()
         return self.num_finished != num_finished
