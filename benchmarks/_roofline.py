@@ -93,15 +93,14 @@ def mixed_steps(model, points: list[tuple[int, int, int]], max_rows: int, kernel
     from benchmarks._gpu_model import pages_per_row, random_kv_cache
     from generation_service.engine.cuda_graphs import FREE
     from generation_service.engine.gpu_runner import GpuDecodeRunner
-    from generation_service.engine.mixed_graphs import MixedGraphs
+    from generation_service.engine.mixed_graphs import MIXED_TOKEN_BUCKETS, MixedGraphs
     from generation_service.engine.scheduler import ScheduledRow
 
     config = model.config
     max_pages = max(pages_per_row(max(c, p) + 1) for _, c, p in points)
     kv = random_kv_cache(config, 1 + max(d * pages_per_row(c + 1) + pages_per_row(p) for d, c, p in points))
     runner = GpuDecodeRunner(model, kv, max_batch=max_rows, buckets=(max_rows,), variants=(FREE,))
-    graphs = (MixedGraphs(runner.forward, runner.max_batch, max_pages) if buckets is None
-              else MixedGraphs(runner.forward, runner.max_batch, max_pages, buckets=buckets))
+    graphs = MixedGraphs(runner.forward, runner.max_batch, max_pages, buckets=buckets or MIXED_TOKEN_BUCKETS)
     graphs.capture()
     ids = torch.Generator().manual_seed(0)
 
