@@ -199,10 +199,10 @@ def run_once(tokenizer, corpus_ids: list[int], *, num_rows: int, prompt_len: int
     batches = hashlib.blake2b(digest_size=8)
     launch = steps.launch
 
-    def launched(batch: ScheduledBatch, previous=None) -> None:
+    def launched(batch: ScheduledBatch, *chained) -> None:
         batches.update(repr([(row.request.request_id, row.num_cached, len(row.input_ids), row.is_sampling)
                              for row in batch.rows]).encode())
-        launch(batch, previous)
+        launch(batch, *chained)
     steps.launch = launched
     ramp = num_clients + 8  # the clients admitted one per step, then the first finishes
     per_step: dict[str, list[float]] = defaultdict(list)

@@ -360,8 +360,13 @@ class Engine:
         """One engine step; False when there was nothing to do."""
         start = time.perf_counter()
         if self._in_flight is not None:
-            previous = self._step_chained()
-            self._decode_step_done(time.perf_counter() - start, previous.batch, previous.step)
+            previous, into_mixed = self._step_chained()
+            if into_mixed:  # a mixed step launched: this step's time is the mixed step's
+                self.step_s_total["mixed"] += time.perf_counter() - start
+                if self.held is not None:
+                    self.held.host_step()
+            else:
+                self._decode_step_done(time.perf_counter() - start, previous.batch, previous.step)
             return True
         if self.mixed.in_flight is not None:  # chain the next mixed step, or read this one
             self.mixed.step()
@@ -437,9 +442,10 @@ class Engine:
                 self.link.publish(step, [kept.get(id(row.request), []) for row in rows])
             self.num_steps += 1
 
-    def _step_chained(self) -> InFlight:
+    def _step_chained(self) -> tuple[InFlight, bool]:
         """Overlap: launch N+1 for the rows of the in-flight step N if nothing changes the
-        batch, then read and postprocess N (while the GPU runs N+1); N."""
+        batch, else a mixed step N+1 chained after it if new work came (mixed_steps.py), then
+        read and postprocess N (while the GPU runs N+1); N, and whether N+1 is a mixed step."""
         previous, self._in_flight = self._in_flight, None
         with self.lock:
             batch = self._chained_batch(previous)
@@ -448,9 +454,17 @@ class Engine:
                 step = self.link.begin([LinkRow.sampling(row.request, []) for row in batch.rows], gpu=True)
         if batch is not None:
             self._in_flight = InFlight(batch, step, self.runner.launch(batch, step, self.link, chained=True))
-        samples, masks = self.runner.collect(previous.launch, self.link)
-        self.finish_step(previous.batch, previous.step, samples, masks, True)
-        return previous
+        elif self._inbox or self.scheduler.waiting:
+            tokens = self.runner.free_step_tokens(previous.launch) if previous.step is None else None
+            if tokens is not None and self.mixed.launch_after_graph(
+                    previous.batch.rows, tokens, lambda: self._read_graph_step(previous, defer=True)):
+                return previous, True
+        self._read_graph_step(previous)
+        return previous, False
+
+    def _read_graph_step(self, launched: InFlight, defer: bool = False) -> None:
+        samples, masks = self.runner.collect(launched.launch, self.link)
+        self.finish_step(launched.batch, launched.step, samples, masks, True, defer=defer)
 
     def _chained_batch(self, previous: InFlight) -> ScheduledBatch | None:
         """The step after `previous` for the same rows, one token further, or None when

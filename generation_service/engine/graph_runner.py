@@ -278,6 +278,15 @@ class CudaGraphRunner(ModelRunner):
             launched.ready.record()
         return launched
 
+    def free_step_tokens(self, launched: Launch) -> torch.Tensor | None:
+        """The tokens of a launched free step on the device, in stream order (what a mixed step
+        chained after it feeds back, mixed_steps.py), or None (a verify or grammar step; or
+        buffers not on a CUDA stream)."""
+        tokens = self.gpu.buffers.out_tokens
+        if launched.verify or launched.step is not None or tokens.device.type != "cuda":
+            return None
+        return tokens[:launched.num_rows]
+
     def collect(self, launched: Launch, link=None):
         """(samples, StepMasks | None) of a launched step, without a device-wide sync: the
         outputs area after outputs_seq (grammar steps) or this step's copy event (free)."""

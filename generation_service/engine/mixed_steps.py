@@ -23,11 +23,18 @@ late_mask.py). A step that cannot chain (a row with drafts, logprobs or logits p
 prefill left beside the decode rows, where a decode graph does better; a page that cannot be
 reserved without preemption) reads N first: then N's delivery follows the next
 step's launch instead (`pipelined`, the same order one step later).
+
+A free decode graph step N in flight chains into a mixed step the same way
+(`launch_after_graph`) when new work arrives: N's rows go on decoding fed from the graph's
+tokens on the device, and N is read after N+1 is launched. Read first, N would leave the
+GPU idle while the host accepts it and schedules N+1: at high concurrency a request arrives
+nearly every step, and that wait was most of a decode step's time.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -60,19 +67,20 @@ class MixedSteps:
         self.chain = chain          # launch N+1 before reading N where the step allows it
         self.in_flight: MixedFlight | None = None
         self.num_chained = 0        # steps launched before their predecessor was read
+        self.num_after_graph = 0    # of them, those whose predecessor was a decode graph step
         self._fed_sources: dict[int, int] = {}  # the chained batch's row -> its previous sample
 
-    def launch(self, batch: ScheduledBatch, previous: MixedFlight | None = None) -> None:
-        """Launch `batch` (fed from `previous`, a chained step), read `previous`, and leave
-        `batch` in flight (the module's steps 2-5)."""
+    def launch(self, batch: ScheduledBatch, fed_back: FedBack | None = None,
+               read_previous: Callable[[], None] | None = None) -> None:
+        """Launch `batch` (fed back from the step in flight, a chained step), read that step
+        (`read_previous`), and leave `batch` in flight (the module's steps 2-5)."""
         engine = self.engine
         started = time.perf_counter()
-        fed_back = FedBack(previous.sample.tokens, self._fed_sources) if previous is not None else None
         logits = engine.runner.run(batch, fed_back)
         for row in batch.rows:  # computed once the stream gets there: what the scheduler sees next
             row.request.num_cached = row.seq_len
-        if previous is not None:
-            self.collect(previous)
+        if read_previous is not None:
+            read_previous()
             self.num_chained += 1
         with engine.lock:
             live = ScheduledBatch([row for row in batch.rows if not row.request.is_finished])
@@ -98,7 +106,27 @@ class MixedSteps:
         if batch is None:
             self.collect(previous)
             return
-        self.launch(batch, previous)
+        self.launch(batch, FedBack(previous.sample.tokens, self._fed_sources), lambda: self.collect(previous))
+
+    def launch_after_graph(self, rows: list[ScheduledRow], tokens: torch.Tensor,
+                           read_previous: Callable[[], None]) -> bool:
+        """Chain a mixed step after a free decode graph step in flight, whose `rows` sample
+        `tokens` (on the device); whether it launched (else nothing changed but pages
+        reserved, and the caller reads the graph step first)."""
+        engine = self.engine
+        if not self.chain or (engine.link is not None and not engine.link.is_connected):
+            return False
+        with engine.lock:
+            engine.apply_inbox()
+            engine.table.poll(engine.link)
+            for row in rows:  # computed once the stream gets there: what the scheduler sees next
+                row.request.num_cached = max(row.request.num_cached, row.seq_len)
+            batch = self._batch_after(rows, {})
+        if batch is None:
+            return False
+        self.launch(batch, FedBack(tokens, self._fed_sources), read_previous)
+        self.num_after_graph += 1
+        return True
 
     def collect(self, flight: MixedFlight) -> None:
         """Read a launched step's tokens and accept them; their delivery is deferred."""
@@ -129,14 +157,19 @@ class MixedSteps:
         engine = self.engine
         if previous.sample.tokens is None or (engine.link is not None and not engine.link.is_connected):
             return None
+        return self._batch_after(previous.batch.sampling_rows,
+                                 previous.masks.valid_positions if previous.masks is not None else {})
+
+    def _batch_after(self, sampling_rows: list[ScheduledRow], valid_positions: dict[int, int]) -> ScheduledBatch | None:
+        """The chained step after one whose `sampling_rows` sample a token each, or None."""
+        engine = self.engine
         # NOTE: what every row reads is looked up once: this loop runs per row per step
         # (benchmarks/results/engine_host_mixed-ci-2core-chain.json)
         now = time.monotonic()
         may_draft = bool(engine.config.max_draft_tokens)
-        valid_positions = previous.masks.valid_positions if previous.masks is not None else {}
         reserve = engine.scheduler.reserve
         continuing, sources = [], {}
-        for index, row in enumerate(previous.batch.sampling_rows):
+        for index, row in enumerate(sampling_rows):
             request = row.request
             spec = request.spec
             sampling = spec.sampling
