@@ -27,6 +27,7 @@ from grammar_contract.report import GuaranteeReport
 from step_channel import ERR_NO_MATCHER, ERR_TOKEN_REJECTED, ERR_UNKNOWN_GRAMMAR, VALID_LATE
 
 log = logging.getLogger(__name__)
+_FINISHED = RequestStatus.FINISHED
 
 
 @dataclass
@@ -148,6 +149,7 @@ class RequestTable:
         kept: dict[int, list[int]] = {}
         pushed: list[RequestStream] = []  # woken once every row is done (stream.py says why)
         sampling = iter(zip(batch.sampling_rows, samples))
+        page_size = self.scheduler.cache.page_size
         for row in batch.rows:
             request = row.request
             if not row.is_sampling:
@@ -157,24 +159,28 @@ class RequestTable:
                     self.scheduler.store_pages(request)
                 continue
             _, result = next(sampling)
-            if request.is_finished:
+            # (`status is FINISHED`, not the property: this loop runs per row per step)
+            if request.status is _FINISHED:
                 continue
-            valid = masks.valid_positions[id(request)] if masks is not None and request.is_constrained else 1
-            if valid == 0:
-                self.finish(request, FinishReason.ERROR, GrammarUnavailableError(
-                    "grammar_service has no matcher for this request"))
-                continue
-            if valid == VALID_LATE:  # its mask was not ready: sampled again next step
-                self._skip(row, request)
-                continue
-            if masks is not None and request.wants_forced_drafts:
-                # the run starts at the token this step sampled at position valid - 1
-                request.forced_run = ForcedRun(request.num_tokens + valid - 1,
-                                               tuple(masks.forced.get(id(request), ())))
+            if masks is not None:
+                valid = masks.valid_positions[id(request)] if request.is_constrained else 1
+                if valid == 0:
+                    self.finish(request, FinishReason.ERROR, GrammarUnavailableError(
+                        "grammar_service has no matcher for this request"))
+                    continue
+                if valid == VALID_LATE:  # its mask was not ready: sampled again next step
+                    self._skip(row, request)
+                    continue
+                if request.wants_forced_drafts:
+                    # the run starts at the token this step sampled at position valid - 1
+                    request.forced_run = ForcedRun(request.num_tokens + valid - 1,
+                                                   tuple(masks.forced.get(id(request), ())))
             if request.late_mask is not None:
                 request.late_mask.sampled(time.monotonic())
             kept[id(request)] = self._accept(row, request, result, pushed, defer)
-            if not request.is_finished:  # (a finished one's pages were keyed as they were freed)
+            # Only a row that filled a page has one to key (`PrefixCache.store`): most fill none.
+            # (a finished one's pages were keyed as they were freed)
+            if request.num_cached // page_size > request.num_stored_pages and request.status is not _FINISHED:
                 self.scheduler.store_pages(request)
         for stream in pushed:
             stream.wake()
