@@ -12,6 +12,9 @@ from dataclasses import dataclass
 from generation_service.engine.events import FinishReason, TokenLogprob
 from generation_service.engine.request import Request
 
+_STOP_TOKEN, _STOP_STRING = FinishReason.STOP_TOKEN, FinishReason.STOP_STRING
+_MAX_TOKENS, _GRAMMAR_COMPLETE = FinishReason.MAX_TOKENS, FinishReason.GRAMMAR_COMPLETE
+
 
 @dataclass
 class Delta:
@@ -30,6 +33,10 @@ class OutputProcessor:
         self._stop_last_chars = frozenset(stop[-1] for stop in self.stop_strings)
         self.eos_token_ids = frozenset(eos_token_ids)
         self._is_eos_a_stop = request.is_constrained or not request.sampling.ignore_eos
+        # Tokens that stop the request by themselves: one set probe per token, not two.
+        self._end_token_ids = request.stop_token_ids | (self.eos_token_ids if self._is_eos_a_stop else frozenset())
+        self._is_constrained = request.is_constrained
+        self._min_tokens = request.sampling.min_tokens
         self._max_num_tokens = request.num_prompt_tokens + request.max_new_tokens  # len(token_ids) at the limit
         self._detok = None
         if tokenizer is not None:
@@ -40,6 +47,9 @@ class OutputProcessor:
 
     def process(self, token_ids: list[int], logprobs: list[TokenLogprob]) -> Delta:
         """Append accepted tokens to the request, one at a time, up to the first stop."""
+        if len(token_ids) == 1:  # a decode row's one token (most rows)
+            token = token_ids[0]
+            return self.render(token, logprobs, self.accept(token))
         kept, texts, reason = [], [], None
         for token in token_ids:
             kept.append(token)
@@ -53,8 +63,13 @@ class OutputProcessor:
     def accept(self, token: int) -> FinishReason | None:
         """Append one token to the request (what the scheduler needs of it); the stop it makes
         by itself (a stop token, max_new_tokens), or None. `render` then gives its text."""
-        self.request.token_ids.append(token)
-        return self._token_stop(token)
+        token_ids = self.request.token_ids
+        token_ids.append(token)
+        if token in self._end_token_ids:
+            return _GRAMMAR_COMPLETE if self._is_constrained and token in self.eos_token_ids else _STOP_TOKEN
+        if len(token_ids) >= self._max_num_tokens:  # num_generated >= max_new_tokens
+            return _MAX_TOKENS
+        return None
 
     def render(self, token: int, logprobs: list[TokenLogprob], reason: FinishReason | None = None) -> Delta:
         """The delta of a token `accept` took, given the stop it returned: its text, and
@@ -64,28 +79,20 @@ class OutputProcessor:
         return Delta([token], text, logprobs[:1], reason)
 
     def _render(self, token: int, reason: FinishReason | None) -> tuple[str, FinishReason | None]:
-        is_text = reason not in (FinishReason.STOP_TOKEN, FinishReason.GRAMMAR_COMPLETE)
-        text, is_string_stop = self._text([token] if is_text else [], final=reason is not None)
-        return text, FinishReason.STOP_STRING if is_string_stop else reason
-
-    def _token_stop(self, token: int) -> FinishReason | None:
-        if token in self.eos_token_ids and self._is_eos_a_stop:
-            return FinishReason.GRAMMAR_COMPLETE if self.request.is_constrained else FinishReason.STOP_TOKEN
-        if token in self.request.stop_token_ids:
-            return FinishReason.STOP_TOKEN
-        if len(self.request.token_ids) >= self._max_num_tokens:  # num_generated >= max_new_tokens
-            return FinishReason.MAX_TOKENS
-        return None
+        is_text = reason is None or (reason is not _STOP_TOKEN and reason is not _GRAMMAR_COMPLETE)
+        text, is_string_stop = self._text([token] if is_text else [], reason is not None)
+        return text, _STOP_STRING if is_string_stop else reason
 
     def _text(self, token_ids: list[int], final: bool) -> tuple[str, bool]:
         """(text to stream now, whether a stop string matched)."""
-        if self._detok is None:
+        detok = self._detok
+        if detok is None:
             return "", False
-        text = self._detok.push(token_ids)
+        text = detok.push(token_ids)
         if final:
-            text += self._detok.flush()
+            text += detok.flush()
         # min_tokens: no stop string ends the output inside its first min_tokens tokens (as vLLM)
-        is_searched = self.stop_strings and self.request.num_generated > self.request.sampling.min_tokens
+        is_searched = self.stop_strings and self.request.num_generated > self._min_tokens
         return self._hold_back(text, final) if is_searched else (text, False)
 
     def _hold_back(self, text: str, final: bool) -> tuple[str, bool]:
