@@ -37,7 +37,8 @@ class RequestStream:
     # ---- engine side ---------------------------------------------------------------------------
     def push(self, event: OutputEvent) -> None:
         """Queue an event without waking the consumer; `wake` must follow."""
-        self.is_finished = self.is_finished or event.is_final
+        if event.finish_reason is not None:  # (`is_final`, without a property call per event)
+            self.is_finished = True
         self._events.append(event)
 
     def wake(self) -> None:
