@@ -44,7 +44,7 @@ from generation_service.engine.errors import (
 )
 from generation_service.engine.events import FinishReason
 from generation_service.engine.grammar_link import GrammarControl, GrammarLink, LinkRow, StepMasks
-from generation_service.engine.fed_back import FED_BACK_TOKEN
+from generation_service.engine.fed_back import FED_BACK_TOKEN, FedBack
 from generation_service.engine.kv_cache import KVCache, PageAllocator, num_pages_for
 from generation_service.engine.late_mask import HeldGraphs
 from generation_service.engine.lifecycle import RequestTable
@@ -454,13 +454,19 @@ class Engine:
                 step = self.link.begin([LinkRow.sampling(row.request, []) for row in batch.rows], gpu=True)
         if batch is not None:
             self._in_flight = InFlight(batch, step, self.runner.launch(batch, step, self.link, chained=True))
-        elif self._inbox or self.scheduler.waiting:
+        else:  # the batch changes (a row ends or joins, new work): the next step is scheduled
             tokens = self.runner.free_step_tokens(previous.launch) if previous.step is None else None
-            if tokens is not None and self.mixed.launch_after_graph(
-                    previous.batch.rows, tokens, lambda: self._read_graph_step(previous, defer=True)):
-                return previous, True
+            kind = tokens is not None and self.mixed.launch_after_graph(
+                previous.batch.rows, tokens, lambda: self._read_graph_step(previous, defer=True))
+            if kind:
+                return previous, kind == "mixed"
         self._read_graph_step(previous)
         return previous, False
+
+    def launch_graph(self, batch: ScheduledBatch, fed_back: FedBack) -> None:
+        """Launch a free decode graph step of `batch` whose fed-back rows take their tokens from
+        the step in flight on the device (mixed_steps.py); it is in flight once this returns."""
+        self._in_flight = InFlight(batch, None, self.runner.launch(batch, None, self.link, fed_back=fed_back))
 
     def _read_graph_step(self, launched: InFlight, defer: bool = False) -> None:
         samples, masks = self.runner.collect(launched.launch, self.link)

@@ -33,6 +33,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from generation_service.engine.cuda_graphs import DEFAULT_BUCKETS, FREE, SERVING_VARIANTS, with_filters
@@ -41,6 +42,7 @@ from generation_service.engine.gpu_runner import GpuDecodeRunner
 from generation_service.engine.kv_cache import DUMMY_PAGE, KVCache, page_table_of
 from generation_service.engine.mixed_forward import MixedForward
 from generation_service.engine.mixed_graphs import MixedGraphs
+from generation_service.engine.pinned import PinnedStaging
 from generation_service.engine.runner import ModelRunner
 from generation_service.engine.sampler import SampleResult, device_seed, warm_device_sampler
 from generation_service.engine.scheduler import ScheduledBatch, ScheduledRow
@@ -124,6 +126,8 @@ class CudaGraphRunner(ModelRunner):
         self._copy_ready = [torch.cuda.Event() for _ in range(2)]
         self._next_copy = 0
         self._num_loaded_pages: list[int] = []  # per row: page-table entries written
+        # a step's rows go up through pinned buffers: a pageable copy would wait for the step in flight
+        self._staging = PinnedStaging(kv_cache.device, slots=4)  # (ids and a feed-back's index: two a launch)
         self.num_graph_steps = 0
         self.num_chained_steps = 0  # launched before the previous step was read (overlap)
         self.num_mixed_steps = 0  # batches run by `mixed` (prefill chunks, logprobs, ...)
@@ -244,14 +248,16 @@ class CudaGraphRunner(ModelRunner):
         return self.collect(self.launch(batch, step, link), link)
 
     @torch.no_grad()
-    def launch(self, batch: ScheduledBatch, step: int | None, link=None, chained: bool = False) -> Launch:
+    def launch(self, batch: ScheduledBatch, step: int | None, link=None, chained: bool = False,
+               fed_back: FedBack | None = None) -> Launch:
         """Replay one decode step without waiting for it. `step`: the grammar step whose
         descriptor `link.begin(..., gpu=True)` wrote, or None (free step).
 
         chained=True (overlap): the same rows as the step launched just before, one token
         further. Their input ids, positions and seq_lens are the ones the previous replay fed
         back on the device (its tokens are not known here yet); only page-table entries of
-        pages reserved since are written."""
+        pages reserved since are written. `fed_back`: rows loaded anew whose input token is the
+        step in flight's sample (`FED_BACK_TOKEN`), copied in on the device (mixed_steps.py)."""
         rows = batch.rows
         num_rows = len(rows)
         if step is not None:  # NOTE: before loading: a (re)capture scrubs every row of the buffers
@@ -267,6 +273,8 @@ class CudaGraphRunner(ModelRunner):
             self.num_chained_steps += 1
         else:
             self._load(rows)
+            if fed_back is not None:
+                fed_back.apply(self.gpu.buffers.input_ids, range(num_rows), self._staging)
         self.gpu.step(num_rows, constrained=step is not None,
                       filters=self.filters and any(row.request.sampling.uses_filters for row in rows))
         self.num_graph_steps += 1
@@ -318,17 +326,22 @@ class CudaGraphRunner(ModelRunner):
         return [SampleResult(row[:count]) for row, count in zip(tokens, counts)], masks
 
     def _load(self, rows: list[ScheduledRow]) -> None:
-        table = torch.from_numpy(page_table_of([row.request.pages for row in rows]))
+        n = len(rows)
+        table = page_table_of([row.request.pages for row in rows])
         self._num_loaded_pages = [len(row.request.pages) for row in rows]
-        ids = torch.tensor([row.input_ids[0] for row in rows], dtype=torch.int64).clamp_(0, self.vocab_size - 1)
-        self.gpu.load_rows(ids, torch.tensor([row.num_cached for row in rows], dtype=torch.int64),
-                           torch.tensor([row.seq_len for row in rows], dtype=torch.int32), table)
+        ids = np.fromiter((row.input_ids[0] for row in rows), dtype=np.int64, count=n).clip(0, self.vocab_size - 1)
         params = [row.request.sampling for row in rows]
-        self.gpu.load_sampling(
-            0, torch.tensor([p.temperature for p in params], dtype=torch.float32),
-            torch.tensor([device_seed(row.request.sample_seed) for row in rows], dtype=torch.int64),
-            torch.tensor([p.top_k for p in params], dtype=torch.int32),
-            torch.tensor([p.top_p for p in params], dtype=torch.float32))
+        upload = self._staging.upload
+        ids, positions, seeds = upload(torch.int64, [
+            ids, np.fromiter((row.num_cached for row in rows), dtype=np.int64, count=n),
+            np.fromiter((device_seed(row.request.sample_seed) for row in rows), dtype=np.int64, count=n)])
+        seq_lens, top_k, flat_table = upload(torch.int32, [
+            np.fromiter((row.seq_len for row in rows), dtype=np.int32, count=n),
+            np.fromiter((p.top_k for p in params), dtype=np.int32, count=n), table])
+        temperature, top_p = upload(torch.float32, [np.fromiter((p.temperature for p in params), dtype=np.float32, count=n),
+                                                    np.fromiter((p.top_p for p in params), dtype=np.float32, count=n)])
+        self.gpu.load_rows(ids, positions, seq_lens, flat_table.view(table.shape))
+        self.gpu.load_sampling(0, temperature, seeds, top_k, top_p)
 
     def _load_new_pages(self, rows: list[ScheduledRow]) -> None:
         """Page-table entries of pages the rows got since they were loaded (a chained step)."""

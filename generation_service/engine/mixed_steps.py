@@ -19,16 +19,17 @@ it is dropped (its request is finished). Rows whose token in N is their last, pa
 deadline, or whose mask was late (VALID_LATE) are left out of N+1 and come back, if at all,
 through the scheduler once N is read; so is a row whose mask came late once (a slow grammar:
 its next fill starts once N's token is known, and it sits out until that is likely done,
-late_mask.py). A step that cannot chain (a row with drafts, logprobs or logits processing; no
-prefill left beside the decode rows, where a decode graph does better; a page that cannot be
-reserved without preemption) reads N first: then N's delivery follows the next
-step's launch instead (`pipelined`, the same order one step later).
+late_mask.py). With no prefill left beside the decode rows, N+1 is a decode graph step whose
+rows are loaded anew and fed N's tokens on the device the same way (`_launch_graph`: free rows
+only). A step that cannot chain (a row with drafts, logprobs or logits processing; constrained
+rows with no prefill; a page that cannot be reserved without preemption) reads N first: then
+N's delivery follows the next step's launch instead (`pipelined`, the same order one step later).
 
-A free decode graph step N in flight chains into a mixed step the same way
-(`launch_after_graph`) when new work arrives: N's rows go on decoding fed from the graph's
-tokens on the device, and N is read after N+1 is launched. Read first, N would leave the
-GPU idle while the host accepts it and schedules N+1: at high concurrency a request arrives
-nearly every step, and that wait was most of a decode step's time.
+A free decode graph step N in flight whose rows change (one ends, a request arrives or
+joins; engine.py `_step_chained`) chains the same way (`launch_after_graph`): the scheduler
+makes N+1 with N's rows fed back, a mixed step or a decode graph step, and N is read after
+it is launched. Read first, N would leave the GPU idle while the host accepts it and
+schedules N+1, and at high concurrency a row ends or a request arrives nearly every step.
 """
 from __future__ import annotations
 
@@ -68,6 +69,7 @@ class MixedSteps:
         self.in_flight: MixedFlight | None = None
         self.num_chained = 0        # steps launched before their predecessor was read
         self.num_after_graph = 0    # of them, those whose predecessor was a decode graph step
+        self.num_into_graph = 0     # decode graph steps launched before the step they follow was read
         self._fed_sources: dict[int, int] = {}  # the chained batch's row -> its previous sample
 
     def launch(self, batch: ScheduledBatch, fed_back: FedBack | None = None,
@@ -103,19 +105,22 @@ class MixedSteps:
             engine.apply_inbox()
             engine.table.poll(engine.link)
             batch = self._chained_batch(previous) if self.chain else None
-        if batch is None:
+        read_previous = lambda: self.collect(previous)  # noqa: E731
+        if batch is None or (not batch.num_prefill_tokens
+                             and not self._launch_graph(batch, previous.sample.tokens, read_previous)):
             self.collect(previous)
             return
-        self.launch(batch, FedBack(previous.sample.tokens, self._fed_sources), lambda: self.collect(previous))
+        if batch.num_prefill_tokens:
+            self.launch(batch, FedBack(previous.sample.tokens, self._fed_sources), read_previous)
 
     def launch_after_graph(self, rows: list[ScheduledRow], tokens: torch.Tensor,
-                           read_previous: Callable[[], None]) -> bool:
-        """Chain a mixed step after a free decode graph step in flight, whose `rows` sample
-        `tokens` (on the device); whether it launched (else nothing changed but pages
-        reserved, and the caller reads the graph step first)."""
+                           read_previous: Callable[[], None]) -> str | None:
+        """Chain the next step after a free decode graph step in flight, whose `rows` sample
+        `tokens` (on the device): "mixed" or "graph", the step launched (and the graph step
+        read), or None (nothing changed but pages reserved: the caller reads it first)."""
         engine = self.engine
         if not self.chain or (engine.link is not None and not engine.link.is_connected):
-            return False
+            return None
         with engine.lock:
             engine.apply_inbox()
             engine.table.poll(engine.link)
@@ -123,9 +128,28 @@ class MixedSteps:
                 row.request.num_cached = max(row.request.num_cached, row.seq_len)
             batch = self._batch_after(rows, {})
         if batch is None:
+            return None
+        if batch.num_prefill_tokens:
+            self.launch(batch, FedBack(tokens, self._fed_sources), read_previous)
+            self.num_after_graph += 1
+            return "mixed"
+        return "graph" if self._launch_graph(batch, tokens, read_previous) else None
+
+    def _launch_graph(self, batch: ScheduledBatch, tokens: torch.Tensor | None,
+                      read_previous: Callable[[], None]) -> bool:
+        """Decode rows alone after the step in flight: a decode graph fed its `tokens` on the
+        device (the engine's step in flight), launched before that step is read and delivered;
+        whether it could (free rows the graph runs, tokens on a CUDA stream)."""
+        engine = self.engine
+        if (tokens is None or tokens.device.type != "cuda" or engine.table.pending_release
+                or (engine.held is not None and engine.held.wants_host_step)
+                or any(row.request.is_constrained for row in batch.rows) or not engine.runner.can_graph(batch)):
             return False
-        self.launch(batch, FedBack(tokens, self._fed_sources), read_previous)
-        self.num_after_graph += 1
+        engine.launch_graph(batch, FedBack(tokens, self._fed_sources))
+        read_previous()
+        with engine.lock:
+            engine.deliver_deferred()
+        self.num_into_graph += 1
         return True
 
     def collect(self, flight: MixedFlight) -> None:
@@ -189,8 +213,5 @@ class MixedSteps:
             continuing.append(ScheduledRow(request, seq_len, [FED_BACK_TOKEN], is_sampling=True))
         if not continuing:
             return None
-        batch = engine.scheduler.schedule(0, continuing=continuing)
-        if not batch.num_prefill_tokens:
-            return None  # decode rows alone: a decode graph runs them once N is read
         self._fed_sources = sources
-        return batch
+        return engine.scheduler.schedule(0, continuing=continuing)

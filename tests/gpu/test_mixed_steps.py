@@ -3,8 +3,9 @@ rows in one fused bf16 forward with varlen attention over the paged cache.
 
 - Staggered requests whose prompts are prefilled in chunks beside other rows' decode steps give the
   greedy tokens of the eager reference engine (prefill, then decode; per-row fp32 attention) up to
-  bf16 near ties, and the graphs still run the pure decode steps; a mixed step chained after a
-  decode graph step takes that step's tokens on the device.
+  bf16 near ties, and the graphs still run the pure decode steps; a step chained after one in
+  flight (a mixed step after a decode graph, a decode graph after either) takes its tokens on
+  the device.
 - Prompts up to 8k tokens, in one step or in chunks over the cache, match the reference forward
   (the model's own modules, fp32 reference attention) within bf16 bounds: logits of the sampling
   positions and every K/V written.
@@ -80,8 +81,10 @@ def test_staggered_mixed_steps_give_the_eager_engines_greedy_tokens(model_spec):
     runner = engine.runner
     assert runner.num_graph_steps > 0 and runner.num_mixed_steps == stats.num_mixed_steps
     assert runner.mixed_graphs.num_steps >= log.num_mixed  # the mixed steps replayed captured graphs
-    # the long prompts arrived while the short ones' decode graphs ran: a mixed step chained after one
-    assert engine.mixed.num_after_graph >= 1, (engine.mixed.num_after_graph, log.steps)
+    # the long prompts arrived while the short ones' decode graphs ran: a mixed step chained after one;
+    # once prefilled, and as rows ended, decode graphs were launched fed the step in flight's tokens
+    assert engine.mixed.num_after_graph >= 1 and engine.mixed.num_into_graph >= 1, (
+        engine.mixed.num_after_graph, engine.mixed.num_into_graph, log.steps)
     for r in eager + graph:
         assert r.error is None and r.finish_reason is FinishReason.MAX_TOKENS, r.error
     prompts = PROMPTS[:2] + [LONG, PROMPTS[2], LONG[::-1], PROMPTS[3]]
