@@ -88,6 +88,9 @@ class IncrementalDetokenizer:
     def _ends_in_byte_run(self) -> bool:
         if not self._byte_ids:
             return False
+        ids = self._ids
+        if len(ids) > self._read_offset and ids[-1] not in self._skipped_ids:  # (most pushes: the last id decides)
+            return ids[-1] in self._byte_ids
         for token_id in reversed(self._ids[self._read_offset :]):
             if token_id not in self._skipped_ids:
                 return token_id in self._byte_ids
