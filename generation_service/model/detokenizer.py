@@ -6,7 +6,8 @@ So each push decodes a short window of recent ids twice, with and without the un
 tokens, and emits the difference; the window only moves past text that ended cleanly.
 (In a steady decode the window without the unread tokens is the one token read last, whose
 text is memoized per tokenizer: one decode call per token, not two. With a byte-level decoder a
-token of whole characters needs none: its memoized text is its delta.)
+token of whole characters needs none: its memoized text is its delta; and after a delta (which
+ends on a whole character) the unread tokens of a split character decode alone, in one call.)
 If the decoded text ends in U+FFFD the tail is an incomplete character (a partial
 byte-level sequence), and the tokens stay unread until more arrive or ``flush`` is called.
 Byte-fallback runs (<0xE2><0x82><0xAC>) are held until a non-byte token ends them: the
@@ -49,6 +50,9 @@ class IncrementalDetokenizer:
         self._ids: list[int] = list(prompt_ids or [])[-_PROMPT_CONTEXT:]
         self._prefix_offset = 0  # window start: decoded text before read_offset is already emitted
         self._read_offset = len(self._ids)  # first id whose text is not emitted yet
+        # A concatenating decoder's text before the unread ids ended on a whole character (a
+        # delta was emitted): their text is their own decode, the window's is not needed.
+        self._is_prefix_whole = False
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
@@ -67,12 +71,17 @@ class IncrementalDetokenizer:
 
     def _unread_text(self) -> str:
         """Text of the unread ids, decoded in the context of the window before them."""
-        if self._concatenates and len(self._ids) - self._read_offset == 1:
-            # one unread token of whole characters: its own text, whatever precedes it (a
-            # byte-level decoder concatenates bytes; UTF-8 resynchronises at a lead byte)
-            text = self._token_text(self._ids[-1])
-            if _REPLACEMENT not in text:
-                return text
+        if self._concatenates:
+            # A byte-level decoder concatenates bytes, and UTF-8 resynchronises at a lead byte: one
+            # unread token of whole characters is its own text, whatever precedes it; after a
+            # whole character, so are any unread tokens, broken characters and all.
+            num_unread = len(self._ids) - self._read_offset
+            if num_unread == 1:
+                text = self._token_text(self._ids[-1])
+                if self._is_prefix_whole or _REPLACEMENT not in text:
+                    return text
+            elif self._is_prefix_whole:
+                return self._decode(self._ids[self._read_offset :])
         prefix_text = self._prefix_text()
         full_text = self._decode(self._ids[self._prefix_offset :])
         return full_text[len(prefix_text) :] if full_text.startswith(prefix_text) else full_text
@@ -105,10 +114,12 @@ class IncrementalDetokenizer:
         if not text or text.endswith(_REPLACEMENT):
             return ""
         self._advance()
+        self._is_prefix_whole = True
         return text
 
     def flush(self) -> str:
         """Everything not yet emitted, incomplete characters included (as U+FFFD)."""
         text = self._unread_text()
         self._advance()
+        self._is_prefix_whole = False  # (it may end in a broken character)
         return text

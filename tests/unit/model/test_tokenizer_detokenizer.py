@@ -211,3 +211,20 @@ def test_a_byte_level_token_of_whole_characters_is_its_own_delta(tekken_131k_dir
     ids = streams[0] * 3
     text = "".join(detokenizer.push([i]) for i in ids) + detokenizer.flush()
     assert text == tekken.decode(ids) and counting.num_decodes <= len(set(ids)) + 1  # the memo's, + flush
+
+
+def test_a_byte_level_character_split_across_tokens_costs_one_decode_call_per_token(tekken_131k_dir):
+    """After a delta the text ends on a whole character, so the unread tokens of the next split
+    character decode alone: one call per token that breaks a character, not the window's two."""
+    tekken = Tokenizer(tekken_131k_dir)
+    ids = tekken.encode(TEXTS[2] + TEXTS[3] + TEXTS[4], add_special_tokens=False)
+    num_broken = sum("\ufffd" in tekken.decode([i]) for i in ids)
+    counting = CountingTokenizer(tekken)
+    warm = IncrementalDetokenizer(counting)
+    for i in ids:  # (fills the memo of single-token texts)
+        warm.push([i])
+    counting.num_decodes = 0
+    detokenizer = IncrementalDetokenizer(counting, ids[:1])
+    text = "".join(detokenizer.push([i]) for i in ids[1:]) + detokenizer.flush()
+    assert text == tekken.decode(ids[1:])
+    assert num_broken > 10 and counting.num_decodes <= num_broken + 2  # + the first window, + flush
