@@ -24,6 +24,9 @@ Per model shape (random weights of a preset shape, the real 131k Tekken tokenize
    - closed loop at each concurrency: free (`ignore_eos`, max_tokens new tokens), constrained
      (a JSON Schema with bounded fields, compact, capped at max_tokens) and free-matched (free
      requests capped at the constrained run's output lengths, cycled: the same length mix);
+     with `--repeats K` the free one K times in a row (`free ... #2` ...; the first's `runs`
+     lists each run's output tok/s and roofline ratio, `over_roofline_median` their median): an
+     A/B of two servers can then read medians of one server's runs;
    - open loop: Poisson arrivals at fractions of the closed-loop rate at the largest concurrency.
    Every request of these carries tokens unique to it: no prompt prefix is shared, the prefix
    cache finds nothing.
@@ -335,6 +338,16 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
                 roof = roofline_tok_s(roofline, config, c, prompt_len, new_tokens) if roofline else None
                 window = steady_window(args, roofline, config, c, prompt_len)
                 free = run(Workload(f"free {tag}", prompt_len, new_tokens, concurrency=c, **window), roof)
+                if args.repeats > 1:
+                    runs = [free] + [run(Workload(f"free {tag} #{k}", prompt_len, new_tokens, concurrency=c, **window),
+                                         roof) for k in range(2, args.repeats + 1)]
+                    free["runs"] = [{"output_tokens_per_s": r["output_tokens_per_s"],
+                                     "over_roofline": r.get("over_roofline")} for r in runs]
+                    if roof:
+                        free["over_roofline_median"] = statistics.median(r["over_roofline"] or 0 for r in runs)
+                        log(f"  free {tag} over {args.repeats} runs: x{free['over_roofline_median']:.3f} roofline, "
+                            f"median (" + ", ".join(f"{r['over_roofline'] or 0:.3f}" for r in runs) + ")")
+                    save(result)
                 if c == 1 and roofline and roofline.get("weight_read_floor_ms") and free["itl_p50_ms"]:
                     free["step_over_weight_floor"] = free["itl_p50_ms"] / roofline["weight_read_floor_ms"]
                     log(f"  batch-1 step (ITL p50) over the per-GPU weight-read floor "
@@ -414,6 +427,7 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=8.0, help="measured seconds per workload")
     parser.add_argument("--warmup", type=float, default=2.0, help="seconds before the window opens")
     parser.add_argument("--client-procs", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=1, help="run each closed loop's free workload this many times")
     parser.add_argument("--min-max-batch", type=int, default=1, help="the server's --max-batch at least this")
     parser.add_argument("--tensor-parallel", type=int, default=1,
                         help="the server's --tensor-parallel: GPUs the model is sharded over")

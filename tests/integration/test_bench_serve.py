@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 def test_serve_benchmark_runs_every_workload_on_cpu(tmp_path):
     out = tmp_path / "serve.json"
     subprocess.run([sys.executable, "benchmarks/serve.py", "--device", "cpu", "--shapes", "tiny-random", "--plan", "smoke",
-                    "--duration", "3", "--warmup", "1", "--client-procs", "2", "--out", str(out)],
+                    "--duration", "3", "--warmup", "1", "--client-procs", "2", "--repeats", "2", "--out", str(out)],
                    cwd=ROOT, check=True, timeout=600, capture_output=True)
     result = json.loads(out.read_text())
     assert result["host_python_ms"] > 0  # the host's speed, beside host-bound figures
@@ -26,13 +26,17 @@ def test_serve_benchmark_runs_every_workload_on_cpu(tmp_path):
     names = [w["name"] for w in shape["workloads"]]
     prefix = [f"{kind} ({cache})" for cache in ("cache on", "cache off")
               for kind in ("shared-prefix 256+16/16 c=4", "multi-turn 64+3x(16+16) c=4", "unshared 48/16 c=4")]
-    assert names == ["idle-ttft-64"] + [f"{kind} 48/16 c={c}" for c in (1, 4)
-                                        for kind in ("free", "constrained", "free-matched")] + [names[7]] + prefix
-    assert names[7].startswith("poisson 48/16 0.50x")
+    assert names == ["idle-ttft-64"] + [name for c in (1, 4) for name in (
+        f"free 48/16 c={c}", f"free 48/16 c={c} #2", f"constrained 48/16 c={c}", f"free-matched 48/16 c={c}")] + [
+        names[9]] + prefix
+    assert names[9].startswith("poisson 48/16 0.50x")
     for w in shape["workloads"]:
         assert w["errors"] == {} and w["num_finished"] > 0, w
         assert w["num_requests"] == 3 or w["output_tokens_per_s"] > 0, w
     by = {w["name"]: w for w in shape["workloads"]}
+    # --repeats 2: the free closed loop twice in a row, both runs listed on the first
+    assert [r["output_tokens_per_s"] for r in by["free 48/16 c=4"]["runs"]] == [
+        by[f"free 48/16 c=4{k}"]["output_tokens_per_s"] for k in ("", " #2")]
     for c in (1, 4):
         constrained, matched = by[f"constrained 48/16 c={c}"], by[f"free-matched 48/16 c={c}"]
         assert sum(constrained["validation"].values()) == constrained["num_finished"]  # every output checked
