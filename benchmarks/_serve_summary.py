@@ -76,6 +76,10 @@ def step_delta(before: dict, after: dict, seconds: float) -> dict:
         "num_tokens_generated", "num_prefix_cache_query_tokens", "num_prefix_cache_hit_tokens",
         "num_prefix_cache_evictions", "num_draft_tokens_proposed", "num_draft_tokens_accepted")}
     d["graph_steps"] = d["num_steps"] - d["num_mixed_steps"]
+    # launched before the step in flight was read (a server older than the counter: absent)
+    if "num_chained_steps" in after:
+        d["chained_fraction"] = ((float(after["num_chained_steps"]) - float(before["num_chained_steps"]))
+                                 / d["num_steps"] if d["num_steps"] else None)
     d["busy_fraction"] = (d["graph_step_seconds"] + d["mixed_step_seconds"]) / seconds if seconds else None
     d["ms_per_graph_step"] = 1e3 * d["graph_step_seconds"] / d["graph_steps"] if d["graph_steps"] else None
     d["ms_per_mixed_step"] = 1e3 * d["mixed_step_seconds"] / d["num_mixed_steps"] if d["num_mixed_steps"] else None

@@ -109,6 +109,7 @@ class EngineStats:
     prefix_cache_evictions: int = 0     # cached pages evicted to make room
     num_late_rows: int = 0              # sampling rows skipped because their grammar mask was late
     num_held_graph_host_steps: int = 0  # host steps asked for by held decode graphs (late_mask.HeldGraphs)
+    num_chained_steps: int = 0          # steps launched before the step in flight was read (mixed_steps.py)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -329,7 +329,9 @@ class Engine:
                 prefix_cache_hit_tokens=self.prefix_cache.num_hit_tokens,
                 prefix_cache_evictions=self.prefix_cache.num_evictions,
                 num_late_rows=self.table.num_late_rows,
-                num_held_graph_host_steps=self.held.num_probes if self.held is not None else 0)
+                num_held_graph_host_steps=self.held.num_probes if self.held is not None else 0,
+                num_chained_steps=(getattr(self.runner, "num_chained_steps", 0) + self.mixed.num_chained
+                                   + self.mixed.num_into_graph))
 
     # ---- the loop ----------------------------------------------------------------------------
     def _loop(self) -> None:

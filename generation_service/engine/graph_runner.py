@@ -126,8 +126,9 @@ class CudaGraphRunner(ModelRunner):
         self._copy_ready = [torch.cuda.Event() for _ in range(2)]
         self._next_copy = 0
         self._num_loaded_pages: list[int] = []  # per row: page-table entries written
-        # a step's rows go up through pinned buffers: a pageable copy would wait for the step in flight
-        self._staging = PinnedStaging(kv_cache.device, slots=4)  # (ids and a feed-back's index: two a launch)
+        # A step's rows go up through pinned buffers (a pageable copy would wait for the step in
+        # flight); a launch fed back uploads int64 twice, the rows' and the feed-back's index.
+        self._staging = PinnedStaging(kv_cache.device, slots=4)
         self.num_graph_steps = 0
         self.num_chained_steps = 0  # launched before the previous step was read (overlap)
         self.num_mixed_steps = 0  # batches run by `mixed` (prefill chunks, logprobs, ...)

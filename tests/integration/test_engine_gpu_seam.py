@@ -178,6 +178,7 @@ def test_graph_steps_match_eager_and_grammar_steps_run_on_the_gpu_side(monkeypat
         engine.stop()
     assert [r.token_ids for r in results] == [r.token_ids for r in expected]
     assert (engine.runner.num_chained_steps > 10) is overlap
+    assert stats.num_chained_steps >= engine.runner.num_chained_steps  # the engine's stats count them
     assert results[1].finish_reason is FinishReason.GRAMMAR_COMPLETE
     jsonschema.validate(json.loads(results[1].text), SCHEMA)
     assert engine.runner.num_graph_steps >= 15 and engine.runner.gpu.num_channel_steps >= 5
