@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Literal
 
 import torch
 
@@ -106,15 +106,13 @@ class MixedSteps:
             engine.table.poll(engine.link)
             batch = self._chained_batch(previous) if self.chain else None
         read_previous = lambda: self.collect(previous)  # noqa: E731
-        if batch is None or (not batch.num_prefill_tokens
-                             and not self._launch_graph(batch, previous.sample.tokens, read_previous)):
-            self.collect(previous)
-            return
-        if batch.num_prefill_tokens:
+        if batch is not None and batch.num_prefill_tokens:
             self.launch(batch, FedBack(previous.sample.tokens, self._fed_sources), read_previous)
+        elif batch is None or not self._launch_graph(batch, previous.sample.tokens, read_previous):
+            self.collect(previous)
 
     def launch_after_graph(self, rows: list[ScheduledRow], tokens: torch.Tensor,
-                           read_previous: Callable[[], None]) -> str | None:
+                           read_previous: Callable[[], None]) -> Literal["mixed", "graph"] | None:
         """Chain the next step after a free decode graph step in flight, whose `rows` sample
         `tokens` (on the device): "mixed" or "graph", the step launched (and the graph step
         read), or None (nothing changed but pages reserved: the caller reads it first)."""
