@@ -446,8 +446,9 @@ class Engine:
 
     def _step_chained(self) -> tuple[InFlight, bool]:
         """Overlap: launch N+1 for the rows of the in-flight step N if nothing changes the
-        batch, else a mixed step N+1 chained after it if new work came (mixed_steps.py), then
-        read and postprocess N (while the GPU runs N+1); N, and whether N+1 is a mixed step."""
+        batch, else (a free step) the next step scheduled with N's rows fed back, a mixed step
+        or a decode graph loaded anew (`MixedSteps.launch_after_graph`), then read and
+        postprocess N (while the GPU runs N+1); N, and whether N+1 is a mixed step."""
         previous, self._in_flight = self._in_flight, None
         with self.lock:
             batch = self._chained_batch(previous)

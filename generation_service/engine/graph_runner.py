@@ -288,9 +288,9 @@ class CudaGraphRunner(ModelRunner):
         return launched
 
     def free_step_tokens(self, launched: Launch) -> torch.Tensor | None:
-        """The tokens of a launched free step on the device, in stream order (what a mixed step
-        chained after it feeds back, mixed_steps.py), or None (a verify or grammar step; or
-        buffers not on a CUDA stream)."""
+        """The tokens of a launched free step on the device, in stream order (what a step chained
+        after it feeds back, mixed_steps.py), or None (a verify or grammar step; or buffers not
+        on a CUDA stream)."""
         tokens = self.gpu.buffers.out_tokens
         if launched.verify or launched.step is not None or tokens.device.type != "cuda":
             return None
