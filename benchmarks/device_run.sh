@@ -14,7 +14,7 @@
 #   cannot run there.)
 # .bench: the real tokenizers as tgz, made here from the converted copies:
 #   tar czf .bench/<name>.tgz -C ~/.cache/structgen/tokenizers <name>   (tekken_131k, mistral_32k)
-#   run: bash benchmarks/device_run.sh [tests|serve|slow|bench|verify|profile|gemv|grammar|ab|all|a,b,...] [extra decode.py args...]
+#   run: bash benchmarks/device_run.sh [tests|serve|serve-ab|slow|bench|verify|profile|gemv|grammar|ab|all|a,b,...] [extra decode.py args...]
 #   (TESTS: the test paths, default tests/gpu; SERVE_ARGS: serve.py's arguments, default the full plan;
 #    SERVE_NAME: its result's name under $OUT, default serve-h200; SLOW_SHAPES / SLOW_ARGS: slow_row.py's
 #    shapes and arguments; SERVE_PROFILE: py-spy the server
@@ -99,6 +99,28 @@ if want grammar; then
   timeout ${GRAMMAR_TIMEOUT:-150} python3 benchmarks/grammar_step.py --machine h200-host-16cpu \
     ${GRAMMAR_ARGS:---backends llguidance xgrammar --vocabs tekken_131k --workloads random replay --batches 64 128 --repeats 3} \
     --out "$OUT/grammar_step-h200-host-16cpu.json" 2>&1 | tee "$OUT/grammar_step.log" | tail -30
+fi
+if want serve-ab; then
+  # serve.py on several versions of the code, interleaved round by round on this machine (runs of one
+  # code differ by ~10 % between calls, docs/serving.md): SERVE_AB="name:.bench/code_name.tar.gz;..." (each
+  # made beforehand with `git archive --format=tar.gz COMMIT -o .bench/code_NAME.tar.gz`, carried in .bench; not
+  # .tgz: those are the tokenizers, unpacked above),
+  # SERVE_AB_ROUNDS rounds (default 2), SERVE_ARGS as for serve (add --repeats K); writes
+  # serve-ab-<name>-<round>.json|.log, code_commit read from each archive
+  IFS=';' read -ra versions <<< "${SERVE_AB:-}"
+  for round in $(seq 1 "${SERVE_AB_ROUNDS:-2}"); do
+    for version in "${versions[@]}"; do
+      name=${version%%:*}; archive=$PWD/${version#*:}; tree=/tmp/serve-ab-$name
+      if [[ ! -d $tree ]]; then
+        mkdir -p "$tree" && tar xzf "$archive" -C "$tree" && cp -r structgen/v1 "$tree/structgen/"
+      fi
+      commit=$(gzip -dc "$archive" | git get-tar-commit-id)
+      (cd "$tree" && PYTHONPATH=/tmp/site:$tree STRUCTGEN_CODE_COMMIT=${commit:0:7} timeout ${SERVE_TIMEOUT:-540} \
+        python3 benchmarks/serve.py --out "$OUT/serve-ab-$name-$round.json" ${SERVE_ARGS:-} \
+        > "$OUT/serve-ab-$name-$round.log" 2>&1)
+      echo "== $name (${commit:0:7}) round $round"; tail -5 "$OUT/serve-ab-$name-$round.log"
+    done
+  done
 fi
 if want ab; then
   # decode.py A/B, one process per run: AB_RUNS="name:args;name2:args2" (no spaces inside one
