@@ -106,9 +106,7 @@ class MixedSteps:
             engine.table.poll(engine.link)
             batch = self._chained_batch(previous) if self.chain else None
         read_previous = lambda: self.collect(previous)  # noqa: E731
-        if batch is not None and batch.num_prefill_tokens:
-            self.launch(batch, FedBack(previous.sample.tokens, self._fed_sources), read_previous)
-        elif batch is None or not self._launch_graph(batch, previous.sample.tokens, read_previous):
+        if batch is None or self._launch_chained(batch, previous.sample.tokens, read_previous) is None:
             self.collect(previous)
 
     def launch_after_graph(self, rows: list[ScheduledRow], tokens: torch.Tensor,
@@ -117,7 +115,7 @@ class MixedSteps:
         `tokens` (on the device): "mixed" or "graph", the step launched (and the graph step
         read), or None (nothing changed but pages reserved: the caller reads it first)."""
         engine = self.engine
-        if not self.chain or (engine.link is not None and not engine.link.is_connected):
+        if not self.chain:
             return None
         with engine.lock:
             engine.apply_inbox()
@@ -125,11 +123,18 @@ class MixedSteps:
             for row in rows:  # computed once the stream gets there: what the scheduler sees next
                 row.request.num_cached = max(row.request.num_cached, row.seq_len)
             batch = self._batch_after(rows, {})
-        if batch is None:
-            return None
+        kind = self._launch_chained(batch, tokens, read_previous) if batch is not None else None
+        if kind == "mixed":
+            self.num_after_graph += 1
+        return kind
+
+    def _launch_chained(self, batch: ScheduledBatch, tokens: torch.Tensor | None,
+                        read_previous: Callable[[], None]) -> Literal["mixed", "graph"] | None:
+        """Launch `batch`, scheduled with the rows of the step in flight fed back (`tokens`):
+        a mixed step if it prefills, else a decode graph where one can run it; which, or None
+        (nothing launched)."""
         if batch.num_prefill_tokens:
             self.launch(batch, FedBack(tokens, self._fed_sources), read_previous)
-            self.num_after_graph += 1
             return "mixed"
         return "graph" if self._launch_graph(batch, tokens, read_previous) else None
 
@@ -176,8 +181,7 @@ class MixedSteps:
 
     def _chained_batch(self, previous: MixedFlight) -> ScheduledBatch | None:
         """Step N+1 scheduled before `previous`'s tokens are read, or None (read N first)."""
-        engine = self.engine
-        if previous.sample.tokens is None or (engine.link is not None and not engine.link.is_connected):
+        if previous.sample.tokens is None:
             return None
         return self._batch_after(previous.batch.sampling_rows,
                                  previous.masks.valid_positions if previous.masks is not None else {})
@@ -185,6 +189,8 @@ class MixedSteps:
     def _batch_after(self, sampling_rows: list[ScheduledRow], valid_positions: dict[int, int]) -> ScheduledBatch | None:
         """The chained step after one whose `sampling_rows` sample a token each, or None."""
         engine = self.engine
+        if engine.link is not None and not engine.link.is_connected:
+            return None  # let `poll` reconnect and fail what needs the grammar, once N is read
         # NOTE: what every row reads is looked up once: this loop runs per row per step
         # (benchmarks/results/engine_host_mixed-ci-2core-chain.json)
         now = time.monotonic()
