@@ -98,11 +98,9 @@ class IncrementalDetokenizer:
         if not self._byte_ids:
             return False
         ids = self._ids
-        if len(ids) > self._read_offset and ids[-1] not in self._skipped_ids:  # (most pushes: the last id decides)
-            return ids[-1] in self._byte_ids
-        for token_id in reversed(self._ids[self._read_offset :]):
-            if token_id not in self._skipped_ids:
-                return token_id in self._byte_ids
+        for i in range(len(ids) - 1, self._read_offset - 1, -1):  # (no copy: most pushes stop at the last id)
+            if ids[i] not in self._skipped_ids:
+                return ids[i] in self._byte_ids
         return False
 
     def push(self, token_ids: list[int]) -> str:
