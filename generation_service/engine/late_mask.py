@@ -66,7 +66,7 @@ class LateMask:
 
 HELD_FACTOR = 4.0   # a decode graph step this many times the free one of the largest batch was held by a fill
 PROBE_BURST = 2     # host steps asked for in a row: the first may only time a slow row's fill, the second finds it late
-PROBE_EVERY = 16    # graph steps after a burst before the next
+PROBE_EVERY = 16    # after a burst, none until this many graph steps, or this many thresholds of their time, have passed
 
 
 class HeldGraphs:
@@ -77,7 +77,12 @@ class HeldGraphs:
     at start) asks for the next step to be a host step. grammar_service times a row's first fill
     on a host step alone (it holds that step), and fills a row it knows is slow apart, late if not
     done by the forward's end: so up to PROBE_BURST such host steps, then the row is late and sits
-    out (LateMask); then none for PROBE_EVERY graph steps."""
+    out (LateMask); then none for PROBE_EVERY graph steps, or fewer when they are held long: until
+    they have taken PROBE_EVERY thresholds of time. A burst spent before the slow row held any
+    step (on another request's stalled step, or the prompts' host step) would otherwise leave it
+    holding PROBE_EVERY graph steps, each its whole fill, and a short request never sits out
+    (gpu-tests-h200-slow-row-dda6414-1.log). Between bursts the graph steps still run PROBE_EVERY
+    steps or PROBE_EVERY x HELD_FACTOR decode steps' time."""
 
     def __init__(self, decode_s: float) -> None:
         self.threshold_s = HELD_FACTOR * decode_s
@@ -85,11 +90,13 @@ class HeldGraphs:
         self.num_probes = 0                      # host steps asked for
         self._left = PROBE_BURST                 # host steps that may be asked for now
         self._graph_steps = 0                    # graph steps since the last burst ended
+        self._graph_s = 0.0                      # and their time
 
     def graph_step(self, seconds: float, waited_for_masks: bool) -> None:
         """A decode graph step took `seconds` of the loop (waited_for_masks: a grammar step)."""
         self._graph_steps += 1
-        if not self._left and self._graph_steps >= PROBE_EVERY:
+        self._graph_s += seconds
+        if not self._left and (self._graph_steps >= PROBE_EVERY or self._graph_s >= PROBE_EVERY * self.threshold_s):
             self._left = PROBE_BURST
         if waited_for_masks and seconds > self.threshold_s and self._left:
             self.wants_host_step = True
@@ -100,4 +107,4 @@ class HeldGraphs:
             self.num_probes += 1
             self.wants_host_step, self._left = False, self._left - 1
             if not self._left:
-                self._graph_steps = 0
+                self._graph_steps, self._graph_s = 0, 0.0
