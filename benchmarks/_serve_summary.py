@@ -74,7 +74,9 @@ def step_delta(before: dict, after: dict, seconds: float) -> dict:
     d = {k: float(after[k]) - float(before[k]) for k in (
         "num_steps", "num_mixed_steps", "num_prefill_tokens", "graph_step_seconds", "mixed_step_seconds",
         "num_tokens_generated", "num_prefix_cache_query_tokens", "num_prefix_cache_hit_tokens",
-        "num_prefix_cache_evictions", "num_draft_tokens_proposed", "num_draft_tokens_accepted")}
+        "num_prefix_cache_evictions", "num_draft_tokens_proposed", "num_draft_tokens_accepted",
+        # slow grammars (engine/late_mask.py): rows found late, host steps asked for by held graphs
+        "num_late_rows", "num_held_graph_host_steps")}
     d["graph_steps"] = d["num_steps"] - d["num_mixed_steps"]
     # launched before the step in flight was read (a server older than the counter: absent)
     if "num_chained_steps" in after:
