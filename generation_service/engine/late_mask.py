@@ -9,10 +9,14 @@ about the fill's time has passed since its last token (the masks are read then; 
 after that time would cost a whole step where steps are long, as on a CPU). The other rows run as decode graphs meanwhile; the late row joins a host
 step when due, and if its mask is still not ready then, tries again a fraction of that time
 later. The fill time is learnt from the row itself, between its last late step and the step that
-found the mask ready (a mask ready at the first look moves the estimate down, so it keeps being
-probed; measuring from its last token instead would count the time it sat out, and the estimate
-would grow with every token). Until a first estimate its retries back off exponentially, so the
-others' steps are not host steps while it learns.
+found the mask ready (measuring from its last token instead would count the time it sat out, and
+the estimate would grow with every token). A mask ready at the first look took at most the time
+since the row's last token: the estimate halves from there, and once it is under a forward (the
+mask is done before any step reads it) the row is fast again and back in decode graphs. So a row
+found late for a reason that passed (a fast grammar's fill queued once behind a slow row's in
+grammar_service's slow filler) sits out for a few tokens, not for many at the pace of the time
+it once waited (gpu-tests-h200-slow-row-256b9ea-1.log: others at the slow row's pace). Until a first estimate its retries back off
+exponentially, so the others' steps are not host steps while it learns.
 
 Only on a runner whose graphed steps wait for every row's mask (ModelRunner.waits_for_every_mask:
 the CUDA-graph runner). Where every step is a host step (the CPU) a late row costs the others
@@ -26,6 +30,7 @@ DUE_FRACTION = 0.9     # back in steps after this share of the learnt fill time 
 RETRY_FRACTION = 0.25  # late again: back after this share of it
 FIRST_RETRY_S = 0.004  # late with nothing learnt yet: back after this, twice as long each time again
 DECAY = 0.5            # the running estimate's weight on its past (a few tokens follow a change)
+SHRINK = 0.5           # ready at the first look: the estimate becomes this share of what it took at most
 
 
 @dataclass
@@ -51,17 +56,19 @@ class LateMask:
         else:
             self.due_s = now + RETRY_FRACTION * self.fill_s
 
-    def sampled(self, now: float) -> None:
-        """A token of it was sampled (its mask was ready): its next mask fills from now."""
+    def sampled(self, now: float, fast_s: float = 0.0) -> bool:
+        """A token of it was sampled (its mask was ready): its next mask fills from now. Whether
+        it still sits out: False once its fill is estimated under `fast_s` (the engine's forward)."""
         if self.start_s is not None:
             done_by = now - self.start_s
             if self.late_after_s is not None:  # the fill took between its latest late step and now
                 seen = (self.late_after_s + done_by) / 2
-            else:  # ready at the first look: it may take less, so look a little earlier next time
-                seen = min(done_by, DUE_FRACTION * (self.fill_s or done_by))
-            self.fill_s = seen if self.fill_s is None else DECAY * self.fill_s + (1 - DECAY) * seen
+                self.fill_s = seen if self.fill_s is None else DECAY * self.fill_s + (1 - DECAY) * seen
+            else:  # ready at the first look: it took at most done_by, maybe far less
+                self.fill_s = SHRINK * min(done_by, self.fill_s if self.fill_s is not None else done_by)
         self.start_s, self.late_after_s, self.retry_s = now, None, FIRST_RETRY_S
         self.due_s = now + DUE_FRACTION * (self.fill_s or 0.0)
+        return self.fill_s is None or self.fill_s >= fast_s
 
 
 HELD_FACTOR = 4.0   # a decode graph step this many times the free one of the largest batch was held by a fill

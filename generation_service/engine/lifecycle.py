@@ -57,6 +57,7 @@ class RequestTable:
         self.draft_accepted = 0
         self.num_finished = 0
         self.num_late_rows = 0                 # sampling rows skipped: their masks were late
+        self.num_fast_again = 0                # late rows back in decode graphs (late_mask.py)
         self.tokens_generated = 0
         # request_id -> its token accepted by a pipelined step, not yet streamed (`deliver`)
         self.deferred: dict[str, Deferred] = {}
@@ -175,8 +176,10 @@ class RequestTable:
                     # the run starts at the token this step sampled at position valid - 1
                     request.forced_run = ForcedRun(request.num_tokens + valid - 1,
                                                    tuple(masks.forced.get(id(request), ())))
-            if request.late_mask is not None:
-                request.late_mask.sampled(time.monotonic())
+            if request.late_mask is not None and not request.late_mask.sampled(time.monotonic(),
+                                                                               self.scheduler.mask_lead_s):
+                request.late_mask = None  # fast again: back in decode graphs (late_mask.py)
+                self.num_fast_again += 1
             kept[id(request)] = self._accept(row, request, result, pushed, defer)
             # Only a row that filled a page has one to key (`PrefixCache.store`): most fill none.
             # (a finished one's pages were keyed as they were freed)

@@ -72,12 +72,13 @@ def test_a_slow_grammar_sits_out_while_the_other_requests_run_decode_graphs(mode
         slow_s = time.monotonic() - started
         stats = wait_settled(engine)
         num_late_rows, num_probes, forward_us = engine.table.num_late_rows, engine.held.num_probes, engine.link.forward_us
+        num_fast_again = engine.table.num_fast_again
     finally:
         engine.stop()
     longest = max(len(result.token_ids) for result in ordinary)
     print(f"ordinary: {longest} tokens in {ordinary_s:.2f} s; slow row: {len(slow.token_ids)} tokens in "
           f"{slow_s:.2f} s; graph steps beside it {graph_steps_beside}; late rows {num_late_rows}; "
-          f"host steps asked for by held graphs {num_probes}; host forward {warm_forward_us} us after the warm-up, {forward_us} us at the end")
+          f"host steps asked for by held graphs {num_probes}; late rows fast again {num_fast_again}; host forward {warm_forward_us} us after the warm-up, {forward_us} us at the end")
     assert slow.error is None and slow.finish_reason is FinishReason.GRAMMAR_COMPLETE, (slow.error, slow.text)
     jsonschema.validate(json.loads(slow.text), SLOW)
     for result in ordinary:

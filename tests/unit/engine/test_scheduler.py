@@ -4,7 +4,7 @@ import pytest
 
 from generation_service.engine.errors import QueueFullError
 from generation_service.engine.kv_cache import PageAllocator
-from generation_service.engine.late_mask import FIRST_RETRY_S, RETRY_FRACTION, LateMask
+from generation_service.engine.late_mask import FIRST_RETRY_S, LateMask
 from generation_service.engine.prefix_cache import PrefixCache
 from generation_service.engine.request import RequestStatus
 from generation_service.engine.scheduler import Scheduler, SlotPool, TokenBudget
@@ -328,7 +328,33 @@ def test_a_late_masks_due_time_follows_its_fill_time_and_backs_off_before_it_is_
         now = looked
         mask.sampled(now)
     assert 0.045 < mask.fill_s < 0.065  # bracketed: no growth from the time it sat out
-    for _ in range(60):  # its fills got fast: ready at every first look, the estimate follows down
-        now += 0.9 * mask.fill_s
-        mask.sampled(now)
-    assert mask.fill_s < 0.010
+
+
+def test_a_late_row_whose_fills_got_fast_is_back_in_decode_graphs_within_a_few_tokens():
+    """A fast grammar's fill that once queued behind a slow row's was late: ready at every first
+    look since, it must not keep sitting out at the pace of that wait."""
+    mask, now, forward_s = LateMask(), 100.0, 0.001
+    mask.late(now)
+    mask.sampled(now + 0.044, forward_s)  # its fill waited 44 ms once
+    now += 0.044
+    for token in range(1, 20):
+        now = mask.due_s + forward_s  # it joins a step when due; the mask is read a forward later
+        if not mask.sampled(now, forward_s):
+            break
+    assert token <= 8, token
+    assert mask.fill_s < forward_s
+
+
+def test_a_row_slow_at_every_fill_keeps_sitting_out():
+    mask, now, forward_s = LateMask(), 100.0, 0.001
+    mask.late(now)
+    assert mask.sampled(now + 0.040, forward_s)
+    now += 0.040
+    for _ in range(40):  # fills of 40 ms, looked at when due: late, or ready
+        looked = mask.due_s + forward_s
+        while looked - now < 0.040:
+            mask.late(looked)
+            looked = mask.due_s + forward_s
+        now = looked
+        assert mask.sampled(now, forward_s)
+        assert 0.015 < mask.fill_s < 0.060
