@@ -7,8 +7,12 @@ a finished fill into the step's entry, and marks the row late (VALID_LATE) when 
 done by the time the engine's forward of the step is. A late row is not advanced (the engine
 sampled nothing for it), so the fill stays valid for the next step, which uses it once done.
 
-One thread: slow rows wait for each other, never for fast ones. The backends' fills run with
-the GIL released (xgrammar's binding, llguidance's executor), so the loop thread runs beside one.
+NUM_THREADS threads, each one fill at a time: a row is slow against the engine's forward, which
+on a small model is well under a millisecond, so a row of an ordinary schema is slow in its
+string states, and one thread would queue such a millisecond fill behind an adversarial row's
+(the GPU slow-row test's others then sit out at its pace: gpu-tests-h200-slow-row-d2f24a6-1.log).
+The backends' fills run with the GIL released (xgrammar's binding, llguidance's executor), so the
+loop thread runs beside them.
 """
 from __future__ import annotations
 
@@ -23,6 +27,8 @@ import numpy as np
 from grammar_service.backends.base import GrammarBackend, Matcher
 
 log = logging.getLogger(__name__)
+
+NUM_THREADS = 4  # slow fills at once; a fifth waits for one of them
 
 
 @dataclass(eq=False)
@@ -39,13 +45,16 @@ class SlowFill:
 
 
 class SlowFiller:
-    """A thread that fills SlowFills in submission order; `close` ends it."""
+    """Threads that fill SlowFills, started in submission order; `close` ends them. A row has
+    one fill under way at most (SlowRows), so no matcher is filled by two threads at once."""
 
-    def __init__(self, mask_words: int, name: str):
+    def __init__(self, mask_words: int, name: str, num_threads: int = NUM_THREADS):
         self.mask_words = mask_words
         self._queue: queue.SimpleQueue[SlowFill | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=f"slow-filler-{name}", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._run, name=f"slow-filler-{name}-{i}", daemon=True)
+                         for i in range(num_threads)]
+        for thread in self._threads:
+            thread.start()
 
     def submit(self, matcher: Matcher, backend: GrammarBackend, delay_s: float = 0.0) -> SlowFill:
         fill = SlowFill(matcher, backend, delay_s, np.full((1, self.mask_words), -1, np.int32))
@@ -53,8 +62,11 @@ class SlowFiller:
         return fill
 
     def close(self, timeout_s: float = 5.0) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout_s)
+        for _ in self._threads:
+            self._queue.put(None)
+        deadline = time.monotonic() + timeout_s
+        for thread in self._threads:
+            thread.join(max(deadline - time.monotonic(), 0.0))
 
     def _run(self) -> None:
         while (fill := self._queue.get()) is not None:

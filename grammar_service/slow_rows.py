@@ -31,7 +31,7 @@ from grammar_service.slow_filler import SlowFill, SlowFiller
 from step_channel import ERR_INTERNAL, VALID_LATE, StepChannel, seq_reached
 
 SLOW_FRACTION = 0.25        # a row whose fill alone takes this share of the engine's forward is slow,
-MIN_SLOW_FILL_NS = 250_000  # ...and at least this (ordinary rows fill in tens of us; the filler is one thread)
+MIN_SLOW_FILL_NS = 250_000  # ...and at least this (most fills of an ordinary schema take tens of us)
 RETIME_EVERY = 64           # a fast row's fill is timed alone again after about this many batch fills
 LANE_POLL_S = 100e-6        # while a slow fill runs, forward_seq is looked at this often
 

@@ -134,3 +134,19 @@ def test_a_slow_row_late_once_has_its_next_fill_started_when_it_advances_so_it_c
     assert view.valid_positions.tolist() == [1, 1], "the row that sat out found its fill not even started"
     np.testing.assert_array_equal(view.masks[1, 0], reference[2])
     driver.finish([[fast_ids[6]], [slow_ids[2]]])
+
+
+def test_a_short_slow_fill_does_not_wait_behind_a_long_one(compile_id, service):
+    """A row slow against a short forward (a string state on a small model) is filled apart
+    too: its fill must not queue behind an adversarial row's (slow_filler.py)."""
+    from grammar_service.slow_filler import SlowFiller
+    backend, compiled = service._lookup_grammar(compile_id("json_schema", FAST))
+    filler = SlowFiller(VOCAB // 32, "test")
+    try:
+        long = filler.submit(backend.new_matcher(compiled), backend, delay_s=SLOW_MS / 1e3)
+        short = filler.submit(backend.new_matcher(compiled), backend)
+        assert short.done.wait(SLOW_MS / 1e3 / 2) and not long.done.is_set()
+        assert long.done.wait(5) and long.error is short.error is None
+        np.testing.assert_array_equal(short.mask, long.mask)  # the same state, filled by either thread
+    finally:
+        filler.close()
