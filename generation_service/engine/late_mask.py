@@ -15,8 +15,9 @@ since the row's last token: the estimate halves from there, and once it is under
 mask is done before any step reads it) the row is fast again and back in decode graphs. So a row
 found late for a reason that passed (a fast grammar's fill queued once behind a slow row's in
 grammar_service's slow filler) sits out for a few tokens, not for many at the pace of the time
-it once waited (gpu-tests-h200-slow-row-256b9ea-1.log: others at the slow row's pace). Until a first estimate its retries back off
-exponentially, so the others' steps are not host steps while it learns.
+it once waited (gpu-tests-h200-slow-row-256b9ea-1.log: others at the slow row's pace). Until a
+first estimate its retries back off exponentially, so the others' steps are not host steps
+while it learns.
 
 Only on a runner whose graphed steps wait for every row's mask (ModelRunner.waits_for_every_mask:
 the CUDA-graph runner). Where every step is a host step (the CPU) a late row costs the others

@@ -15,6 +15,7 @@ import pytest
 from channel_driver import Row, is_allowed
 from grammar_service.config import GrammarServiceConfig
 from grammar_service.service import GrammarService
+from grammar_service.slow_filler import SlowFiller
 from real_tokenizers import continuation_ids
 from step_channel import ERR_NONE, VALID_LATE
 
@@ -139,7 +140,6 @@ def test_a_slow_row_late_once_has_its_next_fill_started_when_it_advances_so_it_c
 def test_a_short_slow_fill_does_not_wait_behind_a_long_one(compile_id, service):
     """A row slow against a short forward (a string state on a small model) is filled apart
     too: its fill must not queue behind an adversarial row's (slow_filler.py)."""
-    from grammar_service.slow_filler import SlowFiller
     backend, compiled = service._lookup_grammar(compile_id("json_schema", FAST))
     filler = SlowFiller(VOCAB // 32, "test")
     try:
