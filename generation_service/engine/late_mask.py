@@ -6,9 +6,9 @@ costs the decode graphs' speed to every other row. Instead it sits out of steps 
 mask is likely still being filled: grammar_service starts that fill as soon as the row's matcher
 advances (loop.py), and the engine schedules the row again in a step whose forward ends once
 about the fill's time has passed since its last token (the masks are read then; joining only
-after that time would cost a whole step where steps are long, as on a CPU). The other rows run as decode graphs meanwhile; the late row joins a host
-step when due, and if its mask is still not ready then, tries again a fraction of that time
-later. The fill time is learnt from the row itself, between its last late step and the step that
+after that time would cost a whole step where steps are long, as on a CPU). The other rows run
+as decode graphs meanwhile; the late row joins a host step when due, and if its mask is still
+not ready then, tries again a fraction of that time later. The fill time is learnt from the row itself, between its last late step and the step that
 found the mask ready (measuring from its last token instead would count the time it sat out, and
 the estimate would grow with every token). A mask ready at the first look took at most the time
 since the row's last token: the estimate halves from there, and once it is under a forward (the
