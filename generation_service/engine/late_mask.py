@@ -5,19 +5,19 @@ forward) would keep every step of its batch on the host path, which lets one row
 costs the decode graphs' speed to every other row. Instead it sits out of steps while its next
 mask is likely still being filled: grammar_service starts that fill as soon as the row's matcher
 advances (loop.py), and the engine schedules the row again in a step whose forward ends once
-about the fill's time has passed since its last token (the masks are read then; joining only
-after that time would cost a whole step where steps are long, as on a CPU). The other rows run
-as decode graphs meanwhile; the late row joins a host step when due, and if its mask is still
-not ready then, tries again a fraction of that time later. The fill time is learnt from the row itself, between its last late step and the step that
-found the mask ready (measuring from its last token instead would count the time it sat out, and
-the estimate would grow with every token). A mask ready at the first look took at most the time
-since the row's last token: the estimate halves from there, and once it is under a forward (the
-mask is done before any step reads it) the row is fast again and back in decode graphs. So a row
-found late for a reason that passed (a fast grammar's fill queued once behind a slow row's in
-grammar_service's slow filler) sits out for a few tokens, not for many at the pace of the time
-it once waited (gpu-tests-h200-slow-row-256b9ea-1.log: others at the slow row's pace). Until a
-first estimate its retries back off exponentially, so the others' steps are not host steps
-while it learns.
+about the fill's time has passed since its last token (the masks are read then; joining only after
+that time would cost a whole step where steps are long, as on a CPU). The other rows run as decode
+graphs meanwhile; the late row joins a host step when due, and if its mask is still not ready then,
+tries again a fraction of that time later. The fill time is learnt from the row itself, between its
+last late step and the step that found the mask ready (measuring from its last token instead would
+count the time it sat out, and the estimate would grow with every token). A mask ready at the first
+look took at most the time since the row's last token: the estimate halves from there, and once it
+is under a forward (the mask is done before any step reads it) the row is fast again and back in
+decode graphs. So a row found late for a reason that passed (a fast grammar's fill queued once
+behind a slow row's in grammar_service's slow filler) sits out for a few tokens, not for many at
+the pace of the time it once waited (gpu-tests-h200-slow-row-256b9ea-1.log: others at the slow
+row's pace). Until a first estimate its retries back off exponentially, so the others' steps are
+not host steps while it learns.
 
 Only on a runner whose graphed steps wait for every row's mask (ModelRunner.waits_for_every_mask:
 the CUDA-graph runner). Where every step is a host step (the CPU) a late row costs the others
