@@ -170,7 +170,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             num_prefix_cache_hit_tokens=stats.prefix_cache_hit_tokens,
             num_prefix_cache_evictions=stats.prefix_cache_evictions,
             num_late_rows=stats.num_late_rows, num_held_graph_host_steps=stats.num_held_graph_host_steps,
-            num_chained_steps=stats.num_chained_steps)
+            num_chained_steps=stats.num_chained_steps, num_chained_grammar_steps=stats.num_chained_grammar_steps)
 
 
 class AioLoop:

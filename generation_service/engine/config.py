@@ -110,6 +110,7 @@ class EngineStats:
     num_late_rows: int = 0              # sampling rows skipped because their grammar mask was late
     num_held_graph_host_steps: int = 0  # host steps asked for by held decode graphs (late_mask.HeldGraphs)
     num_chained_steps: int = 0          # steps launched before the step in flight was read (mixed_steps.py)
+    num_chained_grammar_steps: int = 0  # of the mixed ones, grammar steps in stream order (constrained rows chained)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

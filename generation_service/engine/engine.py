@@ -331,7 +331,8 @@ class Engine:
                 num_late_rows=self.table.num_late_rows,
                 num_held_graph_host_steps=self.held.num_probes if self.held is not None else 0,
                 num_chained_steps=(getattr(self.runner, "num_chained_steps", 0) + self.mixed.num_chained
-                                   + self.mixed.num_into_graph))
+                                   + self.mixed.num_into_graph),
+                num_chained_grammar_steps=self.mixed.num_chained_grammar)
 
     # ---- the loop ----------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -364,15 +365,13 @@ class Engine:
         if self._in_flight is not None:
             previous, into_mixed = self._step_chained()
             if into_mixed:  # a mixed step launched: this step's time is the mixed step's
-                self.step_s_total["mixed"] += time.perf_counter() - start
-                if self.held is not None:
-                    self.held.host_step()
+                self._mixed_step_done(time.perf_counter() - start)
             else:
                 self._decode_step_done(time.perf_counter() - start, previous.batch, previous.step)
             return True
         if self.mixed.in_flight is not None:  # chain the next mixed step, or read this one
             self.mixed.step()
-            self.step_s_total["mixed"] += time.perf_counter() - start
+            self._mixed_step_done(time.perf_counter() - start)
             return True
         with self.lock:
             self.apply_inbox()
@@ -381,9 +380,9 @@ class Engine:
                 self.scheduler.mask_lead_s = self.link.forward_s
             batch = self.scheduler.schedule(self.config.max_draft_tokens)
             graphed = self.runner.can_graph(batch) and not (self.held is not None and self.held.wants_host_step)
-            if self.held is not None and batch.rows and not graphed:
-                self.held.host_step()
             pipelined = self._pipeline_mixed and bool(batch.rows) and not graphed
+            if self.held is not None and batch.rows and not graphed and not pipelined:
+                self.held.host_step()  # (a pipelined one tells it when it is a host grammar step)
             delivered = bool(self.table.deferred)
             if not pipelined:
                 if self.deliver_deferred():  # a stop string found now ends its row of `batch`
@@ -395,7 +394,7 @@ class Engine:
                 step = self.link.begin(rows, gpu=graphed) if rows else None
         if pipelined:
             self.mixed.launch(batch)
-            self.step_s_total["mixed"] += time.perf_counter() - start
+            self._mixed_step_done(time.perf_counter() - start)
             return True
         if graphed:  # the GPU writes the outputs and outputs_seq of a grammar step
             launch = self.runner.launch(batch, step, self.link)
@@ -429,6 +428,15 @@ class Engine:
         if self.held is not None:
             self.held.graph_step(seconds, step is not None)
 
+    def _mixed_step_done(self, seconds: float) -> None:
+        """A mixed step launched (and the one before it read) in `seconds` of the loop. One in
+        stream order waits for its masks on the device as a graph step does: one held that long
+        asks for a host step too (late_mask.HeldGraphs)."""
+        self.step_s_total["mixed"] += seconds
+        flight = self.mixed.in_flight
+        if self.held is not None and flight is not None and flight.in_stream and flight.step is not None:
+            self.held.graph_step(seconds, True)
+
     def deliver_deferred(self) -> bool:
         """Stream the tokens the last mixed step deferred (engine lock held); whether a request
         ended by it (a stop string)."""
@@ -446,9 +454,9 @@ class Engine:
 
     def _step_chained(self) -> tuple[InFlight, bool]:
         """Overlap: launch N+1 for the rows of the in-flight step N if nothing changes the
-        batch, else (a free step) the next step scheduled with N's rows fed back, a mixed step
-        or a decode graph loaded anew (`MixedSteps.launch_after_graph`), then read and
-        postprocess N (while the GPU runs N+1); N, and whether N+1 is a mixed step."""
+        batch, else the next step scheduled with N's rows fed back, a mixed step or a decode
+        graph loaded anew (`MixedSteps.launch_after_graph`), then read and postprocess N (while
+        the GPU runs N+1); N, and whether N+1 is a mixed step."""
         previous, self._in_flight = self._in_flight, None
         with self.lock:
             batch = self._chained_batch(previous)
@@ -458,7 +466,7 @@ class Engine:
         if batch is not None:
             self._in_flight = InFlight(batch, step, self.runner.launch(batch, step, self.link, chained=True))
         else:  # the batch changes (a row ends or joins, new work): the next step is scheduled
-            tokens = self.runner.free_step_tokens(previous.launch) if previous.step is None else None
+            tokens = self.runner.step_tokens(previous.launch)
             kind = tokens is not None and self.mixed.launch_after_graph(
                 previous.batch.rows, tokens, lambda: self._read_graph_step(previous, defer=True))
             if kind:
@@ -467,9 +475,12 @@ class Engine:
         return previous, False
 
     def launch_graph(self, batch: ScheduledBatch, fed_back: FedBack) -> None:
-        """Launch a free decode graph step of `batch` whose fed-back rows take their tokens from
-        the step in flight on the device (mixed_steps.py); it is in flight once this returns."""
-        self._in_flight = InFlight(batch, None, self.runner.launch(batch, None, self.link, fed_back=fed_back))
+        """Launch a decode graph step of `batch` whose fed-back rows take their tokens from the
+        step in flight on the device (mixed_steps.py); it is in flight once this returns."""
+        with self.lock:
+            rows = self.table.grammar_rows(batch, self.link)
+            step = self.link.begin(rows, gpu=True) if rows else None
+        self._in_flight = InFlight(batch, step, self.runner.launch(batch, step, self.link, fed_back=fed_back))
 
     def _read_graph_step(self, launched: InFlight, defer: bool = False) -> None:
         samples, masks = self.runner.collect(launched.launch, self.link)

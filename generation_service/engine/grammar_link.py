@@ -14,9 +14,10 @@ masks are published at once, and the engine samples nothing for that row in that
 sample back and publish it as accepted (left for the graph path: its epilogue would have to
 read valid_positions).
 
-GPU steps (runner "cuda_graph", docs/gpu.md): `begin(rows, gpu=True)` writes the descriptor
-only; the captured graph publishes `inputs_seq`, waits for `mask_seq` on the device, and
-writes the outputs and `outputs_seq`. `wait_gpu` keeps the watchdog on `mask_seq` while the
+GPU steps (runner "cuda_graph", docs/gpu.md) and mixed steps in stream order
+(stream_channel.py): `begin(rows, gpu=True)` writes the descriptor only; the step itself
+publishes `inputs_seq`, waits for `mask_seq` where it runs, and writes the outputs and
+`outputs_seq`. `wait_gpu` keeps the watchdog on `mask_seq` while the
 GPU waits and returns the step's tokens from the outputs area once `outputs_seq = N`.
 Under overlap step N+1 is begun (and replayed) before `wait_gpu(N)`: two GPU steps may be
 open at once, and the descriptor rows of N-1, N and N+1 are kept.
@@ -342,6 +343,15 @@ class GrammarLink:
         valid = {id(row.request): int(entry.valid_positions[r])
                  for r, row in enumerate(rows) if row.request is not None}
         return StepMasks(None, self._results(step, entry), valid, self._forced(rows, entry)), tokens
+
+    def wait_or_release(self, step: int) -> None:
+        """A step in stream order on the host (stream_channel.py) waits here for its masks, under
+        the watchdog; a lost grammar_service releases it as it releases a GPU's (all-ones masks),
+        and `wait_gpu` reports that once the step is read."""
+        start = time.monotonic()
+        if not self._wait_masks(step, start):
+            self._release_gpu_step(step)
+        self.wait_s_total += time.monotonic() - start
 
     def _release_gpu_step(self, step: int) -> None:
         """The watchdog's release of a GPU step: all-ones masks (its free rows sample

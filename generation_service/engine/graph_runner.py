@@ -47,6 +47,7 @@ from generation_service.engine.runner import ModelRunner
 from generation_service.engine.sampler import SampleResult, device_seed, warm_device_sampler
 from generation_service.engine.scheduler import ScheduledBatch, ScheduledRow
 from generation_service.engine.step_time import MixedStepCost
+from generation_service.engine.stream_channel import DeviceStreamChannel
 from generation_service.engine.verify_graphs import VerifyGraphs
 from step_channel.layout import seq_reached
 
@@ -287,14 +288,23 @@ class CudaGraphRunner(ModelRunner):
             launched.ready.record()
         return launched
 
-    def free_step_tokens(self, launched: Launch) -> torch.Tensor | None:
-        """The tokens of a launched free step on the device, in stream order (what a step chained
-        after it feeds back, mixed_steps.py), or None (a verify or grammar step; or buffers not
-        on a CUDA stream)."""
+    def step_tokens(self, launched: Launch) -> torch.Tensor | None:
+        """The tokens of a launched decode step on the device, in stream order (what a step
+        chained after it feeds back, mixed_steps.py), or None (a verify step; or buffers not on a
+        CUDA stream)."""
         tokens = self.gpu.buffers.out_tokens
-        if launched.verify or launched.step is not None or tokens.device.type != "cuda":
+        if launched.verify or tokens.device.type != "cuda":
             return None
         return tokens[:launched.num_rows]
+
+    def stream_channel(self, link) -> DeviceStreamChannel:
+        """The link's region as a mixed step's stream sees it (stream_channel.py), registered
+        (and the decode graphs captured over it) at the first use, as for a graph step."""
+        if link.channel is not self.channel:
+            self._ensure_channel(link, link.next_step)
+        if self._stream_channel is None or self._stream_channel.mapped is not self._mapped:
+            self._stream_channel = DeviceStreamChannel(self._mapped, self.device)
+        return self._stream_channel
 
     def collect(self, launched: Launch, link=None):
         """(samples, StepMasks | None) of a launched step, without a device-wide sync: the
@@ -405,7 +415,7 @@ class CudaGraphRunner(ModelRunner):
             if self.verify is not None:
                 self.verify.close()
         self._mapped.close()
-        self._mapped, self.channel = None, None
+        self._mapped, self.channel, self._stream_channel = None, None, None
 
     def close(self) -> None:
         """Engine stop, after the loop ended and before the link closes its region."""

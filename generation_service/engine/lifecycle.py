@@ -129,7 +129,11 @@ class RequestTable:
         rows += [LinkRow.release(slot) for slot in self.pending_release]
         for row in sampling:
             row.request.is_matcher_bound |= row.request.is_constrained  # FRESH goes out now
-        self._releasing, self.pending_release = self.pending_release, []
+        # NOTE: added to, not replaced: a step in stream order is described before the step in
+        # flight is read, whose postprocess then frees both steps' slots (freeing early is safe:
+        # grammar_service applies a release before any later step's bind)
+        self._releasing += self.pending_release
+        self.pending_release = []
         return rows
 
     # ---- after a step ------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from generation_service.engine.kv_cache import KVCache
 from generation_service.engine.pinned import PinnedStaging
 from generation_service.engine.scheduler import ScheduledBatch
 from generation_service.engine.step_time import MixedStepCost
+from generation_service.engine.stream_channel import HostStreamChannel, StreamChannel
 from generation_service.model.forward_batch import ForwardBatch, build_forward_batch
 
 
@@ -76,6 +77,7 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.device = kv_cache.device
         self._staging = PinnedStaging(self.device)
+        self._stream_channel: StreamChannel | None = None
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, fed_back: FedBack | None = None) -> torch.Tensor:
@@ -124,6 +126,16 @@ class ModelRunner:
     def attach(self, link) -> None:
         """The engine started with a connected grammar link: prepare what its steps need
         (nothing here; the graph runner captures the channel's graphs)."""
+
+    def stream_channel(self, link) -> StreamChannel | None:
+        """Where a mixed step's grammar step runs in the step's own order (stream_channel.py): on a
+        CPU device the host's writes, in program order; None (the eager runner on a CUDA device,
+        whose steps the host reads one at a time): a host grammar step."""
+        if self.device.type != "cpu":
+            return None
+        if self._stream_channel is None or self._stream_channel.channel is not link.channel:
+            self._stream_channel = HostStreamChannel(link)
+        return self._stream_channel
 
     def can_graph(self, batch: ScheduledBatch) -> bool:
         """Whether `batch` runs as a captured step (`launch` / `collect`); never here."""

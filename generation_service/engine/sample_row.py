@@ -33,8 +33,10 @@ class SampleRow:
         1 + drafts input tokens, so row 0 is the token at seq_len - num_positions (a decode
         row: num_cached, the position the decode graphs sample at)."""
         request = row.request
-        sample = cls(request.sampling, request.sample_seed, request.num_generated, row.drafts,
-                     is_constrained, position=row.seq_len - row.num_positions)
+        position = row.seq_len - row.num_positions
+        # the index from the row's own tokens: a chained step's fed-back token is not accepted yet
+        sample = cls(request.sampling, request.sample_seed, position + 1 - request.num_prompt_tokens, row.drafts,
+                     is_constrained, position=position)
         if request.sampling.uses_logit_processing:
             sample.prompt_ids, sample.output_ids = request.spec.prompt_ids, request.output_ids
             sample.end_token_ids = request.end_token_ids

@@ -302,7 +302,8 @@ def sample_on_device_tensor(logits: torch.Tensor, rows: list[SampleRow], bitmask
     x = logits.contiguous()
     masks = None
     if bitmask is not None and any(row.is_constrained for row in rows):
-        words = staging.tensor(torch.int32, bitmask.numpy())
+        # (a step in stream order gathered its masks on the device already: stream_channel.py)
+        words = bitmask if bitmask.device == device else staging.tensor(torch.int32, bitmask.numpy())
         allowed = staging.tensor(torch.int32, [0 if row.is_constrained else -1 for row in rows])
         masks = words | allowed.unsqueeze(1)  # -1: every token allowed
     processing = LogitProcessing.of(rows, x.shape[1], device)

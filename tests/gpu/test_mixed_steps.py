@@ -95,9 +95,12 @@ def test_staggered_mixed_steps_give_the_eager_engines_greedy_tokens(model_spec):
 
 
 def test_pipelined_mixed_steps_give_the_serial_tokens(model_spec, grammar_service):
-    """Mixed steps launched before the previous step's text is streamed (the default under the
-    graphs) give the tokens of mixed steps run one at a time, and constrained rows stay valid."""
+    """Mixed steps launched before the previous step's text is streamed and, chained, before its
+    tokens are read (the default under the graphs; constrained rows too: their grammar step on the
+    device, engine/stream_channel.py) give the tokens of mixed steps run one at a time, and
+    constrained rows stay valid."""
     import jsonschema
+    from gpu_helpers import same_or_near_tie, teacher_forced_logits
     from grammar_contract.client import GrammarControlClient
     extra = dict(prefill_chunk_tokens=32, max_prefill_tokens=64, max_prompt_tokens=1024)
     runs = {}
@@ -109,10 +112,17 @@ def test_pipelined_mixed_steps_give_the_serial_tokens(model_spec, grammar_servic
             assert r.error is None and r.finish_reason is FinishReason.GRAMMAR_COMPLETE, (r.error, r.text)
             jsonschema.validate(json.loads(r.text), SCHEMA)
         check_settled(stats)
-        runs[pipelined] = engine, results[:-2]
+        print(f"pipelined {pipelined}: {stats.num_chained_grammar_steps} of {stats.num_mixed_steps} mixed steps "
+              f"chained with their grammar step on the device")
+        assert (stats.num_chained_grammar_steps >= 5) is pipelined, stats
+        runs[pipelined] = engine, results
     prompts = PROMPTS[:2] + [LONG, PROMPTS[2], LONG[::-1], PROMPTS[3]]
-    num_identical = check_greedy_rows(runs[True][0], prompts, runs[False][1], runs[True][1])
+    num_identical = check_greedy_rows(runs[True][0], prompts, runs[False][1][:-2], runs[True][1][:-2])
     print(f"pipelined == serial on {num_identical}/{len(prompts)} requests")
+    for serial, chained in zip(runs[False][1][-2:], runs[True][1][-2:]):  # masked argmax: the near-tie check
+        prompt_ids = list(runs[True][0].tokenizer.encode(PROMPTS[4]))
+        logits = teacher_forced_logits(runs[True][0], prompt_ids + chained.token_ids)
+        same_or_near_tie(logits, len(prompt_ids), serial.token_ids, chained.token_ids, chained.text)
 
 
 def test_constrained_rows_stay_valid_beside_prefill_chunks(model_spec, grammar_service):

@@ -132,6 +132,8 @@ def graph_engine(monkeypatch, grammar_address, **config):
             pass
 
     monkeypatch.setattr(CudaGraphRunner, "__init__", fake_init)
+    # the mixed steps' grammar steps in the host's order, as on any CPU runner (no region to register)
+    monkeypatch.setattr(CudaGraphRunner, "stream_channel", runner.ModelRunner.stream_channel)
     monkeypatch.setattr("step_channel.cuda.MappedChannel", FakeMapped)
     monkeypatch.setitem(runners.RUNNERS, "cuda_graph", CudaGraphRunner)
     assert graph_runner.CudaGraphRunner is CudaGraphRunner

@@ -115,3 +115,18 @@ def test_no_grammar_service_deadline_and_drain():
         engine.submit(GenerationRequest("after", prompt))
     stats = engine.stats()
     assert (stats.num_kv_pages_used, stats.num_slots_used, stats.num_running) == (0, 0, 0)
+
+
+def test_grammar_service_dying_mid_chain_fails_constrained_only(folder):
+    """Pipelined steps (pipeline_mixed), whose grammar steps run in the step's own order
+    (engine/stream_channel.py): the watchdog releases the step that waits for its masks, and the
+    link reconnects as for host grammar steps."""
+    service = start_grammar_service(folder)
+    engine = make_engine(service.address, max_batch=8, grammar_wait_timeout_s=1.0, pipeline_mixed=True)
+    try:
+        interrupt_mid_stream(engine, service.kill, 1)
+        service = start_grammar_service(folder)
+        wait_reconnected_and_constrained_works(engine, service.address)
+    finally:
+        engine.stop()
+        service.stop()
