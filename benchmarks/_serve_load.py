@@ -59,6 +59,7 @@ class Workload:
     concurrency: int = 0            # closed loop: users; 0 = open loop
     rate: float = 0.0               # open loop: requests per second
     json_schema: str | None = None  # constrained (compact whitespace)
+    json_schemas: tuple[str, ...] = ()  # constrained, each request by a schema drawn from these
     ignore_eos: bool = True
     max_tokens_list: list[int] = field(default_factory=list)
     duration_s: float = 10.0
@@ -95,6 +96,7 @@ class Record:
     turn: int = 0                   # multi-turn: which turn of its conversation
     call_validation: list[str] = field(default_factory=list)  # per parsed tool call, its validation status
     reasoning_chars: int = 0        # reasoning text streamed (markers left out)
+    compile_ms: float | None = None  # its grammar's compile, when it was not cached (the guarantee report)
 
     @property
     def num_tokens(self) -> int:
@@ -132,8 +134,9 @@ def _request(pb, workload: Workload, prompt: list[int] | str, max_tokens: int, s
         request.chat.messages.add(role="user", content=prompt)
     else:
         request.token_ids.ids.extend(prompt)
-    if workload.json_schema is not None:
-        request.json_schema = workload.json_schema
+    if workload.json_schema is not None or workload.json_schemas:
+        schemas = workload.json_schemas
+        request.json_schema = schemas[seed % len(schemas)] if schemas else workload.json_schema
         request.constraint_options.compact = True
     for tool in workload.tools:
         request.tools.add(name=tool.name, description=tool.description, parameters=tool.parameters)
@@ -164,6 +167,8 @@ async def _one_request(stub, pb, workload: Workload, prompt: list[int] | str, ma
             texts.append(message.text)
             if message.HasField("guarantee"):
                 unenforced |= {u.keyword for u in message.guarantee.unenforced}
+                if not message.guarantee.cache_hit:
+                    record.compile_ms = message.guarantee.compile_ms
             if message.token_ids:
                 record.message_times.append(time.perf_counter() - t0)
                 record.message_tokens.append(len(message.token_ids))
@@ -177,7 +182,7 @@ async def _one_request(stub, pb, workload: Workload, prompt: list[int] | str, ma
                 if message.HasField("validation"):
                     record.validation = pb.ValidationStatus.Name(message.validation.status)
                     if message.finish_reason == pb.FINISH_REASON_GRAMMAR_COMPLETE:  # a document, not a cut one
-                        record.validation = _status(record.validation, workload.json_schema, texts, unenforced)
+                        record.validation = _status(record.validation, request.json_schema, texts, unenforced)
     except asyncio.CancelledError:  # the window ended with this request streaming: its tokens count
         record.code = CANCELLED_AT_END
     except Exception as error:  # noqa: BLE001 -- a failed call is a result (its code), never a crash
@@ -370,7 +375,7 @@ def _process_main(address, workload, prompts, share, seed, start_at, queue, proc
     # the client's own CPU over its run: near 1, it (not the server) may set the pace
     busy = (time.process_time() - cpu_before) / (time.time() - start_at) if time.time() > start_at + 0.1 else None
     queue.put((index, [(r.start, r.message_times, r.message_tokens, r.end, r.finish_reason, r.validation, r.code,
-                        r.prompt_len, r.cached_tokens, r.turn, r.call_validation, r.reasoning_chars)
+                        r.prompt_len, r.cached_tokens, r.turn, r.call_validation, r.reasoning_chars, r.compile_ms)
                        for r in records], busy))
 
 

@@ -28,7 +28,8 @@ def summarize(workload: Workload, records: list[Record]) -> dict:
     window = (hi - lo) if not workload.num_requests else None
     out = {
         "name": workload.name, "prompt_len": workload.prompt_len, "max_tokens": workload.max_tokens,
-        "concurrency": workload.concurrency, "rate_rps": workload.rate, "constrained": workload.json_schema is not None,
+        "concurrency": workload.concurrency, "rate_rps": workload.rate,
+        "constrained": workload.json_schema is not None or bool(workload.json_schemas),
         "matched_lengths": bool(workload.max_tokens_list), "num_requests": len(records),
         "warmup_s": workload.warmup_s, "duration_s": workload.duration_s,
         "num_finished": len(finished),
@@ -57,6 +58,10 @@ def summarize(workload: Workload, records: list[Record]) -> dict:
             out[f"ttft_p50_{name}_s"], out[f"ttft_p99_{name}_s"] = percentile(values, 0.5), percentile(values, 0.99)
     if workload.num_requests:
         out["ttft_s"] = ttft
+    if workload.json_schemas:  # the requests whose grammar compiled (not cached): what a new schema costs
+        compiled = [r for r in started if r.compile_ms is not None]
+        out["compile_ms"] = [r.compile_ms for r in compiled]
+        out["cold_ttft_s"] = [r.ttft for r in compiled if r.ttft is not None]
     return out
 
 
@@ -82,6 +87,11 @@ def step_delta(before: dict, after: dict, seconds: float) -> dict:
     if "num_chained_steps" in after:
         d["chained_fraction"] = ((float(after["num_chained_steps"]) - float(before["num_chained_steps"]))
                                  / d["num_steps"] if d["num_steps"] else None)
+    # mixed steps whose constrained rows chained: their grammar step on the device (stream_channel.py)
+    if "num_chained_grammar_steps" in after:
+        d["chained_grammar_mixed_fraction"] = (
+            (float(after["num_chained_grammar_steps"]) - float(before["num_chained_grammar_steps"]))
+            / d["num_mixed_steps"] if d["num_mixed_steps"] else None)
     d["busy_fraction"] = (d["graph_step_seconds"] + d["mixed_step_seconds"]) / seconds if seconds else None
     d["ms_per_graph_step"] = 1e3 * d["graph_step_seconds"] / d["graph_steps"] if d["graph_steps"] else None
     d["ms_per_mixed_step"] = 1e3 * d["mixed_step_seconds"] / d["num_mixed_steps"] if d["num_mixed_steps"] else None

@@ -97,6 +97,7 @@ from benchmarks._serve_groups import (  # noqa: E402
     FEATURES_PLAN, FORCED_PLAN, PREFIX_PLAN, SCHEMA, FeaturesPlan, PrefixPlan, feature_workloads,
     forced_workloads, prefix_workloads,
 )
+from benchmarks._serve_constrained import CONSTRAINED_PLAN, ConstrainedPlan, compile_all, constrained_workloads  # noqa: E402
 from benchmarks._serve_load import Workload, make_prompts, run_workload, run_workloads  # noqa: E402
 from benchmarks._serve_profile import profile_server, profile_summary  # noqa: E402
 from benchmarks._serve_summary import (  # noqa: E402
@@ -107,7 +108,7 @@ from benchmarks._serve_summary import (  # noqa: E402
 # the prompt tokens of a loaded 1B mixed step (455 a step at c=128, serve-h200-1b-host-1-after.json)
 MIXED_CHUNK_TOKENS = 448
 PLANS = ("full", "targets", "quick", "load", "smoke", "http", "http-smoke", "prefix", "features", "features-smoke",
-         "forced")
+         "forced", "constrained", "constrained-smoke")
 
 
 # ---- the server ---------------------------------------------------------------------------------
@@ -142,6 +143,12 @@ class Server(ServeProcess):
         from google.protobuf.json_format import MessageToDict
         return MessageToDict(self.stub.GetEngineStats(self.pb.GetEngineStatsRequest()),
                              preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+    def compile_all(self, schemas: list[str]) -> float:
+        """Every schema compiled (one request each); the seconds it took."""
+        started = time.monotonic()
+        compile_all(self.stub, self.pb, schemas)
+        return time.monotonic() - started
 
     def metrics(self) -> str:
         """The Prometheus scrape of the serving process."""
@@ -186,6 +193,13 @@ def plan(shape: str, name: str, duration: float, warmup: float) -> dict:
     if name == "smoke":
         return {"idle": [64], "closed": [(48, 16, [1, 4])], "poisson": [0.5], "poisson_at": (48, 16, 4),
                 "prefix": PrefixPlan(256, 16, 16, 4, 64, 3, (48, 16, 4))}
+    if name in ("constrained", "constrained-smoke"):  # issue 43's: constrained beside free-matched, users' traffic
+        smoke = name == "constrained-smoke"
+        concurrencies = [4] if smoke else [128] if shape == "qwen3-0.6b" else [1, 16, 64, 128, 256]
+        group = (ConstrainedPlan(48, 16, 4, 8) if smoke else CONSTRAINED_PLAN) if shape != "qwen3-0.6b" else None
+        return {"idle": [1024, 4096, 8192] if shape == "llama-3.1-8b" else [],
+                "closed": [(48, 16, concurrencies) if smoke else (512, 128, concurrencies)], "poisson": [],
+                "poisson_at": None, "constrained": group}
     if name == "forced":
         return {"idle": [], "closed": [], "poisson": [], "poisson_at": None, "forced": FORCED_PLAN}
     if name == "targets" and shape != "llama-3.2-1b":  # the full plan's workloads with a target: no Poisson, no prefix
@@ -234,9 +248,11 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
     config = read_config(folder / "config.json")
     prefix: PrefixPlan | None = p.get("prefix")
     features: FeaturesPlan | None = p.get("features")
+    group: ConstrainedPlan | None = p.get("constrained")
     concurrencies = sorted({c for _, _, cs in p["closed"] + p.get("http", []) for c in cs} | {1}
                            | ({prefix.concurrency, prefix.unshared[2]} if prefix else set())
-                           | ({features.concurrency + 3 * features.feature_concurrency} if features else set()))
+                           | ({features.concurrency + 3 * features.feature_concurrency} if features else set())
+                           | ({group.concurrency} if group else set()))
     max_batch = max(concurrencies + [args.min_max_batch])
     roofline = None
     points = sorted({f"{c}:{int(pl + n / 2)}" for pl, n, cs in p["closed"] + p.get("http", []) for c in cs}
@@ -265,6 +281,8 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
         lengths |= {prefix.shared_len, prefix.tail_len, prefix.turn_prompt_len, prefix.unshared[0]}
     if features:
         lengths.add(features.prompt_len)
+    if group:
+        lengths.add(group.prompt_len)
     prompts = make_prompts(str(folder / "tokenizer.json"), lengths, 64, seed=1)
     schema = json.dumps(SCHEMA)
     warm_prompts = [prompts[n][0][::-1] for n in sorted(prompts)]  # reversed: no prefix a workload's prompts share
@@ -390,6 +408,15 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
                                   "cache on") if prefix else None
         if p.get("forced"):
             result["forced_drafts"] = forced_workloads(*p["forced"], prompts, common, run)
+        if group:
+            from tokenizers import Tokenizer
+            decode = Tokenizer.from_file(str(folder / "tokenizer.json")).decode
+            corpus = json.loads(pathlib.Path(args.corpus_schemas).read_text()) if args.corpus_schemas else []
+            single = next((w for w in result["workloads"] if w["name"] == (
+                f"constrained {group.prompt_len}/{group.new_tokens} c={group.concurrency}")), None)
+            result["constrained"] = constrained_workloads(
+                group, prompts[group.prompt_len], [decode(ids) for ids in prompts[group.prompt_len]], schema, corpus,
+                common, lambda w, ps: run(w, prompt_set=ps), lengths, server, single)
         if features:
             from tokenizers import Tokenizer
             decode = Tokenizer.from_file(str(folder / "tokenizer.json")).decode
@@ -434,6 +461,9 @@ def main() -> int:
     parser.add_argument("--profile", default="", help="py-spy the server through workloads whose name holds this")
     parser.add_argument("--profile-mode", choices=("gil", "wall"), default="gil",
                         help="--profile samples the GIL holder, or every thread's wall time")
+    parser.add_argument("--corpus-schemas", default="",
+                        help="--plan constrained: a JSON list of schemas for per-request schemas "
+                             "(benchmarks/_serve_constrained.py writes it)")
     parser.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="more `structgen serve` flags")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
