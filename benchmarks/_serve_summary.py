@@ -59,7 +59,7 @@ def summarize(workload: Workload, records: list[Record]) -> dict:
     if workload.num_requests:
         out["ttft_s"] = ttft
     if workload.json_schemas:  # the requests whose grammar compiled (not cached): what a new schema costs
-        compiled = [r for r in started if r.compile_ms is not None]
+        compiled = [r for r in records if r.compile_ms is not None]  # the warm-up's too: most come first
         out["compile_ms"] = [r.compile_ms for r in compiled]
         out["cold_ttft_s"] = [r.ttft for r in compiled if r.ttft is not None]
     return out

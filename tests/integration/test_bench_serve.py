@@ -58,3 +58,28 @@ def test_serve_benchmark_runs_every_workload_on_cpu(tmp_path):
     assert by["unshared 48/16 c=4 (cache on)"]["cached_prompt_fraction"] == 0
     assert set(shape["prefix_cache"]) == {"shared_prefix", "multi_turn", "unshared"}
     assert all(ratio["output_tok_s_on_over_off"] > 0 for ratio in shape["prefix_cache"].values())
+
+
+def test_constrained_plan_runs_every_kind_beside_free_matched_on_cpu(tmp_path):
+    """`--plan constrained` (its smoke): the closed loop, per-request schemas cold then warm,
+    tools and reasoning + schema, each beside free requests of its output lengths."""
+    corpus = tmp_path / "corpus.json"
+    corpus.write_text(json.dumps([json.dumps({"type": "object", "properties": {f"k{i}": {"type": "integer"}},
+                                              "required": [f"k{i}"], "additionalProperties": False})
+                                  for i in range(4)]))
+    out = tmp_path / "serve.json"
+    subprocess.run([sys.executable, "benchmarks/serve.py", "--device", "cpu", "--shapes", "tiny-random", "--plan",
+                    "constrained-smoke", "--corpus-schemas", str(corpus), "--duration", "2", "--warmup", "1",
+                    "--client-procs", "2", "--out", str(out)], cwd=ROOT, check=True, timeout=600, capture_output=True)
+    shape = json.loads(out.read_text())["shapes"][0]
+    by = {w["name"]: w for w in shape["workloads"]}
+    kinds = ["corpus-warm", "tools-auto", "tools-required", "reasoning-8+schema"]
+    assert set(by) == {"free 48/16 c=4", "constrained 48/16 c=4", "free-matched 48/16 c=4", "corpus-cold 48/16 c=4"} | {
+        name for kind in kinds for name in (f"{kind} 48/16 c=4", f"free-matched ({kind} 48/16 c=4)")}
+    for w in shape["workloads"]:
+        assert w["errors"] == {} and w["output_tokens_per_s"] > 0, w
+    assert by["corpus-cold 48/16 c=4"]["compile_ms"], "the cold requests' compile times"
+    group = shape["constrained"]
+    assert set(group) == {"corpus", "tools-auto", "tools-required", "reasoning-8+schema"}
+    assert all(kind["constrained_over_matched_free"] > 0 for kind in group.values())
+    assert group["corpus"]["num_schemas"] == 4 and group["corpus"]["warm_over_single_schema"] > 0
