@@ -33,7 +33,7 @@ what=${1:-all}; shift || true   # one part, a comma-separated list, or all
 want() { [[ $what == all || ,$what, == *,$1,* ]]; }
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} || { echo "wheel install failed"; exit 1; }
 # the real tokenizers where tests/real_tokenizers.py looks for them (no conversion on the device)
 mkdir -p ~/.cache/structgen/tokenizers && for t in .bench/*.tgz; do tar xzf "$t" -C ~/.cache/structgen/tokenizers; done

@@ -435,7 +435,9 @@ class Engine:
         self.step_s_total["mixed"] += seconds
         flight = self.mixed.in_flight
         if self.held is not None and flight is not None and flight.in_stream and flight.step is not None:
-            self.held.graph_step(seconds, True)
+            cost = self.step_time.cost  # (held graphs exist where steps were measured)
+            tokens = self.runner.token_bucket(flight.batch.num_tokens)
+            self.held.graph_step(seconds, True, cost.fixed_s + cost.per_token_s * tokens)
 
     def deliver_deferred(self) -> bool:
         """Stream the tokens the last mixed step deferred (engine lock held); whether a request

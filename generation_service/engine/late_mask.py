@@ -100,13 +100,15 @@ class HeldGraphs:
         self._graph_steps = 0                    # graph steps since the last burst ended
         self._graph_s = 0.0                      # and their time
 
-    def graph_step(self, seconds: float, waited_for_masks: bool) -> None:
-        """A decode graph step took `seconds` of the loop (waited_for_masks: a grammar step)."""
+    def graph_step(self, seconds: float, waited_for_masks: bool, expected_s: float = 0.0) -> None:
+        """A step that waited for masks where it ran (a decode graph step, or a mixed step in
+        stream order, whose own cost `expected_s` may exceed the decode step's) took `seconds`
+        of the loop (waited_for_masks: a grammar step)."""
         self._graph_steps += 1
         self._graph_s += seconds
         if not self._left and (self._graph_steps >= PROBE_EVERY or self._graph_s >= PROBE_EVERY * self.threshold_s):
             self._left = PROBE_BURST
-        if waited_for_masks and seconds > self.threshold_s and self._left:
+        if waited_for_masks and seconds > max(self.threshold_s, HELD_FACTOR * expected_s) and self._left:
             self.wants_host_step = True
 
     def host_step(self) -> None:

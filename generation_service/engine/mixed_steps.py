@@ -188,10 +188,25 @@ class MixedSteps:
             # after a host grammar step, N+1 would be one too, and so on while the chain lasts)
             self.collect(previous)
             read_previous = None
+            batch = self._without_finished(batch)
         if batch is None or self._launch_chained(batch, previous.sample.tokens, read_previous,
                                                  previous.is_host_grammar and read_previous is not None) is None:
             if read_previous is not None:
                 self.collect(previous)
+
+    def _without_finished(self, batch: ScheduledBatch) -> ScheduledBatch | None:
+        """`batch` less the rows of requests that the step read since it was scheduled ended
+        (their feed-back sources kept for the others), or None if none is left."""
+        if not any(row.request.is_finished for row in batch.rows):
+            return batch
+        rows, sources = [], {}
+        for index, row in enumerate(batch.rows):
+            if not row.request.is_finished:
+                if index in self._fed_sources:
+                    sources[len(rows)] = self._fed_sources[index]
+                rows.append(row)
+        self._fed_sources = sources
+        return ScheduledBatch(rows) if rows else None
 
     def launch_after_graph(self, rows: list[ScheduledRow], tokens: torch.Tensor,
                            read_previous: Callable[[], None]) -> Literal["mixed", "graph"] | None:
