@@ -219,7 +219,7 @@ class DecodeForward:
 
         def attend(q: torch.Tensor, index: int) -> torch.Tensor:
             return self.attention.decode(q, kv.k[index], kv.v[index], meta, scale,
-                                         sliding_window=cfg.sliding_window)
+                                         sliding_window=cfg.sliding_window, **kv.scales(index))
         return attend
 
     def tokens(self, ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
@@ -276,7 +276,7 @@ class DecodeForward:
             layer, w = layers[index], self.weights[index]
             qkv = proj.linear(x, w.qkv, w.qkv_bias, rms)
             q = rope_write_kv(qkv, cos, sin, kv.k[index], kv.v[index], slot_ids,
-                              cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+                              cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, **kv.scales(index))
             o = attend(q, index)
             x, residual, rms = self._add_norm(proj, proj.fold_post_norm, o.view(num_tokens, q_dim),
                                               layer.self_attn.o_proj, residual, post_norm)
@@ -345,7 +345,7 @@ class DecodeForward:
             if cfg.qk_norm:
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            self.attention.write_kv(k.contiguous(), v, kv.k[index], kv.v[index], slot_ids)
+            self.attention.write_kv(k.contiguous(), v, kv.k[index], kv.v[index], slot_ids, **kv.scales(index))
             o = attend(q.contiguous(), index)
             hidden = hidden + attn.o_proj(o.reshape(num_tokens, q_dim))
             x = layer.post_attention_layernorm(hidden)
