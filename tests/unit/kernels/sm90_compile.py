@@ -15,8 +15,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from generation_service.kernels import (decode_attention, decode_fused, decode_prologue,
-                                        extend_attention, kv_write, mask_gather, mask_sample, philox,
-                                        prepare_inputs, rmsnorm, rotary, stamp, step_epilogue)
+                                        extend_attention, fp8_gemm, gemv, kv_write, mask_gather, mask_sample,
+                                        philox, prepare_inputs, rmsnorm, rotary, stamp, step_epilogue)
 
 TARGET = GPUTarget("cuda", 90, 32)
 TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int32: "i32",
@@ -184,6 +184,18 @@ def main() -> int:
             step_epilogue._step_epilogue_kernel, I32, I64, I64, I64, I32, I64, I32, I32, I32, I32,
             *[N] * 4, 4, CHANNEL=True, PUBLISH=True, SYS_FENCE=True, BLOCK=128),
         "stamp": lambda: compile_sm90(stamp._stamp_kernel, I64, I32, N, WHICH=1, num_warps=1),
+        "fp8_quantize_rows": lambda: compile_sm90(
+            fp8_gemm._quantize_rows_kernel, BF, F8, F32, F32, 4096, N, N, STATIC=False, BLOCK=4096, PDL=True),
+        "fp8_quantize_rows_static": lambda: compile_sm90(
+            fp8_gemm._quantize_rows_kernel, BF, F8, F32, F32, 4096, N, N, STATIC=True, BLOCK=4096, PDL=True),
+        "gemv_dot_fp8_gate_up": lambda: compile_sm90(
+            gemv._gemv_dot_kernel, BF, F8, BF, BF, 8, 14336, 4096, N, N, N, BF, F32, N, 0, 0.0, F32,
+            HAS_BIAS=False, SILU_MUL=True, EVEN=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, PDL=True,
+            ADD_RESIDUAL=False, RMS_SCALE=False, BLOCK_S=1, W_SCALE=True, num_stages=4),
+        "gemv_row_fp8": lambda: compile_sm90(
+            gemv._gemv_row_kernel, BF, F8, BF, BF, 4096, 14336, N, BF, F32, 0, 0.0, F32,
+            HAS_BIAS=False, SILU_MUL=False, EVEN=True, BLOCK_N=8, BLOCK_K=2048, PDL=True,
+            ADD_RESIDUAL=False, RMS_SCALE=False, BLOCK_S=1, W_SCALE=True, num_stages=3),
         "silu_mul": lambda: compile_sm90(
             decode_fused._silu_mul_kernel, BF, BF, 14336, BLOCK=1024, PDL=True),
     }

@@ -17,21 +17,6 @@ K_SCALE, V_SCALE = 0.02, 0.05  # neither is 1: a missing multiply or divide show
 SEQ_LENS = [1, 15, 17, 0, 70]
 
 
-def assert_same_fp8(ours: torch.Tensor, want: torch.Tensor) -> None:
-    """Bit-equal e4m3, except where Triton's interpreter misrounds (CPU only; compiled kernels
-    are bit-equal in tests/gpu/test_fp8.py): a value whose rounding carries into the exponent
-    comes out one binade low (-31.1 -> -16 instead of -32), and a few land one step (2^-3)
-    off, as by a double rounding."""
-    ours, want = ours.float(), want.float()
-    differ = ours != want
-    if torch.cuda.is_available():
-        assert not differ.any()
-    carried = (want.abs().log2() == want.abs().log2().round()) & (ours == want / 2)
-    one_step = (ours - want).abs() <= 2 ** -3 * want.abs()
-    bad = differ & ~carried & ~one_step
-    assert not bad.any(), list(zip(ours[bad].tolist(), want[bad].tolist()))
-
-
 def fp8_paged(make_paged, seq_lens):
     """A random cache in fp32 and the same values in FP8 pages; the fp32 one holds what the
     FP8 pages mean (so the kernels' only error is their arithmetic)."""
@@ -40,7 +25,7 @@ def fp8_paged(make_paged, seq_lens):
     return k8, v8, from_cache(k8, torch.float64, K_SCALE), from_cache(v8, torch.float64, V_SCALE), page_table, lens
 
 
-def test_writes_scale_saturate_and_match_the_torch_writer():
+def test_writes_scale_saturate_and_match_the_torch_writer(same_fp8):
     k_cache = torch.zeros(4, 16, 2, 32, dtype=KV_FP8)
     v_cache = torch.zeros_like(k_cache)
     slots = torch.tensor([3, 17, 40, 63])
@@ -49,8 +34,8 @@ def test_writes_scale_saturate_and_match_the_torch_writer():
     want_k, want_v = k_cache.clone(), v_cache.clone()
     write_kv_torch(k, v, want_k, want_v, slots, K_SCALE, V_SCALE)
     write_kv(k, v, k_cache, v_cache, slots, K_SCALE, V_SCALE)
-    assert_same_fp8(k_cache, want_k)
-    assert_same_fp8(v_cache, want_v)
+    same_fp8(k_cache, want_k)
+    same_fp8(v_cache, want_v)
     stored = from_cache(want_k, torch.float32, K_SCALE).view(-1, 2, 32)[slots]
     assert stored[0, 0, 0] == 448 * K_SCALE and torch.isfinite(stored).all()
     assert torch.allclose(stored[1:], k[1:], rtol=2 ** -4, atol=2 ** -9 * K_SCALE)
@@ -82,7 +67,7 @@ def test_extend_reads_fp8_pages(make_paged, rel_err):
     assert rel_err(out, ref) < 2e-3 and rel_err(torch_fp8, ref) < 1e-12
 
 
-def test_rope_write_kv_stores_fp8_as_the_torch_writer():
+def test_rope_write_kv_stores_fp8_as_the_torch_writer(same_fp8):
     heads, kv_heads, dim, tokens = 4, 2, 32, 3
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).half()
     angles = torch.randn(tokens, dim // 2).repeat(1, 2)
@@ -95,5 +80,5 @@ def test_rope_write_kv_stores_fp8_as_the_torch_writer():
     k = apply_rope(qkv[:, q_dim:q_dim + kv_dim].view(tokens, kv_heads, dim), cos, sin)
     v = qkv[:, q_dim + kv_dim:].view(tokens, kv_heads, dim)
     flat_k, flat_v = k_cache.view(-1, kv_heads, dim)[slots], v_cache.view(-1, kv_heads, dim)[slots]
-    assert_same_fp8(flat_k, to_cache(k, KV_FP8, K_SCALE))
-    assert_same_fp8(flat_v, to_cache(v, KV_FP8, V_SCALE))
+    same_fp8(flat_k, to_cache(k, KV_FP8, K_SCALE))
+    same_fp8(flat_v, to_cache(v, KV_FP8, V_SCALE))
