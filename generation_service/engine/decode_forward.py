@@ -94,11 +94,20 @@ def _cublas_gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor | Fp8Weight, rms
 
 def projection_weight(linear: torch.nn.Module) -> torch.Tensor | Fp8Weight:
     """What the GEMMs take for one of the model's linear layers."""
-    return linear.fp8_weight() if isinstance(linear, Fp8Linear) else linear.weight
+    return linear.fp8_weight() if isinstance(linear, Fp8Linear) else linear.weight  # (block-scaled: dense at load)
 
 
 CUBLAS = Projections(_cublas_linear, _cublas_gate_up_silu)  # every GEMM on cuBLAS (any rows)
 PLAN_NAMES = ("input_norm", "qkv", "o_proj", "post_attention_norm", "gate_up_silu", "down", "lm_head")
+
+
+def _stack(linears: list[torch.nn.Module]) -> torch.Tensor | Fp8Weight:
+    """Projections of one input stacked along N: FP8 with their scales where all are FP8 layers
+    the kernels take, else dense (an FP8 layer among them dequantized once)."""
+    if all(isinstance(p, Fp8Linear) and p.runs_fp8_kernels for p in linears):
+        return Fp8Weight.cat([p.fp8_weight() for p in linears])
+    dtype = next((p.weight.dtype for p in linears if not isinstance(p, Fp8Linear)), torch.bfloat16)
+    return torch.cat([p.dequantized_weight(dtype) if isinstance(p, Fp8Linear) else p.weight for p in linears])
 
 
 def fuse_layer_weights(model, *, fold_norms: bool = False) -> list[LayerWeights]:
@@ -113,10 +122,10 @@ def fuse_layer_weights(model, *, fold_norms: bool = False) -> list[LayerWeights]
             bias = None
             if a.q_proj.bias is not None:
                 bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
-            if isinstance(a.q_proj, Fp8Linear):  # FP8: stacked with their scales, norms unfolded
-                qkv = Fp8Weight.cat([p.fp8_weight() for p in (a.q_proj, a.k_proj, a.v_proj)])
-                gate_up = Fp8Weight.cat([m.gate_proj.fp8_weight(), m.up_proj.fp8_weight()])
-                fused.append(LayerWeights(qkv, bias, gate_up))
+            if any(isinstance(p, Fp8Linear) for p in (a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj)):
+                # FP8: stacked with their scales, the norms unfolded
+                fused.append(LayerWeights(_stack([a.q_proj, a.k_proj, a.v_proj]), bias,
+                                          _stack([m.gate_proj, m.up_proj])))
                 continue
             qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
             gate_up = torch.cat([m.gate_proj.weight, m.up_proj.weight])

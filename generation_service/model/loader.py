@@ -126,7 +126,7 @@ def load_checkpoint(folder: pathlib.Path, device: torch.device, dtype: torch.dty
         renames = {f"{name}.weight_scale": f"{name}.{scheme.scale_name}" for name in names}
     load_weights(model, folder, device, torch_dtype, renames)
     if scheme is not None:
-        finish_fp8_layers(model)
+        finish_fp8_layers(model, torch_dtype)
         log.info("%s: %d FP8 linear layers (%s, %s weight scales, %s activations)", folder, len(names),
                  scheme.source, scheme.weight_strategy, scheme.activation)
     log.info("loaded %s (%s, %.1fM parameters) on %s in %s", folder, config.architecture,

@@ -39,11 +39,26 @@ def prepare_fp8_layers(model: nn.Module, scheme: Fp8Scheme) -> list[str]:
     return names
 
 
-def finish_fp8_layers(model: nn.Module) -> None:
-    """After the checkpoint's tensors are assigned: scales in their runtime form."""
-    for module in model.modules():
-        if isinstance(module, Fp8Linear):
-            module.finish_loading()
+def finish_fp8_layers(model: nn.Module, dtype: torch.dtype) -> int:
+    """After the checkpoint's tensors are assigned: scales in their runtime form. On a GPU,
+    layers the FP8 kernels do not take (block scales, per-group activations) are dequantized
+    once into plain `dtype` layers: exact, at BF16's speed. Returns how many were."""
+    num_dense = 0
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, Fp8Linear):
+            continue
+        module.finish_loading()
+        if module.weight.is_cuda and not module.runs_fp8_kernels:
+            dense = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
+                              device="meta")
+            dense.weight = nn.Parameter(module.dequantized_weight(dtype), requires_grad=False)
+            dense.bias = module.bias
+            _replace(model, name, dense)
+            num_dense += 1
+    if num_dense:
+        log.warning("%d block-scaled FP8 layers dequantized to %s: the GPU kernels take per-channel "
+                    "scales only", num_dense, dtype)
+    return num_dense
 
 
 @torch.no_grad()

@@ -46,6 +46,12 @@ class Fp8Linear(nn.Module):
     def is_per_channel(self) -> bool:
         return self.block == (1, self.in_features)
 
+    @property
+    def runs_fp8_kernels(self) -> bool:
+        """Whether the GPU's FP8 GEMMs take this layer (per-channel scales, activations per
+        token or tensor); else the reference computes it."""
+        return self.is_per_channel and self.group is None
+
     @torch.no_grad()
     def finish_loading(self) -> None:
         """Per-tensor scale -> per-channel (the same number on every row); scales 2-D."""
@@ -78,7 +84,7 @@ class Fp8Linear(nn.Module):
         return dequantize(self.weight, self.weight_scale, self.block).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and self.is_per_channel and self.group is None:
+        if x.is_cuda and self.runs_fp8_kernels:
             from generation_service.kernels.fp8_gemm import fp8_linear
             return fp8_linear(x, self.fp8_weight(), self.bias)
         return self.reference(x)
