@@ -29,6 +29,11 @@ SERVE_SETTINGS = SettingsTable("structgen serve", (
         Setting("device", "torch device: cpu, cuda, cuda:1", chart=False),
         Setting("dtype", "float32, bfloat16, float16, or auto (the checkpoint's)", none_word="auto",
                 choices=(*DTYPES, "auto")),
+        Setting("quantization", "fp8: quantize the linear layers to FP8 e4m3 at load (per-channel weight scales, "
+                "dynamic per-token activation scales); unset: as the checkpoint is (FP8 checkpoints load as FP8)",
+                none_word="none", choices=("fp8", "none")),
+        Setting("kv-cache-dtype", "KV-cache element type: auto (the model's dtype) or fp8 (e4m3 with per-layer "
+                "scales: twice the pages in the same memory)", choices=("auto", "fp8")),
         Setting("max-batch", "most requests decoded together", minimum=1,
                 deprecated_env=("STRUCTGEN_MAX_BATCH_SIZE",)),
         Setting("max-waiting", "queued requests beyond which Generate is RESOURCE_EXHAUSTED", minimum=1,

@@ -9,6 +9,10 @@ class EngineConfig:
     model: str = "default"             # checkpoint dir | "default" | "random:<preset>"
     device: str = "cpu"
     dtype: str | None = None           # None: the checkpoint's dtype
+    quantization: str | None = None    # "fp8": linear layers quantized to FP8 at load (model/quantization/);
+                                       # an FP8 checkpoint is FP8 either way
+    kv_cache_dtype: str = "auto"       # "fp8": KV pages in e4m3 with per-layer scales, twice the pages;
+                                       # "auto": the model's dtype
     max_batch: int = 32                # rows per forward (running requests)
     max_waiting: int = 256             # queued new requests; beyond: QueueFullError
     page_size: int = 16                # tokens per KV page
@@ -76,6 +80,13 @@ class EngineConfig:
         if self.tensor_parallel > 1 and self.runner == "cuda_graph":
             raise ValueError("runner cuda_graph does not run tensor parallel yet (its graphs capture no "
                              "collectives): use runner auto or eager with tensor_parallel > 1")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be fp8 or unset, got {self.quantization!r}")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
+        if self.tensor_parallel > 1 and (self.quantization or self.kv_cache_dtype != "auto"):
+            raise ValueError("FP8 (quantization, kv_cache_dtype) does not run tensor parallel yet: "
+                             "use tensor_parallel 1")
         if self.channel_depth < 3:
             raise ValueError(f"channel_depth must be >= 3, got {self.channel_depth}")
 

@@ -21,6 +21,10 @@ producer (o_proj, down) adds the residual and sums squares, the consumer (gate_u
 qkv) normalises. Launches per layer: add+norm, qkv, rope+kv write, attention (2), o_proj,
 add+norm, gate_up (+ silu*mul on cuBLAS), down: 9-10; each folded norm one fewer (7 at one row
 on the 8B and 1B shapes, where all four projections run Triton; `gemv_plan` says which).
+FP8 models (`model/quantization/`): each projection an `Fp8Weight` (q/k/v and gate/up stacked
+with their per-channel scales); cuBLAS's place is `kernels/fp8_gemm.py` (torch._scaled_mm),
+the GEMV buckets run `kernels/gemv.py` on FP8 rows; norms stay kernels (an FP8 weight cannot
+carry a norm weight without a second rounding).
 """
 from __future__ import annotations
 
@@ -33,6 +37,8 @@ import torch.nn.functional as F
 from generation_service.engine.cuda_graphs import DecodeBuffers
 from generation_service.engine.kv_cache import KVCache
 from generation_service.model.layers import apply_rope
+from generation_service.model.quantization.linear import Fp8Linear
+from generation_service.model.quantization.weight import Fp8Weight
 
 
 @dataclass
@@ -50,9 +56,9 @@ class LayerWeights:
     norms_folded: qkv carries input_layernorm's weight and gate_up post_attention_layernorm's
     (W * g, `fuse_layer_weights`), so the norms in front of them run without a weight."""
 
-    qkv: torch.Tensor
+    qkv: torch.Tensor | Fp8Weight
     qkv_bias: torch.Tensor | None
-    gate_up: torch.Tensor
+    gate_up: torch.Tensor | Fp8Weight
     norms_folded: bool = False
 
 
@@ -71,20 +77,37 @@ class Projections:
     fold_input_norm: bool = False  # down -> the next layer's input_layernorm -> qkv (not layer 0)
 
 
-def _cublas_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def _cublas_linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None,
                    rms=None) -> torch.Tensor:
     assert rms is None, "a folded RMSNorm runs in Triton GEMMs only"
+    if isinstance(weight, Fp8Weight):
+        from generation_service.kernels.fp8_gemm import fp8_linear
+        return fp8_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
-def _cublas_gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor, rms=None) -> torch.Tensor:
+def _cublas_gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor | Fp8Weight, rms=None) -> torch.Tensor:
     from generation_service.kernels.decode_fused import silu_mul
     assert rms is None, "a folded RMSNorm runs in Triton GEMMs only"
-    return silu_mul(F.linear(x, gate_up))
+    return silu_mul(_cublas_linear(x, gate_up, None))
+
+
+def projection_weight(linear: torch.nn.Module) -> torch.Tensor | Fp8Weight:
+    """What the GEMMs take for one of the model's linear layers."""
+    return linear.fp8_weight() if isinstance(linear, Fp8Linear) else linear.weight  # (block-scaled: dense at load)
 
 
 CUBLAS = Projections(_cublas_linear, _cublas_gate_up_silu)  # every GEMM on cuBLAS (any rows)
 PLAN_NAMES = ("input_norm", "qkv", "o_proj", "post_attention_norm", "gate_up_silu", "down", "lm_head")
+
+
+def _stack(linears: list[torch.nn.Module]) -> torch.Tensor | Fp8Weight:
+    """Projections of one input stacked along N: FP8 with their scales where all are FP8 layers
+    the kernels take, else dense (an FP8 layer among them dequantized once)."""
+    if all(isinstance(p, Fp8Linear) and p.runs_fp8_kernels for p in linears):
+        return Fp8Weight.cat([p.fp8_weight() for p in linears])
+    dtype = next((p.weight.dtype for p in linears if not isinstance(p, Fp8Linear)), torch.bfloat16)
+    return torch.cat([p.dequantized_weight(dtype) if isinstance(p, Fp8Linear) else p.weight for p in linears])
 
 
 def fuse_layer_weights(model, *, fold_norms: bool = False) -> list[LayerWeights]:
@@ -99,6 +122,11 @@ def fuse_layer_weights(model, *, fold_norms: bool = False) -> list[LayerWeights]
             bias = None
             if a.q_proj.bias is not None:
                 bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+            if any(isinstance(p, Fp8Linear) for p in (a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj)):
+                # FP8: stacked with their scales, the norms unfolded
+                fused.append(LayerWeights(_stack([a.q_proj, a.k_proj, a.v_proj]), bias,
+                                          _stack([m.gate_proj, m.up_proj])))
+                continue
             qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
             gate_up = torch.cat([m.gate_proj.weight, m.up_proj.weight])
             if fold_norms:  # (N, K) * (K,): in fp32, one rounding
@@ -191,9 +219,9 @@ class DecodeForward:
         from generation_service.kernels.gemv import measured_config
         layer, w = self.model.model.layers[0], self.weights[0]
         return {"qkv": measured_config(bucket, w.qkv),
-                "o_proj": measured_config(bucket, layer.self_attn.o_proj.weight),
+                "o_proj": measured_config(bucket, projection_weight(layer.self_attn.o_proj)),
                 "gate_up_silu": measured_config(bucket, w.gate_up, fused=True),
-                "down": measured_config(bucket, layer.mlp.down_proj.weight),
+                "down": measured_config(bucket, projection_weight(layer.mlp.down_proj)),
                 "lm_head": measured_config(bucket, self.model.output_weight)}
 
     def gemv_plan(self, bucket: int) -> dict[str, str]:
@@ -219,7 +247,7 @@ class DecodeForward:
 
         def attend(q: torch.Tensor, index: int) -> torch.Tensor:
             return self.attention.decode(q, kv.k[index], kv.v[index], meta, scale,
-                                         sliding_window=cfg.sliding_window)
+                                         sliding_window=cfg.sliding_window, **kv.scales(index))
         return attend
 
     def tokens(self, ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
@@ -276,7 +304,7 @@ class DecodeForward:
             layer, w = layers[index], self.weights[index]
             qkv = proj.linear(x, w.qkv, w.qkv_bias, rms)
             q = rope_write_kv(qkv, cos, sin, kv.k[index], kv.v[index], slot_ids,
-                              cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+                              cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, **kv.scales(index))
             o = attend(q, index)
             x, residual, rms = self._add_norm(proj, proj.fold_post_norm, o.view(num_tokens, q_dim),
                                               layer.self_attn.o_proj, residual, post_norm)
@@ -290,7 +318,7 @@ class DecodeForward:
         if logits_indices is not None:  # per token from here on: only the rows that sample
             act, residual = act[logits_indices], residual[logits_indices]
         # the final norm keeps its weight: the LM head's weight may be the (tied) embedding
-        x, _ = add_rmsnorm(proj.linear(act, down_proj.weight, down_proj.bias), residual,
+        x, _ = add_rmsnorm(proj.linear(act, projection_weight(down_proj), down_proj.bias), residual,
                            m.model.norm.weight, eps)
         if before_head is not None:
             before_head()
@@ -314,7 +342,7 @@ class DecodeForward:
         if fold:
             h, rms = proj.add_residual(x, linear.weight, linear.bias, residual, eps)
             return h, h, rms
-        delta = proj.linear(x, linear.weight, linear.bias)
+        delta = proj.linear(x, projection_weight(linear), linear.bias)
         normed, h = add_rmsnorm(delta, residual, norm_weight, eps)
         return normed, h, None
 
@@ -336,7 +364,7 @@ class DecodeForward:
             x = layer.input_layernorm(hidden)
             if self.weights is not None:
                 w = self.weights[index]
-                q, k, v = F.linear(x, w.qkv, w.qkv_bias).split([q_dim, kv_dim, kv_dim], dim=-1)
+                q, k, v = _cublas_linear(x, w.qkv, w.qkv_bias).split([q_dim, kv_dim, kv_dim], dim=-1)
             else:
                 q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
             q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)  # (T, Hq, D)
@@ -345,12 +373,12 @@ class DecodeForward:
             if cfg.qk_norm:
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            self.attention.write_kv(k.contiguous(), v, kv.k[index], kv.v[index], slot_ids)
+            self.attention.write_kv(k.contiguous(), v, kv.k[index], kv.v[index], slot_ids, **kv.scales(index))
             o = attend(q.contiguous(), index)
             hidden = hidden + attn.o_proj(o.reshape(num_tokens, q_dim))
             x = layer.post_attention_layernorm(hidden)
             if self.weights is not None:
-                gate, up = F.linear(x, self.weights[index].gate_up).chunk(2, dim=-1)
+                gate, up = _cublas_linear(x, self.weights[index].gate_up, None).chunk(2, dim=-1)
                 hidden = hidden + layer.mlp.down_proj(F.silu(gate) * up)
             else:
                 hidden = hidden + layer.mlp(x)

@@ -45,7 +45,7 @@ from generation_service.engine.errors import (
 from generation_service.engine.events import FinishReason
 from generation_service.engine.grammar_link import GrammarControl, GrammarLink, LinkRow, StepMasks
 from generation_service.engine.fed_back import FED_BACK_TOKEN, FedBack
-from generation_service.engine.kv_cache import KVCache, PageAllocator, num_pages_for
+from generation_service.engine.kv_cache import KVCache, PageAllocator, kv_cache_dtype, num_pages_for
 from generation_service.engine.late_mask import HeldGraphs
 from generation_service.engine.lifecycle import RequestTable
 from generation_service.engine.mixed_steps import MixedSteps
@@ -94,12 +94,13 @@ class Engine:
             from generation_service.parallel.loading import load_shard
             loaded = load_shard(config.model, current_group(), config.dtype, config.seed)
         else:
-            loaded = load_model(config.model, device=config.device, dtype=config.dtype, seed=config.seed)
+            loaded = load_model(config.model, device=config.device, dtype=config.dtype, seed=config.seed,
+                                quantization=config.quantization)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_name = config.model if loaded.path is None else loaded.path.rstrip("/").split("/")[-1]
         mc = loaded.config
-        dtype = next(loaded.model.parameters()).dtype
+        dtype = kv_cache_dtype(config.kv_cache_dtype, next(loaded.model.parameters()).dtype)  # embeddings first
         self.runner_name = resolve_runner(config.runner, config.device, config.tensor_parallel)
         num_pages = config.num_pages or self._num_pages_from_budget(mc, dtype, loaded.model)
         # the model's own KV heads: a tensor-parallel shard caches only its part

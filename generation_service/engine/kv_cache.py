@@ -8,6 +8,10 @@ at offset ``p % page_size``.
 Page 0 is the reserved *dummy page*: padding rows of a batch (CUDA-graph buckets) have
 all-zero page tables, so their writes land there and never touch a live request's pages.
 The allocator therefore hands out ids 1..num_pages-1 only.
+
+FP8 pages (`kv_cache_dtype="fp8"`): e4m3 with one scale per layer for K and one for V
+(value = stored * scale); writers divide by the scale and saturate at +-448 (e4m3fn has no
+inf), readers multiply. Scales are 1.0 unless the checkpoint calibrated them.
 """
 
 from __future__ import annotations
@@ -20,6 +24,39 @@ import numpy as np
 import torch
 
 DUMMY_PAGE = 0
+KV_FP8 = torch.float8_e4m3fn
+KV_FP8_MAX = float(torch.finfo(KV_FP8).max)
+KV_DTYPES = ("auto", "fp8")
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The pages' element type: "auto" the model's, "fp8" e4m3."""
+    if name not in KV_DTYPES:
+        raise ValueError(f"kv cache dtype must be one of {', '.join(KV_DTYPES)}, got {name!r}")
+    return KV_FP8 if name == "fp8" else model_dtype
+
+
+def to_cache(values: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """K or V as the cache stores them (the torch writers; the kernels do the same)."""
+    if dtype != KV_FP8:
+        return values.to(dtype)
+    # times the fp32 inverse, as the kernels compute it: the same e4m3 bits
+    return (values.float() * (1.0 / scale)).clamp(-KV_FP8_MAX, KV_FP8_MAX).to(KV_FP8)
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """FP8 pages as uint8 for indexing: torch's CPU index kernels do not take float8."""
+    return tensor.view(torch.uint8) if tensor.dtype == KV_FP8 else tensor
+
+
+def gather_pages(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """cache[index] for any page dtype."""
+    return as_bytes(cache)[index].view(cache.dtype)
+
+
+def from_cache(values: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """Cached K or V in `dtype` for the torch readers."""
+    return values.to(dtype) * scale if values.dtype == KV_FP8 else values.to(dtype)
 
 
 @dataclass(frozen=True)
@@ -28,6 +65,8 @@ class KVLayer:
 
     k: torch.Tensor  # (num_pages, page_size, num_kv_heads, head_dim)
     v: torch.Tensor  # (num_pages, page_size, num_kv_heads, head_dim)
+    k_scale: float = 1.0  # FP8 pages: value = stored * scale
+    v_scale: float = 1.0
 
     @property
     def page_size(self) -> int:
@@ -53,9 +92,15 @@ class KVCache:
         shape = (num_pages, page_size, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.k_scales = [1.0] * num_layers  # per layer (FP8 pages; 1.0 otherwise)
+        self.v_scales = [1.0] * num_layers
 
     def layer(self, index: int) -> KVLayer:
-        return KVLayer(self.k[index], self.v[index])
+        return KVLayer(self.k[index], self.v[index], self.k_scales[index], self.v_scales[index])
+
+    def scales(self, index: int) -> dict[str, float]:
+        """Layer `index`'s scales as the attention kernels take them (k_scale=, v_scale=)."""
+        return {"k_scale": self.k_scales[index], "v_scale": self.v_scales[index]}
 
     @property
     def num_bytes(self) -> int:

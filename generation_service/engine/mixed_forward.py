@@ -120,13 +120,14 @@ class MixedAttention:
         """q (T, Hq, D) of every new token, rotated, its K/V in the cache -> (T, Hq, D)."""
         q = q.contiguous()
         out = torch.empty_like(q)
-        k, v, d = self.kv.k[index], self.kv.v[index], self.num_decode
+        k, v, d, scales = self.kv.k[index], self.kv.v[index], self.num_decode, self.kv.scales(index)
         if d:
             self.attention.decode(q[:d], k, v, self.decode_meta, self.scale, sliding_window=self.window,
-                                  out=out[:d])
+                                  out=out[:d], **scales)
         if self.num_rows > d:
             self.attention.extend(q[d:], k, v, self.extend_meta, self.scale, max_extend_len=self.max_extend_len,
-                                  sliding_window=self.window, out=out[d:], extend_start=self.extend_start)
+                                  sliding_window=self.window, out=out[d:], extend_start=self.extend_start,
+                                  **scales)
         return out
 
 

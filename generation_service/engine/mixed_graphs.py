@@ -127,13 +127,14 @@ class MixedGraphs:
         def attend(q: torch.Tensor, index: int) -> torch.Tensor:
             q = q.contiguous()
             out = torch.zeros_like(q)
-            k, v = kv.k[index], kv.v[index]
+            k, v, scales = kv.k[index], kv.v[index], kv.scales(index)
             decode_attention(q[:decode_rows], k, v, int32s["page_table"][:decode_rows],
                              int32s["decode_seq_lens"][:decode_rows], scale, out=out[:decode_rows],
-                             sliding_window=window)
+                             sliding_window=window, **scales)
             extend_attention_tiles(q, k, v, int32s["page_table"], int32s["seq_lens"], int32s["extend_lens"],
                                    ints["extend_start"], ints["tile_rows"][:num_tiles],
-                                   ints["tile_blocks"][:num_tiles], scale, block_m, out, sliding_window=window)
+                                   ints["tile_blocks"][:num_tiles], scale, block_m, out, sliding_window=window,
+                                   **scales)
             return out
         return attend
 

@@ -213,7 +213,7 @@ class VerifyGraphs:
 
         def attend(q: torch.Tensor, index: int) -> torch.Tensor:
             return attention.extend(q, kv.k[index], kv.v[index], meta, scale, max_extend_len=self.width,
-                                    sliding_window=cfg.sliding_window)
+                                    sliding_window=cfg.sliding_window, **kv.scales(index))
         return attend
 
     def body(self, bucket: int, variant: GraphVariant) -> None:

@@ -11,7 +11,8 @@ the step channel's inputs_seq), step_epilogue (the bookkeeping after sampling, o
 mask_gather (the step's masks from the mapped ring), sysmem (their system-scope fence and
 store), stamp (GPU timestamps around a step's mask wait: diagnostics), gemv
 (skinny GEMMs for decode buckets <= 8 and the measured Triton/cuBLAS choice per projection),
-pdl (programmatic dependent launch: the decode forward's kernels overlap their launches).
+pdl (programmatic dependent launch: the decode forward's kernels overlap their launches),
+fp8_gemm (FP8 projections: activations quantized per token, torch._scaled_mm).
 NOTES.md: floors and measurements.
 """
 from __future__ import annotations

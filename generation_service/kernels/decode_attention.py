@@ -14,7 +14,9 @@ launch is CUDA-graph safe; a split whose slice is empty writes LSE = -inf and is
 A row with ``seq_len == 0`` (a padding row) gets an all-zero output.
 
 Cache layout: k/v each (num_pages, page_size, num_kv_heads, head_dim), last dim
-contiguous; page_table (B, max_pages) int32, unused entries 0 (the dummy page).
+contiguous; page_table (B, max_pages) int32, unused entries 0 (the dummy page). FP8 pages
+(engine/kv_cache.py) are widened to q's dtype as they are loaded: k's scale folds into
+sm_scale, v's into the output (both are linear in it).
 """
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ import math
 import torch
 import triton
 import triton.language as tl
+
+from generation_service.engine.kv_cache import from_cache, gather_pages
 
 from .pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 
@@ -34,7 +38,7 @@ _NUM_SMS_FALLBACK = 132  # H200; used when no CUDA device is visible (interprete
 @triton.jit(do_not_specialize=["stride_ptb", "max_pages"])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr, out_ptr,
-    sm_scale, window,
+    sm_scale, v_scale, window,
     stride_qb, stride_qh,
     stride_kp, stride_ks, stride_kh,
     stride_vp, stride_vs, stride_vh,
@@ -79,7 +83,7 @@ def _decode_split_kernel(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_ptr + page[:, None] * stride_kp + slot[:, None] * stride_ks
                     + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)  # (N, D)
-        qk = tl.dot(q, tl.trans(k)) * sm_scale  # (H, N)
+        qk = tl.dot(q, tl.trans(k.to(q.dtype))) * sm_scale  # (H, N)
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp(m_i - m_new)
@@ -87,13 +91,13 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + page[:, None] * stride_vp + slot[:, None] * stride_vs
                     + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m_i = m_new
 
     pdl_launch_dependents(PDL)  # the KV walk is done: the next kernel may launch
     # Empty slice: l_i == 0, m_i == -inf -> o = 0, lse = -inf (ignored by the reduce).
     l_safe = tl.where(l_i > 0, l_i, 1.0)
-    o = acc / l_safe[:, None]
+    o = acc / l_safe[:, None] * v_scale
     if NUM_SPLITS == 1:  # nothing to merge: write the output, skip the reduce launch
         tl.store(out_ptr + b * stride_outb + head[:, None] * stride_outh + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
@@ -157,9 +161,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      page_table: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
                      num_splits: int | None = None, out: torch.Tensor | None = None,
                      block_n: int = 64, sliding_window: int | None = None,
-                     num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                     num_warps: int = 4, num_stages: int = 2, k_scale: float = 1.0,
+                     v_scale: float = 1.0) -> torch.Tensor:
     """q (B, Hq, D) -> out (B, Hq, D) attending to the first seq_lens[b] cached tokens
-    (only the last ``sliding_window`` of them when set)."""
+    (only the last ``sliding_window`` of them when set); k_scale / v_scale: an FP8 cache's."""
     batch, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     assert num_q_heads % num_kv_heads == 0 and k_cache.stride(-1) == 1 and q.stride(-1) == 1
@@ -177,8 +182,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     # tl.dot needs M >= 16 on the GPU; the padded head rows are masked out.
     block_h = max(16, triton.next_power_of_2(group))
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, page_table, seq_lens, part_o, part_lse, out, sm_scale,
-        sliding_window or 0, q.stride(0), q.stride(1),
+        q, k_cache, v_cache, page_table, seq_lens, part_o, part_lse, out, sm_scale * k_scale,
+        v_scale, sliding_window or 0, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         page_table.stride(0), page_table.shape[1],
@@ -206,13 +211,14 @@ def gather_kv(cache: torch.Tensor, page_table_row: torch.Tensor, length: int) ->
     page_size = cache.shape[1]
     num_pages = -(-length // page_size)
     pages = page_table_row[:num_pages].long()
-    return cache[pages].reshape(num_pages * page_size, *cache.shape[2:])[:length]
+    return gather_pages(cache, pages).reshape(num_pages * page_size, *cache.shape[2:])[:length]
 
 
 def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            page_table: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
                            compute_dtype: torch.dtype = torch.float32,
-                           sliding_window: int | None = None) -> torch.Tensor:
+                           sliding_window: int | None = None, k_scale: float = 1.0,
+                           v_scale: float = 1.0) -> torch.Tensor:
     """Reference: gather every row's pages up to the longest row, masked softmax.
 
     Reads seq_lens on the host (a sync): a reference, not for graphs.
@@ -225,15 +231,15 @@ def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return torch.zeros_like(q)
     num_pages = -(-max_len // page_size)
     pages = page_table[:, :num_pages].long()
-    k = k_cache[pages].reshape(batch, num_pages * page_size, num_kv_heads, head_dim)
-    v = v_cache[pages].reshape(batch, num_pages * page_size, num_kv_heads, head_dim)
+    k = gather_pages(k_cache, pages).reshape(batch, num_pages * page_size, num_kv_heads, head_dim)
+    v = gather_pages(v_cache, pages).reshape(batch, num_pages * page_size, num_kv_heads, head_dim)
     qg = q.to(compute_dtype).view(batch, num_kv_heads, group, head_dim)
-    scores = torch.einsum("bhgd,blhd->bhgl", qg, k.to(compute_dtype)) * sm_scale
+    scores = torch.einsum("bhgd,blhd->bhgl", qg, from_cache(k, compute_dtype, k_scale)) * sm_scale
     pos = torch.arange(num_pages * page_size, device=q.device)
     valid = pos[None, :] < seq_lens[:, None].to(pos.dtype)  # (B, L)
     if sliding_window:
         valid &= pos[None, :] >= seq_lens[:, None].to(pos.dtype) - sliding_window
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # empty rows -> 0
-    out = torch.einsum("bhgl,blhd->bhgd", probs, v.to(compute_dtype))
+    out = torch.einsum("bhgl,blhd->bhgd", probs, from_cache(v, compute_dtype, v_scale))
     return out.reshape(batch, num_q_heads, head_dim).to(q.dtype)

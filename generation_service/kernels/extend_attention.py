@@ -17,6 +17,7 @@ host int so the launch is graph safe (programs past a row's extent return at onc
 captured mixed steps (engine/mixed_graphs.py) cannot bound a row's length below the whole step's
 tokens, which would launch B x T x GROUP / BLOCK_M programs mostly to return: they launch
 `extend_attention_tiles` instead, one program per (tile of a host-made list, kv head).
+FP8 pages are read as decode_attention reads them (k's scale in sm_scale, v's on the output).
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
+
+from generation_service.engine.kv_cache import from_cache
 
 from .decode_attention import gather_kv
 
@@ -60,7 +63,7 @@ def _attend_block(q, m_i, l_i, acc, k_ptr, v_ptr, pt_row, n0, kv_end, q_pos, fir
     kv_mask = n_mask[:, None] & d_mask[None, :]
     k = tl.load(k_ptr + page[:, None] * stride_kp + slot[:, None] * stride_ks
                 + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-    qk = tl.dot(q, tl.trans(k)) * sm_scale  # (M, N)
+    qk = tl.dot(q, tl.trans(k.to(q.dtype))) * sm_scale  # (M, N)
     if MASKED:
         visible = ((offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
                    & (offs_n[None, :] >= first_visible[:, None]))
@@ -73,7 +76,7 @@ def _attend_block(q, m_i, l_i, acc, k_ptr, v_ptr, pt_row, n0, kv_end, q_pos, fir
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_ptr + page[:, None] * stride_vp + slot[:, None] * stride_vs
                 + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
     return m_new, l_i, acc
 
 
@@ -82,7 +85,7 @@ def _attend_block(q, m_i, l_i, acc, k_ptr, v_ptr, pt_row, n0, kv_end, q_pos, fir
 @triton.jit(do_not_specialize=["batch", "num_tokens", "stride_ptb", "max_pages"])
 def _extend_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, page_table_ptr, seq_lens_ptr, extend_lens_ptr,
-    extend_start_ptr, sm_scale, window, batch, num_tokens,
+    extend_start_ptr, sm_scale, v_scale, window, batch, num_tokens,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kp, stride_ks, stride_kh,
     stride_vp, stride_vs, stride_vh,
@@ -149,7 +152,7 @@ def _extend_kernel(
             sm_scale, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
             max_pages, offs_d, d_mask, True, BLOCK_N, PAGE_SIZE)
 
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale
     tl.store(o_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh
              + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=q_mask)
 
@@ -160,7 +163,8 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      max_extend_len: int | None = None, out: torch.Tensor | None = None,
                      block_m: int | None = None, block_n: int = 64,
                      sliding_window: int | None = None, num_warps: int | None = None,
-                     num_stages: int = 2, extend_start: torch.Tensor | None = None) -> torch.Tensor:
+                     num_stages: int = 2, extend_start: torch.Tensor | None = None,
+                     k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """q (T, Hq, D) ragged new tokens -> out (T, Hq, D).
 
     Pass ``max_extend_len`` (an upper bound on extend_lens) under CUDA graphs; without it
@@ -188,8 +192,8 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         num_warps = 8 if block_m >= 128 else 4
     grid = (batch + 1, num_kv_heads, triton.cdiv(rows, block_m))  # + 1: padding tail
     _extend_kernel[grid](
-        q, k_cache, v_cache, out, page_table, seq_lens, extend_lens, extend_start, sm_scale,
-        sliding_window or 0, batch, num_tokens, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        q, k_cache, v_cache, out, page_table, seq_lens, extend_lens, extend_start, sm_scale * k_scale,
+        v_scale, sliding_window or 0, batch, num_tokens, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         page_table.stride(0), page_table.shape[1], extend_lens, extend_lens,
@@ -221,7 +225,8 @@ def extend_attention_tiles(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            extend_start: torch.Tensor, tile_rows: torch.Tensor, tile_blocks: torch.Tensor,
                            sm_scale: float, block_m: int, out: torch.Tensor, block_n: int = 64,
                            sliding_window: int | None = None, num_warps: int | None = None,
-                           num_stages: int | None = None) -> torch.Tensor:
+                           num_stages: int | None = None, k_scale: float = 1.0,
+                           v_scale: float = 1.0) -> torch.Tensor:
     """`extend_attention` over a host-made tile list (`tile_array`, padded with row -1): one
     program per (tile, kv head), so the grid is fixed by the list's length, not by the rows'
     lengths -- graph safe for any mix of rows up to that many tiles. extend_start (B,) int64:
@@ -236,8 +241,8 @@ def extend_attention_tiles(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         num_stages = 1 if head_dim <= 64 else 2
     # kv heads on axis 0: programs start tile by tile, in the list's order (tile_array)
     _extend_kernel[(num_kv_heads, tile_rows.shape[0], 1)](
-        q, k_cache, v_cache, out, page_table, seq_lens, extend_lens, extend_start, sm_scale,
-        sliding_window or 0, seq_lens.shape[0], num_tokens, q.stride(0), q.stride(1), out.stride(0),
+        q, k_cache, v_cache, out, page_table, seq_lens, extend_lens, extend_start, sm_scale * k_scale,
+        v_scale, sliding_window or 0, seq_lens.shape[0], num_tokens, q.stride(0), q.stride(1), out.stride(0),
         out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         page_table.stride(0), page_table.shape[1], tile_rows, tile_blocks,
@@ -252,7 +257,8 @@ def extend_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            page_table: torch.Tensor, seq_lens: torch.Tensor,
                            extend_lens: torch.Tensor, sm_scale: float,
                            compute_dtype: torch.dtype = torch.float32,
-                           sliding_window: int | None = None) -> torch.Tensor:
+                           sliding_window: int | None = None, k_scale: float = 1.0,
+                           v_scale: float = 1.0) -> torch.Tensor:
     """Reference: one row at a time, explicit causal mask over the absolute positions."""
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
@@ -262,8 +268,8 @@ def extend_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     for b, (seq_len, ext) in enumerate(zip(seq_lens.tolist(), extend_lens.tolist())):
         if ext == 0:
             continue
-        k = gather_kv(k_cache, page_table[b], seq_len).to(compute_dtype)  # (L, Hkv, D)
-        v = gather_kv(v_cache, page_table[b], seq_len).to(compute_dtype)
+        k = from_cache(gather_kv(k_cache, page_table[b], seq_len), compute_dtype, k_scale)  # (L, Hkv, D)
+        v = from_cache(gather_kv(v_cache, page_table[b], seq_len), compute_dtype, v_scale)
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
         qb = q[start:start + ext].to(compute_dtype)  # (E, Hq, D)

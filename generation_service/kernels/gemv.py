@@ -39,6 +39,12 @@ mostly losing and cuBLAS winning some shapes outright (qkv, down), so the choice
 NOTE: the winners run fewer, larger programs than the "2 programs per SM" rule above suggests
 (8B o_proj: BLOCK_N 32 = 128 programs), so that rule is a starting point, not a law.
 Used by `engine/decode_forward.py` for buckets <= `gemv_max_batch`.
+
+FP8 weights (`Fp8Weight`: e4m3 rows, one fp32 scale per output channel): the same kernels
+stream W at one byte an element, widen each tile to x's dtype in registers, and scale the fp32
+accumulators by the rows' scales after the K loop (W_SCALE); x stays in its dtype (decode runs
+W8A16; the prefill GEMMs quantize activations too, `fp8_gemm.py`). `linear` / `gate_up_silu`
+take them with FP8_CONFIGS, which no table measured yet.
 """
 from __future__ import annotations
 
@@ -49,6 +55,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from generation_service.model.quantization.weight import Fp8Weight
 
 from .decode_fused import silu_mul
 from .pdl import pdl_launch, pdl_launch_dependents, pdl_on, pdl_wait
@@ -141,12 +149,28 @@ PDL_M1: dict[tuple[int, int, bool], GemvConfig] = {
 }
 
 
-def measured_config(m: int, weight: torch.Tensor, *, fused: bool = False,
+# FP8 weights (half the bytes of bf16): one row on CUDA cores as PDL_M1's bf16 winners, twice
+# their K tile for the same bytes a stage (8 warps: the same partials a thread); more rows the dot
+# kernel at the bf16 table's first guess, K tile doubled likewise. Not yet measured against alternatives.
+FP8_M1 = GemvConfig(8, 2048, num_warps=8, num_stages=3, use_dot=False)
+
+
+def fp8_config(m: int, n: int, k: int, *, fused: bool = False) -> GemvConfig:
+    if m == 1:
+        return dataclasses.replace(FP8_M1, block_k=FP8_M1.block_k // 2) if fused else FP8_M1
+    first = candidate_configs(m, n, k, fused=fused)[0]
+    return dataclasses.replace(first, block_k=2 * first.block_k)
+
+
+def measured_config(m: int, weight: torch.Tensor | Fp8Weight, *, fused: bool = False,
                     pdl: bool | None = None) -> GemvConfig | None:
     """The Triton config that beat cuBLAS on the H200 for x (m, K) @ weight^T (fused: weight is
     [gate; up] for gemv_gate_up_silu), or None (CUBLAS): cuBLAS won, or nobody measured it.
     pdl (default: whether this weight's kernels launch with PDL, `kernels.pdl.pdl_on`): one row
-    also takes PDL_M1's choices."""
+    also takes PDL_M1's choices. FP8 weights always run Triton (`fp8_config`)."""
+    if isinstance(weight, Fp8Weight):
+        n, k = weight.shape
+        return fp8_config(m, n // 2 if fused else n, k, fused=fused)
     if weight.dtype != torch.bfloat16:  # the table's numbers are bf16 only
         return CUBLAS
     key = (weight.shape[0], weight.shape[1], fused)
@@ -155,7 +179,7 @@ def measured_config(m: int, weight: torch.Tensor, *, fused: bool = False,
     return next((choice for max_m, choice in MEASURED.get(key, ()) if m <= max_m), CUBLAS)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+def linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None,
            rms: RowRms | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) by whichever of cuBLAS and `gemv` MEASURED says is faster here.
     rms: a folded RMSNorm's consumer (`gemv`): only where MEASURED picks Triton."""
@@ -166,7 +190,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return gemv(x, weight, bias, config=config, rms=rms)
 
 
-def gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor, rms: RowRms | None = None) -> torch.Tensor:
+def gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor | Fp8Weight, rms: RowRms | None = None) -> torch.Tensor:
     """silu_mul(F.linear(x, gate_up)), or the fused `gemv_gate_up_silu` where MEASURED says it is
     faster (its timing already includes the silu_mul launch it saves). rms: as `linear`'s."""
     config = measured_config(x.shape[0], gate_up, fused=True)
@@ -237,11 +261,11 @@ def _epilogue(acc_g, acc_u, bias_ptr, out_ptr, residual_ptr, sum_sq_ptr, offs_n,
 
 @triton.jit
 def _gemv_dot_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                     residual_ptr, sum_sq_ptr, stride_rm, num_sums, eps,
+                     residual_ptr, sum_sq_ptr, stride_rm, num_sums, eps, w_scale_ptr,
                      HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, EVEN: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      PDL: tl.constexpr, ADD_RESIDUAL: tl.constexpr, RMS_SCALE: tl.constexpr,
-                     BLOCK_S: tl.constexpr):
+                     BLOCK_S: tl.constexpr, W_SCALE: tl.constexpr):
     # swap-AB: W's tile is the MMA's A operand (K-major as stored), x^T its B operand;
     # rows of x beyond M load as zeros. EVEN: N % BLOCK_N == 0 and K % BLOCK_K == 0.
     # RMS_SCALE (a folded RMSNorm's consumer): x is the raw residual stream and W carries the
@@ -260,22 +284,28 @@ def _gemv_dot_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride
     acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        if EVEN:
+        if EVEN:  # .to(xt.dtype): FP8 tiles widened in registers (a no-op for bf16 W)
             xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
-            acc_g = tl.dot(tl.load(gate_ptrs, eviction_policy=EVICT), xt, acc_g)
+            acc_g = tl.dot(tl.load(gate_ptrs, eviction_policy=EVICT).to(xt.dtype), xt, acc_g)
             if SILU_MUL:
-                acc_u = tl.dot(tl.load(up_ptrs, eviction_policy=EVICT), xt, acc_u)
+                acc_u = tl.dot(tl.load(up_ptrs, eviction_policy=EVICT).to(xt.dtype), xt, acc_u)
         else:
             k_ok = offs_k < K - k0
             xt = tl.load(x_ptrs, mask=m_mask[None, :] & k_ok[:, None], other=0.0)
             w_mask = n_mask[:, None] & k_ok[None, :]
-            acc_g = tl.dot(tl.load(gate_ptrs, mask=w_mask, other=0.0, eviction_policy=EVICT), xt, acc_g)
+            acc_g = tl.dot(tl.load(gate_ptrs, mask=w_mask, other=0.0, eviction_policy=EVICT).to(xt.dtype),
+                           xt, acc_g)
             if SILU_MUL:
-                acc_u = tl.dot(tl.load(up_ptrs, mask=w_mask, other=0.0, eviction_policy=EVICT), xt, acc_u)
+                acc_u = tl.dot(tl.load(up_ptrs, mask=w_mask, other=0.0, eviction_policy=EVICT).to(xt.dtype),
+                               xt, acc_u)
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     pdl_launch_dependents(PDL)  # W is read: the next kernel may launch
+    if W_SCALE:  # FP8 rows' scales (up rows' after the N gate rows)
+        acc_g *= tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
+        if SILU_MUL:
+            acc_u *= tl.load(w_scale_ptr + N + offs_n, mask=n_mask, other=0.0)[:, None]
     if RMS_SCALE:
         inv_rms = _inv_rms(sum_sq_ptr, offs_m, m_mask, num_sums, K, eps, BLOCK_S)
         acc_g *= inv_rms[None, :]
@@ -286,10 +316,11 @@ def _gemv_dot_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride
 
 @triton.jit
 def _gemv_row_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_wn,
-                     residual_ptr, sum_sq_ptr, num_sums, eps,
+                     residual_ptr, sum_sq_ptr, num_sums, eps, w_scale_ptr,
                      HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, EVEN: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                     ADD_RESIDUAL: tl.constexpr, RMS_SCALE: tl.constexpr, BLOCK_S: tl.constexpr):
+                     ADD_RESIDUAL: tl.constexpr, RMS_SCALE: tl.constexpr, BLOCK_S: tl.constexpr,
+                     W_SCALE: tl.constexpr):
     # M = 1: fp32 products accumulate per (n, k) lane; the K reduction runs once, at the end.
     # ADD_RESIDUAL / RMS_SCALE: as in _gemv_dot_kernel.
     pdl_wait(PDL)  # before any global access (pdl.py)
@@ -318,6 +349,10 @@ def _gemv_row_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_wn,
     pdl_launch_dependents(PDL)  # W is read: the next kernel may launch
     offs_m = tl.arange(0, 1)
     gate, up = tl.sum(acc_g, axis=1)[:, None], tl.sum(acc_u, axis=1)[:, None]  # (BLOCK_N, 1)
+    if W_SCALE:
+        gate *= tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
+        if SILU_MUL:
+            up *= tl.load(w_scale_ptr + N + offs_n, mask=n_mask, other=0.0)[:, None]
     if RMS_SCALE:
         inv_rms = _inv_rms(sum_sq_ptr, offs_m, offs_m < 1, num_sums, K, eps, BLOCK_S)
         gate *= inv_rms[None, :]
@@ -326,13 +361,17 @@ def _gemv_row_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_wn,
               offs_m < 1, 0, 0, num_sums, HAS_BIAS, SILU_MUL, ADD_RESIDUAL)
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n_out: int,
+def _launch(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None, n_out: int,
             config: GemvConfig | None, silu_mul: bool, residual: torch.Tensor | None = None,
             rms: RowRms | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out, sum_sq): sum_sq (M, programs) fp32 with a residual (the producer), else None."""
     m, k = x.shape
     assert 1 <= m <= MAX_ROWS, f"gemv serves 1..{MAX_ROWS} rows, got {m}"
-    assert weight.shape[1] == k and x.dtype == weight.dtype
+    w_scale = None
+    if isinstance(weight, Fp8Weight):
+        config = config or measured_config(m, weight, fused=silu_mul)
+        weight, w_scale = weight.weight, weight.scale
+    assert weight.shape[1] == k and (x.dtype == weight.dtype or w_scale is not None)
     assert x.stride(1) == 1 and weight.stride(1) == 1 and (bias is None or bias.is_contiguous())
     assert residual is None or rms is None, "a GEMM either produces a RowRms or consumes one"
     cfg = (config or measured_config(m, weight, fused=silu_mul)
@@ -352,21 +391,22 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n_
                  EVEN=n_out % cfg.block_n == 0 and k % cfg.block_k == 0,
                  BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                  ADD_RESIDUAL=residual is not None, RMS_SCALE=rms is not None,
-                 BLOCK_S=triton.next_power_of_2(num_sums) if rms is not None else 1,
+                 BLOCK_S=triton.next_power_of_2(num_sums) if rms is not None else 1, W_SCALE=w_scale is not None,
                  num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x))
     # pointers the flags leave unread: any tensor of the launch
     bias_arg = bias if bias is not None else weight
     residual_arg = residual if residual is not None else out
     sum_sq_arg = sum_sq if sum_sq is not None else out
     eps = rms.eps if rms is not None else 0.0
+    w_scale_arg = w_scale if w_scale is not None else out
     if cfg.use_dot:
         _gemv_dot_kernel[grid](x, weight, bias_arg, out, m, n_out, k, x.stride(0),
                                weight.stride(0), out.stride(0), residual_arg, sum_sq_arg,
-                               residual_arg.stride(0), num_sums, eps, BLOCK_M=16, **flags)
+                               residual_arg.stride(0), num_sums, eps, w_scale_arg, BLOCK_M=16, **flags)
     else:
         assert m == 1, "the row kernel serves M = 1 only"
         _gemv_row_kernel[grid](x, weight, bias_arg, out, n_out, k, weight.stride(0),
-                               residual_arg, sum_sq_arg, num_sums, eps, **flags)
+                               residual_arg, sum_sq_arg, num_sums, eps, w_scale_arg, **flags)
     return out, sum_sq if residual is not None else None
 
 

@@ -30,6 +30,8 @@ Rooms, in the order a forward pass meets them:
 - ``layer_skip.py``   the layers self-speculative drafts skip: calibrated on real text
                       (``calibration/default.txt`` by default), cached per model.
 - ``reference_generate.py`` an eager greedy loop through the paged cache (tests, hand checks).
+- ``quantization/``   FP8 checkpoints (compressed-tensors, Hugging Face fp8) and --quantization fp8:
+                      Fp8Linear layers, their fp32 reference numerics, what the GPU kernels take.
 
 Invariants: ``model(batch, kv)`` returns fp32 logits (L, vocab_size) for ``batch.logits_indices``;
 it writes the new tokens' K/V before attending, so rows may mix prefill chunks and decode steps.

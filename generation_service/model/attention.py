@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from generation_service.engine.kv_cache import KVLayer
+from generation_service.engine.kv_cache import KVLayer, as_bytes, from_cache, gather_pages, to_cache
 from generation_service.model.forward_batch import ForwardBatch
 
 
@@ -26,18 +26,18 @@ def write_kv(kv_layer: KVLayer, k: torch.Tensor, v: torch.Tensor, batch: Forward
     page_size = kv_layer.page_size
     pages = batch.page_table[batch.token_rows, batch.positions // page_size].long()  # (T,)
     offsets = batch.positions % page_size  # (T,)
-    kv_layer.k[pages, offsets] = k.to(kv_layer.k.dtype)
-    kv_layer.v[pages, offsets] = v.to(kv_layer.v.dtype)
+    as_bytes(kv_layer.k)[pages, offsets] = as_bytes(to_cache(k, kv_layer.k.dtype, kv_layer.k_scale))
+    as_bytes(kv_layer.v)[pages, offsets] = as_bytes(to_cache(v, kv_layer.v.dtype, kv_layer.v_scale))
 
 
 def gather_row_kv(kv_layer: KVLayer, pages: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of positions 0..seq_len-1 of one row: two (seq_len, num_kv_heads, head_dim)."""
+    """Keys and values of positions 0..seq_len-1 of one row: two fp32 (seq_len, num_kv_heads, head_dim)."""
     num_kv_heads, head_dim = kv_layer.k.shape[2:]
     num_pages = -(-seq_len // kv_layer.page_size)
     used = pages[:num_pages].long()
-    k = kv_layer.k[used].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-    v = kv_layer.v[used].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-    return k, v
+    k = gather_pages(kv_layer.k, used).reshape(-1, num_kv_heads, head_dim)[:seq_len]
+    v = gather_pages(kv_layer.v, used).reshape(-1, num_kv_heads, head_dim)[:seq_len]
+    return from_cache(k, torch.float32, kv_layer.k_scale), from_cache(v, torch.float32, kv_layer.v_scale)
 
 
 def paged_attention_reference(

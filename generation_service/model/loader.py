@@ -23,6 +23,9 @@ from structgen.builtin_models import BUILTIN_MODELS, resolve_builtin
 from generation_service.model.config import ModelConfig, ModelLoadError, dtype_from_name, dtype_name
 from generation_service.model.gguf_reader import find_gguf_file
 from generation_service.model.presets import PRESETS
+from generation_service.model.quantization.apply import (
+    QUANTIZATION_METHODS, finish_fp8_layers, prepare_fp8_layers, quantize_model_)
+from generation_service.model.quantization.scheme import ONLINE_FP8, parse_quantization_config
 from generation_service.model.random_init import build_on_meta, build_random_model
 from generation_service.model.tokenizer import Tokenizer, load_tokenizer
 from generation_service.model.weights import load_weights
@@ -42,6 +45,11 @@ class LoadedModel:
 
 def read_config(config_path: pathlib.Path) -> ModelConfig:
     """ModelConfig from a config.json, with generation_config.json's EOS ids merged in."""
+    return parse_hf_config(read_raw_config(config_path), str(config_path))
+
+
+def read_raw_config(config_path: pathlib.Path) -> dict:
+    """config.json as a dict, with generation_config.json's EOS ids merged in."""
     if not config_path.is_file():
         raise ModelLoadError(f"{config_path}: missing (a checkpoint directory needs config.json, "
                              "*.safetensors and tokenizer.json)")
@@ -56,7 +64,7 @@ def read_config(config_path: pathlib.Path) -> ModelConfig:
             merged = [raw.get("eos_token_id")] if isinstance(raw.get("eos_token_id"), int) else list(raw.get("eos_token_id") or [])
             merged += [eos] if isinstance(eos, int) else list(eos)
             raw["eos_token_id"] = list(dict.fromkeys(merged))
-    return parse_hf_config(raw, str(config_path))
+    return raw
 
 
 def _resolve_dtype(dtype: torch.dtype | str | None, config: ModelConfig) -> torch.dtype:
@@ -95,24 +103,45 @@ def load_gguf(path: pathlib.Path, device: torch.device, dtype: torch.dtype | str
     return LoadedModel(model.eval(), config, tokenizer, str(path))
 
 
-def load_checkpoint(folder: pathlib.Path, device: torch.device, dtype: torch.dtype | str | None) -> LoadedModel:
+def load_checkpoint(folder: pathlib.Path, device: torch.device, dtype: torch.dtype | str | None,
+                    quantization: str | None = None) -> LoadedModel:
     if not folder.exists():
         raise ModelLoadError(f"{folder}: not found (--model takes a checkpoint folder, a .gguf file, "
                              f"random:<preset> or a built-in name: {', '.join(BUILTIN_MODELS)})")
     if not (folder / "config.json").is_file():
         gguf_path = find_gguf_file(folder)
         if gguf_path is not None:
-            return load_gguf(gguf_path, device, dtype)
+            return _quantized(load_gguf(gguf_path, device, dtype), quantization)
     if not folder.is_dir():
         raise ModelLoadError(f"{folder}: not a checkpoint folder or a .gguf file")
-    config = read_config(folder / "config.json")
+    raw = read_raw_config(folder / "config.json")
+    config = parse_hf_config(raw, str(folder / "config.json"))
+    scheme = parse_quantization_config(raw.get("quantization_config"), str(folder / "config.json"))
     torch_dtype = _resolve_dtype(dtype, config)
     tokenizer = load_tokenizer(folder, config.vocab_size)
     model = build_on_meta(config)
-    load_weights(model, folder, device, torch_dtype)
+    renames = {}
+    if scheme is not None:
+        names = prepare_fp8_layers(model, scheme)
+        renames = {f"{name}.weight_scale": f"{name}.{scheme.scale_name}" for name in names}
+    load_weights(model, folder, device, torch_dtype, renames)
+    if scheme is not None:
+        finish_fp8_layers(model, torch_dtype)
+        log.info("%s: %d FP8 linear layers (%s, %s weight scales, %s activations)", folder, len(names),
+                 scheme.source, scheme.weight_strategy, scheme.activation)
     log.info("loaded %s (%s, %.1fM parameters) on %s in %s", folder, config.architecture,
              config.num_parameters / 1e6, device, torch_dtype)
-    return LoadedModel(model.eval(), config, tokenizer, str(folder))
+    loaded = LoadedModel(model.eval(), config, tokenizer, str(folder))
+    return loaded if scheme is not None else _quantized(loaded, quantization)
+
+
+def _quantized(loaded: LoadedModel, quantization: str | None) -> LoadedModel:
+    """--quantization fp8 over a model loaded in its float dtype (a checkpoint that is FP8
+    already keeps its own scales)."""
+    if quantization is None:
+        return loaded
+    quantize_model_(loaded.model, ONLINE_FP8)
+    return loaded
 
 
 def load_random(spec: str, device: torch.device, dtype: torch.dtype | str | None, seed: int) -> LoadedModel:
@@ -136,14 +165,19 @@ def load_random(spec: str, device: torch.device, dtype: torch.dtype | str | None
 
 
 def load_model(source: str, *, device: torch.device | str = "cpu", dtype: torch.dtype | str | None = None,
-               seed: int = 0) -> LoadedModel:
+               seed: int = 0, quantization: str | None = None) -> LoadedModel:
     """The model named by ``source``; ``dtype`` None or "auto" keeps the checkpoint's (config.json "dtype").
+    ``quantization`` "fp8": the decoder's linear layers quantized to FP8 at load (an FP8
+    checkpoint is FP8 with or without it).
 
     Raises ModelLoadError with one message naming the file and what is wrong.
     """
+    if quantization not in (None, *QUANTIZATION_METHODS):
+        raise ModelLoadError(f"quantization {quantization!r} is not supported "
+                             f"(supported: {', '.join(QUANTIZATION_METHODS)})")
     device = torch.device(device)
     builtin = resolve_builtin(source)
     source = source if builtin is None else str(builtin)
     if source.startswith(RANDOM_PREFIX):
-        return load_random(source[len(RANDOM_PREFIX):], device, dtype, seed)
-    return load_checkpoint(pathlib.Path(source).expanduser(), device, dtype)
+        return _quantized(load_random(source[len(RANDOM_PREFIX):], device, dtype, seed), quantization)
+    return load_checkpoint(pathlib.Path(source).expanduser(), device, dtype, quantization)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import pathlib
 from contextlib import contextmanager
 
@@ -12,6 +13,7 @@ from safetensors import safe_open
 from torch import nn
 
 from generation_service.model.config import ModelLoadError
+from generation_service.model.quantization.fp8 import FP8_DTYPE
 
 log = logging.getLogger(__name__)
 
@@ -74,22 +76,38 @@ def names_by_file(folder: pathlib.Path, expected) -> dict[pathlib.Path, list[str
     return by_file
 
 
-def load_weights(model: nn.Module, folder: pathlib.Path, device: torch.device, dtype: torch.dtype) -> None:
+def _load_dtype(name: str, param: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    """FP8 weights stay FP8 and their scales fp32 (`model/quantization/`); the rest `dtype`."""
+    if param.dtype == FP8_DTYPE:
+        return FP8_DTYPE
+    return torch.float32 if name.endswith("_scale") else dtype
+
+
+def _shape_fits(name: str, shape: tuple, want: tuple) -> bool:
+    """Scales may be stored as () or (1,) for one per tensor: the same number either way."""
+    return shape == want or (name.endswith("_scale") and math.prod(shape) == math.prod(want))
+
+
+def load_weights(model: nn.Module, folder: pathlib.Path, device: torch.device, dtype: torch.dtype,
+                 renames: dict[str, str] | None = None) -> None:
     """Assign every parameter of ``model`` (built on the meta device) from the checkpoint.
 
-    Tensors are read straight onto ``device`` and cast to ``dtype``; each name and shape is
-    checked against the model, and a mismatch names the file and the tensor.
+    Tensors are read straight onto ``device`` and cast to ``dtype`` (FP8 weights and their
+    scales keep theirs); each name and shape is checked against the model, and a mismatch
+    names the file and the tensor. ``renames``: model parameter name -> the checkpoint's name
+    where they differ (an FP8 format's scale names).
     """
     expected = dict(model.named_parameters())
-    by_file = names_by_file(folder, expected)
+    model_names = {(renames or {}).get(name, name): name for name in expected}  # checkpoint -> model
+    by_file = names_by_file(folder, model_names)
     state = {}
     for path, names in sorted(by_file.items()):
         with open_safetensors(path, str(device)) as handle:
-            for name in names:
-                tensor = handle.get_slice(name)
-                shape, want = tuple(tensor.get_shape()), tuple(expected[name].shape)
-                if shape != want:
+            for stored in names:
+                name = model_names[stored]
+                shape, want = tuple(handle.get_slice(stored).get_shape()), tuple(expected[name].shape)
+                if not _shape_fits(name, shape, want):
                     raise ModelLoadError(
-                        f"{path}: tensor '{name}' has shape {shape}, expected {want} from config.json")
-                state[name] = handle.get_tensor(name).to(dtype)
+                        f"{path}: tensor '{stored}' has shape {shape}, expected {want} from config.json")
+                state[name] = handle.get_tensor(stored).to(_load_dtype(name, expected[name], dtype))
     model.load_state_dict(state, strict=True, assign=True)

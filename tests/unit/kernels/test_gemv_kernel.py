@@ -237,17 +237,17 @@ for bn, bk, silu in ((16, 256, False), (32, 256, False), (64, 128, False), (32, 
     for mode, flags in modes:
         if silu and mode == "add_residual":
             continue
-        flags = dict(dict(ADD_RESIDUAL=False, RMS_SCALE=False, BLOCK_S=1), **flags)
+        flags = dict(dict(ADD_RESIDUAL=False, RMS_SCALE=False, BLOCK_S=1, W_SCALE=False), **flags)
         k = compile_sm90(g._gemv_dot_kernel, BF, BF, BF, BF, 7, N, N, N, N, N, BF, F32, N, 128,
-                         1e-5, HAS_BIAS=not silu, SILU_MUL=silu, EVEN=True, BLOCK_M=16,
+                         1e-5, F32, HAS_BIAS=not silu, SILU_MUL=silu, EVEN=True, BLOCK_M=16,
                          BLOCK_N=bn, BLOCK_K=bk, PDL=silu, num_stages=4, **flags)
         print("dot", bn, bk, silu, mode, resource_usage(k), "cp.async" in k.asm["ptx"])
 for silu in (False, True):
     for mode, flags in modes:
         if silu and mode == "add_residual":
             continue
-        flags = dict(dict(ADD_RESIDUAL=False, RMS_SCALE=False, BLOCK_S=1), **flags)
-        k = compile_sm90(g._gemv_row_kernel, BF, BF, BF, BF, N, N, N, BF, F32, 128, 1e-5,
+        flags = dict(dict(ADD_RESIDUAL=False, RMS_SCALE=False, BLOCK_S=1, W_SCALE=False), **flags)
+        k = compile_sm90(g._gemv_row_kernel, BF, BF, BF, BF, N, N, N, BF, F32, 128, 1e-5, F32,
                          HAS_BIAS=not silu, SILU_MUL=silu, EVEN=True, BLOCK_N=16,
                          BLOCK_K=256 if silu else 512, PDL=silu, num_stages=3, **flags)
         print("row", silu, mode, resource_usage(k))
