@@ -95,6 +95,7 @@ def add_piece(response: pb.GenerateResponse, piece: TurnPiece, turn: AssistantTu
     """The turn's share of one response: content in `text`, reasoning apart, parsed calls."""
     response.text = piece.content
     response.reasoning_text = piece.reasoning
+    response.incomplete_tool_call = piece.incomplete_call
     for call in piece.calls:
         response.tool_calls.add(id=call.id, name=call.name, arguments=call.arguments,
                                 validation=validation_to_proto(turn.validate(call)))

@@ -123,7 +123,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 if schema is not None:
                     texts.append(event.text if piece is None else piece.content)
                     if event.is_final:  # the whole output against the full schema (docs/guarantees.md)
-                        validation = validate_output(schema, "".join(texts))
+                        validation = validate_output(schema, "".join(texts),
+                                                     event.finish_reason is FinishReason.MAX_TOKENS)
                 response = proto_convert.event_to_proto(event, domain, validation)
                 if piece is not None:
                     proto_turn.add_piece(response, piece, turn, proto_convert.validation_to_proto)

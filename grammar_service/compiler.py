@@ -76,6 +76,8 @@ class CompileStats:
 def spec_key(spec: GrammarSpec, backend: str) -> str:
     """Content hash of what changes the compiled grammar (strict does not: it is checked apart)."""
     parts = [spec.kind, spec.text, list(spec.choices), spec.any_whitespace, spec.max_whitespace, backend]
+    if spec.single_line:  # keys of the other layouts stay as they were (persisted caches)
+        parts.append("single_line")
     if spec.reasoning is not None:  # (keys of grammars without a span stay what they were)
         parts.append(dataclasses.astuple(spec.reasoning))
     blob = json.dumps(parts, ensure_ascii=False)

@@ -17,7 +17,7 @@ from typing import AsyncIterator
 from generation_service import metrics
 from generation_service.assistant.parser import TurnPiece
 from generation_service.assistant.turn import AssistantTurn
-from generation_service.engine.events import OutputEvent
+from generation_service.engine.events import FinishReason, OutputEvent
 from generation_service.engine.params import GenerationRequest
 from structgen.schema_validation import ValidationResult, validate_output
 
@@ -69,7 +69,8 @@ class ChoiceStreams:
                 if schema is not None:
                     texts.append(event.text if piece is None else piece.content)
                     if event.is_final:  # the whole output against the full schema, as on gRPC
-                        validation = validate_output(schema, "".join(texts))
+                        validation = validate_output(schema, "".join(texts),
+                                                     event.finish_reason is FinishReason.MAX_TOKENS)
                 self._queue.put_nowait(ChoiceEvent(index, event, validation, piece))
         finally:
             if not stream.is_finished:  # the task was cancelled (server stopped): free the request

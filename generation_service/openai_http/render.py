@@ -77,8 +77,8 @@ def chat_completion(meta: ResponseMeta, outputs: list[ChoiceOutput]) -> r.ChatCo
         extra = {"tool_calls": calls} if calls else {}
         if output.reasoning is not None:
             extra["reasoning_content"] = output.reasoning
-        message = r.ChatMessage(role="assistant", content=None if calls and not text.strip() else text,
-                                refusal=None, **extra)
+        is_calls_only = (calls or output.incomplete_tool_call) and not text.strip()
+        message = r.ChatMessage(role="assistant", content=None if is_calls_only else text, refusal=None, **extra)
         choices.append(r.ChatChoice(index=output.index, message=message,
                                     logprobs=_chat_logprobs(meta, output.logprobs),
                                     finish_reason=output.finish_reason, **_extension(output)))

@@ -101,8 +101,9 @@ class ReasoningOptions(Body):
 class StructgenOptions(Body):
     """Extension (`extra_body={"structgen": {...}}`): what the gRPC API offers beyond OpenAI's."""
 
-    compact: bool = False                # JSON without free whitespace
-    max_whitespace: int | None = Field(default=None, ge=0)
+    compact: bool = False                # JSON without free whitespace ("," and ":")
+    max_whitespace: int | None = Field(default=None, ge=0)  # free whitespace, runs capped
+    any_whitespace: bool = False         # free whitespace (default: single-line JSON)
     backend: Literal["auto", "xgrammar", "llguidance"] = "auto"
     ignore_eos: bool = False
     num_draft_tokens: int = Field(default=0, ge=0)

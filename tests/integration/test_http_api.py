@@ -213,6 +213,23 @@ def test_streamed_tool_call_matches_the_whole_answer(api, model):
         (0, "weather", whole.function.arguments)]
 
 
+def test_a_call_cut_by_max_tokens_is_reported_never_content(api, model):
+    """The built-in model under tool_choice required writes one call after another (greedy, it
+    prefers a newline and a new call to the end of its turn); max_tokens cuts the one it is
+    writing. The complete calls are calls, the cut one is `structgen.incomplete_tool_call`, and
+    the content stays empty."""
+    ask = [{"role": "user", "content": "What is the weather in Rome?"}]
+    for max_tokens in (12, 64):
+        completion = api.chat.completions.create(model=model, messages=ask, max_tokens=max_tokens,
+                                                 tools=[WEATHER], tool_choice="required")
+        choice = completion.choices[0]
+        assert choice.message.content is None and choice.finish_reason == "length", choice
+        assert choice.model_extra["structgen"]["incomplete_tool_call"].startswith("<tool_call>\n{")
+        for call in choice.message.tool_calls or []:
+            _arguments_valid(call, [WEATHER])
+    assert choice.message.tool_calls, "64 tokens hold at least one whole call"
+
+
 def test_auto_tool_choice_answers_with_text_or_valid_calls(api, model):
     completion = api.chat.completions.create(model=model, messages=CHAT, max_tokens=24, tools=[WEATHER, CLOCK],
                                              extra_body=TIGHT)
@@ -220,7 +237,7 @@ def test_auto_tool_choice_answers_with_text_or_valid_calls(api, model):
     for call in choice.message.tool_calls or []:
         _arguments_valid(call, [WEATHER, CLOCK])
     assert choice.finish_reason in ("stop", "length", "tool_calls")
-    assert "<tool_call>" not in (choice.message.content or "") or choice.finish_reason == "length"
+    assert "<tool_call>" not in (choice.message.content or "")
 
 
 def test_text_completions_batch_prompts_with_logprobs(api, model, client):
