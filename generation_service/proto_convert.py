@@ -31,12 +31,19 @@ _FINISH = {FinishReason.STOP_TOKEN: pb.FINISH_REASON_STOP_TOKEN,
            FinishReason.GRAMMAR_COMPLETE: pb.FINISH_REASON_GRAMMAR_COMPLETE}
 
 
+# the roles chat templates know (OpenAI's; "developer" is its newer "system")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 def chat_to_dicts(chat: pb.ChatMessages) -> list[dict]:
     if not chat.messages:
         raise InvalidRequestError("chat needs at least one message")
     for index, message in enumerate(chat.messages):
         if not message.role:
             raise InvalidRequestError(f"chat.messages[{index}].role is empty")
+        if message.role not in CHAT_ROLES:
+            raise InvalidRequestError(f"chat.messages[{index}].role must be one of {', '.join(CHAT_ROLES)}; "
+                                      f"got {message.role!r}")
     return [proto_turn.chat_entry(m) for m in chat.messages]
 
 

@@ -64,6 +64,22 @@ class BearerTokenAuth:
         await self.app(scope, receive, send)
 
 
+class JsonBodies:
+    """ASGI middleware: every body this API takes is JSON, so a POST that says otherwise (`curl
+    -d` sends application/x-www-form-urlencoded) is read as JSON all the same."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            headers = [(name, value) for name, value in scope["headers"] if name != b"content-type"]
+            given = next((value for name, value in scope["headers"] if name == b"content-type"), b"")
+            if b"json" not in given.lower():
+                scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+        await self.app(scope, receive, send)
+
+
 def _accepting(state: FrontState, body: SamplingBody) -> None:
     if state.is_draining:
         raise ApiError(503, "the server is shutting down", "service_unavailable", None, "unavailable")
@@ -150,6 +166,7 @@ def create_app(state: FrontState) -> FastAPI:
     app.add_api_route("/v1/models", list_models, methods=["GET"])
     app.add_api_route("/v1/models/{model:path}", get_model, methods=["GET"])
     app.add_api_route("/health", health, methods=["GET"])
+    app.add_middleware(JsonBodies)
     if state.auth_header is not None:
         app.add_middleware(BearerTokenAuth, expected=state.auth_header)
     # added last, so outermost of ours: auth refusals are counted (and their spans ERROR) too

@@ -3,8 +3,9 @@
 Every model forbids unknown fields: a parameter this server does not know is a 400 naming it
 (errors.py), never a silent ignore. Parameters the engine cannot apply yet are declared so
 that their neutral value (what SDKs and frameworks send by default) is accepted, and
-`convert.py` refuses any other value by name. Ranges the engine checks itself
-(temperature, top_p) are left to `SamplingParams`, whose messages name the field.
+`convert.py` refuses any other value by name. Ranges the engine checks itself (top_p) are
+left to `SamplingParams`, whose messages name the field; temperature takes OpenAI's [0, 2]
+here (the engine allows more).
 """
 from __future__ import annotations
 
@@ -122,7 +123,7 @@ class SamplingBody(Body):
     stop: Union[str, list[str], None] = Field(default=None)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = None
+    temperature: float | None = Field(default=None, ge=0, le=2)  # OpenAI's range
     top_p: float | None = None
     user: str | None = None  # an end-user id for the caller's records; it changes no output
     response_format: ResponseFormat | None = None

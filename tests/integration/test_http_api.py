@@ -285,7 +285,7 @@ BAD_REQUESTS = [
     ({"extra_body": {"min_tokens": 5}}, "min_tokens"), ({"extra_body": {"bogus": 1}}, "bogus"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"), ({"max_tokens": 65}, "max_tokens"),
     ({"max_completion_tokens": 1000}, "max_completion_tokens"), ({"top_logprobs": 2}, "top_logprobs"),
-    ({"top_p": 0.0}, "top_p"), ({"temperature": -1}, "temperature"),
+    ({"top_p": 0.0}, "top_p"), ({"temperature": -1}, "temperature"), ({"temperature": 5}, "temperature"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": [WEATHER], "response_format": {"type": "json_object"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}}, None),
@@ -339,6 +339,19 @@ def test_curl_sse_stream_and_errors(live_server, model):
     assert code == 400 and set(json.loads(text)["error"]) == {"message", "type", "param", "code"}
     text, code = _curl(url + "/v1/nothing-here")
     assert code == 404 and json.loads(text)["error"]["type"] == "not_found_error"
+
+
+def test_curl_without_a_content_type_and_a_malformed_body(live_server, model):
+    """`curl -d` sends application/x-www-form-urlencoded: the body is JSON all the same. A body
+    that is not JSON is a 400 that says where, with no parameter named."""
+    url = live_server.http_url + "/v1/chat/completions"
+    body = json.dumps({"model": model, "messages": CHAT, "max_tokens": 2})
+    text, code = _curl(url, "-d", body)
+    assert code == 200 and json.loads(text)["usage"]["completion_tokens"] == 2, text
+    text, code = _curl(url, "-H", "content-type: application/json", "-d", body[:-1] + ",}")
+    error = json.loads(text)["error"]
+    assert code == 400 and error["param"] is None, error
+    assert error["message"].startswith(f"the request body is not valid JSON (character {len(body)}): "), error
 
 
 def _raw_request(url: str, body: dict) -> socket.socket:
