@@ -156,9 +156,9 @@ class ChatFormat:
     def opening(self, meta, outputs):
         return [chat_chunk(meta, [chat_role_choice(o.index)], self.include_usage) for o in outputs]
 
-    def chunk(self, meta, output: ChoiceOutput, piece: Piece):
+    def chunks(self, meta, output: ChoiceOutput, piece: Piece):
         choice = chat_choice_delta(meta, output, piece)
-        return None if choice is None else chat_chunk(meta, [choice], self.include_usage)
+        return [] if choice is None else [chat_chunk(meta, [choice], self.include_usage)]
 
     def usage_chunk(self, meta, outputs):
         return chat_chunk(meta, [], True, usage(meta, outputs))
@@ -175,10 +175,10 @@ class CompletionFormat:
     def opening(self, meta, outputs):
         return []
 
-    def chunk(self, meta, output: ChoiceOutput, piece: Piece):
+    def chunks(self, meta, output: ChoiceOutput, piece: Piece):
         choice = completion_choice_delta(meta, output, piece, self.offsets.get(output.index, 0))
         self.offsets[output.index] = self.offsets.get(output.index, 0) + len(piece.text)
-        return None if choice is None else completion_chunk(meta, [choice], self.include_usage)
+        return [] if choice is None else [completion_chunk(meta, [choice], self.include_usage)]
 
     def usage_chunk(self, meta, outputs):
         return completion_chunk(meta, [], True, usage(meta, outputs))

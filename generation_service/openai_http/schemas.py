@@ -126,6 +126,10 @@ class SamplingBody(Body):
     temperature: float | None = Field(default=None, ge=0, le=2)  # OpenAI's range
     top_p: float | None = None
     user: str | None = None  # an end-user id for the caller's records; it changes no output
+    # accepted and ignored, as by a server that stores nothing and has one tier
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
     response_format: ResponseFormat | None = None
     structgen: StructgenOptions = Field(default_factory=StructgenOptions)
     # common extensions the engine has
