@@ -305,7 +305,7 @@ class GrammarCompiler:
                 self._negative[key] = _Negative(error, self._clock() + self._config.negative_cache_ttl_s)
             self.stats.num_errors += 1
             self.stats.num_timeouts += timed_out
-        metrics.COMPILE_REQUESTS.labels("error").inc()
+        metrics.COMPILE_REQUESTS.labels("timeout" if timed_out else "error").inc()
         result.set_exception(error)
 
     def _on_timeout(self, key: str, spec: GrammarSpec, result: Future) -> None:

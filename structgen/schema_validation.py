@@ -53,6 +53,14 @@ class ValidationResult:
     def is_valid(self) -> bool:
         return self.valid
 
+    @property
+    def status(self) -> str:
+        """valid, invalid, truncated (max_tokens cut it short) or not_run (jsonschema could not use
+        the schema)."""
+        if any(issue.schema_pointer == "schema" for issue in self.issues):
+            return "not_run"
+        return "valid" if self.valid else "truncated" if self.truncated else "invalid"
+
 
 def _pointer(path) -> str:
     return "".join(f"/{str(p).replace('~', '~0').replace('/', '~1')}" for p in path)

@@ -22,6 +22,7 @@ from generation_service.engine.params import GenerationRequest
 from structgen.schema_validation import ValidationResult, validate_output
 
 log = logging.getLogger("structgen.http")
+_FAILED = (FinishReason.ERROR, FinishReason.DEADLINE, FinishReason.CANCELLED)
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,10 @@ class ChoiceStreams:
                     if event.is_final:  # the whole output against the full schema, as on gRPC
                         validation = validate_output(schema, "".join(texts),
                                                      event.finish_reason is FinishReason.MAX_TOKENS)
+                        if event.finish_reason not in _FAILED:  # (a failed request's output was no answer)
+                            observer.validated("json_schema", validation)
+                for call in piece.calls if piece is not None else ():
+                    observer.validated("tool_call", self._turn.validate(call))
                 self._queue.put_nowait(ChoiceEvent(index, event, validation, piece))
         finally:
             if not stream.is_finished:  # the task was cancelled (server stopped): free the request
