@@ -107,8 +107,8 @@ class CompileSandbox:
             raise SandboxError("UNAVAILABLE", f"a compile worker failed: {exc!r}", is_grammar_fault=False) from None
         except SandboxError:
             raise
-        if reply[0] == "ok" and reply[4]:
-            self._replace(worker)  # auto's time-boxed compile still runs in it
+        if reply[0] == "ok" and reply[4] or reply[0] == "error" and reply[3:4] == (True,):
+            self._replace(worker)  # auto's time-boxed (or fallback) compile still runs in it
         else:
             self._release(worker)
         if reply[0] == "ok":
