@@ -28,23 +28,23 @@ class InputMessage(Body):
     status: str | None = None
 
 
-class FunctionCallItem(Body):
-    """A call the model made in an earlier turn, sent back with the conversation."""
+class CallItem(Body):
+    """An item of an earlier turn about one call, sent back with the conversation."""
 
-    type: Literal["function_call"]
     call_id: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallItem(CallItem):
+    type: Literal["function_call"]
     name: str
     arguments: str
-    id: str | None = None
-    status: str | None = None
 
 
-class FunctionCallOutputItem(Body):
+class FunctionCallOutputItem(CallItem):
     type: Literal["function_call_output"]
-    call_id: str
     output: str
-    id: str | None = None
-    status: str | None = None
 
 
 InputItem = Union[InputMessage, FunctionCallItem, FunctionCallOutputItem]
