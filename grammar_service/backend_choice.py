@@ -48,6 +48,7 @@ class Compiled:
     grammar: Any                      # the backend's compiled grammar
     unenforced: tuple                 # UnenforcedKeyword entries of that backend
     abandoned: Future | None = None   # a time-boxed compile that ran past its box, still running
+    fallback_from: str = ""           # `auto`'s pick when another backend serves in its place
 
 
 def compile_with(spec: GrammarSpec, requested: str, backend_for: BackendFor, *, time_box_s: float = 0.0,
@@ -105,7 +106,8 @@ def compile_serving(spec: GrammarSpec, requested: str, backend_for: BackendFor, 
             reasons.append(f"{name}: did not compile within the {max(0.0, left_s):.1f} s the compile timeout left")
         elif not (why := unusable(name, grammar)):
             log.info("auto: %s cannot serve a %s grammar (%s); %s serves it", done.backend, spec.kind, reason, name)
-            return Compiled(name, grammar, tuple(backend.unenforced_keywords(spec)), abandoned=running)
+            return Compiled(name, grammar, tuple(backend.unenforced_keywords(spec)), abandoned=running,
+                            fallback_from=done.backend)
         else:
             reasons.append(f"{name}: {why}")
     raise UnservedGrammar(f"{spec.kind}: no grammar backend can serve it: " + "; ".join(reasons), running)
@@ -133,7 +135,7 @@ def _first_compiled(spec: GrammarSpec, order: tuple[str, ...], backend_for: Back
             first_error = first_error or exc
             continue
         unenforced = known[name] if name in known else backend.unenforced_keywords(spec)
-        return Compiled(name, grammar, tuple(unenforced))
+        return Compiled(name, grammar, tuple(unenforced), fallback_from="" if name == order[0] else order[0])
     raise first_error or GrammarCompileError(f"no grammar backend could compile this {spec.kind}")
 
 
@@ -149,13 +151,14 @@ def _compile_or_fall_back(spec: GrammarSpec, order: tuple[str, ...], backend_for
     try:
         grammar, running = _compile_within(backend, spec, share_s)
     except GrammarCompileError as exc:
-        return _first_compiled(spec, fallbacks, backend_for, known, exc)
+        return dataclasses.replace(_first_compiled(spec, fallbacks, backend_for, known, exc), fallback_from=pick)
     if grammar is not None:
         return Compiled(pick, grammar, tuple(known[pick]))
     log.info("auto: the %s compile of a %s grammar (%d bytes) ran past %.2f s, its share of the compile "
              "timeout; the next backend compiles", pick, spec.kind, len(spec.text), share_s)
     try:
-        return dataclasses.replace(_first_compiled(spec, fallbacks, backend_for, known), abandoned=running)
+        return dataclasses.replace(_first_compiled(spec, fallbacks, backend_for, known), abandoned=running,
+                                   fallback_from=pick)
     except GrammarCompileError:  # no fallback compiles it: the pick may still finish by the deadline
         return Compiled(pick, running.result(), tuple(known[pick]))
 
@@ -176,7 +179,7 @@ def _compile_boxed(spec: GrammarSpec, pick: str, fast: str, backend_for: Backend
         fallback_grammar = fallback.compile(spec)
     except (ValueError, GrammarCompileError):  # not installed, or its analysis was wrong: the pick alone
         return None
-    served = Compiled(fast, fallback_grammar, tuple(fallback.unenforced_keywords(spec)))
+    served = Compiled(fast, fallback_grammar, tuple(fallback.unenforced_keywords(spec)), fallback_from=pick)
     if (box := budget_end - time.monotonic()) <= 0:  # the pick cannot finish within the budget
         log.info("auto: %s took %s's budget for a %s grammar (%d bytes); it serves", fast, pick, spec.kind,
                  len(spec.text))

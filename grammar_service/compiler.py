@@ -214,13 +214,13 @@ class GrammarCompiler:
         deadline = time.monotonic() + self._config.compile_timeout_s  # the wait for a worker counts
         timers: list[threading.Timer] = []
 
-        def run() -> tuple[float, str, Any, tuple]:
+        def run() -> tuple[float, str, Any, tuple, tuple, str]:
             if self._sandbox is not None:
                 probe = self._sandbox.probe(spec, requested, deadline)
                 started = time.perf_counter()
                 compiled = self._backend_for(probe.backend).compile(spec)
                 return (probe.compile_ms + (time.perf_counter() - started) * 1e3, probe.backend, compiled,
-                        probe.unenforced, restricted(probe.backend))
+                        probe.unenforced, restricted(probe.backend), probe.fallback_from)
             if not self._threads.acquire(timeout=max(0.0, deadline - time.monotonic())):
                 raise SandboxError("RESOURCE_EXHAUSTED", "no compile thread became free before the compile timeout "
                                    "(every thread is busy with other grammars); retry later", is_grammar_fault=False)
@@ -236,7 +236,7 @@ class GrammarCompiler:
                                     deadline=deadline)
                 abandoned = done.abandoned
                 return ((time.perf_counter() - started) * 1e3, done.backend, done.grammar, done.unenforced,
-                        restricted(done.backend))
+                        restricted(done.backend), done.fallback_from)
             finally:
                 if abandoned is None:
                     self._threads.release()
@@ -256,8 +256,10 @@ class GrammarCompiler:
                 return
             exc = done.exception()
             if exc is None:
-                elapsed_ms, backend, compiled, unenforced, restricted_forms = done.result()
+                elapsed_ms, backend, compiled, unenforced, restricted_forms, fallback_from = done.result()
                 metrics.COMPILE_SECONDS.labels(spec.kind).observe(elapsed_ms / 1e3)
+                if fallback_from:
+                    metrics.BACKEND_FALLBACKS.labels(fallback_from, backend).inc()
                 self._store(key, CompiledEntry(0, backend, compiled, elapsed_ms, unenforced, restricted_forms), result)
             elif isinstance(exc, SandboxError) and exc.timed_out:
                 self._on_timeout(key, spec, result)

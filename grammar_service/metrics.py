@@ -25,6 +25,10 @@ ROWS_REJECTED = Counter(
 ROWS_LATE = Counter(
     "structgen_grammar_rows_late_total",
     "Rows whose mask was not ready by the step's deadline: skipped for that step (slow_filler.py)")
+BACKEND_FALLBACKS = Counter(
+    "structgen_grammar_backend_fallbacks_total", "Grammars `auto` compiled with another backend than its "
+    "pick (the pick failed, ran past its time, or could not take the first token)",
+    ["from_backend", "to_backend"])
 STEP_PHASE_SECONDS = Counter(
     "structgen_grammar_step_phase_seconds", "Time of grammar steps by phase (loop.py: StepPhases)",
     ["phase"])  # advance, fill, bookkeeping; the three add up to the step time
@@ -33,5 +37,5 @@ STEP_PHASE_SECONDS = Counter(
 def families():
     """Every structgen_ family grammar_service exports (docs/operations.md)."""
     from structgen.metrics_docs import describe_metrics
-    return describe_metrics([COMPILE_SECONDS, COMPILE_REQUESTS, STEP_SECONDS, ROWS_REJECTED, ROWS_LATE,
-                             STEP_PHASE_SECONDS])
+    return describe_metrics([COMPILE_SECONDS, COMPILE_REQUESTS, BACKEND_FALLBACKS, STEP_SECONDS, ROWS_REJECTED,
+                             ROWS_LATE, STEP_PHASE_SECONDS])

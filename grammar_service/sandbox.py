@@ -36,6 +36,7 @@ class ProbeResult:
     backend: str                               # the backend that compiled it (auto's choice)
     unenforced: tuple[UnenforcedKeyword, ...]
     compile_ms: float
+    fallback_from: str = ""                    # auto's pick, when `backend` served in its place
 
 
 class SandboxError(Exception):
@@ -112,7 +113,7 @@ class CompileSandbox:
         else:
             self._release(worker)
         if reply[0] == "ok":
-            return ProbeResult(backend=reply[1], unenforced=tuple(reply[2]), compile_ms=reply[3])
+            return ProbeResult(backend=reply[1], unenforced=tuple(reply[2]), compile_ms=reply[3], fallback_from=reply[5])
         raise SandboxError(reply[1], reply[2], is_grammar_fault=True)
 
     @property

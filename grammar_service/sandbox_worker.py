@@ -3,8 +3,8 @@
 A worker loads the served tokenizer, builds the backends, caps its own address space and
 then compiles one spec at a time, answering over its pipe:
 `("ready",)` once, then per `(spec, requested, deadline)` request
-`("ok", backend, unenforced, compile_ms, must_replace)` or `("error", status, message[,
-must_replace])`; `must_replace`: a compile that `auto` left past its time box (or its
+`("ok", backend, unenforced, compile_ms, must_replace, fallback_from)` or `("error", status,
+message[, must_replace])`; `must_replace`: a compile that `auto` left past its time box (or its
 deadline, falling back) still runs in this process, which the parent then replaces. Whatever a grammar does in here (a native crash, runaway
 memory, runaway time) ends this process only; the parent kills it on its deadline.
 
@@ -119,7 +119,8 @@ def compile_one(spec: GrammarSpec, requested: str, backends: _Backends, *, time_
                 "the compile memory limit (max_compile_memory_mb)")
     if reason:
         return ("error", "INVALID_ARGUMENT", f"{spec.kind}: {reason}")
-    return ("ok", name, tuple(unenforced), (time.perf_counter() - started) * 1e3, done.abandoned is not None)
+    return ("ok", name, tuple(unenforced), (time.perf_counter() - started) * 1e3, done.abandoned is not None,
+            done.fallback_from)
 
 
 def worker_main(conn, service_pid: int, tokenizer_dir: str, vocab_size: int, backend_kwargs: dict,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from prometheus_client import REGISTRY
 
 from grammar_contract.spec import GrammarSpec
 from grammar_service.compiler import CompileError
@@ -99,8 +100,11 @@ def optional_properties(n: int) -> str:
 def test_auto_falls_back_when_llguidance_cannot_take_the_first_token(isolated):
     """llguidance compiles 500 optional properties but its parser refuses the first token (a
     row past its 2,000 items): `auto` then serves the schema with xgrammar."""
+    counted = lambda: REGISTRY.get_sample_value(  # noqa: E731
+        "structgen_grammar_backend_fallbacks_total", {"from_backend": "llguidance", "to_backend": "xgrammar"}) or 0
+    before = counted()
     result = isolated.compile(GrammarSpec("json_schema", optional_properties(500))).result(60)
-    assert result.entry.backend == "xgrammar"
+    assert result.entry.backend == "xgrammar" and counted() == before + 1
     err = _error(isolated.compile(GrammarSpec("json_schema", optional_properties(500), backend="llguidance")))
     assert "llguidance matcher refuses the first token" in err.message and "try the other backend" in err.message
 
