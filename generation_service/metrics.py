@@ -94,6 +94,12 @@ class GenerationMetrics:
         self.grammar_compiles = counter(
             "structgen_constrained_requests", "Constrained requests, by kind and grammar cache result",
             ["kind", "cache"])
+        self.output_validations = counter(
+            "structgen_output_validations", "Final checks of constrained outputs against their full JSON "
+            "Schema, by grammar backend, what was checked (json_schema: the output; tool_call: a call's "
+            "arguments) and status (invalid: a keyword the grammar did not enforce, else a bug; truncated: "
+            "max_tokens cut it short; not_run: jsonschema could not use the schema)",
+            ["backend", "kind", "status"])
         self.rpcs = counter("structgen_rpcs", "RPCs handled, by method and final status code "
                             "(errors: code!=\"OK\")", ["method", "code"])
         self.http_requests = counter(
@@ -167,11 +173,17 @@ class RequestObserver:
         self._generated = metrics.generated_tokens.labels(self._model, self._constrained)
         self._received_s = self._last_token_s = time.monotonic()
         self._num_tokens = 0
+        self._backend = ""  # from the guarantee report
+
+    def validated(self, kind: str, result) -> None:
+        """A final validation (schema_validation.ValidationResult) of the output or of a tool call."""
+        self._metrics.output_validations.labels(self._model, self._backend, kind, result.status).inc()
 
     def event(self, event) -> None:
         metrics, model, constrained = self._metrics, self._model, self._constrained
         now = time.monotonic()
         if event.guarantee is not None:
+            self._backend = event.guarantee.backend
             hit = event.guarantee.cache_hit
             metrics.grammar_compiles.labels(model, self._kind, "hit" if hit else "miss").inc()
             if not hit:

@@ -16,7 +16,7 @@ from generation_service.engine.events import FinishReason, OutputEvent
 from generation_service.engine.params import GenerationRequest, SamplingParams, SpeculativeParams
 from generation_service.proto_enums import enum_name
 from grammar_contract.report import GuaranteeReport
-from grammar_contract.spec import GrammarSpec
+from grammar_contract.spec import GrammarSpec, json_layout
 from structgen.json_limits import JsonDepthError, loads_limited
 from structgen.schema_validation import ValidationResult
 from structgen.v1 import generation_pb2 as pb
@@ -31,12 +31,19 @@ _FINISH = {FinishReason.STOP_TOKEN: pb.FINISH_REASON_STOP_TOKEN,
            FinishReason.GRAMMAR_COMPLETE: pb.FINISH_REASON_GRAMMAR_COMPLETE}
 
 
+# the roles chat templates know (OpenAI's; "developer" is its newer "system")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 def chat_to_dicts(chat: pb.ChatMessages) -> list[dict]:
     if not chat.messages:
         raise InvalidRequestError("chat needs at least one message")
     for index, message in enumerate(chat.messages):
         if not message.role:
             raise InvalidRequestError(f"chat.messages[{index}].role is empty")
+        if message.role not in CHAT_ROLES:
+            raise InvalidRequestError(f"chat.messages[{index}].role must be one of {', '.join(CHAT_ROLES)}; "
+                                      f"got {message.role!r}")
     return [proto_turn.chat_entry(m) for m in chat.messages]
 
 
@@ -96,9 +103,13 @@ def grammar_spec(request: pb.GenerateRequest, config: ServeConfig) -> GrammarSpe
         _check_json(text, "json_schema")
     if kind == "structural_tag":
         _check_json(text, "structural_tag")
-    return GrammarSpec(kind=kind, text=text, choices=choices, any_whitespace=not options.compact,
-                       max_whitespace=options.max_whitespace if options.HasField("max_whitespace") else None,
-                       strict=options.strict, backend=enum_name(_BACKENDS, options.backend, "constraint_options.backend"))
+    try:
+        layout = json_layout(compact=options.compact, any_whitespace=options.any_whitespace,
+                             max_whitespace=options.max_whitespace if options.HasField("max_whitespace") else None)
+    except ValueError as error:
+        raise InvalidRequestError(f"constraint_options: {error}") from None
+    return GrammarSpec(kind=kind, text=text, choices=choices, **layout, strict=options.strict,
+                       backend=enum_name(_BACKENDS, options.backend, "constraint_options.backend"))
 
 
 def _check_json(text: str, field: str) -> None:
@@ -199,7 +210,8 @@ def _turn_grammar(turn: AssistantTurn, constraint: GrammarSpec | None, request: 
                                   "arguments; use max_whitespace >= 1")
     try:
         grammar = turn.grammar(constraint, backend=enum_name(_BACKENDS, options.backend, "constraint_options.backend"),
-                               max_whitespace=options.max_whitespace if options.HasField("max_whitespace") else None)
+                               max_whitespace=options.max_whitespace if options.HasField("max_whitespace") else None,
+                               any_whitespace=options.any_whitespace)
     except ValueError as error:
         raise InvalidRequestError(str(error)) from None
     if grammar is not None and turn.uses_tools and len(grammar.text.encode()) > config.max_grammar_bytes:
@@ -230,7 +242,7 @@ def validation_to_proto(result: "ValidationResult | None") -> pb.ValidationResul
     status = (pb.VALIDATION_STATUS_NOT_RUN if not_run else
               pb.VALIDATION_STATUS_VALID if result.valid else pb.VALIDATION_STATUS_INVALID)
     message = pb.ValidationResult(valid=status == pb.VALIDATION_STATUS_VALID, status=status,
-                                  num_errors=result.num_errors)
+                                  num_errors=result.num_errors, truncated=result.truncated)
     for error in result.errors:
         path, sep, text = error.partition(": ")
         if not sep or not (path == "" or path.startswith("/")):

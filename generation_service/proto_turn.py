@@ -12,6 +12,7 @@ from generation_service.assistant.turn import AssistantTurn
 from generation_service.engine.errors import InvalidRequestError, LimitExceededError
 from generation_service.proto_enums import enum_name
 from structgen.json_limits import JsonDepthError, loads_limited
+from structgen.schema_validation import ValidationResult
 from structgen.v1 import generation_pb2 as pb
 
 _CHOICES = {pb.TOOL_CHOICE_MODE_NONE: "none", pb.TOOL_CHOICE_MODE_AUTO: "auto",
@@ -91,13 +92,18 @@ def _arguments(text: str):
         return text
 
 
-def add_piece(response: pb.GenerateResponse, piece: TurnPiece, turn: AssistantTurn, validation_to_proto) -> None:
-    """The turn's share of one response: content in `text`, reasoning apart, parsed calls."""
+def add_piece(response: pb.GenerateResponse, piece: TurnPiece, turn: AssistantTurn,
+              validation_to_proto) -> list[ValidationResult]:
+    """The turn's share of one response: content in `text`, reasoning apart, parsed calls; the
+    calls' validations."""
     response.text = piece.content
     response.reasoning_text = piece.reasoning
-    for call in piece.calls:
+    response.incomplete_tool_call = piece.incomplete_call
+    validations = [turn.validate(call) for call in piece.calls]
+    for call, validation in zip(piece.calls, validations):
         response.tool_calls.add(id=call.id, name=call.name, arguments=call.arguments,
-                                validation=validation_to_proto(turn.validate(call)))
+                                validation=validation_to_proto(validation))
+    return validations
 
 
 def model_info(tokenizer) -> dict:

@@ -123,10 +123,14 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 if schema is not None:
                     texts.append(event.text if piece is None else piece.content)
                     if event.is_final:  # the whole output against the full schema (docs/guarantees.md)
-                        validation = validate_output(schema, "".join(texts))
+                        validation = validate_output(schema, "".join(texts),
+                                                     event.finish_reason is FinishReason.MAX_TOKENS)
+                        observer.validated("json_schema", validation)
                 response = proto_convert.event_to_proto(event, domain, validation)
                 if piece is not None:
-                    proto_turn.add_piece(response, piece, turn, proto_convert.validation_to_proto)
+                    for call_validation in proto_turn.add_piece(response, piece, turn,
+                                                                proto_convert.validation_to_proto):
+                        observer.validated("tool_call", call_validation)
                 await context.write(response)
         finally:
             # Client disconnect (the task is cancelled), deadline or a failed write: free what the

@@ -105,7 +105,7 @@ SERVE_SETTINGS = SettingsTable("structgen serve", (
                 "0 = off)", chart=False),
         Setting("metrics-port", "Prometheus /metrics port (0 = off)", chart=False),
         Setting("http-port", "OpenAI-compatible HTTP API port (/v1/chat/completions, /v1/completions, "
-                "/v1/models; same TLS and bearer token as the gRPC port; 0 = off)", chart=False),
+                "/v1/responses, /v1/models; same TLS and bearer token as the gRPC port; 0 = off)", chart=False),
         Setting("tls-cert", "PEM certificate: serve the API over TLS", none_word="off", chart=False),
         Setting("tls-key", "PEM private key of --tls-cert", none_word="off", chart=False),
         Setting("tls-client-ca", "PEM CA: require client certificates it signed", none_word="off", chart=False),

@@ -23,7 +23,7 @@ from structgen.v1 import grammar_pb2, grammar_pb2_grpc
 
 def spec_to_proto(spec: GrammarSpec, trace_context: dict | None = None) -> grammar_pb2.CompileRequest:
     options = grammar_pb2.GrammarOptions(any_whitespace=spec.any_whitespace, strict=spec.strict,
-                                         backend=spec.backend)
+                                         backend=spec.backend, single_line=spec.single_line)
     if spec.max_whitespace is not None:
         options.max_whitespace = spec.max_whitespace
     req = grammar_pb2.CompileRequest(options=options, trace_context=trace_context or {})

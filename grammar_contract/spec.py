@@ -43,8 +43,9 @@ class GrammarSpec:
     kind: GrammarKind
     text: str = ""                     # schema / regex / lark / structural-tag JSON
     choices: tuple[str, ...] = ()      # for kind == "choice"
-    any_whitespace: bool = True        # False: compact separators, no free whitespace
+    any_whitespace: bool = True        # False: fixed separators, no free whitespace
     max_whitespace: int | None = None  # cap on consecutive whitespace where allowed
+    single_line: bool = False          # with any_whitespace False: ", " and ": " rather than "," and ":"
     strict: bool = False               # refuse schemas with keywords the grammar cannot enforce
     backend: str = "auto"              # "auto", "xgrammar", "llguidance"
     reasoning: ReasoningSpan | None = None  # free text before the constraint (ReasoningSpan)
@@ -58,3 +59,20 @@ class GrammarSpec:
             raise ValueError(f"a {self.kind} constraint needs non-empty text")
         if self.max_whitespace is not None and self.max_whitespace < 0:
             raise ValueError(f"max_whitespace must be >= 0, got {self.max_whitespace}")
+
+
+def json_layout(*, compact: bool = False, any_whitespace: bool = False,
+                max_whitespace: int | None = None) -> dict:
+    """The GrammarSpec whitespace fields of an API request's JSON options. By default JSON is
+    single-line, as json.dumps writes it (", " and ": ", no other whitespace): ordinary JSON
+    on every backend, where free whitespace let models spend their tokens on blank runs.
+    `compact`: "," and ":"; `max_whitespace` N: free whitespace, each run at most N
+    characters (0: compact); `any_whitespace`: free whitespace, uncapped unless
+    `max_whitespace` says. Raises ValueError for options that contradict each other."""
+    if compact and (any_whitespace or max_whitespace):
+        raise ValueError("compact excludes any_whitespace and max_whitespace > 0")
+    if compact or max_whitespace == 0:
+        return {"any_whitespace": False, "max_whitespace": max_whitespace, "single_line": False}
+    if any_whitespace or max_whitespace is not None:
+        return {"any_whitespace": True, "max_whitespace": max_whitespace, "single_line": False}
+    return {"any_whitespace": False, "max_whitespace": None, "single_line": True}

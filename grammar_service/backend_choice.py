@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from grammar_contract.spec import GrammarSpec
-from grammar_service.auto_choice import choose_backend
+from grammar_service.auto_choice import AUTO_CANDIDATES, choose_backend
 from grammar_service.backends import DEFAULT_BACKEND
 from grammar_service.backends.base import GrammarBackend, GrammarCompileError
 
@@ -37,6 +37,9 @@ BackendFor = Callable[[str], GrammarBackend]  # name -> backend for the served t
 # (llguidance compiles every schema of the schema_truth corpus in about 1 s at most, of 10): the
 # other half is the fallback's.
 PICK_SHARE = 0.5
+# A fallback compile stops this long before the compile deadline, so that its answer (and the
+# reasons of every backend) reaches grammar_service before the worker is killed there.
+DEADLINE_MARGIN_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,7 @@ class Compiled:
     grammar: Any                      # the backend's compiled grammar
     unenforced: tuple                 # UnenforcedKeyword entries of that backend
     abandoned: Future | None = None   # a time-boxed compile that ran past its box, still running
+    fallback_from: str = ""           # `auto`'s pick when another backend serves in its place
 
 
 def compile_with(spec: GrammarSpec, requested: str, backend_for: BackendFor, *, time_box_s: float = 0.0,
@@ -71,6 +75,52 @@ def compile_with(spec: GrammarSpec, requested: str, backend_for: BackendFor, *, 
     return _first_compiled(spec, order, backend_for, known)
 
 
+def compile_serving(spec: GrammarSpec, requested: str, backend_for: BackendFor, unusable: Callable[[str, Any], str],
+                    *, time_box_s: float = 0.0, deadline: float | None = None) -> Compiled:
+    """`compile_with`, then `unusable(backend, grammar)`: why a compiled grammar cannot serve
+    ("" when it can; a backend limit met at the first token, as llguidance's parser row limit on
+    hundreds of optional properties). Under `auto` the other backends then compile, each within
+    what the deadline leaves; when none serves, one GrammarCompileError names each
+    backend's reason. A fallback compile left running past the deadline is `abandoned` on the
+    error (`UnservedGrammar`)."""
+    done = compile_with(spec, requested, backend_for, time_box_s=time_box_s, deadline=deadline)
+    if not (reason := unusable(done.backend, done.grammar)):
+        return done
+    if requested != "auto":
+        raise GrammarCompileError(f"{spec.kind}: {reason}; simplify the grammar or try the other backend")
+    reasons, running = [f"{done.backend}: {reason}"], done.abandoned
+    for name in (n for n in AUTO_CANDIDATES if n != done.backend):
+        try:
+            backend = backend_for(name)
+        except ValueError:  # not installed here
+            continue
+        left_s = None if deadline is None else deadline - time.monotonic() - DEADLINE_MARGIN_S
+        try:
+            grammar, late = ((backend.compile(spec), None) if left_s is None
+                             else _compile_within(backend, spec, max(0.0, left_s)))
+        except GrammarCompileError as exc:
+            reasons.append(f"{name}: {exc}")
+            continue
+        running = running or late
+        if grammar is None:
+            reasons.append(f"{name}: did not compile within the {max(0.0, left_s):.1f} s the compile timeout left")
+        elif not (why := unusable(name, grammar)):
+            log.info("auto: %s cannot serve a %s grammar (%s); %s serves it", done.backend, spec.kind, reason, name)
+            return Compiled(name, grammar, tuple(backend.unenforced_keywords(spec)), abandoned=running,
+                            fallback_from=done.backend)
+        else:
+            reasons.append(f"{name}: {why}")
+    raise UnservedGrammar(f"{spec.kind}: no grammar backend can serve it: " + "; ".join(reasons), running)
+
+
+class UnservedGrammar(GrammarCompileError):
+    """No backend serves the grammar; `abandoned`: a compile still running in this process."""
+
+    def __init__(self, message: str, abandoned: Future | None = None) -> None:
+        super().__init__(message)
+        self.abandoned = abandoned
+
+
 def _first_compiled(spec: GrammarSpec, order: tuple[str, ...], backend_for: BackendFor, known: dict,
                     first_error: GrammarCompileError | None = None) -> Compiled:
     """The first backend of `order` that compiles `spec`; the first error when none does."""
@@ -85,7 +135,7 @@ def _first_compiled(spec: GrammarSpec, order: tuple[str, ...], backend_for: Back
             first_error = first_error or exc
             continue
         unenforced = known[name] if name in known else backend.unenforced_keywords(spec)
-        return Compiled(name, grammar, tuple(unenforced))
+        return Compiled(name, grammar, tuple(unenforced), fallback_from="" if name == order[0] else order[0])
     raise first_error or GrammarCompileError(f"no grammar backend could compile this {spec.kind}")
 
 
@@ -101,13 +151,14 @@ def _compile_or_fall_back(spec: GrammarSpec, order: tuple[str, ...], backend_for
     try:
         grammar, running = _compile_within(backend, spec, share_s)
     except GrammarCompileError as exc:
-        return _first_compiled(spec, fallbacks, backend_for, known, exc)
+        return dataclasses.replace(_first_compiled(spec, fallbacks, backend_for, known, exc), fallback_from=pick)
     if grammar is not None:
         return Compiled(pick, grammar, tuple(known[pick]))
     log.info("auto: the %s compile of a %s grammar (%d bytes) ran past %.2f s, its share of the compile "
              "timeout; the next backend compiles", pick, spec.kind, len(spec.text), share_s)
     try:
-        return dataclasses.replace(_first_compiled(spec, fallbacks, backend_for, known), abandoned=running)
+        return dataclasses.replace(_first_compiled(spec, fallbacks, backend_for, known), abandoned=running,
+                                   fallback_from=pick)
     except GrammarCompileError:  # no fallback compiles it: the pick may still finish by the deadline
         return Compiled(pick, running.result(), tuple(known[pick]))
 
@@ -128,7 +179,7 @@ def _compile_boxed(spec: GrammarSpec, pick: str, fast: str, backend_for: Backend
         fallback_grammar = fallback.compile(spec)
     except (ValueError, GrammarCompileError):  # not installed, or its analysis was wrong: the pick alone
         return None
-    served = Compiled(fast, fallback_grammar, tuple(fallback.unenforced_keywords(spec)))
+    served = Compiled(fast, fallback_grammar, tuple(fallback.unenforced_keywords(spec)), fallback_from=pick)
     if (box := budget_end - time.monotonic()) <= 0:  # the pick cannot finish within the budget
         log.info("auto: %s took %s's budget for a %s grammar (%d bytes); it serves", fast, pick, spec.kind,
                  len(spec.text))

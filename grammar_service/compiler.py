@@ -76,6 +76,8 @@ class CompileStats:
 def spec_key(spec: GrammarSpec, backend: str) -> str:
     """Content hash of what changes the compiled grammar (strict does not: it is checked apart)."""
     parts = [spec.kind, spec.text, list(spec.choices), spec.any_whitespace, spec.max_whitespace, backend]
+    if spec.single_line:  # keys of the other layouts stay as they were (persisted caches)
+        parts.append("single_line")
     if spec.reasoning is not None:  # (keys of grammars without a span stay what they were)
         parts.append(dataclasses.astuple(spec.reasoning))
     blob = json.dumps(parts, ensure_ascii=False)
@@ -212,13 +214,13 @@ class GrammarCompiler:
         deadline = time.monotonic() + self._config.compile_timeout_s  # the wait for a worker counts
         timers: list[threading.Timer] = []
 
-        def run() -> tuple[float, str, Any, tuple]:
+        def run() -> tuple[float, str, Any, tuple, tuple, str]:
             if self._sandbox is not None:
                 probe = self._sandbox.probe(spec, requested, deadline)
                 started = time.perf_counter()
                 compiled = self._backend_for(probe.backend).compile(spec)
                 return (probe.compile_ms + (time.perf_counter() - started) * 1e3, probe.backend, compiled,
-                        probe.unenforced, restricted(probe.backend))
+                        probe.unenforced, restricted(probe.backend), probe.fallback_from)
             if not self._threads.acquire(timeout=max(0.0, deadline - time.monotonic())):
                 raise SandboxError("RESOURCE_EXHAUSTED", "no compile thread became free before the compile timeout "
                                    "(every thread is busy with other grammars); retry later", is_grammar_fault=False)
@@ -234,7 +236,7 @@ class GrammarCompiler:
                                     deadline=deadline)
                 abandoned = done.abandoned
                 return ((time.perf_counter() - started) * 1e3, done.backend, done.grammar, done.unenforced,
-                        restricted(done.backend))
+                        restricted(done.backend), done.fallback_from)
             finally:
                 if abandoned is None:
                     self._threads.release()
@@ -254,8 +256,10 @@ class GrammarCompiler:
                 return
             exc = done.exception()
             if exc is None:
-                elapsed_ms, backend, compiled, unenforced, restricted_forms = done.result()
+                elapsed_ms, backend, compiled, unenforced, restricted_forms, fallback_from = done.result()
                 metrics.COMPILE_SECONDS.labels(spec.kind).observe(elapsed_ms / 1e3)
+                if fallback_from:
+                    metrics.BACKEND_FALLBACKS.labels(fallback_from, backend).inc()
                 self._store(key, CompiledEntry(0, backend, compiled, elapsed_ms, unenforced, restricted_forms), result)
             elif isinstance(exc, SandboxError) and exc.timed_out:
                 self._on_timeout(key, spec, result)
@@ -303,7 +307,7 @@ class GrammarCompiler:
                 self._negative[key] = _Negative(error, self._clock() + self._config.negative_cache_ttl_s)
             self.stats.num_errors += 1
             self.stats.num_timeouts += timed_out
-        metrics.COMPILE_REQUESTS.labels("error").inc()
+        metrics.COMPILE_REQUESTS.labels("timeout" if timed_out else "error").inc()
         result.set_exception(error)
 
     def _on_timeout(self, key: str, spec: GrammarSpec, result: Future) -> None:

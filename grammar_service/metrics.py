@@ -14,8 +14,9 @@ COMPILE_SECONDS = Histogram(
     "structgen_grammar_compile_seconds", "Wall time of grammar compiles (cache misses)", ["kind"],
     buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30))
 COMPILE_REQUESTS = Counter(
-    "structgen_grammar_compile_requests_total", "Compile requests by outcome",
-    ["outcome"])  # compiled, cache_hit, error
+    "structgen_grammar_compile_requests_total", "Compile requests by outcome (compiled, cache_hit, error, "
+    "timeout: past the compile timeout, saturated: refused, the compile queue full)",
+    ["outcome"])  # compiled, cache_hit, error, timeout, saturated
 STEP_SECONDS = Histogram(
     "structgen_grammar_step_seconds", "Time of one grammar step: advance + mask fill",
     buckets=(50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1))
@@ -24,6 +25,10 @@ ROWS_REJECTED = Counter(
 ROWS_LATE = Counter(
     "structgen_grammar_rows_late_total",
     "Rows whose mask was not ready by the step's deadline: skipped for that step (slow_filler.py)")
+BACKEND_FALLBACKS = Counter(
+    "structgen_grammar_backend_fallbacks_total", "Grammars `auto` compiled with another backend than its "
+    "pick (the pick failed, ran past its time, or could not take the first token)",
+    ["from_backend", "to_backend"])
 STEP_PHASE_SECONDS = Counter(
     "structgen_grammar_step_phase_seconds", "Time of grammar steps by phase (loop.py: StepPhases)",
     ["phase"])  # advance, fill, bookkeeping; the three add up to the step time
@@ -32,5 +37,5 @@ STEP_PHASE_SECONDS = Counter(
 def families():
     """Every structgen_ family grammar_service exports (docs/operations.md)."""
     from structgen.metrics_docs import describe_metrics
-    return describe_metrics([COMPILE_SECONDS, COMPILE_REQUESTS, STEP_SECONDS, ROWS_REJECTED, ROWS_LATE,
-                             STEP_PHASE_SECONDS])
+    return describe_metrics([COMPILE_SECONDS, COMPILE_REQUESTS, BACKEND_FALLBACKS, STEP_SECONDS, ROWS_REJECTED,
+                             ROWS_LATE, STEP_PHASE_SECONDS])

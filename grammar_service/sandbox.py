@@ -36,6 +36,7 @@ class ProbeResult:
     backend: str                               # the backend that compiled it (auto's choice)
     unenforced: tuple[UnenforcedKeyword, ...]
     compile_ms: float
+    fallback_from: str = ""                    # auto's pick, when `backend` served in its place
 
 
 class SandboxError(Exception):
@@ -107,12 +108,12 @@ class CompileSandbox:
             raise SandboxError("UNAVAILABLE", f"a compile worker failed: {exc!r}", is_grammar_fault=False) from None
         except SandboxError:
             raise
-        if reply[0] == "ok" and reply[4]:
-            self._replace(worker)  # auto's time-boxed compile still runs in it
+        if reply[0] == "ok" and reply[4] or reply[0] == "error" and reply[3:4] == (True,):
+            self._replace(worker)  # auto's time-boxed (or fallback) compile still runs in it
         else:
             self._release(worker)
         if reply[0] == "ok":
-            return ProbeResult(backend=reply[1], unenforced=tuple(reply[2]), compile_ms=reply[3])
+            return ProbeResult(backend=reply[1], unenforced=tuple(reply[2]), compile_ms=reply[3], fallback_from=reply[5])
         raise SandboxError(reply[1], reply[2], is_grammar_fault=True)
 
     @property

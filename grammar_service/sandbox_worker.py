@@ -3,9 +3,9 @@
 A worker loads the served tokenizer, builds the backends, caps its own address space and
 then compiles one spec at a time, answering over its pipe:
 `("ready",)` once, then per `(spec, requested, deadline)` request
-`("ok", backend, unenforced, compile_ms, must_replace)` or `("error", status, message)`;
-`must_replace`: a compile that `auto` left past its time box still runs in this process, which
-the parent then replaces. Whatever a grammar does in here (a native crash, runaway
+`("ok", backend, unenforced, compile_ms, must_replace, fallback_from)` or `("error", status,
+message[, must_replace])`; `must_replace`: a compile that `auto` left past its time box (or its
+deadline, falling back) still runs in this process, which the parent then replaces. Whatever a grammar does in here (a native crash, runaway
 memory, runaway time) ends this process only; the parent kills it on its deadline.
 
 It runs the same `compile_with` as grammar_service, so `auto` chooses the same backend, and
@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from grammar_contract.spec import GrammarSpec
-from grammar_service.backend_choice import compile_with
+from grammar_service.backend_choice import UnservedGrammar, compile_serving
 from grammar_service.backends import available_backends, load_backend_class, resolve_backend_name
 from grammar_service.backends.base import GrammarCompileError
 from grammar_service.emptiness import empty_language_reason
@@ -84,8 +84,7 @@ def first_step_reason(backend, compiled) -> str:
         return ""  # an empty first mask is emptiness's to explain (or a grammar of only EOS)
     inner = getattr(matcher, "inner", None)
     detail = inner.get_error().splitlines()[0] if hasattr(inner, "get_error") and inner.get_error() else ""
-    return (f"the {backend.name} matcher refuses the first token its own mask allows"
-            + (f" ({detail})" if detail else "") + "; simplify the grammar or try the other backend")
+    return f"the {backend.name} matcher refuses the first token its own mask allows" + (f" ({detail})" if detail else "")
 
 
 def _check_depth(spec: GrammarSpec) -> None:
@@ -105,9 +104,12 @@ def compile_one(spec: GrammarSpec, requested: str, backends: _Backends, *, time_
     try:
         if spec.kind in ("json_schema", "structural_tag"):
             _check_depth(spec)
-        done = compile_with(spec, requested, backends, time_box_s=time_box_s, deadline=deadline)
+        done = compile_serving(spec, requested, backends, lambda name, grammar: first_step_reason(backends(name), grammar),
+                               time_box_s=time_box_s, deadline=deadline)
         name, compiled, unenforced = done.backend, done.grammar, done.unenforced
-        reason = empty_language_reason(spec, name, compiled) or first_step_reason(backends(name), compiled)
+        reason = empty_language_reason(spec, name, compiled)
+    except UnservedGrammar as exc:  # a fallback compile may still run here: the parent replaces us
+        return ("error", "INVALID_ARGUMENT", str(exc), exc.abandoned is not None)
     except (GrammarCompileError, ValueError) as exc:
         return ("error", "INVALID_ARGUMENT", str(exc))
     except RecursionError:
@@ -117,7 +119,8 @@ def compile_one(spec: GrammarSpec, requested: str, backends: _Backends, *, time_
                 "the compile memory limit (max_compile_memory_mb)")
     if reason:
         return ("error", "INVALID_ARGUMENT", f"{spec.kind}: {reason}")
-    return ("ok", name, tuple(unenforced), (time.perf_counter() - started) * 1e3, done.abandoned is not None)
+    return ("ok", name, tuple(unenforced), (time.perf_counter() - started) * 1e3, done.abandoned is not None,
+            done.fallback_from)
 
 
 def worker_main(conn, service_pid: int, tokenizer_dir: str, vocab_size: int, backend_kwargs: dict,

@@ -42,7 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _run_grammar_health(args: argparse.Namespace, _rest) -> int:
     from structgen.supervisor import wait_healthy
-    return 0 if wait_healthy(args.address, args.timeout_s) else 1
+    if wait_healthy(args.address, args.timeout_s):
+        print(f"{args.address}: SERVING")
+        return 0
+    print(f"{args.address}: not SERVING within {args.timeout_s:g} s (down, starting or draining)", file=sys.stderr)
+    return 1
 
 
 def _run_grammar(args: argparse.Namespace, rest: list[str]) -> int:
@@ -79,9 +83,17 @@ def passive_cpu_waits() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C before a command took over SIGINT (start-up imports)
+        # serve stops cleanly on SIGINT (exit 0) whenever it comes; other commands are interrupted
+        return 0 if argv[:1] == ["serve"] else generate.EXIT_INTERRUPTED
+
+
+def _main(argv: list[str]) -> int:
     disable_grpc_fork_handlers()
     passive_cpu_waits()
-    argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     if argv[:1] == ["grammar"]:  # everything after `grammar` belongs to grammar_service
         return _run_grammar(argparse.Namespace(), argv[1:])

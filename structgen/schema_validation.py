@@ -42,6 +42,7 @@ class ValidationResult:
     valid: bool
     issues: tuple[ValidationIssue, ...] = ()  # at most MAX_ERRORS, in a stable order
     num_errors: int = 0                       # all violations, even beyond the ones listed
+    truncated: bool = False                   # max_tokens cut the document short
 
     @property
     def errors(self) -> tuple[str, ...]:
@@ -51,6 +52,14 @@ class ValidationResult:
     @property
     def is_valid(self) -> bool:
         return self.valid
+
+    @property
+    def status(self) -> str:
+        """valid, invalid, truncated (max_tokens cut it short) or not_run (jsonschema could not use
+        the schema)."""
+        if any(issue.schema_pointer == "schema" for issue in self.issues):
+            return "not_run"
+        return "valid" if self.valid else "truncated" if self.truncated else "invalid"
 
 
 def _pointer(path) -> str:
@@ -121,16 +130,20 @@ def violations(schema_text: str, instance) -> list[ValidationIssue]:
     return [to_issue(e) for e in _sorted_errors(_validator(schema_text), instance)]
 
 
-def validate_output(schema_text: str, output_text: str) -> ValidationResult:
+def validate_output(schema_text: str, output_text: str, cut_by_max_tokens: bool = False) -> ValidationResult:
     """Validate a generated document against the full schema; never raises.
 
-    Output that is not JSON (cut by max_tokens, a stop string...) is invalid with a parse
-    error at path "". A schema jsonschema cannot use (bad `pattern` regex, invalid schema) gives
+    Output that is not JSON (a stop string...) is invalid with a parse error at path "";
+    with `cut_by_max_tokens` (the output ended at max_tokens) such output is `truncated` and
+    the issue says so. A schema jsonschema cannot use (bad `pattern` regex, invalid schema) gives
     one issue whose schema_pointer is "schema", so the client sees the output was not checked.
     """
     try:
         instance = json.loads(output_text)
     except ValueError as exc:
+        if cut_by_max_tokens:
+            message = f"max_tokens cut the document short (raise max_tokens): {exc}"
+            return ValidationResult(False, (ValidationIssue("", message, ""),), 1, truncated=True)
         return ValidationResult(False, (ValidationIssue("", f"output is not valid JSON: {exc}", ""),), 1)
     except RecursionError:  # nested past the interpreter's recursion limit
         return ValidationResult(False, (ValidationIssue("", "output nests too deeply to validate", "schema"),), 1)

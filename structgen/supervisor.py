@@ -186,7 +186,9 @@ class GrammarSupervisor:
         standby = self._standby
         if standby is None:
             if time.monotonic() >= standby_after:
-                self._standby, self._is_standby_ready = self._spawn(self._standby_path, self._restart_args), False
+                # no metrics port: the serving child holds it (the standby would fail to bind and exit)
+                self._standby = self._spawn(self._standby_path, (*self._restart_args, "--metrics-port", "0"))
+                self._is_standby_ready = False
                 # NOTE: a channel of its own: one opened before a takeover stays connected to the
                 # process that moved to the serving path, and would call that one ready
                 self._standby_channel = grpc.insecure_channel(f"unix://{self._standby_path}", options=_FAST_RECONNECT)

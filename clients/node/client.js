@@ -11,7 +11,8 @@
 // stderr; with --tools (a JSON list of {name, description, parameters}; implies --chat) each
 // parsed tool call is printed to stdout as one JSON line {id, name, arguments}. A failed call
 // prints "error: <STATUS>: <message>" and exits 1; an output or a tool call the server found
-// invalid against its JSON Schema exits 3 (as `structgen generate`).
+// invalid against its JSON Schema, or one max_tokens cut short, exits 3 (as `structgen
+// generate`); a file it cannot read exits 2.
 'use strict';
 
 const fs = require('fs');
@@ -28,6 +29,17 @@ function loadService() {
   return grpc.loadPackageDefinition(definition).structgen.v1.GenerationService;
 }
 
+class UsageError extends Error {}
+
+// A file a flag names, read whole; a file that cannot be read (or parsed) is a usage error.
+function readFlagFile(flag, file, parse = (text) => text) {
+  try {
+    return parse(fs.readFileSync(file, 'utf8'));
+  } catch (error) {
+    throw new UsageError(`${flag} ${file}: ${error.code ? `cannot read it (${error.code})` : error.message}`);
+  }
+}
+
 function parseArgs(argv) {
   // The default server, as for `structgen generate`: $STRUCTGEN_SERVER, else localhost:50051.
   const options = { server: process.env.STRUCTGEN_SERVER || 'localhost:50051', choices: [], maxTokens: 0 };
@@ -36,7 +48,7 @@ function parseArgs(argv) {
     const flag = argv[i];
     const value = () => argv[++i];
     if (flag === '--server') options.server = value();
-    else if (flag === '--json-schema') options.jsonSchema = fs.readFileSync(value(), 'utf8');
+    else if (flag === '--json-schema') options.jsonSchema = readFlagFile(flag, value());
     else if (flag === '--regex') options.regex = value();
     else if (flag === '--choice') options.choices.push(value());
     else if (flag === '--compact') options.compact = true;
@@ -46,7 +58,7 @@ function parseArgs(argv) {
     else if (flag === '--temperature') options.temperature = Number(value());
     else if (flag === '--seed') options.seed = Number(value());
     else if (flag === '--max-whitespace') options.maxWhitespace = Number(value());
-    else if (flag === '--tools') options.tools = JSON.parse(fs.readFileSync(value(), 'utf8'));
+    else if (flag === '--tools') options.tools = readFlagFile(flag, value(), JSON.parse);
     else if (flag === '--tool-choice') options.toolChoice = value();
     else if (flag === '--reasoning') options.reasoning = true;
     else if (flag === '--reasoning-max-tokens') options.reasoningMaxTokens = Number(value());
@@ -92,7 +104,15 @@ function buildRequest(options) {
 }
 
 function main() {
-  const options = parseArgs(process.argv.slice(2));
+  let options;
+  try {
+    options = parseArgs(process.argv.slice(2));
+  } catch (error) {
+    if (!(error instanceof UsageError)) throw error;
+    process.stderr.write(`error: ${error.message}\n`);
+    process.exitCode = 2;
+    return;
+  }
   const GenerationService = loadService();
   const client = new GenerationService(options.server, grpc.credentials.createInsecure());
   // Servers started with --auth-token-file want "authorization: Bearer <token>".
@@ -111,6 +131,12 @@ function main() {
       const { finish_reason, usage, validation } = response;
       process.stderr.write(JSON.stringify({ finish_reason, usage, validation }) + '\n');
       if (validation && validation.status === 'VALIDATION_STATUS_INVALID') process.exitCode = 3;
+      // max_tokens cut a tool call or the JSON document short: say so (and exit 3)
+      const cut = response.incomplete_tool_call ? 'a tool call' : validation && validation.truncated ? 'the JSON document' : '';
+      if (cut) {
+        process.stderr.write(`error: ${cut} was cut short at ${usage.completion_tokens} tokens (max_tokens); raise --max-tokens\n`);
+        process.exitCode = 3;
+      }
     }
   });
   call.on('error', (error) => {

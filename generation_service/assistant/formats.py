@@ -13,7 +13,8 @@ fixes its name and whose content is its `parameters` schema, so a call names a l
 with arguments valid for it. tool_choice auto: free text until the format's trigger, then a
 call (triggered tags; token-triggered when the trigger is one added token, as Qwen's
 `<tool_call>`: free text may then spell it in ordinary tokens, and the parser, too, starts a
-call at the token only); required and named: calls only, at least one. Because the grammar fixes
+call at the token only); required and named: calls only, at least one, the turn's end allowed
+after each (and, Hermes, after the newline that follows one). Because the grammar fixes
 the syntax, a region's parser needs no heuristics: what the grammar let through parses.
 """
 from __future__ import annotations
@@ -105,7 +106,12 @@ class HermesFormat(ToolCallFormat):
     call_end = "}\n" + _END
 
     def grammar(self, tools, choice, single, max_whitespace) -> dict:
-        if choice.mode != "auto" or not self._is_token(self.trigger):
+        if choice.mode != "auto":
+            # a newline after a call need not start another: ChatML models end a turn with one too
+            calls = super().grammar(tools, choice, single, max_whitespace)
+            return {"type": "sequence", "elements": [calls, {"type": "optional", "content": {
+                "type": "const_string", "value": self.separator}}]}
+        if not self._is_token(self.trigger):
             return super().grammar(tools, choice, single, max_whitespace)
         return {"type": "token_triggered_tags", "trigger_tokens": [self.trigger],
                 "tags": [self._token_call_tag(t, max_whitespace) for t in tools],

@@ -2,8 +2,8 @@
 
 Text arrives in arbitrary pieces; anything that may still turn out to be a marker (the
 span's end, a call's trigger) is held back until it is known, so no piece ever carries half a
-marker. `finish` returns what is still held (a call cut off by max_tokens is not a call: it
-is content).
+marker. `finish` returns what is still held: a partial trigger as content, a call cut off
+by max_tokens as the turn's incomplete call (neither a call nor content).
 
 The span ends where the grammar ends it: at the end marker's token when the marker is one
 added token (the grammar takes it as that token only, so ordinary tokens inside the span may
@@ -27,6 +27,7 @@ class TurnPiece:
     reasoning: str = ""
     content: str = ""
     calls: list[ToolCall] = field(default_factory=list)
+    incomplete_call: str = ""  # the final piece's: a call's text that the output's end cut short
 
 
 def held_back_len(text: str, marker: str) -> int:
@@ -223,10 +224,14 @@ class CallExtractor:
                 return (begin, 0) if begin < len(self._buffer) else (-1, 0)
         return -1, 0  # the token has not come: all of the text so far is content
 
-    def finish(self) -> str:
-        """Text still held back (a partial trigger, or a call cut off), as content."""
-        self._in_call = False
-        return self._content(self._take(len(self._buffer)))
+    def finish(self) -> tuple[str, str]:
+        """(text still held back as content: a partial trigger; the text of a call cut off).
+        Under calls only, whatever is left but separators is a call cut off, trigger or not."""
+        rest = self._take(len(self._buffer))
+        if self._in_call or (self._only_calls and self._content(rest)):
+            self._in_call = False
+            return "", rest.lstrip(self._format.separator + " \n")
+        return self._content(rest), ""
 
     def _content(self, text: str) -> str:
         if self._only_calls and not text.replace(self._format.separator.strip() or "\n", "").strip():
@@ -261,6 +266,7 @@ class TurnParser:
         if self._calls is not None:
             text, piece.calls = self._calls.feed(text, token_ids)
             if final:
-                text += self._calls.finish()
+                rest, piece.incomplete_call = self._calls.finish()
+                text += rest
         piece.content = text
         return piece

@@ -21,6 +21,9 @@ from generation_service.assistant.tools import Tool, ToolCall, ToolChoice, check
 from grammar_contract.spec import GrammarSpec, ReasoningSpan
 from structgen.schema_validation import ValidationResult
 
+# Tool-call arguments' whitespace runs by default: a newline and seven spaces of indentation
+# (pretty-printed arguments pass; a model stuck on blanks stops). llguidance takes no cap.
+ARGUMENTS_MAX_WHITESPACE = 8
 # Free text after the span: what a reasoning budget without a constraint is enforced over.
 _ANY_TEXT = json.dumps({"type": "structural_tag", "format": {"type": "any_text"}})
 _PROMPT_TAIL_TOKENS = 8
@@ -46,11 +49,15 @@ class AssistantTurn:
         return {tool.name: tool for tool in self.tools}
 
     def grammar(self, constraint: GrammarSpec | None, *, max_whitespace: int | None = None,
-                backend: str = "auto") -> GrammarSpec | None:
+                any_whitespace: bool = False, backend: str = "auto") -> GrammarSpec | None:
         """The request's grammar: the tool calls' structural tag (instead of a constraint) or the
         constraint, after the reasoning span. A span without a constraint or budget needs no
-        grammar (the stream is split all the same)."""
+        grammar (the stream is split all the same). The calls' arguments take whitespace runs of
+        at most `max_whitespace` characters (ARGUMENTS_MAX_WHITESPACE when unset, uncapped with
+        `any_whitespace` or on llguidance)."""
         spec = constraint
+        if max_whitespace is None and not any_whitespace and backend != "llguidance":
+            max_whitespace = ARGUMENTS_MAX_WHITESPACE
         if self.uses_tools:
             if constraint is not None:
                 raise ValueError("a constraint together with tools is not supported: use tool_choice none for a "

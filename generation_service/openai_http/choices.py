@@ -17,11 +17,12 @@ from typing import AsyncIterator
 from generation_service import metrics
 from generation_service.assistant.parser import TurnPiece
 from generation_service.assistant.turn import AssistantTurn
-from generation_service.engine.events import OutputEvent
+from generation_service.engine.events import FinishReason, OutputEvent
 from generation_service.engine.params import GenerationRequest
 from structgen.schema_validation import ValidationResult, validate_output
 
 log = logging.getLogger("structgen.http")
+_FAILED = (FinishReason.ERROR, FinishReason.DEADLINE, FinishReason.CANCELLED)
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,12 @@ class ChoiceStreams:
                 if schema is not None:
                     texts.append(event.text if piece is None else piece.content)
                     if event.is_final:  # the whole output against the full schema, as on gRPC
-                        validation = validate_output(schema, "".join(texts))
+                        validation = validate_output(schema, "".join(texts),
+                                                     event.finish_reason is FinishReason.MAX_TOKENS)
+                        if event.finish_reason not in _FAILED:  # (a failed request's output was no answer)
+                            observer.validated("json_schema", validation)
+                for call in piece.calls if piece is not None else ():
+                    observer.validated("tool_call", self._turn.validate(call))
                 self._queue.put_nowait(ChoiceEvent(index, event, validation, piece))
         finally:
             if not stream.is_finished:  # the task was cancelled (server stopped): free the request

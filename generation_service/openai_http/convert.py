@@ -17,7 +17,7 @@ from generation_service.openai_http import tools
 from generation_service.openai_http.errors import ApiError
 from generation_service.openai_http.schemas import (ChatCompletionRequest, ChatMessage, CompletionRequest,
                                                     MAX_STOP_STRINGS, SamplingBody)
-from grammar_contract.spec import GrammarSpec
+from grammar_contract.spec import GrammarSpec, json_layout
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
@@ -116,8 +116,12 @@ def grammar_spec(body: SamplingBody, config: ServeConfig, turn: AssistantTurn | 
     constraint = None
     if kind is not None:
         _check_size(kind, text, config)
-        constraint = GrammarSpec(kind=kind, text=text, any_whitespace=not options.compact,
-                                 max_whitespace=options.max_whitespace, strict=strict, backend=options.backend)
+        try:
+            layout = json_layout(compact=options.compact, any_whitespace=options.any_whitespace,
+                                 max_whitespace=options.max_whitespace)
+        except ValueError as error:
+            raise ApiError(400, f"structgen: {error}", param="structgen") from None
+        constraint = GrammarSpec(kind=kind, text=text, **layout, strict=strict, backend=options.backend)
     if turn is None:
         return constraint
     if turn.uses_tools:
@@ -130,7 +134,8 @@ def grammar_spec(body: SamplingBody, config: ServeConfig, turn: AssistantTurn | 
                                       "use structgen.max_whitespace (>= 1)")
         if options.max_whitespace == 0:
             raise InvalidRequestError("structgen.max_whitespace must be >= 1 with tools")
-    spec = turn.grammar(constraint, max_whitespace=options.max_whitespace, backend=options.backend)
+    spec = turn.grammar(constraint, max_whitespace=options.max_whitespace, any_whitespace=options.any_whitespace,
+                        backend=options.backend)
     if spec is not None and turn.uses_tools:
         _check_size("tools", spec.text, config)
     return spec

@@ -44,9 +44,6 @@ UNSUPPORTED_PARAMETERS = {
     "function_call": "the deprecated functions API is not supported; use tool_choice",
     "reasoning_effort": "reasoning models are not supported yet",
     "web_search_options": "web search is not supported",
-    "store": "stored completions are not supported",
-    "metadata": "stored completions are not supported",
-    "service_tier": "service tiers are not supported",
     "verbosity": "verbosity is not supported",
     "prompt_cache_key": "prompt caching keys are not supported",
     "safety_identifier": "safety identifiers are not supported",
@@ -99,6 +96,11 @@ def _leading_name(message: str) -> str | None:
 def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     """pydantic's first complaint about the body, with the parameter it concerns."""
     first = exc.errors()[0]
+    if first.get("type") == "json_invalid":  # loc holds the character position, not a parameter
+        position = first.get("loc", ("body", "?"))[-1]
+        reason = (first.get("ctx") or {}).get("error") or first.get("msg")
+        return ApiError(400, f"the request body is not valid JSON (character {position}): {reason}",
+                        code="invalid_value").response()
     location = [str(part) for part in first.get("loc", ()) if part != "body"]
     param = ".".join(location) or None
     if first.get("type") == "extra_forbidden":
@@ -106,7 +108,7 @@ def _validation_error(request: Request, exc: RequestValidationError) -> JSONResp
         reason = UNSUPPORTED_PARAMETERS.get(name) if len(location) == 1 else None
         message = (f"{name} is not supported by this server: {reason}" if reason
                    else f"Unrecognized request argument supplied: {param}")
-    elif first.get("type") in ("json_invalid", "model_attributes_type") or not location:
+    elif first.get("type") == "model_attributes_type" or not location:
         message = f"the request body is not a valid JSON object: {first.get('msg')}"
     else:
         message = f"{param}: {first.get('msg')}"

@@ -26,11 +26,11 @@ from generation_service.openai_http.responses import Model
 
 
 class Format(Protocol):
-    """Chat or text completion: how outputs and pieces become bodies and chunks."""
+    """Chat, text completion or Responses API: how outputs and pieces become bodies and events."""
 
     def whole(self, meta: ResponseMeta, outputs: list[ChoiceOutput]) -> Model: ...
     def opening(self, meta: ResponseMeta, outputs: list[ChoiceOutput]) -> list[Model]: ...
-    def chunk(self, meta: ResponseMeta, output: ChoiceOutput, piece: Piece) -> Model | None: ...
+    def chunks(self, meta: ResponseMeta, output: ChoiceOutput, piece: Piece) -> list[Model]: ...
     def usage_chunk(self, meta: ResponseMeta, outputs: list[ChoiceOutput]) -> Model: ...
 
 
@@ -92,7 +92,7 @@ class Exchange:
             for chunk in format_.opening(meta, self.outputs):
                 yield _event(chunk)
             for output, piece in first:
-                if (chunk := format_.chunk(meta, output, piece)) is not None:
+                for chunk in format_.chunks(meta, output, piece):
                     yield _event(chunk)
             async for item in events:
                 output = self.outputs[item.index]
@@ -103,7 +103,7 @@ class Exchange:
                     observability.mark_failed(failure.message)
                     yield f"data: {json.dumps(failure.body())}\n\n"
                     return
-                if (chunk := format_.chunk(meta, output, piece)) is not None:
+                for chunk in format_.chunks(meta, output, piece):
                     yield _event(chunk)
             if self.include_usage:
                 yield _event(format_.usage_chunk(meta, self.outputs))

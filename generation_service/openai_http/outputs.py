@@ -5,7 +5,8 @@ logprobs it adds; with a turn the choice task split them, choices.py), which a s
 as one chunk; the whole response is the sum of the pieces.
 The engine's finish reasons map onto OpenAI's: max tokens is "length", a tool call that
 ended the output is "tool_calls", every other end is "stop" (the engine's own reason stays
-in the `structgen` extension). Errors are raised as the engine's exceptions.
+in the `structgen` extension, with the text of a call max tokens cut short:
+`incomplete_tool_call`; it is never content). Errors are raised as the engine's exceptions.
 """
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ class ChoiceOutput:
         self.texts: list[str] = []
         self.reasonings: list[str] = []
         self.tool_calls: list[ToolCall] = []
+        self.incomplete_tool_call = ""  # a call max_tokens cut short
         self.logprobs: list[TokenLogprob] = []
         self.guarantee: GuaranteeReport | None = None
         self.validation: ValidationResult | None = None
@@ -69,6 +71,7 @@ class ChoiceOutput:
         piece = Piece(text=event.text, logprobs=event.logprobs, guarantee=event.guarantee, is_final=event.is_final)
         if item.piece is not None:  # split by the turn's parser in the choice task (choices.py)
             piece.text, piece.reasoning, piece.tool_calls = item.piece.content, item.piece.reasoning, item.piece.calls
+            self.incomplete_tool_call += item.piece.incomplete_call
         if self._returns_token_ids:
             piece.token_ids = event.token_ids
         self.token_ids += event.token_ids
@@ -124,6 +127,8 @@ class ChoiceOutput:
                 extension["validation"] = validation
             if self.tool_calls:
                 extension["tool_call_validations"] = [self._validate_call(call) for call in self.tool_calls]
+            if self.incomplete_tool_call:
+                extension["incomplete_tool_call"] = self.incomplete_tool_call
         return extension
 
     def _validate_call(self, call: ToolCall) -> dict:

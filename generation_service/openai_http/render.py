@@ -77,8 +77,8 @@ def chat_completion(meta: ResponseMeta, outputs: list[ChoiceOutput]) -> r.ChatCo
         extra = {"tool_calls": calls} if calls else {}
         if output.reasoning is not None:
             extra["reasoning_content"] = output.reasoning
-        message = r.ChatMessage(role="assistant", content=None if calls and not text.strip() else text,
-                                refusal=None, **extra)
+        is_calls_only = (calls or output.incomplete_tool_call) and not text.strip()
+        message = r.ChatMessage(role="assistant", content=None if is_calls_only else text, refusal=None, **extra)
         choices.append(r.ChatChoice(index=output.index, message=message,
                                     logprobs=_chat_logprobs(meta, output.logprobs),
                                     finish_reason=output.finish_reason, **_extension(output)))
@@ -156,9 +156,9 @@ class ChatFormat:
     def opening(self, meta, outputs):
         return [chat_chunk(meta, [chat_role_choice(o.index)], self.include_usage) for o in outputs]
 
-    def chunk(self, meta, output: ChoiceOutput, piece: Piece):
+    def chunks(self, meta, output: ChoiceOutput, piece: Piece):
         choice = chat_choice_delta(meta, output, piece)
-        return None if choice is None else chat_chunk(meta, [choice], self.include_usage)
+        return [] if choice is None else [chat_chunk(meta, [choice], self.include_usage)]
 
     def usage_chunk(self, meta, outputs):
         return chat_chunk(meta, [], True, usage(meta, outputs))
@@ -175,10 +175,10 @@ class CompletionFormat:
     def opening(self, meta, outputs):
         return []
 
-    def chunk(self, meta, output: ChoiceOutput, piece: Piece):
+    def chunks(self, meta, output: ChoiceOutput, piece: Piece):
         choice = completion_choice_delta(meta, output, piece, self.offsets.get(output.index, 0))
         self.offsets[output.index] = self.offsets.get(output.index, 0) + len(piece.text)
-        return None if choice is None else completion_chunk(meta, [choice], self.include_usage)
+        return [] if choice is None else [completion_chunk(meta, [choice], self.include_usage)]
 
     def usage_chunk(self, meta, outputs):
         return completion_chunk(meta, [], True, usage(meta, outputs))

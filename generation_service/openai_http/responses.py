@@ -90,6 +90,7 @@ class Extension(Model):
     guarantee: dict[str, Any] | None = None
     validation: dict[str, Any] | None = None
     tool_call_validations: list[dict[str, Any]] | None = None
+    incomplete_tool_call: str | None = None  # a call max_tokens cut short (never content)
     finish_reason: str | None = None
 
 

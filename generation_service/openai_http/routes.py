@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hmac
 import time
+import uuid
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -21,6 +22,9 @@ from generation_service.openai_http.errors import ApiError
 from generation_service.openai_http.exchange import Exchange
 from generation_service.openai_http.outputs import ChoiceOutput
 from generation_service.openai_http.render import ChatFormat, CompletionFormat, ResponseMeta
+from generation_service.openai_http.responses_api import convert as responses_convert
+from generation_service.openai_http.responses_api.render import ResponsesFormat
+from generation_service.openai_http.responses_api.schemas import ResponsesRequest
 from generation_service.openai_http.schemas import ChatCompletionRequest, CompletionRequest, SamplingBody
 from generation_service.openai_http.token_text import TokenTexts
 
@@ -64,6 +68,22 @@ class BearerTokenAuth:
         await self.app(scope, receive, send)
 
 
+class JsonBodies:
+    """ASGI middleware: every body this API takes is JSON, so a POST that says otherwise (`curl
+    -d` sends application/x-www-form-urlencoded) is read as JSON all the same."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            headers = [(name, value) for name, value in scope["headers"] if name != b"content-type"]
+            given = next((value for name, value in scope["headers"] if name == b"content-type"), b"")
+            if b"json" not in given.lower():
+                scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+        await self.app(scope, receive, send)
+
+
 def _accepting(state: FrontState, body: SamplingBody) -> None:
     if state.is_draining:
         raise ApiError(503, "the server is shutting down", "service_unavailable", None, "unavailable")
@@ -101,8 +121,19 @@ async def completions(body: CompletionRequest, request: Request):
                           CompletionFormat(body.includes_usage, {}))
 
 
+async def responses(body: ResponsesRequest, request: Request):
+    """The Responses API: the chat completion it stands for, answered as a response object."""
+    state = _state(request)
+    chat = responses_convert.chat_request(body)
+    _accepting(state, chat)
+    response_id = f"resp_{uuid.uuid4().hex}"
+    specs, turn = convert.chat_requests(chat, response_id, state.engine, state.config)
+    meta = _meta(state, response_id, chat)
+    return await _respond(request, state, chat, "chat", specs, turn, meta, ResponsesFormat(body), stream=body.stream)
+
+
 async def _respond(request: Request, state: FrontState, body: SamplingBody, operation: str, specs, turn,
-                   meta: ResponseMeta, format_):
+                   meta: ResponseMeta, format_, stream: bool | None = None):
     """Submit the choices and answer; the server span becomes `{operation} {model}` (as on
     gRPC) and the engine's spans join its trace."""
     specs = observability.start_choices(specs, operation, state.engine.model_name, meta.id)
@@ -113,7 +144,7 @@ async def _respond(request: Request, state: FrontState, body: SamplingBody, oper
     except BaseException:
         observability.end_choices(specs)
         raise
-    return await exchange.respond(body.stream)
+    return await exchange.respond(body.stream if stream is None else stream)
 
 
 def _model_card(state: FrontState) -> r.ModelCard:
@@ -147,9 +178,11 @@ def create_app(state: FrontState) -> FastAPI:
     errors.install(app)
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", completions, methods=["POST"])
+    app.add_api_route("/v1/responses", responses, methods=["POST"])
     app.add_api_route("/v1/models", list_models, methods=["GET"])
     app.add_api_route("/v1/models/{model:path}", get_model, methods=["GET"])
     app.add_api_route("/health", health, methods=["GET"])
+    app.add_middleware(JsonBodies)
     if state.auth_header is not None:
         app.add_middleware(BearerTokenAuth, expected=state.auth_header)
     # added last, so outermost of ours: auth refusals are counted (and their spans ERROR) too

@@ -3,8 +3,9 @@
 Every model forbids unknown fields: a parameter this server does not know is a 400 naming it
 (errors.py), never a silent ignore. Parameters the engine cannot apply yet are declared so
 that their neutral value (what SDKs and frameworks send by default) is accepted, and
-`convert.py` refuses any other value by name. Ranges the engine checks itself
-(temperature, top_p) are left to `SamplingParams`, whose messages name the field.
+`convert.py` refuses any other value by name. Ranges the engine checks itself (top_p) are
+left to `SamplingParams`, whose messages name the field; temperature takes OpenAI's [0, 2]
+here (the engine allows more).
 """
 from __future__ import annotations
 
@@ -101,8 +102,9 @@ class ReasoningOptions(Body):
 class StructgenOptions(Body):
     """Extension (`extra_body={"structgen": {...}}`): what the gRPC API offers beyond OpenAI's."""
 
-    compact: bool = False                # JSON without free whitespace
-    max_whitespace: int | None = Field(default=None, ge=0)
+    compact: bool = False                # JSON without free whitespace ("," and ":")
+    max_whitespace: int | None = Field(default=None, ge=0)  # free whitespace, runs capped
+    any_whitespace: bool = False         # free whitespace (default: single-line JSON)
     backend: Literal["auto", "xgrammar", "llguidance"] = "auto"
     ignore_eos: bool = False
     num_draft_tokens: int = Field(default=0, ge=0)
@@ -121,9 +123,13 @@ class SamplingBody(Body):
     stop: Union[str, list[str], None] = Field(default=None)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = None
+    temperature: float | None = Field(default=None, ge=0, le=2)  # OpenAI's range
     top_p: float | None = None
     user: str | None = None  # an end-user id for the caller's records; it changes no output
+    # accepted and ignored, as by a server that stores nothing and has one tier
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
     response_format: ResponseFormat | None = None
     structgen: StructgenOptions = Field(default_factory=StructgenOptions)
     # common extensions the engine has

@@ -68,7 +68,9 @@ def schema_text(spec: GrammarSpec) -> str:
 def json_options(spec: GrammarSpec) -> dict:
     """llguidance JsonCompileOptions for a spec: lenient, oneOf as anyOf, whitespace policy."""
     options: dict = {"lenient": True, "coerce_one_of": True}
-    if not spec.any_whitespace or spec.max_whitespace == 0:
+    if spec.single_line and not spec.any_whitespace:
+        options.update(whitespace_flexible=False, item_separator=", ", key_separator=": ")
+    elif not spec.any_whitespace or spec.max_whitespace == 0:
         options.update(whitespace_flexible=False, item_separator=",", key_separator=":")
     elif spec.max_whitespace is not None:
         options.update(whitespace_flexible=True, whitespace_pattern=f"{WHITESPACE}{{0,{spec.max_whitespace}}}")

@@ -40,7 +40,8 @@ def _json_options(spec: GrammarSpec) -> dict:
     any_ws = spec.any_whitespace and spec.max_whitespace != 0
     # strict_mode=False: objects and arrays are as open as the schema says (xgrammar's
     # default closes every object without additionalProperties, refusing valid output).
-    return dict(any_whitespace=any_ws, separators=None if any_ws else (",", ":"),
+    separators = None if any_ws else (", ", ": ") if spec.single_line else (",", ":")
+    return dict(any_whitespace=any_ws, separators=separators,
                 max_whitespace_cnt=spec.max_whitespace if any_ws else None, strict_mode=False)
 
 

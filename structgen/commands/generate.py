@@ -6,7 +6,8 @@ first: its reasoning streams to stderr, what follows it to stdout. With --tools 
 a list of tools, each {"name", "description", "parameters"}) the prompt is a chat turn and
 each parsed tool call is printed to stdout as one JSON line {"id", "name", "arguments"}.
 A failed call prints "error: <STATUS>: <message>" to stderr and exits 1; an output or a tool
-call the server found invalid against its JSON Schema exits 3; a bad flag exits 2; Ctrl-C
+call the server found invalid against its JSON Schema exits 3, as does an output that
+max_tokens cut short inside a JSON document or a tool call; a bad flag exits 2; Ctrl-C
 cancels the request and exits 130.
 """
 from __future__ import annotations
@@ -74,9 +75,12 @@ def add_parser(subparsers) -> None:
     _add_logits_flags(parser)
     parser.add_argument("--stop", action="append", default=[], metavar="TEXT",
                         help="stop when the output contains TEXT (repeat)")
-    parser.add_argument("--compact", action="store_true", help="JSON without free whitespace")
+    parser.add_argument("--compact", action="store_true", help='JSON with "," and ":" and no whitespace '
+                        '(default: single-line JSON, ", " and ": ")')
     parser.add_argument("--max-whitespace", type=bounded(int, 0), default=None, metavar="N",
-                        help="JSON: at most N whitespace characters in a row (default: the backend's)")
+                        help="JSON: whitespace where the model puts it, at most N characters in a row")
+    parser.add_argument("--any-whitespace", action="store_true",
+                        help="JSON: whitespace where the model puts it, uncapped (unless --max-whitespace)")
     parser.add_argument("--strict", action="store_true", help="refuse schemas the grammar cannot fully enforce")
     parser.add_argument("--timeout", type=bounded(float, 0, open_low=True), default=None,
                         help="deadline in seconds (default: none)")
@@ -149,7 +153,7 @@ def request_options(args: argparse.Namespace) -> dict:
         options["json_object"] = True
     options.update(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, stop=args.stop, compact=args.compact,
-                   max_whitespace=args.max_whitespace, strict=args.strict,
+                   max_whitespace=args.max_whitespace, any_whitespace=args.any_whitespace, strict=args.strict,
                    frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
                    repetition_penalty=args.repetition_penalty, logit_bias=dict(args.logit_bias) or None,
                    min_p=args.min_p, min_tokens=args.min_tokens)
@@ -214,9 +218,20 @@ def run(args: argparse.Namespace, _rest) -> int:
     invalid_calls = [call for call in calls if call.validation is not None and not call.validation.valid]
     for call in invalid_calls:
         print(f"[tool call {call.id} {call.name}] {call.validation}", file=sys.stderr)
-    if last is not None and last.validation is not None:
-        if args.verbose or not last.validation.valid:
-            print(f"[validation] {last.validation}", file=sys.stderr)
-        if not last.validation.valid:
-            return 3
-    return 3 if invalid_calls else 0
+    validation = last.validation if last is not None else None
+    if validation is not None and (args.verbose or not (validation.valid or validation.truncated)):
+        print(f"[validation] {validation}", file=sys.stderr)
+    if last is not None and _report_cut(last):
+        return 3
+    return 3 if invalid_calls or (validation is not None and not validation.valid) else 0
+
+
+def _report_cut(last) -> bool:
+    """Says so on stderr when max_tokens cut a tool call or the JSON document short."""
+    cut = ("a tool call" if last.incomplete_tool_call else
+           "the JSON document" if last.validation is not None and last.validation.truncated else "")
+    if cut:
+        tokens = last.usage.completion_tokens if last.usage is not None else "max"
+        print(f"error: {cut} was cut short at {tokens} tokens (max_tokens); raise --max-tokens to let it finish",
+              file=sys.stderr)
+    return bool(cut)

@@ -91,6 +91,36 @@ def test_ctrl_c_in_generate_exits_130_and_frees_the_request(live_server, client,
     wait_idle()
 
 
+# Ctrl-C at a fixed point of start-up: while the command line is being built (its settings
+# tables imported), before any command has taken SIGINT over
+_CTRL_C_AT_START = """
+import os, signal, sys
+from structgen import cli
+from structgen.commands import serve
+add_parser = serve.add_parser
+def interrupted(subparsers):
+    os.kill(os.getpid(), signal.SIGINT)
+    add_parser(subparsers)
+serve.add_parser = interrupted
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("command, code", [(["serve"], 0), (["generate", "hi"], 130), (["health", "--address", "x"], 130)])
+def test_ctrl_c_during_start_up_exits_quietly(command, code):
+    result = subprocess.run([sys.executable, "-c", _CTRL_C_AT_START, *command], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert result.returncode == code and result.stderr == "" and result.stdout == "", result
+
+
+def test_health_says_what_it_found(live_server):
+    result = structgen("health", "--address", live_server.address)
+    assert result.returncode == 0 and result.stdout == f"{live_server.address}: SERVING\n", result
+    result = structgen("health", "--address", "127.0.0.1:1", "--timeout-s", "0.5")
+    assert result.returncode == 1 and result.stdout == "", result
+    assert result.stderr == "127.0.0.1:1: not SERVING within 0.5 s (down, starting or draining)\n"
+
+
 def test_serve_on_a_busy_port_says_so_before_loading():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

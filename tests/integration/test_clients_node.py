@@ -50,3 +50,15 @@ def test_node_client_choice_and_error_status(live_server):
     assert result.returncode == 0 and result.stdout.strip() in ("left", "right"), result.stderr
     bad = _run(live_server, "--regex", "(", "x")
     assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr
+
+
+def test_node_client_names_a_file_it_cannot_read(live_server, tmp_path):
+    missing = tmp_path / "missing.json"
+    result = _run(live_server, "--json-schema", str(missing), "Answer:")
+    assert result.returncode == 2 and result.stdout == "", result
+    assert result.stderr == f"error: --json-schema {missing}: cannot read it (ENOENT)\n"
+    broken = tmp_path / "tools.json"
+    broken.write_text("[{")
+    result = _run(live_server, "--tools", str(broken), "Answer:")
+    assert result.returncode == 2 and result.stderr.startswith(f"error: --tools {broken}: "), result
+    assert len(result.stderr.splitlines()) == 1  # no stack trace

@@ -213,6 +213,23 @@ def test_streamed_tool_call_matches_the_whole_answer(api, model):
         (0, "weather", whole.function.arguments)]
 
 
+def test_a_call_cut_by_max_tokens_is_reported_never_content(api, model):
+    """The built-in model under tool_choice required writes one call after another (greedy, it
+    prefers a newline and a new call to the end of its turn); max_tokens cuts the one it is
+    writing. The complete calls are calls, the cut one is `structgen.incomplete_tool_call`, and
+    the content stays empty."""
+    ask = [{"role": "user", "content": "What is the weather in Rome?"}]
+    for max_tokens in (12, 64):
+        completion = api.chat.completions.create(model=model, messages=ask, max_tokens=max_tokens,
+                                                 tools=[WEATHER], tool_choice="required")
+        choice = completion.choices[0]
+        assert choice.message.content is None and choice.finish_reason == "length", choice
+        assert choice.model_extra["structgen"]["incomplete_tool_call"].startswith("<tool_call>\n{")
+        for call in choice.message.tool_calls or []:
+            _arguments_valid(call, [WEATHER])
+    assert choice.message.tool_calls, "64 tokens hold at least one whole call"
+
+
 def test_auto_tool_choice_answers_with_text_or_valid_calls(api, model):
     completion = api.chat.completions.create(model=model, messages=CHAT, max_tokens=24, tools=[WEATHER, CLOCK],
                                              extra_body=TIGHT)
@@ -220,7 +237,7 @@ def test_auto_tool_choice_answers_with_text_or_valid_calls(api, model):
     for call in choice.message.tool_calls or []:
         _arguments_valid(call, [WEATHER, CLOCK])
     assert choice.finish_reason in ("stop", "length", "tool_calls")
-    assert "<tool_call>" not in (choice.message.content or "") or choice.finish_reason == "length"
+    assert "<tool_call>" not in (choice.message.content or "")
 
 
 def test_text_completions_batch_prompts_with_logprobs(api, model, client):
@@ -268,7 +285,7 @@ BAD_REQUESTS = [
     ({"extra_body": {"min_tokens": 5}}, "min_tokens"), ({"extra_body": {"bogus": 1}}, "bogus"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"), ({"max_tokens": 65}, "max_tokens"),
     ({"max_completion_tokens": 1000}, "max_completion_tokens"), ({"top_logprobs": 2}, "top_logprobs"),
-    ({"top_p": 0.0}, "top_p"), ({"temperature": -1}, "temperature"),
+    ({"top_p": 0.0}, "top_p"), ({"temperature": -1}, "temperature"), ({"temperature": 5}, "temperature"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": [WEATHER], "response_format": {"type": "json_object"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}}, None),
@@ -322,6 +339,19 @@ def test_curl_sse_stream_and_errors(live_server, model):
     assert code == 400 and set(json.loads(text)["error"]) == {"message", "type", "param", "code"}
     text, code = _curl(url + "/v1/nothing-here")
     assert code == 404 and json.loads(text)["error"]["type"] == "not_found_error"
+
+
+def test_curl_without_a_content_type_and_a_malformed_body(live_server, model):
+    """`curl -d` sends application/x-www-form-urlencoded: the body is JSON all the same. A body
+    that is not JSON is a 400 that says where, with no parameter named."""
+    url = live_server.http_url + "/v1/chat/completions"
+    body = json.dumps({"model": model, "messages": CHAT, "max_tokens": 2})
+    text, code = _curl(url, "-d", body)
+    assert code == 200 and json.loads(text)["usage"]["completion_tokens"] == 2, text
+    text, code = _curl(url, "-H", "content-type: application/json", "-d", body[:-1] + ",}")
+    error = json.loads(text)["error"]
+    assert code == 400 and error["param"] is None, error
+    assert error["message"].startswith(f"the request body is not valid JSON (character {len(body)}): "), error
 
 
 def _raw_request(url: str, body: dict) -> socket.socket:

@@ -54,13 +54,14 @@ def receiver():
 
 @pytest.fixture(scope="module")
 def server(receiver, tmp_path_factory):
-    metrics_port, health_port = _free_port(), _free_port()
+    metrics_port, health_port, grammar_metrics_port = _free_port(), _free_port(), _free_port()
     limits = {**LIMITS, "max_new_tokens_limit": MAX_TOKENS_LIMIT}
     args = [f"--{name.replace('_', '-')}={value}" for name, value in limits.items()]
     args += [f"--metrics-port={metrics_port}", f"--drain-seconds={DRAIN_S}", f"--health-port={health_port}",
              f"--http-port={_free_port()}"]
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_EXPORTER_OTLP_INSECURE": "true",
-           "OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_TRACES_SAMPLER": "parentbased_always_on"}
+           "OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_TRACES_SAMPLER": "parentbased_always_on",
+           "STRUCTGEN_GRAMMAR_METRICS_PORT": str(grammar_metrics_port)}  # the grammar child's, as in the chart
     with pytest.MonkeyPatch.context() as patch:
         for name in ("OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES", "OTEL_SDK_DISABLED",
                      "OTEL_TRACES_EXPORTER"):
@@ -69,6 +70,7 @@ def server(receiver, tmp_path_factory):
             patch.setenv(name, value)
         live = start_serve(args, tmp_path_factory.mktemp("ops") / "serve.log")
     live.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    live.grammar_metrics_url = f"http://127.0.0.1:{grammar_metrics_port}/metrics"
     live.health_address = f"127.0.0.1:{health_port}"
     yield live
     if live.process.poll() is None:  # the drain test did not run
@@ -344,6 +346,7 @@ FAMILIES = (
     "structgen_kv_pages_cached", "structgen_prefix_cache_query_tokens_total",
     "structgen_prefix_cache_hit_tokens_total", "structgen_prefix_cache_hit_ratio",
     "structgen_prefix_cache_evictions_total", "structgen_http_requests_total",
+    "structgen_output_validations_total",
 )
 
 
@@ -379,6 +382,9 @@ def test_metrics_expose_the_families_and_move(server, stub, model):
         assert moved(f"structgen_request_{name}_seconds_count") == 2, name
     assert moved("structgen_request_grammar_compile_seconds_count") == 1
     assert moved("structgen_constrained_requests_total", cache="miss") == 1
+    assert moved("structgen_output_validations_total", kind="json_schema") == 1  # valid, or truncated at 24
+    assert moved("structgen_output_validations_total", kind="json_schema", status="invalid") == 0
+    assert not [k for k in after if k.startswith("structgen_output_validations_total") and "backend=," in k]
     assert moved("structgen_grammar_steps_total") > 0
     assert moved("structgen_grammar_mask_wait_seconds_total") >= 0
     assert moved("structgen_draft_tokens_proposed_total") > 0
@@ -477,6 +483,48 @@ def test_live_exposition_passes_promtool_and_matches_the_docs(server, stub):
     assert not [f.name for f in families if f.name.endswith("_created")]
     scraped = {f.name + ("_total" if f.type == "counter" else "") for f in families if f.name.startswith("structgen_")}
     assert scraped == {f.name for f in GenerationMetrics(CollectorRegistry()).families()}
+
+
+def test_invalid_and_cut_outputs_are_counted_per_backend(server, stub):
+    """A schema keyword the grammar does not enforce (uniqueItems) lets an invalid output through,
+    which the final validation finds and the metric counts under the backend; a document cut by
+    max_tokens counts as truncated."""
+    unique = json.dumps({"type": "array", "items": {"const": 1}, "minItems": 2, "maxItems": 2, "uniqueItems": True})
+    before = _scrape(server.metrics_url)
+    messages = _generate(stub, prompt="x", json_schema=unique, stop=pb.StopConditions(max_tokens=16))
+    backend = messages[0].guarantee.backend
+    assert messages[-1].validation.status == pb.VALIDATION_STATUS_INVALID and backend
+    cut = _generate(stub, prompt="x", json_schema=SCHEMA, stop=pb.StopConditions(max_tokens=2))
+    assert cut[-1].validation.truncated and cut[0].guarantee.backend
+    after = _scrape(server.metrics_url)
+
+    def moved(**labels):
+        return _total(after, "structgen_output_validations_total", **labels) - _total(
+            before, "structgen_output_validations_total", **labels)
+
+    assert moved(backend=backend, kind="json_schema", status="invalid") == 1
+    assert moved(backend=cut[0].guarantee.backend, kind="json_schema", status="truncated") == 1
+
+
+def test_grammar_metrics_under_serve_and_a_standby_that_does_not_bind(server, stub):
+    """STRUCTGEN_GRAMMAR_METRICS_PORT reaches the grammar child under `structgen serve`; its warm
+    standby, spawned beside it, does not take the port (it became ready instead of exiting on
+    'Address already in use' and being spawned again)."""
+    deadline = time.monotonic() + 120
+    while "is ready to take over" not in server.log_text() and time.monotonic() < deadline:
+        assert server.process.poll() is None
+        time.sleep(0.2)
+    log = server.log_text()
+    assert "is ready to take over" in log and "Address already in use" not in log
+    assert "standby exited" not in log
+    _generate(stub, prompt="x", json_schema=SCHEMA, stop=pb.StopConditions(max_tokens=4))
+    text = urllib.request.urlopen(server.grammar_metrics_url, timeout=10).read()
+    names = {f.name for f in text_string_to_metric_families(text.decode())}
+    assert {"structgen_grammar_compile_requests", "structgen_grammar_step_seconds"} <= names, names
+    promtool = subprocess.run([str(ROOT / "tools" / "install_promtool.sh")], capture_output=True, text=True)
+    check = subprocess.run([promtool.stdout.strip().splitlines()[-1], "check", "metrics"], input=text,
+                           capture_output=True)
+    assert check.returncode == 0, (check.stdout + check.stderr).decode()
 
 
 def test_engine_gauges_move_while_a_stream_runs(server, stub):

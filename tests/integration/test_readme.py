@@ -1,12 +1,12 @@
 """Every `sh` and `python` block of README.md, run as printed against a real default server.
 
 The blocks are read from the README itself, so an example cannot drift from what works.
-The server is a `structgen serve` with nothing but `--port 0` (the defaults a user gets) and
-an `--http-port` for the OpenAI-compatible API's examples (`localhost:8000` there);
-the README's own `structgen serve --port 50051 &` line is the one command not run, since
-that server takes its place. `localhost:50051` in the examples becomes its address, and
-so does the clients' default server (through $STRUCTGEN_SERVER, which both clients read).
-Each command must exit 0, and every constrained JSON output is validated here as well.
+The server is the README's own `structgen serve ... &` line, started with its flags as
+printed, its ports (50051, and 8000 for the OpenAI-compatible API) moved to free ones so that
+the test runs beside anything else; `localhost:50051` and `localhost:8000` in the examples
+become those addresses, and so does the clients' default server (through $STRUCTGEN_SERVER,
+which both clients read). Each command must exit 0, and every constrained JSON output is
+validated here as well.
 """
 from __future__ import annotations
 
@@ -52,9 +52,17 @@ def shell_commands(block: str) -> list[str]:
     return commands
 
 
+def readme_serve_args() -> list[str]:
+    """The flags of the README's `structgen serve ... &` line, its ports moved to free ones."""
+    [line] = [c for block in readme_blocks("sh") for c in shell_commands(block)
+              if c.startswith("structgen serve") and c.endswith("&")]
+    ports = {README_ADDRESS.rsplit(":", 1)[1]: str(free_port()), README_HTTP_ADDRESS.rsplit(":", 1)[1]: str(free_port())}
+    return [ports.get(arg, arg) for arg in shlex.split(line.removesuffix("&"))[2:]]
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    started = start_serve([f"--http-port={free_port()}"], tmp_path_factory.mktemp("readme") / "serve.log")
+    started = start_serve(readme_serve_args(), tmp_path_factory.mktemp("readme") / "serve.log")
     yield started
     assert stop_serve(started) == 0
 
@@ -140,7 +148,7 @@ def test_shell_block_runs_as_printed(index, server, env, schema_file_cleanup):
     cwd = ROOT
     for command in shell_commands(readme_blocks("sh")[index]):
         if command.startswith("structgen serve") and command.endswith("&"):
-            continue  # the test's server takes its place
+            continue  # the server fixture started it
         command = command.replace(README_ADDRESS, server.address).replace(README_HTTP_ADDRESS, _http(server))
         if command.startswith("cd "):
             folder, _, command = command[3:].partition(" && ")

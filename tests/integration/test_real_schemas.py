@@ -45,8 +45,9 @@ def test_output_validates_or_final_message_reports_exactly_jsonschemas_violation
         assert final.validation is not None, "the final message carries the validation"
         assert final.validation.valid == (not expected), (text, final.validation)
         assert final.validation.status == ("invalid" if expected else "valid")
-        if expected == [("", "not JSON")]:  # cut by max_tokens: reported as a parse error
-            assert final.validation.errors[0][0] == "" and "not valid JSON" in final.validation.errors[0][1]
+        if expected == [("", "not JSON")]:  # cut by max_tokens: reported as such
+            assert final.finish_reason == "max_tokens" and final.validation.truncated
+            assert final.validation.errors[0][0] == "" and "max_tokens cut the document short" in final.validation.errors[0][1]
         else:
             reported = sorted((path, message.split(" (schema ")[0]) for path, message in final.validation.errors)
             assert reported == expected, text

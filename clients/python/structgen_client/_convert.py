@@ -102,7 +102,7 @@ def build_request(prompt: str | None = None, *, token_ids: Sequence[int] | None 
                   min_tokens: int | None = None,
                   stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
                   ignore_eos: bool = False, compact: bool = False, max_whitespace: int | None = None,
-                  strict: bool = False, backend: str | None = None, num_draft_tokens: int = 0,
+                  any_whitespace: bool = False, strict: bool = False, backend: str | None = None, num_draft_tokens: int = 0,
                   proposer: str | None = None, num_logprobs: int = 0,
                   tools: Sequence[dict] | None = None, tool_choice: str | dict | None = None,
                   single_tool_call: bool = False, reasoning: bool | None = None,
@@ -114,7 +114,9 @@ def build_request(prompt: str | None = None, *, token_ids: Sequence[int] | None 
     function-tool shape; `tool_choice` "none" / "auto" / "required" or a tool's name;
     `single_tool_call` allows at most one. `reasoning` True lets the model reason first
     (`reasoning_max_tokens` caps it, `reasoning_markers` = (begin, end) when the model has
-    none), False turns the template's reasoning off."""
+    none), False turns the template's reasoning off. JSON is single-line by default (", " and
+    ": "); `compact` drops those spaces, `max_whitespace` N / `any_whitespace` let the model lay
+    it out (runs of at most N whitespace characters / uncapped)."""
     inputs = [x for x in (prompt, token_ids, messages) if x is not None]
     if len(inputs) != 1:
         raise ValueError("give exactly one of prompt, token_ids, messages")
@@ -154,6 +156,7 @@ def build_request(prompt: str | None = None, *, token_ids: Sequence[int] | None 
     request.stop.ignore_eos = ignore_eos
     options = request.constraint_options
     options.compact, options.strict, options.backend = compact, strict, _BACKENDS[backend]
+    options.any_whitespace = any_whitespace
     if max_whitespace is not None:
         options.max_whitespace = max_whitespace
     request.speculative.num_draft_tokens = num_draft_tokens
@@ -179,7 +182,7 @@ def build_tokenize_request(text: str | None = None, messages: Sequence[dict] | N
 
 def _validation(v: pb.ValidationResult) -> Validation:
     return Validation(v.valid, tuple((e.path, e.message) for e in v.errors),
-                      _VALIDATION_STATUS.get(v.status, ""), v.num_errors)
+                      _VALIDATION_STATUS.get(v.status, ""), v.num_errors, v.truncated)
 
 
 def to_chunk(response: pb.GenerateResponse) -> Chunk:
@@ -204,7 +207,8 @@ def to_chunk(response: pb.GenerateResponse) -> Chunk:
                  reasoning_text=response.reasoning_text,
                  tool_calls=tuple(ToolCall(c.id, c.name, c.arguments,
                                            _validation(c.validation) if c.HasField("validation") else None)
-                                  for c in response.tool_calls))
+                                  for c in response.tool_calls),
+                 incomplete_tool_call=response.incomplete_tool_call)
 
 
 def to_model_info(r: pb.GetModelInfoResponse) -> ModelInfo:

@@ -41,11 +41,13 @@ class Validation:
     """The output checked against the full JSON Schema; errors are (json pointer, message).
 
     `status`: "valid", "invalid", "not_run" (the server could not validate; `valid` is False),
-    or "" from a server that predates the field."""
+    or "" from a server that predates the field. `truncated`: max_tokens cut the document short
+    (it is incomplete rather than wrong)."""
     valid: bool
     errors: tuple[tuple[str, str], ...] = ()
     status: str = ""
     num_errors: int = 0
+    truncated: bool = False
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,7 @@ class Chunk:
 
     With reasoning enabled, `reasoning_text` carries the reasoning span's text and `text` only
     what follows it; with tools, completed calls arrive in `tool_calls` (their text is not in
-    `text`)."""
+    `text`), and the last chunk's `incomplete_tool_call` holds a call max_tokens cut short."""
     text: str = ""
     token_ids: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprob, ...] = ()
@@ -86,6 +88,7 @@ class Chunk:
     request_id: str = ""
     reasoning_text: str = ""
     tool_calls: tuple[ToolCall, ...] = ()
+    incomplete_tool_call: str = ""
 
     @property
     def is_final(self) -> bool:
@@ -105,6 +108,7 @@ class Completion:
     request_id: str = ""
     reasoning: str = ""
     tool_calls: tuple[ToolCall, ...] = ()
+    incomplete_tool_call: str = ""  # a call max_tokens cut short (neither in tool_calls nor text)
 
     @classmethod
     def from_chunks(cls, chunks) -> "Completion":
@@ -119,7 +123,8 @@ class Completion:
             guarantee = guarantee or chunk.guarantee
             last = chunk
         return cls("".join(text), tuple(ids), last.finish_reason, last.usage, guarantee,
-                   last.validation, tuple(logprobs), last.request_id, "".join(reasoning), tuple(calls))
+                   last.validation, tuple(logprobs), last.request_id, "".join(reasoning), tuple(calls),
+                   last.incomplete_tool_call)
 
 
 @dataclass(frozen=True)

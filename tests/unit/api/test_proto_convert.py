@@ -49,6 +49,8 @@ def test_inputs_become_token_ids():
     (pb.GenerateRequest(), "no input"),
     (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[100])), "vocabulary size 100"),
     (pb.GenerateRequest(chat=pb.ChatMessages()), "at least one message"),
+    (pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="wizard", content="x")])),
+     r"chat.messages\[0\].role must be one of system, developer, user, assistant, tool; got 'wizard'"),
     (pb.GenerateRequest(prompt="x", json_schema="{nope"), "not valid JSON"),
     (pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="x")]),
                         tools=[pb.Tool(name="f")], tool_choice=pb.ToolChoice(mode=5)),

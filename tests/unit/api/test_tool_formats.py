@@ -78,6 +78,18 @@ def test_required_accepts_only_valid_calls(family):
     assert not accepts(family, required, call_text(name, [("launch", {})]))  # not a listed tool
 
 
+def test_the_turn_may_end_after_each_call(family):
+    """Under required the end is allowed after every complete call: a Hermes (ChatML) model may
+    write a newline after a call and then end its turn, which the separator alone forbade."""
+    name = family[0]
+    required = ToolChoice("required")
+    for calls in ([PARIS], [PARIS, NOON]):
+        assert accepts(family, required, call_text(name, calls))
+        if name == "hermes":
+            assert accepts(family, required, call_text(name, calls) + "\n")
+            assert not accepts(family, required, call_text(name, calls) + "\n\n")
+
+
 def test_named_and_single_allow_one_call(family):
     name = family[0]
     named = ToolChoice("named", "get_time")
@@ -139,7 +151,9 @@ def _extract(format_, text: str, split: int) -> tuple[list[str], list]:
         piece, found = extractor.feed(text[start:start + split])
         content.append(piece)
         calls += found
-    content.append(extractor.finish())
+    rest, incomplete = extractor.finish()
+    assert incomplete == ""
+    content.append(rest)
     return content, calls
 
 
@@ -178,22 +192,27 @@ def test_an_end_text_inside_a_string_argument_does_not_end_the_call(family, spli
     assert "".join(content).strip(" ;\n") == "Checking."
 
 
-def test_a_call_cut_off_stays_text_and_calls_only_drop_separators(family):
+def test_a_call_cut_off_is_no_content_and_calls_only_drop_separators(family):
+    """A call that max_tokens cut short is neither a call nor content: the turn's incomplete call."""
     name, _, _, format_ = family
     whole = call_text(name, [PARIS])
     extractor = CallExtractor(format_, only_calls=False)
-    assert extractor.feed(whole[:-3]) == ("", [])
-    assert extractor.finish() == whole[:-3]
+    assert extractor.feed("Sure. " + whole[:-3]) == ("Sure. ", [])
+    assert extractor.finish() == ("", whole[:-3])
     only = CallExtractor(format_, only_calls=True)
     content, calls = only.feed(call_text(name, [PARIS, NOON]))
-    assert content == "" and [c.name for c in calls] == ["get_weather", "get_time"] and only.finish() == ""
+    assert content == "" and [c.name for c in calls] == ["get_weather", "get_time"] and only.finish() == ("", "")
 
 
 def test_parser_holds_back_a_partial_trigger():
     extractor = CallExtractor(FORMATS["hermes"](), only_calls=False)
     assert extractor.feed("a <tool_") == ("a ", [])
     assert extractor.feed('call>\n{"name": "get_time", "argu') == ("", [])
-    assert extractor.finish() == '<tool_call>\n{"name": "get_time", "argu'
+    assert extractor.finish() == ("", '<tool_call>\n{"name": "get_time", "argu')
+    held = CallExtractor(FORMATS["hermes"](), only_calls=False)
+    assert held.feed("a <tool_") == ("a ", []) and held.finish() == ("<tool_", "")  # no call began
+    only = CallExtractor(FORMATS["hermes"](), only_calls=True)  # calls only: nothing else could begin
+    assert only.feed("\n<tool_") == ("", []) and only.finish() == ("", "<tool_")
 
 
 def test_mistral_marks_its_trigger_as_the_control_token(family):

@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+from prometheus_client import REGISTRY
 
 from grammar_contract.spec import GrammarSpec
 from grammar_service.backends.base import GrammarBackend
@@ -74,16 +75,22 @@ class _SlowBackend(GrammarBackend):
     def batch_rollback(self, matchers, num_tokens): raise NotImplementedError
 
 
+def _timeouts_counted() -> float:
+    return REGISTRY.get_sample_value("structgen_grammar_compile_requests_total", {"outcome": "timeout"}) or 0.0
+
+
 def test_compile_timeout_is_reported_and_remembered_for_the_ttl():
     now = [1000.0]
     backend = _SlowBackend(delay_s=1.0)
     config = GrammarServiceConfig(compile_timeout_s=0.2, negative_cache_ttl_s=60)
     compiler = GrammarCompiler(lambda name: backend, config, clock=lambda: now[0])
     started = time.monotonic()
+    timeouts = _timeouts_counted()
     err = _error(compiler.compile(GrammarSpec("regex", "a+", backend="xgrammar")))
     assert time.monotonic() - started < 0.9
     assert err.status == "INVALID_ARGUMENT"
     assert "did not finish within the 0.2 s compile timeout" in err.message
+    assert _timeouts_counted() == timeouts + 1  # counted apart from other errors
     # answered from the negative cache, without compiling again
     assert _error(compiler.compile(GrammarSpec("regex", "a+", backend="xgrammar"))).message == err.message
     assert backend.num_calls == 1 and compiler.num_negative == 1

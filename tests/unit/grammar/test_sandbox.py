@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from prometheus_client import REGISTRY
 
 from grammar_contract.spec import GrammarSpec
 from grammar_service.compiler import CompileError
@@ -90,3 +91,32 @@ def test_the_ebnf_reader_finds_unproductive_rules_and_makes_no_claim_on_unreadab
     assert unproductive_rules('root ::= ((a) | ("y"))\na ::= ((a))') == ["a"]
     assert unproductive_rules('root ::= Regex("^x$", json_string=true)') == []
     assert unproductive_rules('root ::= @@@') is None
+
+
+def optional_properties(n: int) -> str:
+    return json.dumps({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(n)}})
+
+
+def test_auto_falls_back_when_llguidance_cannot_take_the_first_token(isolated):
+    """llguidance compiles 500 optional properties but its parser refuses the first token (a
+    row past its 2,000 items): `auto` then serves the schema with xgrammar."""
+    counted = lambda: REGISTRY.get_sample_value(  # noqa: E731
+        "structgen_grammar_backend_fallbacks_total", {"from_backend": "llguidance", "to_backend": "xgrammar"}) or 0
+    before = counted()
+    result = isolated.compile(GrammarSpec("json_schema", optional_properties(500))).result(60)
+    assert result.entry.backend == "xgrammar" and counted() == before + 1
+    err = _error(isolated.compile(GrammarSpec("json_schema", optional_properties(500), backend="llguidance")))
+    assert "llguidance matcher refuses the first token" in err.message and "try the other backend" in err.message
+
+
+def test_when_no_backend_serves_one_line_names_each(isolated):
+    """500 optional properties, one with a case-insensitive pattern: llguidance compiles it but its
+    parser refuses the first token, xgrammar cannot compile the pattern's (?i); the one error
+    names both."""
+    schema = json.loads(optional_properties(500))
+    schema["properties"]["code"] = {"type": "string", "pattern": "^(?i)abc$"}
+    err = _error(isolated.compile(GrammarSpec("json_schema", json.dumps(schema))))
+    assert err.status == "INVALID_ARGUMENT" and "\n" not in err.message
+    assert err.message.startswith("json_schema: no grammar backend can serve it: llguidance: the llguidance "
+                                  "matcher refuses the first token"), err.message
+    assert "; xgrammar: " in err.message and "Group modifier flag is not supported" in err.message

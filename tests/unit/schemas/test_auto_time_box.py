@@ -65,6 +65,7 @@ def test_the_pick_serves_when_it_compiles_within_its_box(make_backend):
     assert choice.backend == "xgrammar" and choice.fast_fallback == "llguidance"
     done = compile_with(spec, "auto", make_backend, time_box_s=120)
     assert done.backend == "xgrammar" and done.abandoned is None and done.unenforced == choice.unenforced
+    assert done.fallback_from == ""
 
 
 def test_past_its_box_the_faster_backend_serves_with_its_own_gaps(make_backend):
@@ -75,7 +76,7 @@ def test_past_its_box_the_faster_backend_serves_with_its_own_gaps(make_backend):
     done = compile_with(spec, "auto", with_compile(make_backend, "xgrammar", sleep_s=1.0), time_box_s=BUDGET_S)
     elapsed = time.perf_counter() - started
     llguidance = make_backend("llguidance")
-    assert done.backend == "llguidance"
+    assert done.backend == "llguidance" and done.fallback_from == "xgrammar"  # counted as a fallback
     assert done.unenforced == llguidance.unenforced_keywords(spec) and done.unenforced
     assert elapsed < BUDGET_S + 0.15, f"{elapsed:.3f} s for a {BUDGET_S} s budget"
     assert done.abandoned is not None

@@ -99,3 +99,13 @@ def test_raw_control_characters_are_explained_only_by_a_reported_length_limit():
     assert unexplained_violations(schema, output, set()) == ["(not JSON)"]
     assert unexplained_violations(schema, output, {"maxLength"}) == []
     assert unexplained_violations(schema, '{"a": ', {"maxLength"}) == ["(not JSON)"]
+
+
+def test_a_document_cut_by_max_tokens_is_truncated_and_says_so():
+    schema = json.dumps({"type": "object", "properties": {"name": {"type": "string"}}})
+    cut = validate_output(schema, '{"name": "Ev', cut_by_max_tokens=True)
+    assert not cut.valid and cut.truncated and "max_tokens cut the document short" in cut.issues[0].message
+    stopped = validate_output(schema, '{"name": "Ev')  # ended otherwise (a stop string): not JSON
+    assert not stopped.truncated and "not valid JSON" in stopped.issues[0].message
+    whole = validate_output(schema, '{"name": "Eve"}', cut_by_max_tokens=True)  # complete at the limit
+    assert whole.valid and not whole.truncated
