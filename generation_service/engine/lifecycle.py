@@ -91,9 +91,13 @@ class RequestTable:
         if link is not None and not link.is_connected:
             link.maybe_reconnect()
         now = time.monotonic()
+        # a grammar compiled while the channel is down waits for it (a standby grammar_service
+        # takes over in a second), up to the watchdog's deadline; then its request fails below
+        holds = link is not None and not link.is_connected and now - link.disconnected_at < link.wait_timeout_s
         for request in list(self._requests.values()):
             future = request.compile_future
-            if future is not None and request.grammar_id is None and future.done():
+            if future is not None and request.grammar_id is None and future.done() and \
+                    not (holds and future.exception() is None):
                 self._on_compiled(request)
             if not request.is_finished and request.spec.deadline is not None and now > request.spec.deadline:
                 self.finish(request, FinishReason.DEADLINE, DeadlineExceededError(
@@ -274,10 +278,11 @@ class RequestTable:
             self.finish(request, FinishReason.ERROR, error)
 
     def _on_grammar_lost(self) -> None:
-        """The watchdog released a step: every constrained request fails, free ones go on."""
+        """The watchdog released a step: every constrained request with a grammar fails, free
+        ones go on, and those still compiling wait for the grammar_service after it."""
         error = GrammarUnavailableError("grammar_service is unavailable (it stopped answering)")
         for request in list(self._requests.values()):
-            if request.is_constrained:
+            if request.is_constrained and not request.is_compiling:
                 self.finish(request, FinishReason.ERROR, error)
         for slot in self.pending_release:  # its matchers are gone with it
             self.slots.free(slot)
