@@ -55,6 +55,7 @@ def _error_from_rpc(exc: grpc.RpcError) -> Exception:
 # A compile asked while grammar_service is unreachable waits this long for it to be back (serve's
 # standby takes over within a second) before it fails UNAVAILABLE.
 RECONNECT_WAIT_S = 3.0
+CUT_OFF_RETRIES = 3
 
 
 class GrammarControlClient:
@@ -113,7 +114,9 @@ class GrammarControlClient:
             if timeout_s is None:
                 self._in_flight[spec] = result
         request = spec_to_proto(spec, trace_context)
-        retries = [1]  # Compile is idempotent: a call that grammar_service's exit cut off goes again
+        # Compile is idempotent: a call that grammar_service's exit cut off goes again (a few
+        # times: the calls right after an exit may still meet the dead connection)
+        retries = [1] * CUT_OFF_RETRIES
 
         def call() -> None:
             # wait_for_ready: a call made while grammar_service restarts waits for the process

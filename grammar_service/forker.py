@@ -83,6 +83,10 @@ class WorkerForker:
         pid = os.fork()
         if pid == 0:
             ours.close()
+            # NOTE: only its own socket: a descriptor inherited from this process (another
+            # forker's socket, a channel's) would keep that open past its owner's close
+            os.closerange(3, theirs.fileno())
+            os.closerange(theirs.fileno() + 1, os.sysconf("SC_OPEN_MAX"))
             _serve(Connection(theirs.detach()), parent)  # never returns
         theirs.close()
         return cls(pid, Connection(ours.detach()))

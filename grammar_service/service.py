@@ -88,7 +88,8 @@ class GrammarService:
                                          on_reuse=shared.record if shared else lambda key, spec: None)
         self._backend(DEFAULT_BACKEND)  # build it now, not on the first compile
         if shared is not None:
-            threading.Thread(target=shared.mirror, args=(self._compiler.is_cached, self._compiler.compile),
+            threading.Thread(target=shared.mirror, args=(self._compiler.is_cached, self._compiler.compile,
+                                                         lambda: bool(self._loops)),
                              name="shared-grammars", daemon=True).start()
         log.info("tokenizer %s loaded (vocab_size %d, fingerprint %s)", tokenizer_dir, vocab_size, fingerprint[:16])
         self._after_tokenizer_load()

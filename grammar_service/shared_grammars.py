@@ -4,8 +4,9 @@
 (`--shared-grammars-dir`). A child records there every grammar that requests use again (at its
 first cache hit): its spec, in a file named by its cache key. Every child compiles, one at a
 time in the background, the recorded grammars it does not hold yet, newest first
-(`SharedGrammars.mirror`), so the standby that takes over after a crash already holds the
-grammars in use and the requests after the crash find them compiled.
+(`SharedGrammars.mirror`) and only while it serves no step channel, so the standby that takes
+over after a crash already holds the grammars in use and the requests after the crash find them
+compiled, while the serving process spends no CPU on it.
 
 The spec is shared, not the compiled grammar: xgrammar's serialized form loads several times
 slower than it compiles and llguidance has none (docs/grammar_service.md, "Start-up").
@@ -95,13 +96,15 @@ class SharedGrammars:
                 log.debug("skipping recorded grammar %s: %s", path.name, error)
         return found
 
-    def mirror(self, is_cached: Callable[[str], bool], compile: Callable[[GrammarSpec], Future]) -> None:
-        """Until `stop()`: compile what the others recorded and this process does not hold."""
+    def mirror(self, is_cached: Callable[[str], bool], compile: Callable[[GrammarSpec], Future],
+               is_serving: Callable[[], bool]) -> None:
+        """Until `stop()`: compile what the others recorded and this process does not hold, while
+        `is_serving()` is false (a process with an open channel spends its CPUs on it)."""
         tried: set[str] = set()  # compiled here, or failed here: never retried
-        while not self._stop.wait(MIRROR_INTERVAL_S):
-            for key, spec in self.recorded(lambda k: k in tried or is_cached(k)):
-                if self._stop.is_set():
-                    return
+        while not self._stop.is_set():
+            for key, spec in [] if is_serving() else self.recorded(lambda k: k in tried or is_cached(k)):
+                if self._stop.is_set() or is_serving():
+                    break
                 tried.add(key)
                 with self._lock:
                     self._recorded.add(key)  # there already: a cache hit here need not write it
@@ -112,6 +115,7 @@ class SharedGrammars:
                         tried.discard(key)
                         break
                     log.info("recorded grammar %s did not compile here: %s", key[:16], error)
+            self._stop.wait(MIRROR_INTERVAL_S)
 
     def stop(self) -> None:
         self._stop.set()
