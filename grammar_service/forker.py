@@ -117,6 +117,8 @@ class WorkerForker:
 
 def _serve(conn: Connection, parent_pid: int) -> None:
     die_with_parent(parent_pid)
+    signal.set_wakeup_fd(-1)  # grammar_service's (StopSignals), closed here
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches grammar_service, which stops us
     statuses: collections.OrderedDict[int, int] = collections.OrderedDict()
 

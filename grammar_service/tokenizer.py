@@ -11,6 +11,7 @@ import logging
 import os
 import pathlib
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 from tokenizers import Tokenizer
 
@@ -108,10 +109,15 @@ def _from_cache(cached: CachedTokenizer, text: str, vocab_size: int) -> tuple[To
 
 def derive_all(data: TokenizerData) -> None:
     """Make everything every user of `data` derives from it (the text tokenizer, each installed
-    backend's tokenizer data) now, e.g. before forking processes that will use it."""
-    data.text_tokenizer  # noqa: B018 -- made on first access
-    for name, cls in _backend_classes():
-        data.derive(name, lambda: cls.derive_tokenizer(data))
+    backend's tokenizer data) now, e.g. before forking processes that will use it. The parts
+    are made side by side (each releases the GIL much of its time); their threads have ended
+    when this returns."""
+    makers = [lambda: data.text_tokenizer]
+    makers += [lambda cls=cls, name=name: data.derive(name, lambda: cls.derive_tokenizer(data))
+               for name, cls in _backend_classes()]
+    with ThreadPoolExecutor(len(makers), thread_name_prefix="derive") as pool:
+        for made in [pool.submit(make) for make in makers]:
+            made.result()
 
 
 def _backend_classes():
