@@ -6,6 +6,8 @@ and Tekken (131k), and how long `structgen serve` takes to say it listens.
 - `forked` (`structgen.supervisor`, this tree only): the template's first child (imports and
   the cached tokenizer included), then each standby after a takeover, from the kill to the next
   standby's SERVING, with the CPU seconds that standby's processes spent starting;
+- `steps` (this tree only): a fresh process's imports, tokenizer load from the files and from
+  the cache, the fingerprint alone, and what the template derives beyond them;
 - `serve`: `structgen serve` to `listening`, with the built-in model and with a two-layer
   random model over Tekken's vocabulary.
 `--root` runs `fresh` and `serve` from another checkout (`forked` is skipped where the tree has
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import pathlib
 import signal
@@ -26,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
@@ -62,6 +66,33 @@ def fresh_start_s(root: pathlib.Path, tokenizer: str, vocab: int, cache: pathlib
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(30)
+
+
+def steps(tokenizer: str, vocab: int, cache: str) -> dict:
+    """In a fresh process (spawned): the parts of a start-up, one after the other."""
+    os.environ["STRUCTGEN_CACHE"] = cache
+    timed = {}
+    started = time.monotonic()
+    from grammar_service.server import preload_backends
+    preload_backends()
+    timed["imports_s"] = time.monotonic() - started
+    from grammar_service import tokenizer as loader
+    from structgen.tokenizer_identity import fingerprint_tokenizer_json
+    for name, clear_cache in (("tokenizer_from_files_s", True), ("tokenizer_from_cache_s", False)):
+        loader._last.clear()
+        if clear_cache:
+            import shutil
+            shutil.rmtree(cache, ignore_errors=True)
+        started = time.monotonic()
+        data, _ = loader.load_tokenizer(tokenizer, vocab)  # from files: the xgrammar part derived too
+        timed[name] = time.monotonic() - started
+    started = time.monotonic()
+    fingerprint_tokenizer_json(tokenizer, vocab)
+    timed["of_which_fingerprint_s"] = time.monotonic() - started
+    started = time.monotonic()
+    loader.derive_all(data)
+    timed["derive_text_and_llguidance_s"] = time.monotonic() - started
+    return {key: round(value, 2) for key, value in timed.items()}
 
 
 def _tree_cpu_s(pid: int) -> float:
@@ -135,6 +166,8 @@ def main() -> None:
                             "fresh_filled_cache_s": fresh_start_s(root, tokenizer, vocab, cache)}
             if (root / "grammar_service" / "template.py").is_file():
                 result[name]["forked"] = forked(tokenizer, vocab, args.repeats)
+                with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+                    result[name]["steps"] = pool.submit(steps, tokenizer, vocab, str(tmp / "steps")).result()
             log(f"{name}: {result[name]}")
         tiny = tmp / "tiny"
         tiny.mkdir()

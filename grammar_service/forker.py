@@ -28,7 +28,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle, send_handle
 from typing import Callable
 
-from structgen.process_handle import ProcessHandle
+from structgen.process_handle import ProcessHandle, reap_children
 
 _PR_SET_PDEATHSIG = 1
 _NUM_STATUSES = 256  # exit codes kept for `exit_code`
@@ -123,16 +123,9 @@ def _serve(conn: Connection, parent_pid: int) -> None:
     statuses: collections.OrderedDict[int, int] = collections.OrderedDict()
 
     def reap(*_) -> None:
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
-            statuses[pid] = os.waitstatus_to_exitcode(status)
-            while len(statuses) > _NUM_STATUSES:
-                statuses.popitem(last=False)
+        statuses.update(reap_children())
+        while len(statuses) > _NUM_STATUSES:
+            statuses.popitem(last=False)
 
     signal.signal(signal.SIGCHLD, reap)
     try:

@@ -41,6 +41,7 @@ from grammar_service.server import build_parser, exit_now, prepare, preload_back
 from grammar_service.settings import GRAMMAR_SETTINGS  # noqa: E402
 from structgen.grammar_template import ForkFailed, Forked, ForkRequest  # noqa: E402
 from structgen.heap import freeze_heap  # noqa: E402
+from structgen.process_handle import reap_children  # noqa: E402
 from structgen.settings import ProcessConfig, SettingsError  # noqa: E402
 from structgen.signals import StopSignals  # noqa: E402
 
@@ -50,14 +51,7 @@ LOG_FORMAT = "%(asctime)s %(levelname)s grammar_service %(name)s: %(message)s"
 
 def _reap(*_) -> None:
     """SIGCHLD: reap every child that ended and say how (the supervisor sees only that it did)."""
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        code = os.waitstatus_to_exitcode(status)
+    for pid, code in reap_children():
         how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
         (log.info if code == 0 else log.warning)("grammar_service child %d ended (%s)", pid, how)
 

@@ -75,3 +75,17 @@ class ProcessHandle:
         if self._pidfd is not None:
             os.close(self._pidfd)
             self._pidfd = None
+
+
+def reap_children() -> list[tuple[int, int]]:
+    """(pid, exit code as multiprocessing gives it: -N for signal N) of every child of this
+    process that has ended, reaped now (a SIGCHLD handler's work)."""
+    ended = []
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return ended
+        if pid == 0:
+            return ended
+        ended.append((pid, os.waitstatus_to_exitcode(status)))

@@ -17,23 +17,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from grammar_kills import descendants
 from live_server import start_serve, stop_serve
 from structgen_client import Client, UnauthenticatedError, UnavailableError
 
 TOKEN = "s3cret-token"
-
-
-def _descendants(pid: int) -> list[int]:
-    found, todo = [], [pid]
-    while todo:
-        for task in pathlib.Path(f"/proc/{todo.pop()}/task").glob("*"):
-            try:
-                children = [int(c) for c in (task / "children").read_text().split()]
-            except OSError:
-                continue
-            found += children
-            todo += children
-    return found
 
 
 def _is_alive(pid: int) -> bool:
@@ -126,7 +114,7 @@ def _http_tokens(lines) -> tuple[int, str | None]:
 
 
 def test_sigterm_drains_open_streams_with_health_not_serving_then_exits_zero(own_server):
-    children = _descendants(own_server.process.pid)  # the grammar template, its children, their workers
+    children = descendants(own_server.process.pid)  # the grammar template, its children, their workers
     main_port = own_server.address
     with Client(own_server.address, timeout=120, token=TOKEN) as client:
         assert _health(main_port) == health_pb2.HealthCheckResponse.SERVING

@@ -10,10 +10,15 @@ import time
 
 import pytest
 
+from grammar_kills import descendants, is_alive
 from structgen.supervisor import GrammarSupervisor, wait_healthy
 
 pytestmark = pytest.mark.slow
 READY_S = 2.0
+
+
+def _tree_of(pid: int) -> set[int]:
+    return {pid} | descendants(pid)
 
 
 def _within(condition, timeout_s: float) -> float:
@@ -23,26 +28,6 @@ def _within(condition, timeout_s: float) -> float:
         assert time.monotonic() - started < timeout_s, f"not within {timeout_s} s"
         time.sleep(0.01)
     return time.monotonic() - started
-
-
-def _tree(pid: int) -> set[int]:
-    found, todo = {pid}, [pid]
-    while todo:
-        for task in pathlib.Path(f"/proc/{todo.pop()}/task").glob("*"):
-            try:
-                children = [int(c) for c in (task / "children").read_text().split()]
-            except OSError:
-                continue
-            found.update(children)
-            todo.extend(children)
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 @pytest.fixture
@@ -71,16 +56,16 @@ def test_a_dead_standby_or_template_is_replaced_and_stop_leaves_nothing(supervis
     os.kill(standby, signal.SIGKILL)
     _within(lambda: supervisor.standby_pid not in (None, standby), READY_S)
     template = supervisor._template.process.pid
-    processes = _tree(template)
+    processes = _tree_of(template)
     os.kill(template, signal.SIGKILL)  # the children do not depend on it
-    assert wait_healthy(supervisor.address, 5) and _alive(supervisor.standby_pid)
+    assert wait_healthy(supervisor.address, 5) and is_alive(supervisor.standby_pid)
     _within(lambda: supervisor._template.process.pid != template, 10)
     serving, standby = supervisor.pid, supervisor.standby_pid
     os.kill(serving, signal.SIGKILL)  # the standby forked by the old template takes over
     _within(lambda: supervisor.pid == standby, READY_S)
     _within(lambda: supervisor.standby_pid is not None, 120)  # forked by the new template, once it is up
-    processes |= _tree(supervisor._template.process.pid)
+    processes |= _tree_of(supervisor._template.process.pid)
     folder = pathlib.Path(supervisor.socket_path).parent
     supervisor.stop()
-    _within(lambda: not any(_alive(pid) for pid in processes), 10)
+    _within(lambda: not any(is_alive(pid) for pid in processes), 10)
     assert not folder.exists()
