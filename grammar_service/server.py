@@ -1,7 +1,8 @@
 """The gRPC edge of grammar_service: protos <-> GrammarService calls, health, reflection.
 
-`serve(config)` runs until SIGTERM/SIGINT; `main(argv)` is the command line (defaults from
-GrammarServiceConfig). Errors carrying a `status` (ServiceError, CompileError) become that
+`prepare(config)` is the slow, fork-safe part of start-up (the grammar template does it once for
+all the children it forks); `run(config, stop)` runs until SIGTERM/SIGINT; `main(argv)` is the
+command line (defaults from GrammarServiceConfig). Errors carrying a `status` (ServiceError, CompileError) become that
 gRPC status with their message; anything else is INTERNAL and logged.
 """
 from __future__ import annotations
