@@ -187,20 +187,23 @@ def serve_command(*flags: str) -> list[str]:
 class ServeProcess:
     """`structgen serve` started in its own process (stderr to `log_path`); up once its stdout
     says where it listens: `address` (host:port), `http_url` (when it serves the HTTP API too),
-    `startup_s`. Its later stdout is read away so that it never blocks on a full pipe."""
+    `grammar_address` (its grammar child's), `startup_s`. Its later stdout is read away so that
+    it never blocks on a full pipe. `cwd`: the checkout whose code runs (another commit's)."""
 
-    def __init__(self, command: list[str], log_path: pathlib.Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, command: list[str], log_path: pathlib.Path, env: dict[str, str] | None = None,
+                 cwd: pathlib.Path = ROOT) -> None:
         self.command, self.log_path = command, log_path
         started = time.monotonic()
-        self.process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=open(log_path, "w"),
+        self.process = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=open(log_path, "w"),
                                         text=True, env={**os.environ, **(env or {})})
         self.http_url: str | None = None
-        self.address = ""
+        self.address = self.grammar_address = ""
         for line in self.process.stdout:
             if found := re.search(r"HTTP API on (\S+)", line):
                 self.http_url = found.group(1)
             elif found := re.search(r"listening on (\S+)", line):
                 self.address = found.group(1)
+                self.grammar_address = re.search(r"grammar_service at (\S+?)\)?$", line.strip()).group(1)
                 break
         if not self.address:
             self.process.kill()

@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from grammar_contract.errors import DeadlineExceededError, GrammarError, GrammarUnavailableError, QueueFullError
+from grammar_contract.reconnect import ReconnectGuard
 from grammar_contract.report import CompileResult, UnenforcedKeyword
 from grammar_contract.spec import GrammarSpec
 from step_channel import ChannelError, Geometry
@@ -51,19 +52,27 @@ def _error_from_rpc(exc: grpc.RpcError) -> Exception:
     return GrammarUnavailableError(f"grammar_service: {code.name}: {details}")
 
 
+# A compile asked while grammar_service is unreachable waits this long for it to be back (serve's
+# standby takes over within a second) before it fails UNAVAILABLE.
+RECONNECT_WAIT_S = 3.0
+CUT_OFF_RETRIES = 3
+
+
 class GrammarControlClient:
-    def __init__(self, address: str):
+    def __init__(self, address: str, reconnect_wait_s: float = RECONNECT_WAIT_S):
         """`address`: "unix:///path.sock" or "host:port"."""
         self.address = address
-        # a local socket: reconnect within a tenth of a second once a restarted service listens
+        self.reconnect_wait_s = reconnect_wait_s
+        # a local socket: reconnect within a fifth of a second once a restarted service listens
         # (grpc's default backoff waits 1 s and more between attempts)
         self._channel = grpc.insecure_channel(address, options=[
             ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 1000)])
+            ("grpc.max_reconnect_backoff_ms", 200)])
         self._stub = grammar_pb2_grpc.GrammarServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._lock = threading.Lock()
         self._in_flight: dict[GrammarSpec, concurrent.futures.Future] = {}
+        self._reconnect = ReconnectGuard(self._channel, reconnect_wait_s)
 
     def open_channel(self, name: str, geometry: Geometry, *, max_slots: int, first_step: int,
                      tokenizer_dir: str, tokenizer_fingerprint: str, timeout_s: float = 30) -> None:
@@ -94,7 +103,9 @@ class GrammarControlClient:
 
         Calls without a timeout for a spec whose compile is in flight share that call: a burst
         of requests on one new schema is one RPC, not one grammar_service handler thread held
-        per request (grammar_service refuses waiting calls beyond its threads)."""
+        per request (grammar_service refuses waiting calls beyond its threads). While
+        grammar_service is unreachable a call waits up to `reconnect_wait_s` for it to be back,
+        and a call its exit cut off is made once more."""
         with self._lock:
             shared = self._in_flight.get(spec) if timeout_s is None else None
             if shared is not None:
@@ -102,19 +113,35 @@ class GrammarControlClient:
             result: concurrent.futures.Future = concurrent.futures.Future()
             if timeout_s is None:
                 self._in_flight[spec] = result
-        call = self._stub.Compile.future(spec_to_proto(spec, trace_context), timeout=timeout_s)
+        request = spec_to_proto(spec, trace_context)
+        # Compile is idempotent: a call that grammar_service's exit cut off goes again (a few
+        # times: the calls right after an exit may still meet the dead connection)
+        retries = [1] * CUT_OFF_RETRIES
+
+        def call() -> None:
+            # wait_for_ready: a call made while grammar_service restarts waits for the process
+            # that takes over; the guard cancels it if none has within reconnect_wait_s
+            future = self._stub.Compile.future(request, timeout=timeout_s, wait_for_ready=True)
+            self._reconnect.guard(future)
+            future.add_done_callback(done)
 
         def done(call_future) -> None:
+            if retries and not call_future.cancelled() and isinstance(call_future.exception(), grpc.RpcError) \
+                    and call_future.exception().code() == grpc.StatusCode.UNAVAILABLE:
+                retries.pop()
+                call()
+                return
             with self._lock:
                 if self._in_flight.get(spec) is result:
                     del self._in_flight[spec]
+            if call_future.cancelled():
+                result.set_exception(GrammarUnavailableError(
+                    f"grammar_service at {self.address} is unreachable (waited {self.reconnect_wait_s:g} s)"))
+                return
             try:
                 reply = call_future.result()
             except grpc.RpcError as exc:
                 result.set_exception(_error_from_rpc(exc))
-                return
-            except Exception as exc:  # cancelled
-                result.set_exception(GrammarUnavailableError(f"grammar_service compile call failed: {exc!r}"))
                 return
             result.set_result(CompileResult(
                 grammar_id=reply.grammar_id, backend=reply.backend, compile_ms=reply.compile_ms,
@@ -122,7 +149,7 @@ class GrammarControlClient:
                 unenforced=tuple(UnenforcedKeyword(u.keyword, u.pointer, u.reason) for u in reply.unenforced),
                 restricted=tuple(UnenforcedKeyword(u.keyword, u.pointer, u.reason) for u in reply.restricted)))
 
-        call.add_done_callback(done)
+        call()
         return result
 
     def is_serving(self, timeout_s: float = 2.0) -> bool:
@@ -140,4 +167,6 @@ class GrammarControlClient:
         return {f.name: getattr(reply, f.name) for f in reply.DESCRIPTOR.fields}
 
     def close(self) -> None:
+        self._reconnect.close()
         self._channel.close()
+

@@ -98,9 +98,12 @@ class GrammarCompiler:
     """Cache + pool in front of the backends of one tokenizer."""
 
     def __init__(self, backends: Callable[[str], GrammarBackend], config: GrammarServiceConfig,
-                 clock: Callable[[], float] = time.monotonic, sandbox: CompileSandbox | None = None):
+                 clock: Callable[[], float] = time.monotonic, sandbox: CompileSandbox | None = None,
+                 on_reuse: Callable[[str, GrammarSpec], None] = lambda key, spec: None):
         """`sandbox`: compile workers that try each new grammar first; None compiles in this
-        process only (a timed-out compile then runs on in its thread, counted until it ends)."""
+        process only (a timed-out compile then runs on in its thread, counted until it ends).
+        `on_reuse(key, spec)`: called at each cache hit (shared_grammars.py records the first)."""
+        self._on_reuse = on_reuse
         self._backend_for = backends        # backend name -> GrammarBackend (built lazily)
         self._config = config
         self._clock = clock
@@ -136,35 +139,47 @@ class GrammarCompiler:
             return _failed(exc if isinstance(exc, CompileError) else CompileError("INVALID_ARGUMENT", str(exc)))
         key = spec_key(spec, requested)
         with self._lock:
-            if (entry := self._by_key.get(key)) is not None:
+            entry = self._by_key.get(key)
+            if entry is not None:
                 self._by_key.move_to_end(key)
                 self.stats.num_cache_hits += 1
-                metrics.COMPILE_REQUESTS.labels("cache_hit").inc()
-                return self._apply_strict(spec, _done(CompileOutcome(entry, cache_hit=True)))
-            if (negative := self._negative.get(key)) is not None:
-                if negative.expires_at > self._clock():
-                    return _failed(negative.error)
-                del self._negative[key]
-            shared = self._in_flight.get(key)
-            if shared is None:
-                if self._num_jobs >= self._max_jobs:
-                    metrics.COMPILE_REQUESTS.labels("saturated").inc()
-                    return _failed(CompileError("RESOURCE_EXHAUSTED", (
-                        f"the grammar compiler is saturated: {self._num_jobs} new grammars are compiling or "
-                        f"waiting (num_compile_threads {self._config.num_compile_threads} + max_queued_compiles "
-                        f"{self._config.max_queued_compiles}); retry later")))
-                shared = self._in_flight[key] = Future()
-                self._num_jobs += 1
-                start = True
             else:
-                start = False
+                shared, start = self._claim(key)
+        if entry is not None:
+            metrics.COMPILE_REQUESTS.labels("cache_hit").inc()
+            self._on_reuse(key, spec)
+            return self._apply_strict(spec, _done(CompileOutcome(entry, cache_hit=True)))
         if start:
             self._start(key, spec, requested, shared)
         return self._apply_strict(spec, shared)
 
+    def _claim(self, key: str) -> tuple[Future, bool]:
+        """(the future of `key`'s compile, whether the caller starts it); under the lock."""
+        if (negative := self._negative.get(key)) is not None:
+            if negative.expires_at > self._clock():
+                return _failed(negative.error), False
+            del self._negative[key]
+        shared = self._in_flight.get(key)
+        if shared is not None:
+            return shared, False
+        if self._num_jobs >= self._max_jobs:
+            metrics.COMPILE_REQUESTS.labels("saturated").inc()
+            return _failed(CompileError("RESOURCE_EXHAUSTED", (
+                f"the grammar compiler is saturated: {self._num_jobs} new grammars are compiling or "
+                f"waiting (num_compile_threads {self._config.num_compile_threads} + max_queued_compiles "
+                f"{self._config.max_queued_compiles}); retry later"))), False
+        shared = self._in_flight[key] = Future()
+        self._num_jobs += 1
+        return shared, True
+
     def get(self, grammar_id: int) -> CompiledEntry | None:
         with self._lock:
             return self._by_id.get(grammar_id)
+
+    def is_cached(self, key: str) -> bool:
+        """A grammar of this cache key (`spec_key`) is compiled here, or compiling."""
+        with self._lock:
+            return key in self._by_key or key in self._in_flight
 
     @property
     def num_cached(self) -> int:

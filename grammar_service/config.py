@@ -61,6 +61,9 @@ class GrammarServiceConfig:
     max_cached_grammars: int = 4096     # compiled grammars kept (least recently used evicted)
     num_rpc_threads: int = 16           # gRPC handler threads (each waiting Compile call holds one)
     tokenizer_dir: str | None = None    # preload a tokenizer (else the first OpenChannel's)
+    # folder shared with other grammar_service processes (structgen serve gives its children one):
+    # grammars requests reuse are recorded there, and those the others recorded compiled here
+    shared_grammars_dir: str | None = None
     vocab_size: int | None = None       # logits width for the preloaded tokenizer
     shutdown_grace_s: float = 5.0
     health_port: int = 0                # >0: plaintext TCP port serving only grpc.health.v1 (probes)

@@ -10,20 +10,20 @@ compiled by grammar_service itself (the compile is deterministic: same library, 
 cached grammars never pass through a worker. The cost, a second compile of each new grammar,
 is in benchmarks/results/compile_isolation-ci-2core.json.
 
-Workers are forked from a forkserver that has imported the backends, and load the tokenizer
-themselves (a few hundred ms), so a replaced worker is back quickly.
+Workers are forked from a copy of grammar_service made before its gRPC server
+(grammar_service/forker.py), with the backends imported and, when grammar_service had loaded
+its tokenizer by then, the tokenizer too: a worker, first or replaced, is ready in milliseconds.
 """
 from __future__ import annotations
 
 import logging
-import multiprocessing
-import os
 import signal
 import threading
 import time
 from dataclasses import dataclass
 
 from grammar_contract.report import UnenforcedKeyword
+from grammar_service.forker import ForkedWorker, WorkerForker
 
 log = logging.getLogger(__name__)
 
@@ -49,33 +49,15 @@ class SandboxError(Exception):
         self.is_grammar_fault, self.timed_out = is_grammar_fault, timed_out
 
 
-@dataclass
-class _Worker:
-    process: multiprocessing.process.BaseProcess
-    conn: multiprocessing.connection.Connection
-
-
-def start_forkserver() -> None:
-    """Start the forkserver now (idempotent). grammar_service calls it before its gRPC server
-    exists, so no later fork of grammar_service itself meets gRPC threads."""
-    ctx = multiprocessing.get_context("forkserver")
-    # imported once in the forkserver, so each worker forks with the backends loaded
-    ctx.set_forkserver_preload(["grammar_service.sandbox_worker"])
-    from multiprocessing import forkserver
-    forkserver.ensure_running()
-
-
 class CompileSandbox:
     """`num_workers` compile worker processes for one tokenizer; `probe` is thread-safe."""
 
-    def __init__(self, tokenizer_dir: str, vocab_size: int, *, num_workers: int, backend_kwargs: dict,
-                 max_compile_memory_mb: int, auto_time_box_s: float = 0.0):
-        self._ctx = multiprocessing.get_context("forkserver")
-        start_forkserver()
-        self._args = (os.getpid(), tokenizer_dir, vocab_size, dict(backend_kwargs), max_compile_memory_mb,
-                      auto_time_box_s)
+    def __init__(self, forker: WorkerForker, tokenizer_dir: str, vocab_size: int, *, num_workers: int,
+                 backend_kwargs: dict, max_compile_memory_mb: int, auto_time_box_s: float = 0.0):
+        self._forker = forker
+        self._args = (tokenizer_dir, vocab_size, dict(backend_kwargs), max_compile_memory_mb, auto_time_box_s)
         self._cond = threading.Condition()
-        self._idle: list[_Worker] = []
+        self._idle: list[ForkedWorker] = []
         self._busy: set[int] = set()   # pids of workers compiling now
         self._is_closed = False
         self._num_workers = num_workers
@@ -142,7 +124,7 @@ class CompileSandbox:
             _kill(worker)
 
     # ---- workers -------------------------------------------------------------------------
-    def _acquire(self, deadline: float) -> _Worker:
+    def _acquire(self, deadline: float) -> ForkedWorker:
         with self._cond:
             while not self._idle:
                 remaining = deadline - time.monotonic()
@@ -155,29 +137,29 @@ class CompileSandbox:
                                        f"timeout ({why}); retry later", is_grammar_fault=False)
                 self._cond.wait(remaining)
             worker = self._idle.pop()
-            self._busy.add(worker.process.pid)
+            self._busy.add(worker.pid)
             return worker
 
-    def _release(self, worker: _Worker) -> None:
+    def _release(self, worker: ForkedWorker) -> None:
         with self._cond:
-            self._busy.discard(worker.process.pid)
+            self._busy.discard(worker.pid)
             if self._is_closed:
                 _kill(worker)
                 return
             self._idle.append(worker)
             self._cond.notify()
 
-    def _replace(self, worker: _Worker) -> None:
+    def _replace(self, worker: ForkedWorker) -> None:
         """Kill a worker (timed out, crashed) and start another in its place."""
         with self._cond:
-            self._busy.discard(worker.process.pid)
+            self._busy.discard(worker.pid)
         _kill(worker)
         self.num_replaced += 1
         self._start_worker()
 
-    def _crash_message(self, worker: _Worker, spec) -> str:
-        worker.process.join(5)
-        code = worker.process.exitcode
+    def _crash_message(self, worker: ForkedWorker, spec) -> str:
+        worker.join(5)
+        code = worker.exitcode
         self._replace(worker)
         how = (f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 and
                -code in signal.Signals._value2member_map_ else f"exit code {code}")
@@ -204,32 +186,28 @@ class CompileSandbox:
                 return
             time.sleep(_RESTART_BACKOFF_S)
 
-    def _spawn(self) -> _Worker | None:
+    def _spawn(self) -> ForkedWorker | None:
         from grammar_service.sandbox_worker import worker_main
 
-        ours, theirs = self._ctx.Pipe()
-        process = self._ctx.Process(target=worker_main, args=(theirs, *self._args), name="compile-worker",
-                                    daemon=True)
         try:
-            process.start()
-        except Exception as exc:  # noqa: BLE001 -- OSError, or multiprocessing's RuntimeError
-            log.error("cannot start a compile worker: %s", exc)
+            worker = self._forker.spawn(worker_main, self._args)
+        except (EOFError, OSError) as exc:  # the forker is gone: grammar_service is going down
+            log.error("cannot start a compile worker: %r", exc)
             return None
-        theirs.close()
-        worker = _Worker(process, ours)
         try:
-            if ours.poll(_START_TIMEOUT_S) and ours.recv() == ("ready",):
+            if worker.conn.poll(_START_TIMEOUT_S) and worker.conn.recv() == ("ready",):
                 return worker
         except (EOFError, OSError):
             pass
         if not self._is_closed:
-            log.error("a compile worker did not start (exit code %s)", process.exitcode)
+            worker.join(1.0)
+            log.error("a compile worker did not start (exit code %s)", worker.exitcode)
         _kill(worker)
         return None
 
 
-def _kill(worker: _Worker) -> None:
-    if worker.process.is_alive():
-        worker.process.kill()
-    worker.process.join(5)
-    worker.conn.close()
+def _kill(worker: ForkedWorker) -> None:
+    if worker.is_alive():
+        worker.kill()
+    worker.join(5)
+    worker.close()

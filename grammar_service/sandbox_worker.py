@@ -13,7 +13,6 @@ checks that the grammar accepts some string (grammar_service/emptiness.py).
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import resource
 import signal
@@ -29,21 +28,18 @@ from grammar_service.emptiness import empty_language_reason
 from grammar_service.tokenizer import load_tokenizer
 from structgen.json_limits import JsonDepthError, loads_limited
 
-_PR_SET_PDEATHSIG = 1
 WORKER_NICENESS = 5
 
 
-def _die_with_parent(service_pid: int) -> None:
-    """SIGKILL when the forkserver (which exits with grammar_service) goes; a runaway compile
-    never reads its pipe, so the pipe's end cannot stop it."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass
-    try:  # grammar_service may have gone before prctl took effect
-        os.kill(service_pid, 0)
-    except ProcessLookupError:
-        os._exit(1)
+def _lower_priority() -> None:
+    """A slow compile here yields the CPUs to the serving path (the engine, the step loops). Set
+    once the worker is built, so that a standby's start-up is not the one that waits; niceness
+    is per thread on Linux, so every thread (the backends' pools) is set."""
+    for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else (0,):
+        try:
+            os.setpriority(os.PRIO_PROCESS, int(tid), WORKER_NICENESS)
+        except OSError:  # a thread that ended meanwhile
+            pass
 
 
 def _cap_memory(max_compile_memory_mb: int) -> None:
@@ -123,13 +119,11 @@ def compile_one(spec: GrammarSpec, requested: str, backends: _Backends, *, time_
             done.fallback_from)
 
 
-def worker_main(conn, service_pid: int, tokenizer_dir: str, vocab_size: int, backend_kwargs: dict,
-                max_compile_memory_mb: int, auto_time_box_s: float = 0.0) -> None:
-    _die_with_parent(service_pid)
+def worker_main(conn, tokenizer_dir: str, vocab_size: int, backend_kwargs: dict, max_compile_memory_mb: int,
+                auto_time_box_s: float = 0.0) -> None:
+    """Started by grammar_service/forker.py (which makes it die with the forker, and the forker
+    with grammar_service); the tokenizer is the one the forker inherited when it is the same."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches grammar_service, which stops us
-    # a slow compile here yields the CPUs to the serving path (the engine, the step loops);
-    # the threads a backend starts inherit this
-    os.nice(WORKER_NICENESS)
     tokenizer, _ = load_tokenizer(tokenizer_dir, vocab_size)
     backends = _Backends(tokenizer, backend_kwargs)
     for name in available_backends():  # before "ready": a first use would count against a compile's timeout
@@ -137,6 +131,7 @@ def worker_main(conn, service_pid: int, tokenizer_dir: str, vocab_size: int, bac
             backends(name)
         except ValueError:  # not installed here
             pass
+    _lower_priority()
     _cap_memory(max_compile_memory_mb)
     try:
         conn.send(("ready",))

@@ -1,15 +1,18 @@
 """The gRPC edge of grammar_service: protos <-> GrammarService calls, health, reflection.
 
-`serve(config)` runs until SIGTERM/SIGINT; `main(argv)` is the command line (defaults from
-GrammarServiceConfig). Errors carrying a `status` (ServiceError, CompileError) become that
+`prepare(config)` is the slow, fork-safe part of start-up (the grammar template does it once for
+all the children it forks); `run(config, stop)` runs until SIGTERM/SIGINT; `main(argv)` is the
+command line (defaults from GrammarServiceConfig). Errors carrying a `status` (ServiceError, CompileError) become that
 gRPC status with their message; anything else is INTERNAL and logged.
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -26,9 +29,10 @@ from structgen.signals import StopSignals
 from grammar_service.backends import available_backends, load_backend_class
 from grammar_service.compiler import spec_key
 from grammar_service.config import GrammarServiceConfig
-from grammar_service.sandbox import start_forkserver
+from grammar_service.forker import WorkerForker
 from grammar_service.settings import GRAMMAR_SETTINGS
 from grammar_service.service import GrammarService, ServiceError
+from grammar_service.tokenizer import derive_all, load_tokenizer
 from step_channel import Geometry
 from structgen.reflection import enable_reflection
 from structgen.settings import ProcessConfig, SettingsError, print_config
@@ -65,13 +69,25 @@ class _StatusInterceptor(grpc.ServerInterceptor):
 
 
 def preload_backends() -> None:
-    """Import every installed backend (xgrammar imports torch: seconds) before SERVING, so the
-    first OpenChannel waits only for the tokenizer: serve's start-up waits on that call."""
+    """Import every installed backend (xgrammar imports torch: seconds) and the compile workers'
+    code before SERVING, so the first OpenChannel waits only for the tokenizer (serve's start-up
+    waits on that call) and children forked after this import nothing."""
+    importlib.import_module("grammar_service.sandbox_worker")
     for name in available_backends():
         try:
             load_backend_class(name)
         except ValueError:  # not installed here
             pass
+
+
+def prepare(config: GrammarServiceConfig) -> None:
+    """The slow part of start-up, which makes no thread and no gRPC object, so a process may do
+    it once and fork servers after it (grammar_service/template.py): the backends imported and
+    the preloaded tokenizer loaded with all that is derived from it (done before: at once)."""
+    preload_backends()
+    if config.tokenizer_dir is not None:
+        data, _ = load_tokenizer(config.tokenizer_dir, config.vocab_size)
+        derive_all(data)
 
 
 def spec_from_proto(req: grammar_pb2.CompileRequest) -> GrammarSpec:
@@ -165,14 +181,13 @@ def _wait(future, time_remaining: float | None):
 class RunningServer:
     """A started server; `stop()` drains RPCs, closes channels and removes the socket."""
 
-    def __init__(self, config: GrammarServiceConfig, should_stop=lambda: False):
+    def __init__(self, config: GrammarServiceConfig, should_stop=lambda: False, forker: WorkerForker | None = None):
         """`should_stop`: polled while the compile workers start, so a stop signal then is not
-        held up by them."""
+        held up by them. `forker`: started before this process had threads (`run`); without
+        one, the service forks its own here, before this server's gRPC objects exist."""
         self.config = config
-        if config.isolate_compiles:
-            start_forkserver()  # NOTE: before any gRPC object (sandbox.start_forkserver)
-        preload_backends()
-        self.service = GrammarService(config, after_tokenizer_load=freeze_heap)
+        prepare(config)
+        self.service = GrammarService(config, forker=forker, after_tokenizer_load=freeze_heap)
         self.health = health.HealthServicer()
         for name in ("", SERVICE_NAME):  # grpc's servicer starts at SERVING for "": not before we are
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -230,22 +245,37 @@ class RunningServer:
             pass
 
 
-def serve(config: GrammarServiceConfig, stop: StopSignals | None = None) -> None:
-    """Run until SIGTERM or SIGINT, then drain and shut down cleanly. A signal that arrives
-    while the server starts stops it as soon as it is up."""
-    stop = stop or StopSignals()
-    # the slow steps of start-up first (imports: seconds), each skipped once a stop arrived
-    if config.isolate_compiles and not stop.is_set:
-        start_forkserver()
+def run(config: GrammarServiceConfig, stop: StopSignals, lifeline_fd: int | None = None) -> None:
+    """Serve until SIGTERM or SIGINT (or the end of `lifeline_fd`, a pipe whose writer is the
+    process this one serves), then drain and shut down cleanly. A signal that arrives while the
+    server starts stops it as soon as it is up."""
     if not stop.is_set:
-        preload_backends()
+        prepare(config)  # the slow steps first (imports: seconds), skipped once a stop arrived
     if stop.is_set:
         log.info("grammar_service stopped during start-up")
         return
-    running = RunningServer(config, should_stop=lambda: stop.is_set)
-    stop.wait()
-    log.info("grammar_service shutting down")
-    running.stop()
+    # NOTE: before any thread (span export, lifeline, gRPC): the forker is a copy of this process
+    forker = WorkerForker.start() if config.isolate_compiles else None
+    if lifeline_fd is not None:
+        threading.Thread(target=_stop_at_end, args=(lifeline_fd,), name="lifeline", daemon=True).start()
+    telemetry.setup("structgen-grammar")
+    telemetry.install_log_correlation()
+    try:
+        running = RunningServer(config, should_stop=lambda: stop.is_set, forker=forker)
+        stop.wait()
+        log.info("grammar_service shutting down")
+        running.stop()
+    finally:
+        if forker is not None:
+            forker.close()
+        telemetry.shutdown()
+
+
+def _stop_at_end(fd: int) -> None:
+    while os.read(fd, 1):  # nobody writes: this returns at the end, when the writer is gone
+        pass
+    log.warning("the process grammar_service serves is gone; stopping")
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -270,16 +300,14 @@ def main(argv: list[str] | None = None, environ=None) -> int:
     for warning in resolved.warnings:
         log.warning("%s", warning)
     log.info("settings: %s", json.dumps(resolved.as_dict(), sort_keys=True))
-    config = resolved[GrammarServiceConfig]
-    telemetry.setup("structgen-grammar")
-    telemetry.install_log_correlation()
-    try:
-        serve(config, stop)
-    finally:
-        telemetry.shutdown()
-    # NOTE: all is released (socket unlinked, channels closed, spans flushed). Skip the
-    # interpreter's finalization: collecting xgrammar/tokenizer objects takes seconds, and
-    # serve's drain budget waits for this exit.
+    run(resolved[GrammarServiceConfig], stop)
+    exit_now()
+
+
+def exit_now() -> None:
+    """Exit without the interpreter's finalization: collecting xgrammar/tokenizer objects takes
+    seconds, and serve's drain budget waits for this exit. NOTE: only once all is released
+    (socket unlinked, channels closed, spans flushed)."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -16,8 +16,10 @@ from grammar_service.backends import DEFAULT_BACKEND, load_backend_class, resolv
 from grammar_service.backends.base import GrammarBackend, TokenizerData
 from grammar_service.compiler import GrammarCompiler
 from grammar_service.config import GrammarServiceConfig
+from grammar_service.forker import WorkerForker
 from grammar_service.loop import StepLoop
 from grammar_service.sandbox import CompileSandbox
+from grammar_service.shared_grammars import SharedGrammars
 from grammar_service.tokenizer import load_tokenizer
 from step_channel import ChannelError, Geometry, StepChannel
 
@@ -42,15 +44,21 @@ class _Tokenizer:
 
 
 class GrammarService:
-    def __init__(self, config: GrammarServiceConfig, *, after_tokenizer_load: Callable[[], None] = lambda: None):
-        """`after_tokenizer_load` runs after each tokenizer load, with no channel open (the server
-        freezes the heap there: structgen.heap.freeze_heap)."""
+    def __init__(self, config: GrammarServiceConfig, *, forker: WorkerForker | None = None,
+                 after_tokenizer_load: Callable[[], None] = lambda: None):
+        """`forker`: where compile workers come from (config.isolate_compiles); without one, one is
+        forked here, so make the service before this process has threads that matter (the server
+        starts its forker before anything else). `after_tokenizer_load` runs after each tokenizer
+        load, with no channel open (the server freezes the heap there: structgen.heap.freeze_heap)."""
         self.config = config
+        self._owns_forker = forker is None and config.isolate_compiles
+        self._forker = WorkerForker.start() if self._owns_forker else forker
         self._after_tokenizer_load = after_tokenizer_load
         self._lock = threading.Lock()
         self._tokenizer: _Tokenizer | None = None
         self._backends: dict[str, GrammarBackend] = {}
         self._compiler: GrammarCompiler | None = None
+        self._shared: SharedGrammars | None = None  # config.shared_grammars_dir, for this tokenizer
         self._loops: dict[str, StepLoop] = {}
         self._slow_grammar_ids: set[int] = set()  # GrammarServiceConfig.slow_fill_marker
         self._closed_steps = 0      # steps of channels already closed (stats are cumulative)
@@ -72,12 +80,17 @@ class GrammarService:
         if self._loops:
             raise ServiceError("FAILED_PRECONDITION", "a channel with another tokenizer "
                                f"({current.path}) is open; close it before switching tokenizers")
-        if self._compiler is not None:
-            self._compiler.close()
+        self._close_compiler()
         self._tokenizer = _Tokenizer(tokenizer_dir, vocab_size, data, fingerprint)
         self._backends = {}
-        self._compiler = GrammarCompiler(self._backend, self.config, sandbox=self._sandbox(tokenizer_dir, vocab_size))
+        shared = self._shared_grammars(fingerprint)
+        self._compiler = GrammarCompiler(self._backend, self.config, sandbox=self._sandbox(tokenizer_dir, vocab_size),
+                                         on_reuse=shared.record if shared else lambda key, spec: None)
         self._backend(DEFAULT_BACKEND)  # build it now, not on the first compile
+        if shared is not None:
+            threading.Thread(target=shared.mirror, args=(self._compiler.is_cached, self._compiler.compile,
+                                                         lambda: bool(self._loops)),
+                             name="shared-grammars", daemon=True).start()
         log.info("tokenizer %s loaded (vocab_size %d, fingerprint %s)", tokenizer_dir, vocab_size, fingerprint[:16])
         self._after_tokenizer_load()
         return self._tokenizer
@@ -87,10 +100,23 @@ class GrammarService:
                     min_parallel_advance_rows=self.config.min_parallel_advance_rows,
                     num_llguidance_lanes=self.config.num_llguidance_lanes)
 
-    def _sandbox(self, tokenizer_dir: str, vocab_size: int) -> CompileSandbox | None:
-        if not self.config.isolate_compiles:
+    def _shared_grammars(self, fingerprint: str) -> SharedGrammars | None:
+        if self.config.shared_grammars_dir is None:
             return None
-        return CompileSandbox(tokenizer_dir, vocab_size, num_workers=self.config.num_compile_threads,
+        self._shared = SharedGrammars(self.config.shared_grammars_dir, fingerprint)
+        return self._shared
+
+    def _close_compiler(self) -> None:
+        if self._shared is not None:
+            self._shared.stop()
+            self._shared = None
+        if self._compiler is not None:
+            self._compiler.close()
+
+    def _sandbox(self, tokenizer_dir: str, vocab_size: int) -> CompileSandbox | None:
+        if self._forker is None:
+            return None
+        return CompileSandbox(self._forker, tokenizer_dir, vocab_size, num_workers=self.config.num_compile_threads,
                               backend_kwargs=self._backend_kwargs(),
                               max_compile_memory_mb=self.config.max_compile_memory_mb,
                               auto_time_box_s=self.config.auto_time_box_s)
@@ -202,6 +228,6 @@ class GrammarService:
     def close(self) -> None:
         for name in list(self._loops):
             self.close_channel(name)
-        if self._compiler is not None:
-            self._compiler.close()
-
+        self._close_compiler()
+        if self._owns_forker:
+            self._forker.close()

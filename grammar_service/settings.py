@@ -51,6 +51,9 @@ GRAMMAR_SETTINGS = SettingsTable("structgen grammar", env_prefix=f"{ENV_PREFIX}G
         Setting("num-rpc-threads", "gRPC handler threads (each waiting Compile call holds one)", minimum=4),
         Setting("tokenizer-dir", "preload this tokenizer (else the first OpenChannel's)", chart=False),
         Setting("vocab-size", "logits width of --tokenizer-dir", chart=False),
+        Setting("shared-grammars-dir", "folder shared with other grammar_service processes: grammars "
+                "requests reuse are recorded there and those the others recorded are compiled here ahead "
+                "of their requests (structgen serve gives its grammar children one)", chart=False),
         Setting("shutdown-grace-s", "seconds open RPCs get on SIGTERM", minimum=0, chart=False),
         Setting("health-port", "plaintext TCP port serving only grpc.health.v1 (kubelet probes; 0 = off)",
                 chart=False),

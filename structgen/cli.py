@@ -64,10 +64,11 @@ def _run_grammar(args: argparse.Namespace, rest: list[str]) -> int:
 def disable_grpc_fork_handlers() -> None:
     """Turn off gRPC core's fork handlers; call before grpc is first imported.
 
-    Our processes fork only to exec a child (subprocess, multiprocessing's forkserver), never to
-    use gRPC in the child. gRPC's handlers still run around each such fork and, when a fork
-    meets gRPC threads starting up, have left a parent's poller with a closed epoll descriptor
-    (the process then aborts). An explicit setting in the environment is kept."""
+    Our processes fork to exec a child (subprocess, multiprocessing), or before they have any
+    gRPC object (the grammar template, grammar_service's worker forker): a child never uses
+    gRPC state it inherited. gRPC's handlers still run around each fork and, when a fork meets
+    gRPC threads starting up, have left a parent's poller with a closed epoll descriptor (the
+    process then aborts). An explicit setting in the environment is kept."""
     os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 
 

@@ -1,16 +1,28 @@
-"""Runs grammar_service as a child process of `structgen serve` and keeps it alive.
+"""Runs grammar_service children for `structgen serve` and keeps one serving at all times.
 
-The child listens on a Unix socket in a private temporary folder (mode 0700). Once the
-tokenizer is known (`set_restart_args`), a warm standby child starts beside it on a socket
-of its own with the tokenizer preloaded and its compile workers up. When the serving child
-exits unexpectedly, the standby's socket is renamed onto the serving path (the listening
-socket follows its file), so the engine's control client reconnects to a process that can
-compile at once, and a new standby starts after a backoff (doubling from `min_backoff_s` to
-`max_backoff_s`, reset once a child has lived `stable_after_s`). Without a ready standby the
-child is restarted on the same socket after that backoff. `stop()` terminates both and
-removes the folder. On Linux the children also get SIGTERM if this process dies
-(PR_SET_PDEATHSIG); every child is spawned from a thread that lives as long as the
-supervisor, since the signal follows the spawning thread.
+`spawn()` starts the grammar template (grammar_service/template.py), which imports while serve
+loads its model; `use_tokenizer()` names the tokenizer every child preloads; `wait_ready()`
+has the template fork the serving child and waits for its health. Children are forked from the
+template's initialised state, so one is ready in well under a second (docs/grammar_service.md,
+"Start-up").
+
+The serving child listens on a Unix socket in a private temporary folder (mode 0700). A warm
+standby child listens on a socket of its own from the moment the serving child is ready, and
+again as soon as it has taken over: when the serving child exits, the standby's socket is
+renamed onto the serving path (the listening socket follows its file), so the engine's control
+client reconnects to a process that can compile at once. A standby still starting then takes
+over as soon as it is ready; with none, a new child is forked onto the serving path. Only
+children that end before they are ready (a start-up that fails) delay the next by a backoff
+(doubling from `min_backoff_s` to `max_backoff_s`, reset by the next child that gets ready).
+
+Every child records the grammars it compiled in a folder shared with the others
+(`--shared-grammars-dir`), and compiles those the others recorded, so the standby that takes
+over already holds the compiled grammars of the one it replaces.
+
+`stop()` terminates the children and the template and removes the folder. The template gets
+SIGTERM if this process dies (PR_SET_PDEATHSIG; every process is started from a thread that
+lives as long as the supervisor, since the signal follows the starting thread), and the
+children stop at the end of a lifeline pipe only this process writes to.
 """
 from __future__ import annotations
 
@@ -20,7 +32,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -29,13 +40,17 @@ from typing import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from structgen.grammar_template import GrammarTemplate, TemplateError
+from structgen.process_handle import ProcessHandle
+
 log = logging.getLogger("structgen.supervisor")
 # short reconnect backoff: a standby's socket appears only once it listens
 _FAST_RECONNECT = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
                    ("grpc.max_reconnect_backoff_ms", 500)]
 # Until the standby serves, its health is asked this often: each check is an rpc in the serving
 # process, whose GIL the engine loop needs.
-STANDBY_CHECK_S = 0.25
+STANDBY_CHECK_S = 0.05
+FORK_TIMEOUT_S = 120.0  # a fork waits for the template's imports and tokenizer (once)
 
 
 def _die_with_parent(parent_pid: int) -> Callable[[], None]:
@@ -49,18 +64,24 @@ def _die_with_parent(parent_pid: int) -> Callable[[], None]:
     return preexec
 
 
-def wait_healthy(address: str, timeout_s: float, process: subprocess.Popen | None = None,
+def wait_healthy(address: str, timeout_s: float, process: ProcessHandle | subprocess.Popen | None = None,
                  should_stop: Callable[[], bool] = lambda: False) -> bool:
     """True once a grpc.health.v1 Check on `address` answers SERVING; False after timeout_s,
     as soon as `process` (the server, when the caller started it) has exited, or once
     `should_stop()` is true."""
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
+
+    def is_running() -> bool:
+        if process is None:
+            return True
+        return process.poll() is None if isinstance(process, subprocess.Popen) else not process.has_exited()
+
+    with grpc.insecure_channel(address, options=_FAST_RECONNECT) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline and (process is None or process.poll() is None) and not should_stop():
+        while time.monotonic() < deadline and is_running() and not should_stop():
             if _is_serving(stub, 1.0):
                 return True
-            time.sleep(0.1)
+            time.sleep(0.02)
     return False
 
 
@@ -72,32 +93,68 @@ def _is_serving(stub, timeout_s: float) -> bool:
         return False
 
 
+class _Child:
+    """A forked child, and the channel its health is asked on until it is ready.
+
+    NOTE: a channel of its own, to the path the child was forked onto: one opened before a
+    takeover stays connected to the process that moved to the serving path."""
+
+    def __init__(self, process: ProcessHandle, path: str):
+        self.process = process
+        self.is_ready = False
+        self._channel: grpc.Channel | None = grpc.insecure_channel(f"unix://{path}", options=_FAST_RECONNECT)
+        self._next_check_s = 0.0  # a check is an rpc: every STANDBY_CHECK_S, not every poll
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def became_ready(self) -> bool:
+        """True once, when a health check first finds it SERVING."""
+        if self.is_ready or self._channel is None or time.monotonic() < self._next_check_s:
+            return False
+        self._next_check_s = time.monotonic() + STANDBY_CHECK_S
+        self.is_ready = _is_serving(health_pb2_grpc.HealthStub(self._channel), 0.2)
+        if self.is_ready:
+            self.close_channel()
+        return self.is_ready
+
+    def close_channel(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+    def close(self) -> None:
+        self.close_channel()
+        self.process.close()
+
+
 class GrammarSupervisor:
     def __init__(self, extra_args: tuple[str, ...] = (), *, min_backoff_s: float = 0.5,
-                 max_backoff_s: float = 10.0, stable_after_s: float = 30.0, standby: bool = True):
+                 max_backoff_s: float = 10.0, standby: bool = True):
         self._extra_args = extra_args
         self._min_backoff_s, self._max_backoff_s = min_backoff_s, max_backoff_s
-        self._stable_after_s = stable_after_s
+        self._backoff_s = min_backoff_s
         self._folder = tempfile.mkdtemp(prefix="structgen-grammar-")  # 0700
         self.socket_path = os.path.join(self._folder, "grammar.sock")
         self._standby_path = os.path.join(self._folder, "standby.sock")
+        self._grammars_dir = os.path.join(self._folder, "grammars")
         self._use_standby = standby
-        self._process: subprocess.Popen | None = None
-        self._standby: subprocess.Popen | None = None
-        self._is_standby_ready = False
-        self._standby_channel: grpc.Channel | None = None  # health checks of the standby
-        self._next_standby_check_s = 0.0  # a check is an rpc: every STANDBY_CHECK_S, not every poll
-        self._is_ready = False  # the first child reported SERVING
+        self._lifeline_read, self._lifeline_write = os.pipe()  # not inherited: only the template gets it
+        self._template: GrammarTemplate | None = None
+        self._serving: _Child | None = None  # None between its exit and its successor
+        self._standby: _Child | None = None
+        self._next_fork_s = 0.0  # monotonic time before which no child is forked (backoff)
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
         self.num_restarts = 0
         self.num_takeovers = 0  # restarts served by the warm standby
-        self._restart_args: tuple[str, ...] = ()
+        self._tokenizer_args: tuple[str, ...] = ()
 
-    def set_restart_args(self, args: tuple[str, ...]) -> None:
-        """Extra flags for restarted and standby children only, e.g. the tokenizer to preload: a
-        restarted grammar_service must compile before the engine has re-opened its channel."""
-        self._restart_args = tuple(args)
+    def use_tokenizer(self, tokenizer_dir: str, vocab_size: int) -> None:
+        """The tokenizer every child forked from now on preloads: a child taking over must
+        compile before the engine has re-opened its channel."""
+        self._tokenizer_args = ("--tokenizer-dir", str(tokenizer_dir), "--vocab-size", str(vocab_size))
 
     @property
     def address(self) -> str:
@@ -105,142 +162,161 @@ class GrammarSupervisor:
 
     @property
     def pid(self) -> int | None:
-        return self._process.pid if self._process else None
+        serving = self._serving
+        return serving.pid if serving is not None else None
 
     @property
     def standby_pid(self) -> int | None:
         """The warm standby's pid once it reports SERVING, else None."""
         standby = self._standby
-        return standby.pid if standby is not None and self._is_standby_ready else None
+        return standby.pid if standby is not None and standby.is_ready else None
 
-    def _spawn(self, path: str, extra_args: tuple[str, ...] = ()) -> subprocess.Popen:
-        if os.path.exists(path):
-            os.unlink(path)  # a crashed child leaves its socket behind
-        argv = [sys.executable, "-m", "structgen.cli", "grammar", "--listen", f"unix://{path}",
-                *self._extra_args, *extra_args]
+    # ---- the template and its children ---------------------------------------------------------
+    def spawn(self) -> None:
+        """Start the template without waiting for it (its imports overlap the caller's start-up)."""
         env = dict(os.environ)
         if env.get("OTEL_SERVICE_NAME"):  # its spans show as a second service, as in the chart
             env["OTEL_SERVICE_NAME"] += "-grammar"
-        # its temporary files (multiprocessing's forkserver folder) go where stop() cleans up:
-        # grammar_service leaves without the interpreter's finalization, which would remove them
-        env["TMPDIR"] = self._folder
-        # NOTE: a session of its own: Ctrl-C in a terminal (SIGINT to the foreground group)
-        # must not stop the child while serve still drains constrained streams through it.
-        return subprocess.Popen(argv, preexec_fn=_die_with_parent(os.getpid()), env=env, start_new_session=True)
+        env["TMPDIR"] = self._folder  # whatever temporary files it leaves, stop() removes
+        self._template = GrammarTemplate.spawn(env, self._lifeline_read, _die_with_parent(os.getpid()))
+
+    def _spawn(self, path: str, extra_args: tuple[str, ...] = (),
+               should_stop: Callable[[], bool] = lambda: False) -> _Child:
+        """Fork a child listening on `path`; raises TemplateError."""
+        if os.path.exists(path):
+            os.unlink(path)  # a crashed child leaves its socket behind
+        argv = ("--listen", f"unix://{path}", "--shared-grammars-dir", self._grammars_dir,
+                *self._extra_args, *self._tokenizer_args, *extra_args)
+        return _Child(self._template.fork(argv, FORK_TIMEOUT_S, should_stop), path)
 
     def start(self, ready_timeout_s: float = 120.0, should_stop: Callable[[], bool] = lambda: False) -> None:
         """`spawn()` then `wait_ready()`."""
         self.spawn()
         self.wait_ready(ready_timeout_s, should_stop)
 
-    def spawn(self) -> None:
-        """Start the child without waiting for it (its start-up overlaps the caller's)."""
-        self._process = self._spawn(self.socket_path)
-
     def wait_ready(self, ready_timeout_s: float = 120.0, should_stop: Callable[[], bool] = lambda: False) -> None:
-        """Wait until the spawned child reports SERVING (or `should_stop()`: then the child is
-        stopped again and this returns; the caller checks its own stop condition)."""
-        self._is_ready = wait_healthy(self.address, ready_timeout_s, self._process, should_stop)
-        if not self._is_ready:
-            code = self._process.poll()
+        """Fork the serving child and wait until it reports SERVING (or `should_stop()`: then the
+        children are stopped again and this returns; the caller checks its own stop condition)."""
+        try:
+            self._serving = self._spawn(self.socket_path, should_stop=should_stop)
+        except TemplateError as error:
             self.stop()
             if should_stop():
                 return
-            raise RuntimeError(f"grammar_service exited with {code} before it was healthy" if code is not None
+            raise RuntimeError(f"grammar_service did not start: {error}") from None
+        self._serving.is_ready = wait_healthy(self.address, ready_timeout_s, self._serving.process, should_stop)
+        if not self._serving.is_ready:
+            exited = self._serving.process.has_exited()
+            self.stop()
+            if should_stop():
+                return
+            raise RuntimeError("grammar_service exited before it was healthy" if exited
                                else f"grammar_service did not become healthy within {ready_timeout_s} s")
+        self._serving.close_channel()
         self._watcher = threading.Thread(target=self._watch, name="grammar-supervisor", daemon=True)
         self._watcher.start()
 
-    # ---- the watcher thread: every spawn after the first happens here --------------------
+    # ---- the watcher thread: every fork after the first happens here ---------------------------
     def _watch(self) -> None:
-        backoff_s = self._min_backoff_s
-        started = time.monotonic()
-        standby_after = 0.0  # monotonic time before which no standby is spawned
-        try:
-            while not self._stopping.wait(0.02):  # a poll() is one waitpid: the takeover waits on it
-                if self._use_standby and self._restart_args:
-                    standby_after = self._tend_standby(standby_after, backoff_s)
-                code = self._process.poll()
-                if code is None:
-                    continue
-                if time.monotonic() - started >= self._stable_after_s:
-                    backoff_s = self._min_backoff_s
-                if self._take_over():
-                    log.warning("grammar_service exited with %s; its warm standby (pid %d) took over",
-                                code, self._process.pid)
-                    standby_after = time.monotonic() + backoff_s
+        while not self._stopping.wait(0.01):  # one pidfd poll per child: the takeover waits on it
+            try:
+                self._tend()
+            except TemplateError as error:
+                if self._template.has_exited():
+                    log.error("the grammar template is gone (%s); starting another", error)
+                    self._restart_template()
                 else:
-                    log.warning("grammar_service exited with %s; restarting in %.1f s (no standby was ready)",
-                                code, backoff_s)
-                    if self._stopping.wait(backoff_s):
-                        return
-                    self._process = self._spawn(self.socket_path, self._restart_args)
-                self.num_restarts += 1
-                started = time.monotonic()
-                backoff_s = min(backoff_s * 2, self._max_backoff_s)
-        finally:
-            self._close_standby_channel()
+                    log.error("grammar_service could not be forked: %s", error)
+                    self._back_off()
 
-    def _tend_standby(self, standby_after: float, backoff_s: float) -> float:
-        """Spawn a standby when there is none, and mark it ready once it serves."""
+    def _tend(self) -> None:
+        """One look at the template and the children: replace what ended, fork what is missing."""
+        if self._template.has_exited():
+            raise TemplateError(f"it exited with {self._template.process.returncode}")
+        if self._serving is not None and self._serving.process.has_exited():
+            self._on_serving_exit()
+        self._tend_standby()
+        serving = self._serving
+        if serving is not None and serving.became_ready():
+            self._backoff_s = self._min_backoff_s
+        if time.monotonic() < self._next_fork_s:
+            return
+        if self._serving is None and self._standby is None:  # none to wait for: a child in its place
+            self._serving = self._spawn(self.socket_path)
+            self.num_restarts += 1
+        elif self._use_standby and self._standby is None and self._serving.is_ready:
+            # no metrics port: the serving child holds it (the standby would fail to bind and exit)
+            self._standby = self._spawn(self._standby_path, ("--metrics-port", "0"))
+
+    def _tend_standby(self) -> None:
         standby = self._standby
         if standby is None:
-            if time.monotonic() >= standby_after:
-                # no metrics port: the serving child holds it (the standby would fail to bind and exit)
-                self._standby = self._spawn(self._standby_path, (*self._restart_args, "--metrics-port", "0"))
-                self._is_standby_ready = False
-                # NOTE: a channel of its own: one opened before a takeover stays connected to the
-                # process that moved to the serving path, and would call that one ready
-                self._standby_channel = grpc.insecure_channel(f"unix://{self._standby_path}", options=_FAST_RECONNECT)
-            return standby_after
-        if standby.poll() is not None:
-            log.warning("grammar_service standby exited with %s; another starts in %.1f s",
-                        standby.returncode, backoff_s)
-            self._standby, self._is_standby_ready = None, False
-            self._close_standby_channel()
-            return time.monotonic() + backoff_s
-        if self._is_standby_ready or time.monotonic() < self._next_standby_check_s:
-            return standby_after
-        self._next_standby_check_s = time.monotonic() + STANDBY_CHECK_S
-        if _is_serving(health_pb2_grpc.HealthStub(self._standby_channel), 0.2):
-            self._is_standby_ready = True
+            return
+        if standby.process.has_exited():
+            log.warning("grammar_service standby (pid %d) exited", standby.pid)
+            self._standby = None
+            standby.close()
+            if not standby.is_ready:
+                self._back_off()
+        elif standby.became_ready():
+            self._backoff_s = self._min_backoff_s
             log.info("grammar_service standby (pid %d) is ready to take over", standby.pid)
-        return standby_after
+            if self._serving is None:
+                self._take_over()
+                log.warning("grammar_service standby (pid %d) took over", standby.pid)
 
-    def _close_standby_channel(self) -> None:
-        if self._standby_channel is not None:
-            self._standby_channel.close()
-            self._standby_channel = None
-
-    def _take_over(self) -> bool:
-        """Move a ready standby onto the serving socket; False when there is none."""
+    def _on_serving_exit(self) -> None:
+        exited, self._serving = self._serving, None
+        exited.close()
+        if not exited.is_ready:
+            self._back_off()
         standby = self._standby
-        if standby is None or not self._is_standby_ready or standby.poll() is not None:
-            return False
+        if standby is not None and standby.is_ready:
+            self._take_over()
+            log.warning("grammar_service (pid %d) exited; its warm standby (pid %d) took over", exited.pid, standby.pid)
+        elif standby is not None:
+            log.warning("grammar_service (pid %d) exited; its standby (pid %d) takes over once ready",
+                        exited.pid, standby.pid)
+        else:
+            log.warning("grammar_service (pid %d) exited; forking another", exited.pid)
+
+    def _take_over(self) -> None:
+        """Move the ready standby onto the serving socket."""
+        self._serving, self._standby = self._standby, None
         os.replace(self._standby_path, self.socket_path)  # the listening socket follows its file
-        self._process, self._standby, self._is_standby_ready = standby, None, False
-        self._close_standby_channel()
         self.num_takeovers += 1
-        return True
+        self.num_restarts += 1
+
+    def _back_off(self) -> None:
+        """A child ended before it was ready: the next waits, longer each time in a row."""
+        self._next_fork_s = time.monotonic() + self._backoff_s
+        self._backoff_s = min(self._backoff_s * 2, self._max_backoff_s)
+
+    def _restart_template(self) -> None:
+        self._template.stop(1.0)
+        self._back_off()
+        if not self._stopping.wait(max(0.0, self._next_fork_s - time.monotonic())):
+            self.spawn()
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """Terminate the children (SIGTERM, then SIGKILL after timeout_s) and remove the folder."""
+        """Terminate the children (SIGTERM, then SIGKILL after timeout_s) and the template, and
+        remove the folder."""
         self._stopping.set()
         if self._watcher is not None:
-            self._watcher.join(timeout_s)  # no spawn races the terminations below
-        for process in (self._process, self._standby):
-            if process is not None and process.poll() is None:
-                process.terminate()
-        for process, has_served in ((self._process, self._is_ready), (self._standby, self._is_standby_ready)):
-            if process is None:
-                continue
-            try:  # a child that never served has nothing to drain: a second to exit, then SIGKILL
-                process.wait(timeout_s if has_served else min(timeout_s, 1.0))
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-            try:  # its session's stragglers (a forkserver still importing, compile workers)
-                os.killpg(process.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
+            self._watcher.join(timeout_s)  # no fork races the terminations below
+        children = [child for child in (self._serving, self._standby) if child is not None]
+        for child in children:
+            child.process.signal(signal.SIGTERM)
+        for child in children:  # one that never served has nothing to drain
+            child.process.stop(timeout_s if child.is_ready else min(timeout_s, 1.0))
+            child.close()
+        self._serving = self._standby = None
+        if self._template is not None:
+            self._template.stop(timeout_s)
+        for fd in (self._lifeline_read, self._lifeline_write):
+            try:
+                os.close(fd)
+            except OSError:
                 pass
+        self._lifeline_read = self._lifeline_write = -1
         shutil.rmtree(self._folder, ignore_errors=True)

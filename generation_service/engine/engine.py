@@ -135,6 +135,7 @@ class Engine:
         self.link = self._make_link(grammar)
         self.table = RequestTable(self.scheduler, self.slots, self.tokenizer, self.eos_token_ids,
                                   late_rows_sit_out=self.runner.waits_for_every_mask)
+        self.table.recompile = self._start_compile
         self.held = HeldGraphs(self.step_time.cost.decode_s) \
             if self.runner.waits_for_every_mask and self.step_time is not None else None
         self.lock = threading.Lock()

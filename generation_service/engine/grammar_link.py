@@ -149,6 +149,7 @@ class GrammarLink:
         self.wait_s_total = 0.0
         self._forwards: deque[float] = deque(maxlen=FORWARD_WINDOW)  # host steps' (forward_done)
         self.num_disconnects = 0
+        self.disconnected_at = time.monotonic()  # of the last disconnect (or the start), while not connected
         # Called with a region before it is unmapped (the GPU runner unregisters it first).
         self.before_close: Callable[[StepChannel], None] | None = None
 
@@ -220,6 +221,7 @@ class GrammarLink:
         self.channel.close()
         self.channel = None
         self.num_disconnects += 1
+        self.disconnected_at = time.monotonic()
 
     def close(self) -> None:
         self._is_closed = True

@@ -63,6 +63,8 @@ class RequestTable:
         self.deferred: dict[str, Deferred] = {}
         # Called with each finished Request (engine thread, lock held): traces, metrics.
         self.finish_listeners: list[Callable[[Request], None]] = []
+        # Starts a request's compile again (Engine._start_compile); sets request.error when it cannot
+        self.recompile: Callable[[Request], None] = lambda request: None
 
     # ---- membership ------------------------------------------------------------------------
     def attach_stream(self, request: Request, stream: RequestStream) -> None:
@@ -91,9 +93,13 @@ class RequestTable:
         if link is not None and not link.is_connected:
             link.maybe_reconnect()
         now = time.monotonic()
+        # a grammar compiled while the channel is down waits for it (a standby grammar_service
+        # takes over in a second), up to the watchdog's deadline; then its request fails below
+        holds = link is not None and not link.is_connected and now - link.disconnected_at < link.wait_timeout_s
         for request in list(self._requests.values()):
             future = request.compile_future
-            if future is not None and request.grammar_id is None and future.done():
+            if future is not None and request.grammar_id is None and future.done() and \
+                    not (holds and future.exception() is None):
                 self._on_compiled(request)
             if not request.is_finished and request.spec.deadline is not None and now > request.spec.deadline:
                 self.finish(request, FinishReason.DEADLINE, DeadlineExceededError(
@@ -114,6 +120,8 @@ class RequestTable:
             self.finish(request, FinishReason.ERROR, GrammarUnavailableError(f"grammar compile failed: {error!r}"))
             return
         request.grammar_id = result.grammar_id
+        if request.guarantee is not None:  # compiled again after grammar_service was lost: reported once
+            return
         request.guarantee = GuaranteeReport(result.backend, tuple(result.unenforced), result.compile_ms,
                                             result.cache_hit, tuple(result.restricted))
         self._streams[request.request_id].put(OutputEvent(guarantee=request.guarantee))
@@ -278,11 +286,20 @@ class RequestTable:
             self.finish(request, FinishReason.ERROR, error)
 
     def _on_grammar_lost(self) -> None:
-        """The watchdog released a step: every constrained request fails, free ones go on."""
+        """The watchdog released a step: the requests whose matchers grammar_service held fail,
+        free ones go on, and those with no matcher yet compile again (a grammar id names a
+        grammar of the process that compiled it; the compile waits for the one after it)."""
         error = GrammarUnavailableError("grammar_service is unavailable (it stopped answering)")
         for request in list(self._requests.values()):
-            if request.is_constrained:
+            if not request.is_constrained:
+                continue
+            if request.is_matcher_bound:
                 self.finish(request, FinishReason.ERROR, error)
+            elif request.compile_future is not None and request.compile_future.done():
+                request.grammar_id = None
+                self.recompile(request)
+                if request.error is not None:
+                    self.finish(request, FinishReason.ERROR, request.error)
         for slot in self.pending_release:  # its matchers are gone with it
             self.slots.free(slot)
         self.pending_release = []

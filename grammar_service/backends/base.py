@@ -27,9 +27,10 @@ from __future__ import annotations
 import abc
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
+from tokenizers import Tokenizer
 
 from grammar_contract.spec import GrammarSpec
 
@@ -48,13 +49,26 @@ class TokenizerData:
     tokenizer_json: str             # the raw tokenizer.json (decoder and pre-tokenizer info)
     # tokens tokenizer.json marks special: the served text leaves them out (skip_special_tokens)
     special_token_ids: tuple[int, ...] = ()
-    # the loaded tokenizers.Tokenizer (forced runs are spelled with it); None: parsed from
-    # tokenizer_json where first needed
-    text_tokenizer: Any = field(default=None, compare=False, repr=False)
+    # objects made from the fields above once per process, shared by every user of this
+    # tokenizer there and by processes forked after they were made (grammar_service/template.py):
+    # "text" (the tokenizers.Tokenizer forced runs are spelled with) and, per backend name, what
+    # `GrammarBackend.derive_tokenizer` makes
+    derived: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def mask_words(self) -> int:
         return (self.vocab_size + 31) // 32
+
+    def derive(self, name: str, make: Callable[[], Any]) -> Any:
+        """`derived[name]`, made by `make()` on first use."""
+        found = self.derived.get(name)
+        if found is None:
+            found = self.derived.setdefault(name, make())
+        return found
+
+    @property
+    def text_tokenizer(self) -> Tokenizer:
+        return self.derive("text", lambda: Tokenizer.from_str(self.tokenizer_json))
 
 
 class Matcher(abc.ABC):
@@ -82,11 +96,25 @@ class GrammarBackend(abc.ABC):
 
     def __init__(self, tokenizer: TokenizerData, *, num_compile_threads: int, num_fill_threads: int,
                  min_parallel_advance_rows: int = 0, num_llguidance_lanes: int = 1):
+        """Builds what holds threads (fill and compile pools) here; the tokenizer-level data
+        comes from `tokenizer.derive(self.name, ...)`, made once per process."""
         self.tokenizer = tokenizer
         # from this many rows a backend that can advance rows in native threads does so (0: never);
         # backends without such a path ignore it. num_llguidance_lanes: llguidance's alone
         # (backends/llguidance.py, lanes); the others take it to share one constructor call.
         self.min_parallel_advance_rows = min_parallel_advance_rows
+
+    @classmethod
+    def derive_tokenizer(cls, tokenizer: TokenizerData) -> Any:
+        """What this backend makes from the tokenizer alone (the slow part of building it). It
+        must hold no thread and no lock, so that a process forked after it was made can use it."""
+        return None
+
+    @classmethod
+    def tokenizer_codec(cls) -> tuple[Callable[[Any], bytes], Callable[[bytes], Any]] | None:
+        """(dump, load) of `derive_tokenizer`'s result for the on-disk tokenizer cache
+        (grammar_service/tokenizer_cache.py), where loading beats deriving; None: derived anew."""
+        return None
 
     @abc.abstractmethod
     def compile(self, spec: GrammarSpec) -> Any:

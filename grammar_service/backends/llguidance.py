@@ -209,12 +209,17 @@ class LLGuidanceBackend(GrammarBackend):
                          min_parallel_advance_rows=min_parallel_advance_rows,
                          num_llguidance_lanes=num_llguidance_lanes)
         self._stop_ids = frozenset(tokenizer.stop_token_ids)
-        # LLTokenizer takes the tokenizer.json text; n_vocab = mask width (logits width).
-        self.lltokenizer = llg.LLTokenizer(tokenizer.tokenizer_json, n_vocab=tokenizer.vocab_size,
-                                           eos_token=list(tokenizer.stop_token_ids) or None)
+        self.lltokenizer: llg.LLTokenizer = tokenizer.derive(self.name, lambda: self.derive_tokenizer(tokenizer))
         self._executor = llg.LLExecutor(num_fill_threads or None)
         self._mask_bytes = tokenizer.mask_words * 4
         self.num_lanes = llguidance_lanes(num_llguidance_lanes, num_fill_threads)
+
+    @classmethod
+    def derive_tokenizer(cls, tokenizer: TokenizerData) -> llg.LLTokenizer:
+        # LLTokenizer takes the tokenizer.json text; n_vocab = mask width (logits width). It has
+        # no serialized form: each tokenizer load derives it (forked processes inherit it).
+        return llg.LLTokenizer(tokenizer.tokenizer_json, n_vocab=tokenizer.vocab_size,
+                               eos_token=list(tokenizer.stop_token_ids) or None)
 
     # ---- compile -------------------------------------------------------------------------
     def compile(self, spec: GrammarSpec) -> LLGuidanceGrammar:

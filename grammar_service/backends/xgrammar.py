@@ -114,11 +114,7 @@ class XGrammarBackend(GrammarBackend):
         super().__init__(tokenizer, num_compile_threads=num_compile_threads,
                          num_fill_threads=num_fill_threads, min_parallel_advance_rows=min_parallel_advance_rows,
                          num_llguidance_lanes=num_llguidance_lanes)
-        meta = xgr.TokenizerInfo._detect_metadata_from_hf(tokenizer.tokenizer_json)
-        self.tokenizer_info = xgr.TokenizerInfo(
-            list(tokenizer.encoded_vocab), meta["vocab_type"], vocab_size=tokenizer.vocab_size,
-            stop_token_ids=list(tokenizer.stop_token_ids) or None,
-            add_prefix_space=meta["add_prefix_space"])
+        self.tokenizer_info: xgr.TokenizerInfo = tokenizer.derive(self.name, lambda: self.derive_tokenizer(tokenizer))
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=num_compile_threads)
         # xgrammar would match special tokens as text, which the served text leaves out
         self._specials = SpecialTokenFilter(tokenizer.special_token_ids, self.stop_token_ids, tokenizer.vocab_size)
@@ -126,6 +122,21 @@ class XGrammarBackend(GrammarBackend):
         # 0 = xgrammar's "auto" (hardware threads / 2).
         self._batch = xgr.BatchGrammarMatcher(num_fill_threads or "auto")
         self._spelling = ForcedSpelling(tokenizer, lambda: self.tokenizer_info.decoded_vocab)
+
+    @classmethod
+    def derive_tokenizer(cls, tokenizer: TokenizerData) -> xgr.TokenizerInfo:
+        meta = xgr.TokenizerInfo._detect_metadata_from_hf(tokenizer.tokenizer_json)
+        return xgr.TokenizerInfo(
+            list(tokenizer.encoded_vocab), meta["vocab_type"], vocab_size=tokenizer.vocab_size,
+            stop_token_ids=list(tokenizer.stop_token_ids) or None,
+            add_prefix_space=meta["add_prefix_space"])
+
+    @classmethod
+    def tokenizer_codec(cls):
+        # the JSON form loads several times faster than the vocabulary type is detected and the
+        # TokenizerInfo built (docs/grammar_service.md, "Start-up")
+        return (lambda info: info.serialize_json().encode("utf-8"),
+                lambda blob: xgr.TokenizerInfo.deserialize_json(blob.decode("utf-8")))
 
     # ---- compile -------------------------------------------------------------------------
     def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:

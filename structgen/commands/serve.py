@@ -213,7 +213,7 @@ class ServeStack:
             self._check_stop()
             if self._engine_config.tensor_parallel > 1:  # the model's shapes, before any child starts
                 self._check_ranks()
-            if self.config.spawns_grammar_service:  # its start-up overlaps ours (torch, the model)
+            if self.config.spawns_grammar_service:  # its imports overlap ours (torch, the model)
                 self._supervisor = GrammarSupervisor(
                     ("--max-grammar-bytes", str(self.config.max_grammar_bytes)))
                 self._supervisor.spawn()
@@ -226,14 +226,12 @@ class ServeStack:
                 self._engine = self._interruptible(self._build_engine)
             from generation_service.server import start_server
             if self._supervisor is not None:
+                if self._engine.tokenizer is not None:  # every grammar child has it loaded before it serves
+                    self._supervisor.use_tokenizer(self._engine.tokenizer.path, self._engine.model_config.vocab_size)
                 self._supervisor.wait_ready(should_stop=self._should_stop)
             self._check_stop()
             self._engine.start()
             self._check_stop()
-            if self._supervisor is not None:
-                self._supervisor.set_restart_args(
-                    ("--tokenizer-dir", self._engine.tokenizer.path,
-                     "--vocab-size", str(self._engine.model_config.vocab_size)))
             self._server = start_server(self._engine, self.config)
             if self.config.http_port:
                 from generation_service.openai_http.front import start_http_front

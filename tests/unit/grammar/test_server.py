@@ -109,3 +109,24 @@ def test_the_heap_is_frozen_at_start_and_after_the_first_channels_tokenizer_load
         running.stop()
         chan.close()
         gc.unfreeze()
+
+
+def test_a_compile_waits_a_bounded_time_for_grammar_service_to_be_back(tmp_path, mistral_32k_dir):
+    """What the engine's control client does while a standby takes over (grammar_contract/reconnect.py)."""
+    config = GrammarServiceConfig(listen=f"unix://{tmp_path}/g.sock", tokenizer_dir=mistral_32k_dir,
+                                  vocab_size=32768, shutdown_grace_s=0.5, isolate_compiles=False)
+    impatient = GrammarControlClient(config.listen, reconnect_wait_s=0.3)
+    patient = GrammarControlClient(config.listen, reconnect_wait_s=60)
+    running = None
+    try:
+        with pytest.raises(GrammarUnavailableError, match="unreachable"):
+            impatient.compile(GrammarSpec("regex", "a")).result(30)  # nothing listens, for good
+        waiting = patient.compile(GrammarSpec("regex", "b+"))
+        assert not waiting.done()
+        running = RunningServer(config)  # comes up while the call waits
+        assert waiting.result(60).grammar_id > 0
+    finally:
+        impatient.close()
+        patient.close()
+        if running is not None:
+            running.stop()
