@@ -1,0 +1,189 @@
+"""A short way to finish a document from a matcher's state: a token path to a stop token.
+
+Neither backend says how far its grammar is from an accepting state, so the walk asks the
+matcher itself, one step at a time: a run the grammar forces is taken whole; otherwise, of the
+one-character tokens the mask allows, the one that brings the JSON syntax closest to its end
+(json_syntax.py: close the string, the container, the smallest value; a "," only where
+nothing closes). Characters that only fill a string or a number (letters, digits, which the
+syntax cannot tell apart) go by the grammar: one after which the mask changes (a pattern moves
+on, a minLength is met) before one after which it does not. Text that is not JSON is walked
+by that rule alone. The walk never goes back, so it is as fast as the path is long, and it
+is not always the shortest: an optional property may come first where the grammar offers it.
+
+The result is a witness: a finish of that many tokens exists from the state, so a budget of
+at least that many can always close the document. The walk is bounded (`max_tokens`); past
+it there is no witness and the caller leaves the row alone. The path found is spelled again
+with the tokenizer's own tokens when the matcher accepts that spelling (fewer tokens).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from grammar_service.backends.base import GrammarBackend, Matcher
+from grammar_service.budget.json_syntax import JsonState
+
+MAX_TOKENS = 768   # tokens one walk may take before it gives up
+MAX_STALLED = 64   # steps in a row that change neither mask nor syntax before it gives up
+_LOWER = "abcdghijklmopqrsuvwxyz"  # letters with no part in JSON syntax (not t, f, n, e)
+_UPPER = "ABCDFGHIJKLMNOPQRSTUVWXYZ"
+_CLASSES = (_LOWER, _UPPER, "123456789")  # each tried through its first allowed member
+# Among equally short steps: closing ones first, then plain letters (a key or a string the
+# grammar spells), then the rest; whitespace last.
+_ORDER = ('"', "}", "]", "0", "[", "{", "-", ":", ",", "a", "A", "1", "n", "t", "f", "e", "E", ".", "+")
+
+
+@dataclass(frozen=True)
+class Closing:
+    """A finish: `tokens` end with a stop token; `text` is what they spell before it."""
+
+    tokens: tuple[int, ...]
+    text: str
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+
+class ClosingVocab:
+    """The one-character tokens of a backend's tokenizer, grouped for the walk."""
+
+    def __init__(self, backend: GrammarBackend):
+        tokenizer = backend.tokenizer
+        self.backend = backend
+        self.stop_ids = tuple(sorted(backend.stop_token_ids))
+        self.mask_words = tokenizer.mask_words
+        text_tokenizer = tokenizer.text_tokenizer
+        if text_tokenizer is None:
+            from tokenizers import Tokenizer
+            text_tokenizer = Tokenizer.from_str(tokenizer.tokenizer_json)
+        self.text_tokenizer = text_tokenizer
+        by_char: dict[str, int] = {}
+        for char in [chr(code) for code in range(32, 127)] + ["\n"]:
+            ids = text_tokenizer.encode(char, add_special_tokens=False).ids
+            if len(ids) == 1 and text_tokenizer.decode(ids) == char:
+                by_char[char] = ids[0]
+        grouped = set("".join(_CLASSES))
+        groups = [tuple((c, by_char[c]) for c in members if c in by_char) for members in _CLASSES]
+        groups += [((c, t),) for c, t in by_char.items() if c not in grouped]
+        rank = {c: k for k, c in enumerate(_ORDER)}
+        first = {group: members[0] for group, members in zip(groups, _CLASSES)}  # (a class by its first)
+        self.groups = tuple(sorted((g for g in groups if g), key=lambda g: (
+            not g[0][0].strip(), rank.get(first.get(g, g[0][0]), len(rank)))))
+
+    def spell(self, text: str) -> list[int]:
+        return self.text_tokenizer.encode(text, add_special_tokens=False).ids
+
+    def text_of(self, token_ids: Sequence[int]) -> str:
+        return self.text_tokenizer.decode(list(token_ids), skip_special_tokens=False)
+
+
+def _allowed(bits: np.ndarray, token: int) -> bool:
+    return bool((int(bits[token >> 5]) >> (token & 31)) & 1)
+
+
+class ClosingWalk:
+    """`find(matcher, json_state)`: a finish from the matcher's state, which it leaves as it was."""
+
+    def __init__(self, vocab: ClosingVocab, max_tokens: int = MAX_TOKENS):
+        self.vocab = vocab
+        self.max_tokens = max_tokens
+        self._masks = np.zeros((2, vocab.mask_words), np.int32)  # the current state's, a candidate's
+
+    def find(self, matcher: Matcher, start: JsonState | None) -> Closing | None:
+        path: list[int] = []
+        try:
+            found = self._walk(matcher, start, path)
+        finally:
+            matcher.rollback(len(path))
+        return None if found is None else self._respelled(matcher, found)
+
+    def _fill(self, matcher: Matcher, row: int) -> np.ndarray:
+        self.vocab.backend.fill_alone(matcher, self._masks, row)
+        return self._masks[row].view(np.uint32)
+
+    def _walk(self, matcher: Matcher, state: JsonState | None, path: list[int]) -> Closing | None:
+        vocab, text, stalled = self.vocab, "", 0
+        bits = self._fill(matcher, 0)
+        while len(path) < self.max_tokens and stalled < MAX_STALLED:
+            stop = next((t for t in vocab.stop_ids if _allowed(bits, t)), None)
+            if stop is not None:
+                return Closing((*path, stop), text)
+            forced = matcher.jump_forward_tokens()
+            if forced:
+                accepted = 0
+                while accepted < len(forced) and matcher.accept(forced[accepted]):
+                    accepted += 1
+                path.extend(forced[:accepted])
+                if accepted < len(forced):
+                    return None  # (a forced run the matcher refuses: a backend limit)
+                piece = vocab.text_of(forced)
+                text += piece
+                state, stalled = state.push(piece) if state is not None else None, 0  # (None: not JSON)
+                bits = self._fill(matcher, 0)
+                continue
+            chosen = self._step(matcher, bits, state)
+            if chosen is None:
+                return None
+            token, piece, next_state, moved = chosen
+            path.append(token)
+            text += piece
+            state, stalled = next_state, 0 if moved else stalled + 1
+            self._masks[0] = self._masks[1]
+            bits = self._masks[0].view(np.uint32)
+        return None
+
+    def _step(self, matcher: Matcher, bits: np.ndarray, state: JsonState | None):
+        """Accepts the best allowed one-character token: (token, char, next JSON state, whether
+        it moved the syntax or the mask); its mask is left in row 1. None: nothing allowed."""
+        candidates = self._candidates(bits, state)
+        if not candidates and state is not None:  # the grammar writes what is not JSON here
+            state, candidates = None, self._candidates(bits, None)
+        fallback = None
+        for token, char, after in candidates:
+            if not matcher.accept(token):
+                continue
+            mask = self._fill(matcher, 1)
+            if state is not None and after != state and (char.strip() or after.mode != state.mode):
+                return token, char, after, True
+            if not np.array_equal(mask, bits):  # the grammar moved on (a pattern, a count met)
+                return token, char, after, True
+            if fallback is None:
+                fallback = (token, char, after, self._masks[1].copy())
+            matcher.rollback(1)
+        if fallback is None:
+            return None
+        token, char, after, mask = fallback
+        matcher.accept(token)
+        self._masks[1] = mask
+        return token, char, after, False
+
+    def _candidates(self, bits: np.ndarray, state: JsonState | None) -> list[tuple[int, str, JsonState | None]]:
+        """(token, char, next JSON state) of each group's first allowed member, best first:
+        whitespace last, then by the characters left to close, then the groups' order."""
+        ranked = []
+        for order, group in enumerate(self.vocab.groups):
+            for char, token in group:
+                if _allowed(bits, token):
+                    after = state.push(char) if state is not None else None
+                    if state is None or after is not None:
+                        distance = after.min_chars_to_close if after is not None else 0
+                        ranked.append(((not char.strip(), distance, order), token, char, after))
+                    break
+        ranked.sort(key=lambda c: c[0])
+        return [c[1:] for c in ranked]
+
+    def _respelled(self, matcher: Matcher, found: Closing) -> Closing:
+        """The same text in the tokenizer's own spelling when the matcher takes it (fewer tokens)."""
+        ids = self.vocab.spell(found.text)
+        if len(ids) + 1 >= len(found.tokens):
+            return found
+        stop, accepted = found.tokens[-1], 0
+        for token in [*ids, stop]:
+            if not matcher.accept(token):
+                break
+            accepted += 1
+        matcher.rollback(accepted)
+        return Closing((*ids, stop), found.text) if accepted == len(ids) + 1 else found

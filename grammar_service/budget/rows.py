@@ -1,0 +1,146 @@
+"""Close on budget: a row near its max_tokens gets masks that keep a finish within it.
+
+Each constrained row carries its request's budget (`RowBudget`): max_tokens, the tokens its
+matcher advanced by, and a witness, a finish known to exist from some state (closing.py).
+Per mask position, with `remaining` tokens left there (the stop token included) and the
+witness's length `w`:
+- remaining >= w + MARGIN: the grammar's mask as it is;
+- w < remaining < w + MARGIN: only content tokens (tools.py: a string's characters, a number's
+  digits, which leave the way out as long as it was) and the witness's next token;
+- remaining <= w: only the witness's next token, so the document closes on time.
+Rows far from their budget (remaining above `NEAR_FACTOR` x (w + MARGIN)) cost one compare a
+step. Near rows check their witness at each position: still the finish when the tokens since
+followed it, or when the matcher still takes it whole from here (one more character of a
+string); else the walk finds a new one. `acted` is set when a mask lost a token the grammar
+allowed; the engine is told through the step's results (step_channel NOTE_BUDGET_CLOSED).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from grammar_service.backends.base import GrammarBackend, Matcher
+from grammar_service.budget.closing import Closing
+from grammar_service.budget.json_syntax import JsonState
+from grammar_service.budget.tools import closing_tools
+
+MARGIN = 8       # tokens of slack under which a row writes only content or the witness
+NEAR_FACTOR = 2  # rows with more than this many times (witness + MARGIN) left are left alone
+RETRY_AFTER = 16  # tokens before a row whose walk found no finish walks again
+
+
+@dataclass(slots=True)
+class RowBudget:
+    max_tokens: int                      # the request's max new tokens (the stop token counts)
+    witness: Closing | None              # a finish from the state after `witness_at` tokens
+    is_json: bool                        # the output is JSON text from its first token
+    num_tokens: int = 0                  # tokens its matcher advanced by
+    witness_at: int = 0
+    since_witness: list[int] = field(default_factory=list)  # tokens advanced since witness_at
+    tokens: list[int] = field(default_factory=list)          # all of them (JSON rows: their syntax)
+    json_state: JsonState | None = field(default_factory=JsonState)
+    text_len: int = 0                    # characters of the text json_state has read
+    walk_after: int = 0                  # num_tokens before which no new walk is tried
+    acted: bool = False                  # a mask lost a token the grammar allowed
+    reported: bool = False               # the engine was told
+
+    @property
+    def remaining(self) -> int:
+        return self.max_tokens - self.num_tokens
+
+    @property
+    def is_near(self) -> bool:
+        w = self.witness.num_tokens if self.witness is not None else 0
+        return self.remaining <= NEAR_FACTOR * (w + MARGIN)
+
+    def count(self, tokens: Sequence[int]) -> None:
+        """The matcher advanced by `tokens`."""
+        self.num_tokens += len(tokens)
+        self.since_witness.extend(tokens)
+        if self.is_json:
+            self.tokens.extend(tokens)
+
+
+class BudgetCloser:
+    """Narrows the masks of near rows; one per step loop (it owns the walk's buffers)."""
+
+    def __init__(self):
+        self._walks: dict[int, object] = {}  # id(backend) -> its ClosingWalk
+
+    def narrow(self, budget: RowBudget, backend: GrammarBackend, matcher: Matcher, mask: np.ndarray,
+               position: int, drafts: Sequence[int]) -> None:
+        """Narrow `mask` (one int32 row, the matcher's own, at `position` after `drafts`)."""
+        witness = self._witness(budget, backend, matcher, drafts)
+        if witness is None:
+            return
+        slack = budget.remaining - position - witness.num_tokens
+        if slack >= MARGIN:
+            return
+        bits = mask.view(np.uint32)
+        before = bits.copy()
+        first = witness.tokens[0]
+        if slack > 0:
+            bits &= closing_tools(backend).content
+        else:
+            bits[:] = 0
+        bits[first >> 5] |= np.uint32(1 << (first & 31))
+        if not budget.acted and not np.array_equal(bits, before):
+            budget.acted = True
+
+    def _witness(self, budget: RowBudget, backend: GrammarBackend, matcher: Matcher,
+                 drafts: Sequence[int]) -> Closing | None:
+        path = [*budget.since_witness, *drafts]
+        known = budget.witness
+        if known is not None:
+            if known.tokens[:len(path)] == tuple(path) and len(path) < known.num_tokens:
+                found = Closing(known.tokens[len(path):], "")
+                return self._keep(budget, found) if not drafts else found
+            if _takes(matcher, known.tokens):
+                return self._keep(budget, known) if not drafts else known
+        if budget.num_tokens < budget.walk_after:
+            return None
+        state = self._json_state(budget, backend, drafts)
+        found = self._walk(backend).find(matcher, state)
+        if not drafts:
+            if found is None:
+                budget.walk_after = budget.num_tokens + RETRY_AFTER
+            budget.witness = found
+            budget.witness_at, budget.since_witness = budget.num_tokens, []
+        return found
+
+    @staticmethod
+    def _keep(budget: RowBudget, witness: Closing) -> Closing:
+        budget.witness, budget.witness_at, budget.since_witness = witness, budget.num_tokens, []
+        return witness
+
+    def _walk(self, backend: GrammarBackend):
+        walk = self._walks.get(id(backend))
+        if walk is None:
+            walk = self._walks[id(backend)] = closing_tools(backend).walk()
+        return walk
+
+    @staticmethod
+    def _json_state(budget: RowBudget, backend: GrammarBackend, drafts: Sequence[int]) -> JsonState | None:
+        """The JSON syntax after the row's tokens and `drafts` (None: not JSON text)."""
+        if not budget.is_json or budget.json_state is None:
+            return None
+        vocab = closing_tools(backend).vocab
+        text = vocab.text_of(budget.tokens)
+        budget.json_state = budget.json_state.push(text[budget.text_len:])
+        budget.text_len = len(text)
+        if budget.json_state is None or not drafts:
+            return budget.json_state
+        return JsonState().push(vocab.text_of([*budget.tokens, *drafts]))
+
+
+def _takes(matcher: Matcher, tokens: Sequence[int]) -> bool:
+    """Whether the matcher accepts `tokens` (a whole finish) from here; it is left as it was."""
+    accepted = 0
+    for token in tokens:
+        if not matcher.accept(token):
+            break
+        accepted += 1
+    matcher.rollback(accepted)
+    return accepted == len(tokens)
