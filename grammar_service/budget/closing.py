@@ -23,6 +23,7 @@ from typing import Sequence
 import numpy as np
 
 from grammar_service.backends.base import GrammarBackend, Matcher
+from grammar_service.backends.forced_spelling import ForcedSpelling
 from grammar_service.budget.json_syntax import JsonState
 
 MAX_TOKENS = 768   # tokens one walk may take before it gives up
@@ -55,15 +56,13 @@ class ClosingVocab:
         self.backend = backend
         self.stop_ids = tuple(sorted(backend.stop_token_ids))
         self.mask_words = tokenizer.mask_words
-        text_tokenizer = tokenizer.text_tokenizer
-        if text_tokenizer is None:
-            from tokenizers import Tokenizer
-            text_tokenizer = Tokenizer.from_str(tokenizer.tokenizer_json)
-        self.text_tokenizer = text_tokenizer
+        # spelled as a model writes text mid-document (no SentencePiece prefix space)
+        self._spelling = ForcedSpelling(tokenizer, lambda: ())
+        self.text_tokenizer = self._spelling.tokenizer
         by_char: dict[str, int] = {}
         for char in [chr(code) for code in range(32, 127)] + ["\n"]:
-            ids = text_tokenizer.encode(char, add_special_tokens=False).ids
-            if len(ids) == 1 and text_tokenizer.decode(ids) == char:
+            ids = self._spelling.continuation_ids(char)
+            if len(ids) == 1:
                 by_char[char] = ids[0]
         grouped = set("".join(_CLASSES))
         groups = [tuple((c, by_char[c]) for c in members if c in by_char) for members in _CLASSES]
@@ -74,7 +73,7 @@ class ClosingVocab:
             not g[0][0].strip(), rank.get(first.get(g, g[0][0]), len(rank)))))
 
     def spell(self, text: str) -> list[int]:
-        return self.text_tokenizer.encode(text, add_special_tokens=False).ids
+        return self._spelling.continuation_ids(text)
 
     def text_of(self, token_ids: Sequence[int]) -> str:
         return self.text_tokenizer.decode(list(token_ids), skip_special_tokens=False)
@@ -141,6 +140,8 @@ class ClosingWalk:
         candidates = self._candidates(bits, state)
         if not candidates and state is not None:  # the grammar writes what is not JSON here
             state, candidates = None, self._candidates(bits, None)
+        if not candidates:  # no one-character token: the rest of a UTF-8 sequence, a special token...
+            candidates = [(token, "", state) for token in self._any_allowed(bits)]
         fallback = None
         for token, char, after in candidates:
             if not matcher.accept(token):
@@ -159,6 +160,10 @@ class ClosingWalk:
         matcher.accept(token)
         self._masks[1] = mask
         return token, char, after, False
+
+    def _any_allowed(self, bits: np.ndarray, limit: int = 8) -> list[int]:
+        allowed = np.flatnonzero(np.unpackbits(bits.view(np.uint8), bitorder="little"))
+        return [int(t) for t in allowed[:limit] if int(t) not in self.vocab.stop_ids]
 
     def _candidates(self, bits: np.ndarray, state: JsonState | None) -> list[tuple[int, str, JsonState | None]]:
         """(token, char, next JSON state) of each group's first allowed member, best first:

@@ -104,8 +104,8 @@ class BudgetCloser:
         state = self._json_state(budget, backend, drafts)
         found = self._walk(backend).find(matcher, state)
         if not drafts:
-            if found is None:
-                budget.walk_after = budget.num_tokens + RETRY_AFTER
+            if found is None:  # (sooner near the end)
+                budget.walk_after = budget.num_tokens + max(1, min(RETRY_AFTER, budget.remaining // 8))
             budget.witness = found
             budget.witness_at, budget.since_witness = budget.num_tokens, []
         return found

@@ -2,7 +2,7 @@
 
 `content`: the tokens that only add to the text the grammar is in (a string's characters, a
 number's digits) and open nothing: no JSON punctuation, no backslash, not whitespace alone,
-not special. Near its budget a row may still write those (they leave the way out as long as
+not part of a character, not special. Near its budget a row may still write those (they leave the way out as long as
 it was), while anything else must be the next token of a known finish.
 """
 from __future__ import annotations
@@ -36,7 +36,8 @@ class ClosingTools:
             if not spelled or token in special:
                 continue
             text = decode([token], skip_special_tokens=False)
-            if text.strip() and _OPENING.isdisjoint(text):
+            # (U+FFFD: part of a UTF-8 sequence, whose rest would come before any way out)
+            if text.strip() and _OPENING.isdisjoint(text) and "\ufffd" not in text:
                 bits[token >> 5] |= np.uint32(1 << (token & 31))
         return bits
 
