@@ -18,6 +18,7 @@ import os
 import resource
 import signal
 import time
+import traceback
 
 import numpy as np
 
@@ -115,6 +116,9 @@ def compile_one(spec: GrammarSpec, requested: str, backends: _Backends, *, time_
     except MemoryError:
         return ("error", "INVALID_ARGUMENT", f"{spec.kind}: compiling the grammar needs more memory than "
                 "the compile memory limit (max_compile_memory_mb)")
+    except Exception as exc:  # noqa: BLE001 (a bug of ours on this grammar: answered, the worker lives on)
+        traceback.print_exc()
+        return ("error", "INTERNAL", f"{spec.kind}: the compile failed on an internal error ({exc!r})")
     if reason:
         return ("error", "INVALID_ARGUMENT", f"{spec.kind}: {reason}")
     return ("ok", name, tuple(unenforced), (time.perf_counter() - started) * 1e3, done.abandoned is not None)
