@@ -5,7 +5,8 @@ client, every output validated by the server against its full schema:
 1. each schema's shortest output, in tokens: a request with max_tokens 1 is refused
    (INVALID_ARGUMENT) naming it ("set max_tokens to at least N");
 2. the first `--schemas` schemas of the wide corpus (benchmarks/corpus.py, its order) whose
-   shortest output is `--min-shortest`..`--max-shortest` tokens;
+   shortest output is `--min-shortest`..`--max-shortest` tokens and whose guarantee report
+   lists no unenforced keyword (those can make an output invalid however it closes);
 3. per schema, `--seeds` sampled requests (temperature 1.0) at max_tokens ceil(1.2 N), 2 N and
    4 N, and one request with max_tokens unset (the server's default, 256).
 Reported per budget: outputs valid / invalid / cut (finish max_tokens) / refused / other
@@ -64,10 +65,22 @@ def pick_schemas(client: Client, args) -> list[dict]:
         if schema.size_bytes > args.max_schema_bytes:
             continue
         n = shortest_output(client, schema.text)
-        log(f"{schema.name}: shortest output {n} tokens")
-        if n is not None and args.min_shortest <= n <= args.max_shortest:
+        if n is None or not args.min_shortest <= n <= args.max_shortest:
+            continue
+        unenforced = unenforced_keywords(client, schema.text, n)
+        log(f"{schema.name}: shortest output {n} tokens; unenforced {unenforced or 'none'}")
+        if not unenforced:  # a keyword the grammar does not enforce can make an output invalid
             picked.append({"name": schema.name, "text": schema.text, "shortest": n})
     return picked
+
+
+def unenforced_keywords(client: Client, text: str, max_tokens: int) -> list[str]:
+    """The keywords the guarantee report (the stream's first message) lists as not enforced."""
+    with client.generate("x", json_schema=text, max_tokens=max_tokens) as stream:
+        for chunk in stream:
+            if chunk.guarantee is not None:
+                return [f"{u.keyword} at {u.pointer}" for u in chunk.guarantee.unenforced]
+    return []
 
 
 def one_request(client: Client, schema: dict, max_tokens: int | None, seed: int) -> dict:

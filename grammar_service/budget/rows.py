@@ -2,13 +2,17 @@
 
 Each constrained row carries its request's budget (`RowBudget`): max_tokens, the tokens its
 matcher advanced by, and a witness, a finish known to exist from some state (closing.py).
-Per mask position, with `remaining` tokens left there (the stop token included) and the
-witness's length `w`:
-- remaining >= w + MARGIN: the grammar's mask as it is;
-- w < remaining < w + MARGIN: only content tokens (tools.py: a string's characters, a number's
-  digits, which leave the way out as long as it was) and the witness's next token;
-- remaining <= w: only the witness's next token, so the document closes on time.
-Rows far from their budget (remaining above `NEAR_FACTOR` x (w + MARGIN)) cost one compare a
+Per mask position, with `remaining` tokens left there (the stop token included), the
+witness's length `w` and `slack` = remaining - w:
+- slack >= max(WIND_DOWN, w): the grammar's mask as it is;
+- MARGIN <= slack: besides the witness's next token, only tokens that open nothing new (no
+  object, array, element or property: tools.py `closing`), since one such token can need more
+  than the slack left to close again;
+- 0 < slack < MARGIN: besides it, only content (a string's characters, a number's digits, which
+  leave the way out as long as it was);
+- slack <= 0, or inside a key (which only the witness's next token may choose): that token alone,
+  so the document closes on time.
+Rows far from their budget (remaining above `NEAR_FACTOR` x (w + WIND_DOWN)) cost one compare a
 step. Near rows check their witness at each position: still the finish when the tokens since
 followed it, or when the matcher still takes it whole from here (one more character of a
 string); else the walk finds a new one. `acted` is set when a mask lost a token the grammar
@@ -23,11 +27,15 @@ import numpy as np
 
 from grammar_service.backends.base import GrammarBackend, Matcher
 from grammar_service.budget.closing import Closing
+from grammar_service.budget import json_syntax
 from grammar_service.budget.json_syntax import JsonState
 from grammar_service.budget.tools import closing_tools
 
 MARGIN = 8       # tokens of slack under which a row writes only content or the witness
-NEAR_FACTOR = 2  # rows with more than this many times (witness + MARGIN) left are left alone
+WIND_DOWN = 16   # ... and under which (or under the witness's length) it opens nothing new
+_KEY_MODES = frozenset({json_syntax.KEY, json_syntax.KEY_ESCAPE, json_syntax.FIRST_KEY, json_syntax.NEXT_KEY,
+                        json_syntax.COLON})
+NEAR_FACTOR = 2  # rows with more than this many times (witness + WIND_DOWN) left are left alone
 RETRY_AFTER = 16  # tokens before a row whose walk found no finish walks again
 
 
@@ -53,7 +61,7 @@ class RowBudget:
     @property
     def is_near(self) -> bool:
         w = self.witness.num_tokens if self.witness is not None else 0
-        return self.remaining <= NEAR_FACTOR * (w + MARGIN)
+        return self.remaining <= NEAR_FACTOR * (w + WIND_DOWN)
 
     def count(self, tokens: Sequence[int]) -> None:
         """The matcher advanced by `tokens`."""
@@ -76,15 +84,17 @@ class BudgetCloser:
         if witness is None:
             return
         slack = budget.remaining - position - witness.num_tokens
-        if slack >= MARGIN:
+        if slack >= max(WIND_DOWN, witness.num_tokens):
             return
+        state = self._json_state(budget, backend, drafts)
+        tools = closing_tools(backend)
         bits = mask.view(np.uint32)
         before = bits.copy()
         first = witness.tokens[0]
-        if slack > 0:
-            bits &= closing_tools(backend).content
+        if slack <= 0 or (state is not None and state.mode in _KEY_MODES):
+            bits[:] = 0  # the witness's next token: the budget's end, or a key only it may choose
         else:
-            bits[:] = 0
+            bits &= tools.content if slack < MARGIN else tools.closing
         bits[first >> 5] |= np.uint32(1 << (first & 31))
         if not budget.acted and not np.array_equal(bits, before):
             budget.acted = True

@@ -1,9 +1,11 @@
 """What closing on budget needs of a backend's vocabulary, built once per backend.
 
-`content`: the tokens that only add to the text the grammar is in (a string's characters, a
-number's digits) and open nothing: no JSON punctuation, no backslash, not whitespace alone,
-not part of a character, not special. Near its budget a row may still write those (they leave the way out as long as
-it was), while anything else must be the next token of a known finish.
+`closing`: the tokens that open nothing new: no "{", "[" or "," (whatever they close or fill).
+`content`: of those, the ones that only add to the text the grammar is in (a string's
+characters, a number's digits): no JSON punctuation or backslash, not whitespace alone. Neither
+holds part of a UTF-8 character (its rest would come before any way out) or a special token.
+Near its budget a row may write only closing tokens, then only content (which leaves the way
+out as long as it was), besides the next token of a known finish (budget/rows.py).
 """
 from __future__ import annotations
 
@@ -15,31 +17,37 @@ import numpy as np
 from grammar_service.backends.base import GrammarBackend
 from grammar_service.budget.closing import ClosingVocab, ClosingWalk
 
-_OPENING = set('{}[],:"\\')
+_PUNCTUATION = set('{}[],:"\\')
+_OPENS = set("{[,")  # a new object, array, element or property
 
 
 class ClosingTools:
     def __init__(self, backend: GrammarBackend):
         self.vocab = ClosingVocab(backend)
-        self.content = self._content_mask(backend)
+        self.content, self.closing = self._masks(backend)
 
     def walk(self) -> ClosingWalk:
         """A walk of one's own (it holds mask buffers): one per thread."""
         return ClosingWalk(self.vocab)
 
-    def _content_mask(self, backend: GrammarBackend) -> np.ndarray:
+    def _masks(self, backend: GrammarBackend) -> tuple[np.ndarray, np.ndarray]:
         data = backend.tokenizer
         decode = self.vocab.text_tokenizer.decode
         special = set(data.special_token_ids) | set(backend.stop_token_ids)
-        bits = np.zeros(data.mask_words, np.uint32)
+        content = np.zeros(data.mask_words, np.uint32)
+        closing = np.zeros(data.mask_words, np.uint32)
         for token, spelled in enumerate(data.encoded_vocab):
             if not spelled or token in special:
                 continue
             text = decode([token], skip_special_tokens=False)
-            # (U+FFFD: part of a UTF-8 sequence, whose rest would come before any way out)
-            if text.strip() and _OPENING.isdisjoint(text) and "\ufffd" not in text:
-                bits[token >> 5] |= np.uint32(1 << (token & 31))
-        return bits
+            if "\ufffd" in text:
+                continue
+            bit = np.uint32(1 << (token & 31))
+            if _OPENS.isdisjoint(text):
+                closing[token >> 5] |= bit
+                if text.strip() and _PUNCTUATION.isdisjoint(text):
+                    content[token >> 5] |= bit
+        return content, closing
 
 
 _lock = threading.Lock()
