@@ -8,9 +8,10 @@ witness's length `w` and `slack` = remaining - w:
 - MARGIN <= slack: besides the witness's next token, only tokens that open nothing new (no
   object, array, element or property: tools.py `closing`), since one such token can need more
   than the slack left to close again;
-- 0 < slack < MARGIN: besides it, only content (a string's characters, a number's digits, which
-  leave the way out as long as it was);
-- slack <= 0, or inside a key (which only the witness's next token may choose): that token alone,
+- 1 < slack < MARGIN: besides it, only content (a string's characters, a number's digits, which
+  leave the way out as long as it was, give or take one token: content that splits one of the
+  witness's tokens, "." of ".0", leaves its rest one token longer);
+- slack <= 1, or inside a key (which only the witness's next token may choose): that token alone,
   so the document closes on time.
 Rows far from their budget (remaining above `NEAR_FACTOR` x (w + WIND_DOWN)) cost one compare a
 step. Near rows check their witness at each position: still the finish when the tokens since
@@ -91,7 +92,7 @@ class BudgetCloser:
         bits = mask.view(np.uint32)
         before = bits.copy()
         first = witness.tokens[0]
-        if slack <= 0 or (state is not None and state.mode in _KEY_MODES):
+        if slack <= 1 or (state is not None and state.mode in _KEY_MODES):
             bits[:] = 0  # the witness's next token: the budget's end, or a key only it may choose
         else:
             bits &= tools.content if slack < MARGIN else tools.closing
