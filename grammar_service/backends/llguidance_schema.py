@@ -19,9 +19,12 @@ Its regex engine also refuses look-around, which a `pattern` uses to exclude nam
 (`^(?!lucene\\.).*`): the assertions are dropped (grammar_service/look_around.py), which lets
 through the strings they excluded, so the guarantee report names it (guarantees.py's
 `_look_around`, read on the schema before this rewrite). A look-around in a
-`patternProperties` name stays: without it the pattern would also match the names it excluded,
-declared properties among them, whose values would then have to match its schema too (valid
-documents refused, not a weakening); llguidance refuses that schema as before.
+`patternProperties` name is dropped too where no declared property is matched by the name
+without it and not by the name itself (that property would take the pattern's schema too:
+valid documents refused; the schema is kept, and llguidance refuses it as before): the
+undeclared names it excluded then take the pattern's schema, which the report names, as a
+weakening where `additionalProperties` constrains them (guarantees.py) and as a restriction
+where it does not (restrictions.py).
 
 The draft a schema is read as is the one grammar_service/schema_drafts.py gave it, and nothing
 moves: every JSON pointer into the result names the same place in the schema.
@@ -33,7 +36,7 @@ import json
 from urllib.parse import quote
 
 from grammar_service.schema_walk import iter_subschemas
-from grammar_service.look_around import without_look_around
+from grammar_service.look_around import name_patterns_without_look_around, without_look_around
 from structgen.schema_draft_uri import draft_of
 
 # what a URI fragment may hold as it is (RFC 3986: pchar / "/" / "?"); "%" keeps an encoding
@@ -57,6 +60,9 @@ def _rewrite(schema: dict) -> bool:
         pattern = node.get("pattern")
         if isinstance(pattern, str) and (kept := without_look_around(pattern)) != pattern:
             node["pattern"] = kept
+            changed = True
+        if names := name_patterns_without_look_around(node):
+            node["patternProperties"] = {names.get(k, k): v for k, v in node["patternProperties"].items()}
             changed = True
         uri = node.get("$schema")
         if isinstance(uri, str) and (registered := _registered(uri)) != uri:

@@ -13,6 +13,7 @@ from grammar_contract.spec import GrammarSpec
 from grammar_service.auto_choice import choose_backend
 from grammar_service.backends.llguidance_schema import for_llguidance
 from grammar_service.look_around import without_look_around
+from grammar_service.restrictions import json_restrictions
 
 NAMED = {"$id": "https://example.com/pipeline", "type": "object", "required": ["node"],
          "$defs": {"Parameter Node": {"type": "integer"}, "Top<Spec>": {"type": "string"}},
@@ -69,3 +70,37 @@ def test_a_look_around_in_a_property_name_pattern_stays(make_backend):
     assert "(?!python$)" in for_llguidance(json.dumps(schema))
     choice = choose_backend(GrammarSpec("json_schema", json.dumps(schema)), make_backend)
     assert choice.backend == "xgrammar" and "llguidance" not in choice.fallbacks
+
+
+def test_a_name_patterns_look_around_that_excludes_no_declared_name_is_dropped(make_backend, tokenize):
+    """snapcraft's parts: `^(?!plugins$)...` beside additionalProperties false. llguidance takes
+    it without the assertion, and the report names what that lets through."""
+    schema = {"type": "object", "additionalProperties": False,
+              "patternProperties": {"^(?!plugins$)[a-z0-9][a-z0-9+-]*$": {"type": "integer"}}}
+    llguidance = make_backend("llguidance")
+    assert "(?!" not in for_llguidance(json.dumps(schema))
+    assert accepts(llguidance, schema, {"part-1": 3}, tokenize)
+    assert not accepts(llguidance, schema, {"part-1": "x"}, tokenize)
+    assert accepts(llguidance, schema, {"plugins": 3}, tokenize)  # the weakening the report names
+    unenforced = llguidance.unenforced_keywords(GrammarSpec("json_schema", json.dumps(schema)))
+    assert [(u.keyword, u.pointer) for u in unenforced] == [("patternProperties", "")]
+    choice = choose_backend(GrammarSpec("json_schema", json.dumps(schema)), make_backend)
+    assert "llguidance" in (choice.backend, choice.fast_fallback), choice.reason
+
+
+def test_where_additional_properties_are_free_the_dropped_look_around_is_a_named_restriction(make_backend, tokenize):
+    """Hugo's taxonomies: the names the assertion excluded now take the pattern's schema."""
+    schema = {"type": "object", "patternProperties": {"^(?!x-)[a-z-]+$": {"type": "integer"}}}
+    llguidance = make_backend("llguidance")
+    assert accepts(llguidance, schema, {"ab": 1}, tokenize)
+    assert not accepts(llguidance, schema, {"x-ab": "free"}, tokenize)  # valid, refused: named below
+    assert not llguidance.unenforced_keywords(GrammarSpec("json_schema", json.dumps(schema)))
+    restricted = json_restrictions(json.dumps(schema), "llguidance")
+    assert any(r.keyword == "patternProperties" and "look-around" in r.reason for r in restricted)
+    assert not any("look-around" in r.reason for r in json_restrictions(json.dumps(schema), "xgrammar"))
+
+
+def test_a_look_around_in_a_non_standard_definitions_folder_is_rewritten_too():
+    """vega keeps subschemas in `defs`, reached only through $ref: the walk follows them."""
+    schema = {"$ref": "#/defs/name", "defs": {"name": {"type": "string", "pattern": "^(?!a)b"}}}
+    assert json.loads(for_llguidance(json.dumps(schema)))["defs"]["name"]["pattern"] == "^b"
