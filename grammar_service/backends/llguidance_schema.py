@@ -19,8 +19,10 @@ Its regex engine also refuses look-around, which a `pattern` uses to exclude nam
 (`^(?!lucene\\.).*`): the assertions are dropped (grammar_service/look_around.py), which lets
 through the strings they excluded, so the guarantee report names it (guarantees.py's
 `_look_around`, read on the schema before this rewrite). A look-around in a
-`patternProperties` name is dropped too where no declared property is matched by the name
-without it and not by the name itself (that property would take the pattern's schema too:
+`patternProperties` name that excludes listed words (`^(?!python$)[a-z]+$`, "every other
+property") is spelled without it, the same names (grammar_service/excluded_names.py); any other
+is dropped where no declared property is matched by the name without it and not by the name
+itself (that property would take the pattern's schema too:
 valid documents refused; the schema is kept, and llguidance refuses it as before): the
 undeclared names it excluded then take the pattern's schema, which the report names, as a
 weakening where `additionalProperties` constrains them (guarantees.py) and as a restriction
@@ -36,7 +38,7 @@ import json
 from urllib.parse import quote
 
 from grammar_service.schema_walk import iter_subschemas
-from grammar_service.look_around import name_patterns_without_look_around, without_look_around
+from grammar_service.look_around import llguidance_name_patterns, without_look_around
 from structgen.schema_draft_uri import draft_of
 
 # what a URI fragment may hold as it is (RFC 3986: pchar / "/" / "?"); "%" keeps an encoding
@@ -61,7 +63,7 @@ def _rewrite(schema: dict) -> bool:
         if isinstance(pattern, str) and (kept := without_look_around(pattern)) != pattern:
             node["pattern"] = kept
             changed = True
-        if names := name_patterns_without_look_around(node):
+        if names := llguidance_name_patterns(node):
             node["patternProperties"] = {names.get(k, k): v for k, v in node["patternProperties"].items()}
             changed = True
         uri = node.get("$schema")

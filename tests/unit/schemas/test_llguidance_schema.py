@@ -5,6 +5,7 @@ had only xgrammar to compile it, in seconds for some of the corpus's."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -12,6 +13,7 @@ from documents import accepts
 from grammar_contract.spec import GrammarSpec
 from grammar_service.auto_choice import choose_backend
 from grammar_service.backends.llguidance_schema import for_llguidance
+from grammar_service.excluded_names import without_exclusion
 from grammar_service.look_around import without_look_around
 from grammar_service.restrictions import json_restrictions
 
@@ -66,7 +68,7 @@ def test_a_look_around_in_a_property_name_pattern_stays(make_backend):
     """Dropped there, the name would match declared properties, which would then have to
     match the pattern's schema too: valid documents refused. llguidance refuses the schema."""
     schema = {"type": "object", "properties": {"python": {"type": "string"}},
-              "patternProperties": {"^(?!python$)[a-z]+$": {"type": "integer"}}}
+              "patternProperties": {"^(?=[a-z])(?!python$)\\w+$": {"type": "integer"}}}
     assert "(?!python$)" in for_llguidance(json.dumps(schema))
     choice = choose_backend(GrammarSpec("json_schema", json.dumps(schema)), make_backend)
     assert choice.backend == "xgrammar" and "llguidance" not in choice.fallbacks
@@ -90,10 +92,10 @@ def test_a_name_patterns_look_around_that_excludes_no_declared_name_is_dropped(m
 
 def test_where_additional_properties_are_free_the_dropped_look_around_is_a_named_restriction(make_backend, tokenize):
     """Hugo's taxonomies: the names the assertion excluded now take the pattern's schema."""
-    schema = {"type": "object", "patternProperties": {"^(?!x-)[a-z-]+$": {"type": "integer"}}}
+    schema = {"type": "object", "patternProperties": {"^(?!.*--)[a-z-]+$": {"type": "integer"}}}
     llguidance = make_backend("llguidance")
     assert accepts(llguidance, schema, {"ab": 1}, tokenize)
-    assert not accepts(llguidance, schema, {"x-ab": "free"}, tokenize)  # valid, refused: named below
+    assert not accepts(llguidance, schema, {"a--b": "free"}, tokenize)  # valid, refused: named below
     assert not llguidance.unenforced_keywords(GrammarSpec("json_schema", json.dumps(schema)))
     restricted = json_restrictions(json.dumps(schema), "llguidance")
     assert any(r.keyword == "patternProperties" and "look-around" in r.reason for r in restricted)
@@ -104,3 +106,28 @@ def test_a_look_around_in_a_non_standard_definitions_folder_is_rewritten_too():
     """vega keeps subschemas in `defs`, reached only through $ref: the walk follows them."""
     schema = {"$ref": "#/defs/name", "defs": {"name": {"type": "string", "pattern": "^(?!a)b"}}}
     assert json.loads(for_llguidance(json.dumps(schema)))["defs"]["name"]["pattern"] == "^b"
+
+
+@pytest.mark.parametrize("pattern,names,others", [
+    (r"^(?!python$)[a-zA-Z-_.0-9]+$", ["python"], ["pythons", "pytho", "requests", "Python"]),
+    (r"^(?!interactive|name|style).+$", ["name", "names", "style-x", "interactive"], ["nam", "x-name", "stylo", "i"]),
+    (r"^(?!get-user|get-users)([a-z0-9-]+)$", ["get-user", "get-users", "get-user-x"], ["get-use", "get-usr", "x"]),
+])
+def test_a_look_ahead_over_listed_words_is_spelled_without_it_for_the_same_names(pattern, names, others):
+    spelled = without_exclusion(pattern)
+    assert spelled is not None and "(?!" not in spelled and "(?=" not in spelled
+    for name in names:
+        assert not re.search(spelled, name), name
+    for name in others:
+        assert bool(re.search(spelled, name)) == bool(re.search(pattern, name)), name
+
+
+def test_every_other_property_keeps_its_meaning_under_llguidance(make_backend, tokenize):
+    """pyproject's dependencies: `python` is declared, every other name takes the pattern."""
+    schema = {"type": "object", "properties": {"python": {"type": "string"}},
+              "patternProperties": {"^(?!python$)[a-z]+$": {"type": "integer"}}, "additionalProperties": False}
+    llguidance = make_backend("llguidance")
+    assert accepts(llguidance, schema, {"python": "3.11", "requests": 2}, tokenize)
+    assert not accepts(llguidance, schema, {"python": 3}, tokenize)
+    assert not accepts(llguidance, schema, {"requests": "2"}, tokenize)
+    assert not llguidance.unenforced_keywords(GrammarSpec("json_schema", json.dumps(schema)))
