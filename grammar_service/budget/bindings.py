@@ -37,8 +37,10 @@ class Binding:
     shortest: Closing | None  # None: the walk found no finish (no check, no closing)
     is_json: bool
 
-    def row_budget(self) -> RowBudget:
-        return RowBudget(self.max_tokens, self.shortest, self.is_json)
+    def row_budget(self) -> RowBudget | None:
+        """None where the walk found no finish from the start: no closing for this grammar (its
+        walks near the budget would fail alike, at the step's cost)."""
+        return None if self.shortest is None else RowBudget(self.max_tokens, self.shortest, self.is_json)
 
 
 class BudgetBindings:
