@@ -20,6 +20,7 @@ with the tokenizer's own tokens when the matcher accepts that spelling (fewer to
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -34,6 +35,7 @@ MAX_STALLED = 32   # steps in a row that change neither mask nor syntax before i
 _ESCAPES = frozenset({ESCAPE, KEY_ESCAPE})
 _STRUCTURAL = frozenset({"value", "first", "first_key", "next_key", "after"})
 MAX_BACKS = 16  # times a walk goes back to a structural step before it gives up
+MAX_SECONDS = 0.25  # a walk gives up after this long (the root's, once per grammar, in the compile)
 _LOWER = "abcdghijklmopqrsuvwxyz"  # letters with no part in JSON syntax (not t, f, n, e)
 _UPPER = "ABCDFGHIJKLMNOPQRSTUVWXYZ"
 _CLASSES = (_LOWER, _UPPER, "123456789")  # each tried through its first allowed member
@@ -129,11 +131,13 @@ class ClosingWalk:
         self.max_tokens = max_tokens
         self._masks = np.zeros((2, vocab.mask_words), np.int32)  # the current state's, a candidate's
 
-    def find(self, matcher: Matcher, start: JsonState | None, max_tokens: int | None = None) -> Closing | None:
-        """`max_tokens`: give up past this many (a longer finish would not fit anyway)."""
+    def find(self, matcher: Matcher, start: JsonState | None, max_tokens: int | None = None,
+             max_seconds: float = MAX_SECONDS) -> Closing | None:
+        """`max_tokens`: give up past this many; `max_seconds`: give up after this long."""
         path: list[int] = []
         try:
-            found = self._walk(matcher, start, path, min(self.max_tokens, max_tokens or self.max_tokens))
+            found = self._walk(matcher, start, path, min(self.max_tokens, max_tokens or self.max_tokens),
+                               time.perf_counter() + max_seconds)
         finally:
             matcher.rollback(len(path))
         return None if found is None else self._respelled(matcher, found)
@@ -142,12 +146,13 @@ class ClosingWalk:
         self.vocab.backend.fill_alone(matcher, self._masks, row)
         return self._masks[row].view(np.uint32)
 
-    def _walk(self, matcher: Matcher, state: JsonState | None, path: list[int], max_tokens: int) -> Closing | None:
+    def _walk(self, matcher: Matcher, state: JsonState | None, path: list[int], max_tokens: int,
+              deadline: float) -> Closing | None:
         vocab, text, stalled = self.vocab, "", 0
         choices: list[_Choice] = []  # structural steps with other tokens to try, latest last
         num_back = 0
         bits = self._fill(matcher, 0)
-        while True:
+        while time.perf_counter() < deadline:
             if len(path) >= max_tokens or stalled >= MAX_STALLED or bits is None:
                 if not choices or num_back == MAX_BACKS:
                     return None

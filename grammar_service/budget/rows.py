@@ -39,6 +39,7 @@ _KEY_MODES = frozenset({json_syntax.KEY, json_syntax.KEY_ESCAPE, json_syntax.FIR
 NEAR_FACTOR = 2  # rows with more than this many times (witness + WIND_DOWN) left are left alone
 RETRY_AFTER = 16  # tokens before a row whose walk found no finish walks again
 WALK_BEYOND = 64  # a walk near the budget gives up this many tokens past it (a longer finish still steers)
+ROW_WALK_SECONDS = 0.05  # ... and after this long: it runs on the step's path
 
 
 @dataclass(slots=True)
@@ -114,7 +115,7 @@ class BudgetCloser:
         if budget.num_tokens < budget.walk_after:
             return None
         state = self._json_state(budget, backend, drafts)
-        found = self._walk(backend).find(matcher, state, budget.remaining + WALK_BEYOND)
+        found = self._walk(backend).find(matcher, state, budget.remaining + WALK_BEYOND, ROW_WALK_SECONDS)
         if not drafts:
             if found is None:  # (sooner near the end)
                 budget.walk_after = budget.num_tokens + max(1, min(RETRY_AFTER, budget.remaining // 8))
