@@ -131,3 +131,16 @@ def test_every_other_property_keeps_its_meaning_under_llguidance(make_backend, t
     assert not accepts(llguidance, schema, {"python": 3}, tokenize)
     assert not accepts(llguidance, schema, {"requests": "2"}, tokenize)
     assert not llguidance.unenforced_keywords(GrammarSpec("json_schema", json.dumps(schema)))
+
+
+def test_a_name_pattern_covered_by_an_equal_match_all_pattern_goes(make_backend, tokenize):
+    """Chrome Extension's commands: ".*" and "^_execute_browser_action$", the same schema."""
+    command = {"type": "object", "properties": {"key": {"type": "string"}}, "additionalProperties": False}
+    schema = {"type": "object", "patternProperties": {".*": command, "^_execute_browser_action$": command,
+                                                      "^other$": {"type": "integer"}}}
+    rewritten = json.loads(for_llguidance(json.dumps(schema)))["patternProperties"]
+    assert list(rewritten) == [".*", "^other$"]  # a pattern with another schema stays (llguidance refuses it)
+    single = {"type": "object", "patternProperties": {".*": command, "^_execute_browser_action$": command}}
+    llguidance = make_backend("llguidance")
+    assert accepts(llguidance, single, {"_execute_browser_action": {"key": "Ctrl+B"}, "x": {}}, tokenize)
+    assert not accepts(llguidance, single, {"_execute_browser_action": {"key": 1}}, tokenize)
