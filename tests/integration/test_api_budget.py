@@ -78,3 +78,23 @@ def test_openai_parse_at_a_small_max_tokens_returns_the_parsed_model(live_server
     choice = completion.choices[0]
     assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Post)
     assert choice.model_extra["structgen"]["finish_reason"] in ("budget_closed", "grammar_complete")
+
+
+@pytest.mark.parametrize("proposer", ["grammar", "ngram"])
+def test_drafts_close_on_budget_too(client, proposer):
+    """Drafts (the grammar's forced runs, n-gram guesses) are walked under the narrowed masks."""
+    shortest = _shortest(client, NESTED, compact=True)
+    for seed in range(2):
+        done = client.generate_text("Order:", json_schema=NESTED, compact=True, max_tokens=shortest + 2,
+                                    temperature=1.0, seed=seed, proposer=proposer, num_draft_tokens=4)
+        assert done.finish_reason in ("budget_closed", "grammar_complete"), done.text
+        assert len(done.token_ids) <= shortest + 2
+        jsonschema.validate(json.loads(done.text), NESTED)
+
+
+def test_xgrammar_closes_on_budget_too(client):
+    shortest = _shortest(client, TAGS, compact=True, backend="xgrammar")
+    done = client.generate_text("Tags:", json_schema=TAGS, compact=True, backend="xgrammar", max_tokens=shortest + 1,
+                                temperature=1.0, seed=2)
+    assert done.guarantee.backend == "xgrammar" and done.finish_reason in ("budget_closed", "grammar_complete")
+    jsonschema.validate(json.loads(done.text), TAGS)
