@@ -27,8 +27,8 @@ from typing import Sequence
 import numpy as np
 
 from grammar_service.backends.base import GrammarBackend, Matcher
-from grammar_service.budget.closing import Closing
 from grammar_service.budget import json_syntax
+from grammar_service.budget.closing import Closing
 from grammar_service.budget.json_syntax import JsonState
 from grammar_service.budget.tools import closing_tools
 
@@ -39,7 +39,7 @@ _KEY_MODES = frozenset({json_syntax.KEY, json_syntax.KEY_ESCAPE, json_syntax.FIR
 NEAR_FACTOR = 2  # rows with more than this many times (witness + WIND_DOWN) left are left alone
 RETRY_AFTER = 16  # tokens before a row whose walk found no finish walks again
 WALK_BEYOND = 64  # a walk near the budget gives up this many tokens past it (a longer finish still steers)
-ROW_WALK_SECONDS = 0.05  # ... and after this long: it runs on the step's path
+ROW_WALK_SECONDS = 0.25  # ... and after this long (it runs on the step's path: most take 1-10 ms)
 
 
 @dataclass(slots=True)
