@@ -39,7 +39,7 @@ _KEY_MODES = frozenset({json_syntax.KEY, json_syntax.KEY_ESCAPE, json_syntax.FIR
 NEAR_FACTOR = 2  # rows with more than this many times (witness + WIND_DOWN) left are left alone
 RETRY_AFTER = 16  # tokens before a row whose walk found no finish walks again
 WALK_BEYOND = 64  # a walk near the budget gives up this many tokens past it (a longer finish still steers)
-ROW_WALK_SECONDS = 0.25  # ... and after this long (it runs on the step's path: most take 1-10 ms)
+ROW_WALK_SECONDS = 1.0  # ... and after this long: a bound, not a budget (a timed-out walk leaves the row unsteered)
 
 
 @dataclass(slots=True)
