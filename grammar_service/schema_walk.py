@@ -28,7 +28,7 @@ def iter_subschemas(schema, pointer: str = "") -> Iterator[tuple[str, dict]]:
         target = _pointer_of(refs.pop())
         if target is None or target in walked:
             continue
-        node = _resolve(schema, target)
+        node = resolve_pointer(schema, target)
         if isinstance(node, dict):
             yield from _walk(node, target, walked, refs)
 
@@ -62,7 +62,8 @@ def _pointer_of(ref: str) -> str | None:
     return fragment if fragment == "" or fragment.startswith("/") else None
 
 
-def _resolve(schema, pointer: str):
+def resolve_pointer(schema, pointer: str):
+    """The value at an RFC 6901 pointer ("/defs/a~1b"); None where nothing is."""
     node = schema
     for token in pointer.split("/")[1:]:
         token = token.replace("~1", "/").replace("~0", "~")
