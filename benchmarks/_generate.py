@@ -75,7 +75,8 @@ def run_generations(corpus, compiled: dict[str, set[str]], num: int, max_new_tok
                            "finish_reason": result.finish_reason.value if result.finish_reason else None}
                     if result.error is not None:
                         gen["error"] = f"{getattr(result.error, 'status', '')}: {result.error}"[:300]
-                    elif result.finish_reason in (FinishReason.STOP_TOKEN, FinishReason.GRAMMAR_COMPLETE):
+                    elif result.finish_reason in (FinishReason.STOP_TOKEN, FinishReason.GRAMMAR_COMPLETE,
+                                                  FinishReason.BUDGET_CLOSED):
                         unenforced = [u.keyword for u in result.guarantee.unenforced] if result.guarantee else []
                         gen.update(judge(schema.text, result.text, unenforced))
                     else:

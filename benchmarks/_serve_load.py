@@ -181,7 +181,8 @@ async def _one_request(stub, pb, workload: Workload, prompt: list[int] | str, ma
                 record.prompt_len = message.usage.prompt_tokens or record.prompt_len  # chat: as templated
                 if message.HasField("validation"):
                     record.validation = pb.ValidationStatus.Name(message.validation.status)
-                    if message.finish_reason == pb.FINISH_REASON_GRAMMAR_COMPLETE:  # a document, not a cut one
+                    if message.finish_reason in (pb.FINISH_REASON_GRAMMAR_COMPLETE,  # a document, not a cut one
+                                                 pb.FINISH_REASON_BUDGET_CLOSED):
                         record.validation = _status(record.validation, request.json_schema, texts, unenforced)
     except asyncio.CancelledError:  # the window ended with this request streaming: its tokens count
         record.code = CANCELLED_AT_END

@@ -28,7 +28,8 @@ _PROPOSERS = {pb.DRAFT_PROPOSER_UNSPECIFIED: "ngram", pb.DRAFT_PROPOSER_NGRAM: "
 _FINISH = {FinishReason.STOP_TOKEN: pb.FINISH_REASON_STOP_TOKEN,
            FinishReason.STOP_STRING: pb.FINISH_REASON_STOP_STRING,
            FinishReason.MAX_TOKENS: pb.FINISH_REASON_MAX_TOKENS,
-           FinishReason.GRAMMAR_COMPLETE: pb.FINISH_REASON_GRAMMAR_COMPLETE}
+           FinishReason.GRAMMAR_COMPLETE: pb.FINISH_REASON_GRAMMAR_COMPLETE,
+           FinishReason.BUDGET_CLOSED: pb.FINISH_REASON_BUDGET_CLOSED}
 
 
 # the roles chat templates know (OpenAI's; "developer" is its newer "system")

@@ -28,6 +28,8 @@ def spec_to_proto(spec: GrammarSpec, trace_context: dict | None = None) -> gramm
     if spec.max_whitespace is not None:
         options.max_whitespace = spec.max_whitespace
     req = grammar_pb2.CompileRequest(options=options, trace_context=trace_context or {})
+    if spec.max_tokens is not None:
+        req.max_tokens = spec.max_tokens
     if spec.reasoning is not None:
         span = spec.reasoning
         req.reasoning.CopyFrom(grammar_pb2.ReasoningSpan(begin=span.begin, end=span.end, separator=span.separator,

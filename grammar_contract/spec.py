@@ -49,6 +49,10 @@ class GrammarSpec:
     strict: bool = False               # refuse schemas with keywords the grammar cannot enforce
     backend: str = "auto"              # "auto", "xgrammar", "llguidance"
     reasoning: ReasoningSpan | None = None  # free text before the constraint (ReasoningSpan)
+    # the request's token budget (its max new tokens): the grammar closes the output within it,
+    # and a budget below the grammar's shortest output is refused. Not part of the grammar's
+    # cache key: grammar_service binds the compiled grammar to it (grammar_service/budget/).
+    max_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in GRAMMAR_KINDS:
@@ -59,6 +63,8 @@ class GrammarSpec:
             raise ValueError(f"a {self.kind} constraint needs non-empty text")
         if self.max_whitespace is not None and self.max_whitespace < 0:
             raise ValueError(f"max_whitespace must be >= 0, got {self.max_whitespace}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
 
 
 def json_layout(*, compact: bool = False, any_whitespace: bool = False,

@@ -28,7 +28,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from grammar_service.schema_walk import iter_subschemas
+from grammar_service.schema_walk import iter_subschemas, resolve_pointer
 
 _ANNOTATIONS = frozenset({"title", "description", "$comment", "examples", "default", "deprecated",
                           "readOnly", "writeOnly"})
@@ -113,15 +113,7 @@ def _target(root: dict, ref) -> Any:
     """The copy a local `$ref` names, when it is safe to fold (module doc); else None."""
     if not isinstance(ref, str) or not ref.startswith("#/"):
         return None
-    node: Any = root
-    for token in ref[2:].split("/"):
-        token = token.replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and token in node:
-            node = node[token]
-        elif isinstance(node, list) and token.isdigit() and int(token) < len(node):
-            node = node[int(token)]
-        else:
-            return None
+    node: Any = resolve_pointer(root, ref[1:])
     if not isinstance(node, dict) or any(k in s for _, s in iter_subschemas(node) for k in ("$ref", "$id", "id")):
         return None
     return _folded(copy.deepcopy(node))

@@ -28,6 +28,7 @@ from grammar_contract.spec import GrammarSpec
 from grammar_service.auto_choice import AUTO_CANDIDATES, choose_backend
 from grammar_service.backends import DEFAULT_BACKEND
 from grammar_service.backends.base import GrammarBackend, GrammarCompileError
+from grammar_service.schema_check import check_schema
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,8 @@ def compile_with(spec: GrammarSpec, requested: str, backend_for: BackendFor, *, 
     pick with only slower fallbacks gets `PICK_SHARE` of the time to the deadline.
     """
     started = time.monotonic()
+    if spec.kind == "json_schema":
+        check_schema(spec.text)  # before any analysis or backend reads a malformed schema
     if requested != "auto":
         order, known, fast = (requested,), {}, ""
     else:

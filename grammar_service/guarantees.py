@@ -23,7 +23,7 @@ import re
 from typing import Callable, Mapping
 
 from grammar_contract.report import UnenforcedKeyword
-from grammar_service.look_around import without_look_around
+from grammar_service.look_around import name_patterns_without_look_around, without_look_around
 from grammar_service.schema_walk import iter_subschemas
 
 # --- rules: (subschema) -> [(keyword, reason)] --------------------------------------------
@@ -100,11 +100,17 @@ def _llg_min_max_properties(schema: dict) -> list[tuple[str, str]]:
 
 
 def _look_around(schema: dict) -> list[tuple[str, str]]:
+    found = []
     pattern = schema.get("pattern")
     if isinstance(pattern, str) and without_look_around(pattern) != pattern:
-        return [("pattern", "look-around assertions are dropped from the pattern: a string they "
-                 "exclude is let through")]
-    return []
+        found.append(("pattern", "look-around assertions are dropped from the pattern: a string they "
+                      "exclude is let through"))
+    additional = schema.get("additionalProperties")
+    if name_patterns_without_look_around(schema) and (additional is False or (isinstance(additional, dict)
+                                                                             and additional)):
+        found.append(("patternProperties", "look-around assertions are dropped from a name pattern: a "
+                      "property name they exclude is held to the pattern's schema, not to additionalProperties"))
+    return found
 
 
 LLGUIDANCE_FORMATS = frozenset({"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6",

@@ -1,4 +1,5 @@
-"""Look-around groups out of a regex: what llguidance's regex engine refuses in a `pattern`.
+"""Look-around groups out of a regex: what llguidance's regex engine refuses in a `pattern` and
+in a `patternProperties` name.
 
 An assertion only narrows a match, so a pattern without its look-around groups matches every
 string the pattern matches, and those the assertions excluded: a weakening, which the guarantee
@@ -6,6 +7,10 @@ report names (grammar_service/guarantees.py) where llguidance compiles the patte
 (grammar_service/backends/llguidance_schema.py).
 """
 from __future__ import annotations
+
+import re
+
+from grammar_service.excluded_names import without_exclusion
 
 _LOOK_AROUND = ("(?=", "(?!", "(?<=", "(?<!")
 
@@ -58,3 +63,44 @@ def without_look_around(pattern: str) -> str:
             out.append(pattern[i])
             i += 1
     return "".join(out)
+
+
+def llguidance_name_patterns(schema: dict) -> dict[str, str]:
+    """The `patternProperties` names of one schema object that llguidance takes in another
+    spelling ({name: its spelling}): a look-ahead over listed words spelled without it (the same
+    names, excluded_names.py), else the name without its look-around where
+    `name_patterns_without_look_around` allows."""
+    patterns = schema.get("patternProperties")
+    if not isinstance(patterns, dict):
+        return {}
+    found = {name: spelled for name in patterns if (spelled := without_exclusion(name)) is not None}
+    for name, stripped in name_patterns_without_look_around(schema).items():
+        if name not in found and stripped not in found.values():
+            found[name] = stripped
+    return found
+
+
+def name_patterns_without_look_around(schema: dict) -> dict[str, str]:
+    """The `patternProperties` names of one schema object that llguidance takes without their
+    look-around groups ({name: name without them}), where that is safe for the declared
+    properties: none of them matched by the name without its groups and not by the name itself
+    (the declared property would take the pattern's schema too). What the names then let
+    through are the undeclared names the groups excluded: guarantees.py and restrictions.py
+    name it. Judged with Python's `re` (a pattern it cannot read is kept). Names that
+    excluded_names.py spells exactly are not among them."""
+    patterns = schema.get("patternProperties")
+    if not isinstance(patterns, dict):
+        return {}
+    declared = list(schema["properties"]) if isinstance(schema.get("properties"), dict) else []
+    found: dict[str, str] = {}
+    for name in patterns:
+        stripped = without_look_around(name)
+        if stripped == name or stripped in patterns or stripped in found.values() or without_exclusion(name):
+            continue
+        try:
+            original, relaxed = re.compile(name), re.compile(stripped)
+        except re.error:
+            continue
+        if not any(relaxed.search(d) and not original.search(d) for d in declared):
+            found[name] = stripped
+    return found

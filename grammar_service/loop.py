@@ -33,6 +33,8 @@ import numpy as np
 
 from grammar_service import metrics
 from grammar_service.backends.base import GrammarBackend, Matcher
+from grammar_service.budget.near import NearRows
+from grammar_service.budget.rows import BudgetCloser, RowBudget
 from grammar_service.slots import Slot, SlotTable
 from grammar_service.slow_rows import SlowRows
 from step_channel import (
@@ -111,7 +113,8 @@ class StepLoop:
     def __init__(self, channel: StepChannel, max_slots: int, first_step: int,
                  lookup_grammar: Callable[[int], tuple[GrammarBackend, Any] | None],
                  wait_spin_s: float = WAIT_SPIN_S, isolate_slow_rows: bool = True,
-                 fill_delay_of: Callable[[int], float] = lambda grammar_id: 0.0):
+                 fill_delay_of: Callable[[int], float] = lambda grammar_id: 0.0,
+                 budget_of: Callable[[int], RowBudget | None] = lambda grammar_id: None):
         self.channel = channel
         self.wait_spin_s = wait_spin_s  # GrammarServiceConfig.step_wait_spin_us
         self._fill_delay_of = fill_delay_of  # grammar id -> seconds (GrammarServiceConfig.slow_fill_ms)
@@ -121,6 +124,8 @@ class StepLoop:
         self.next_step = first_step
         self._first_step = first_step
         self._lookup_grammar = lookup_grammar  # grammar id -> (backend, compiled grammar) or None
+        self._budget_of = budget_of            # grammar id -> a new row's budget (budget/rows.py)
+        self.closer = BudgetCloser()
         g = channel.geometry
         self._dirty: list[set[int]] = [set() for _ in range(g.depth)]  # per entry: rows not all ones
         self._prev_rows: list[list[int]] = []  # descriptor rows of the previous step
@@ -233,6 +238,8 @@ class StepLoop:
                 results[r, 1] = ERR_NO_MATCHER
             elif not state.is_terminated and counts[r] > 0:
                 active.append((r, slot, state, out_tokens[r][:counts[r]]))
+                if state.budget is not None:
+                    state.budget.count(active[-1][3])
         single = the_only_backend(a[2].backend for a in active)
         moved = [(slot, state) for _, slot, state, _ in active]
         j = 0
@@ -268,7 +275,7 @@ class StepLoop:
             else:
                 backend, compiled = found
                 self.slots.bind(slot, backend, backend.new_matcher(compiled), grammar_id,
-                                self._fill_delay_of(grammar_id))
+                                self._fill_delay_of(grammar_id), self._budget_of(grammar_id))
 
     def _fill(self, step: int, rows: list[list[int]]) -> None:
         """c. One mask row per position; drafts walked with accept, undone with rollback; slow
@@ -289,6 +296,7 @@ class StepLoop:
         forcing: list[tuple[int, Matcher]] = []  # FLAG_FORCED_DRAFTS rows filled here
         entry.forced_counts[:len(rows)] = 0
         filled: list[int] = []
+        near = NearRows(self.closer, masks, max_pos)  # rows near their budget: narrowed masks
         for r, (slot, num_positions, flags, _) in enumerate(rows):
             if not 0 <= num_positions <= max_pos:
                 num_positions = min(max(num_positions, 0), max_pos)
@@ -300,8 +308,10 @@ class StepLoop:
                 continue  # valid 0: no slot (a bug of the caller) or nothing to fill
             if state.can_fill:
                 valid[r] = 1
-                # (GPU steps: no slow row, no call per row)
+                # (GPU steps: no slow row, no call per row; a row near its budget is narrowed here)
                 route = slow_rows.route(state, num_positions, slow_ns) if slow_ns or state.slow_fill else "batch"
+                if state.budget is not None and state.budget.is_near:
+                    route = near.add(r, slot, state, route)
                 if route == "apart":
                     apart.append((r, slot, state))
                     continue
@@ -329,6 +339,8 @@ class StepLoop:
         single = the_only_backend(backend for _, _, backend in first)
         filled.extend(self._batch_fill(first, itemgetter(0), itemgetter(1), itemgetter(2), single,
                                        masks, max_pos, 0))
+        if near:
+            near.narrow(0, [r for r, _, _ in first], {})
         level = walkers
         for p in range(max_pos - 1):  # accept draft p, then fill position p + 1 behind it
             if not level:
@@ -336,7 +348,7 @@ class StepLoop:
             next_level = []
             for w, ok in self._batch_accept(level, lambda w: w.matcher, lambda w: w.backend,
                                             lambda w: w.drafts[p], single):
-                if not ok:
+                if not ok or (near and near.refuses(w, p)):
                     continue  # the mask at p excludes this draft: the verifier stops there
                 w.num_accepted += 1
                 if w.drafts[p] in w.backend.stop_token_ids and w.matcher.is_terminated():
@@ -345,6 +357,8 @@ class StepLoop:
                 next_level.append(w)
             filled.extend(self._batch_fill(next_level, attrgetter("row"), attrgetter("matcher"),
                                            attrgetter("backend"), single, masks, max_pos, p + 1))
+            if near:
+                near.narrow(p + 1, [w.row for w in next_level], {w.row: w.drafts[:p + 1] for w in next_level})
             level = [w for w in next_level if w.num_positions > p + 2]
         if forcing:  # each matcher stands at its row's last exact position, valid - 1
             self._write_forced(entry, forcing, max_pos)
@@ -354,6 +368,8 @@ class StepLoop:
                 backend.batch_rollback([w.matcher for w in group], [w.num_accepted for w in group])
         filled.extend(slow_rows.collect(step, apart, masks, max_pos, valid, slow_ns))
         entry.valid_positions[:len(rows)] = valid
+        if near:
+            near.report(entry.results, self._prev_rows)
         self._reset_stale(step, set(filled))
 
     @staticmethod

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 
 from grammar_contract.report import UnenforcedKeyword
+from grammar_service.look_around import name_patterns_without_look_around
 from grammar_service.schema_walk import iter_subschemas
 
 _ORDER = "declared properties are written in the order the schema lists them: a valid document in another order is refused"
@@ -34,6 +35,8 @@ _PATTERN = ("xgrammar matches {0} against the whole string, where JSON Schema fi
             "some regex syntax differently and writes no escape sequence there: a valid {1} may be refused")
 _LENGTH = ("xgrammar writes strings limited by length without escape sequences: a valid string with a quote, a "
            "backslash or an escaped character is refused")
+_NAME_LOOK_AROUND = ("llguidance drops look-around assertions from a name pattern: a valid property whose "
+                     "name they excluded must match the pattern's schema too, or is refused")
 _MIN_PROPERTIES = ("llguidance counts only required and undeclared properties toward minProperties: a valid "
                    "document that reaches it with optional declared properties is refused")
 
@@ -91,7 +94,17 @@ def _xgrammar_classes(schema: dict) -> list[tuple[str, str]]:
 def _llguidance_classes(schema: dict) -> list[tuple[str, str]]:
     """Measured on llguidance 1.9.1: `{"minProperties": 1, "properties": {"a": {}}}` refuses
     {"a": 1} and takes {"a": 1, "z": 1}; exact where the required ones reach the minimum or
-    additionalProperties is false (grammar_service/guarantees.py reports the counts too)."""
+    additionalProperties is false (grammar_service/guarantees.py reports the counts too). A name
+    pattern llguidance takes without its look-around (look_around.py) holds the names it
+    excluded to its schema: where additionalProperties allows them anything, a refusal."""
+    found = []
+    additional = schema.get("additionalProperties")
+    if name_patterns_without_look_around(schema) and (additional in (None, True) or additional == {}):
+        found.append(("patternProperties", _NAME_LOOK_AROUND))
+    return found + _min_properties(schema)
+
+
+def _min_properties(schema: dict) -> list[tuple[str, str]]:
     minimum, properties = schema.get("minProperties"), schema.get("properties")
     required = set(schema.get("required") or ()) if isinstance(schema.get("required"), list) else set()
     if (_is_number(minimum) and isinstance(properties, dict) and set(properties) - required

@@ -13,10 +13,13 @@ checks that the grammar accepts some string (grammar_service/emptiness.py).
 """
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import resource
 import signal
 import time
+import traceback
 
 import numpy as np
 
@@ -94,6 +97,12 @@ def _check_depth(spec: GrammarSpec) -> None:
         pass
 
 
+def _is_out_of_memory(exc: Exception) -> bool:
+    """The address-space cap met: as MemoryError, or as a thread (its stack) the backend could not start."""
+    return (isinstance(exc, MemoryError) or (isinstance(exc, OSError) and exc.errno == errno.ENOMEM)
+            or (isinstance(exc, RuntimeError) and "can't start new thread" in str(exc)))
+
+
 def compile_one(spec: GrammarSpec, requested: str, backends: _Backends, *, time_box_s: float = 0.0,
                 deadline: float | None = None) -> tuple:
     started = time.perf_counter()
@@ -110,9 +119,12 @@ def compile_one(spec: GrammarSpec, requested: str, backends: _Backends, *, time_
         return ("error", "INVALID_ARGUMENT", str(exc))
     except RecursionError:
         return ("error", "INVALID_ARGUMENT", f"{spec.kind}: the grammar nests too deeply to compile")
-    except MemoryError:
-        return ("error", "INVALID_ARGUMENT", f"{spec.kind}: compiling the grammar needs more memory than "
-                "the compile memory limit (max_compile_memory_mb)")
+    except Exception as exc:  # noqa: BLE001 (answered: the worker lives on)
+        if _is_out_of_memory(exc):
+            return ("error", "INVALID_ARGUMENT", f"{spec.kind}: compiling the grammar needs more memory than "
+                    "the compile memory limit (max_compile_memory_mb)")
+        traceback.print_exc()  # a bug of ours on this grammar
+        return ("error", "INTERNAL", f"{spec.kind}: the compile failed on an internal error ({exc!r})")
     if reason:
         return ("error", "INVALID_ARGUMENT", f"{spec.kind}: {reason}")
     return ("ok", name, tuple(unenforced), (time.perf_counter() - started) * 1e3, done.abandoned is not None,

@@ -102,7 +102,8 @@ def spec_from_proto(req: grammar_pb2.CompileRequest) -> GrammarSpec:
             choices=tuple(req.choice.choices) if kind == "choice" else (),
             any_whitespace=opts.any_whitespace,
             max_whitespace=opts.max_whitespace if opts.HasField("max_whitespace") else None,
-            single_line=opts.single_line, strict=opts.strict, backend=opts.backend or "auto", reasoning=_reasoning(req))
+            single_line=opts.single_line, strict=opts.strict, backend=opts.backend or "auto", reasoning=_reasoning(req),
+            max_tokens=req.max_tokens if req.HasField("max_tokens") else None)
     except ValueError as exc:
         raise ServiceError("INVALID_ARGUMENT", str(exc)) from None
 

@@ -5,6 +5,7 @@ status codes. Tests and benchmarks drive the same object in-process.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from concurrent.futures import Future
@@ -14,7 +15,9 @@ from typing import Callable
 from grammar_contract.spec import GrammarSpec
 from grammar_service.backends import DEFAULT_BACKEND, load_backend_class, resolve_backend_name
 from grammar_service.backends.base import GrammarBackend, TokenizerData
-from grammar_service.compiler import GrammarCompiler
+from grammar_service.budget.bindings import Binding, BudgetBindings, BudgetTooSmall
+from grammar_service.budget.rows import RowBudget
+from grammar_service.compiler import CompileError, CompileOutcome, GrammarCompiler
 from grammar_service.config import GrammarServiceConfig
 from grammar_service.forker import WorkerForker
 from grammar_service.loop import StepLoop
@@ -59,6 +62,7 @@ class GrammarService:
         self._backends: dict[str, GrammarBackend] = {}
         self._compiler: GrammarCompiler | None = None
         self._shared: SharedGrammars | None = None  # config.shared_grammars_dir, for this tokenizer
+        self._bindings = BudgetBindings(4 * config.max_cached_grammars)  # (grammar, max_tokens) -> id
         self._loops: dict[str, StepLoop] = {}
         self._slow_grammar_ids: set[int] = set()  # GrammarServiceConfig.slow_fill_marker
         self._closed_steps = 0      # steps of channels already closed (stats are cumulative)
@@ -129,8 +133,18 @@ class GrammarService:
         return self._backends[name]
 
     def _lookup_grammar(self, grammar_id: int) -> tuple[GrammarBackend, object] | None:
-        entry = self._compiler.get(grammar_id) if self._compiler else None
+        """(backend, compiled grammar) of a grammar id or a budget binding id."""
+        binding = self._binding(grammar_id)
+        entry = self._compiler.get(binding.grammar_id if binding else grammar_id) if self._compiler else None
         return None if entry is None else (self._backend(entry.backend), entry.compiled)
+
+    def _binding(self, grammar_id: int) -> Binding | None:
+        return self._bindings.get(grammar_id) if BudgetBindings.is_binding_id(grammar_id) else None
+
+    def _row_budget(self, grammar_id: int) -> RowBudget | None:
+        """A new row's budget: that of its binding id, None for a bare grammar id."""
+        binding = self._binding(grammar_id)
+        return binding.row_budget() if binding is not None else None
 
     # ---- control calls -------------------------------------------------------------------
     def open_channel(self, name: str, geometry: Geometry, *, max_slots: int, first_step: int,
@@ -150,7 +164,8 @@ class GrammarService:
                 raise ServiceError("FAILED_PRECONDITION", str(exc)) from None
             loop = StepLoop(channel, max_slots, first_step, self._lookup_grammar,
                             wait_spin_s=self.config.step_wait_spin_us / 1e6,
-                            isolate_slow_rows=self.config.isolate_slow_rows, fill_delay_of=self._fill_delay_s)
+                            isolate_slow_rows=self.config.isolate_slow_rows, fill_delay_of=self._fill_delay_s,
+                            budget_of=self._row_budget)
             self._loops[name] = loop
             loop.start()
         log.info("channel %s open: %s, %d slots, first step %d", name, geometry, max_slots, first_step)
@@ -186,10 +201,39 @@ class GrammarService:
                                          "channel first or start grammar_service with --tokenizer-dir"))
             return f
         future = compiler.compile(spec)
+        if spec.max_tokens is not None:
+            future = self._bound(future, spec)
         marker = self.config.slow_fill_marker
         if self.config.slow_fill_ms and marker and marker in spec.text + "".join(spec.choices):
             future.add_done_callback(self._mark_slow)
         return future
+
+    def _bound(self, compiled: Future, spec: GrammarSpec) -> Future:
+        """The outcome of `compiled` with a binding id of the grammar and spec.max_tokens (the
+        shortest document is found in the thread that completes the compile)."""
+        result: Future = Future()
+
+        def bind(done: Future) -> None:
+            if (exc := done.exception()) is not None:
+                result.set_exception(exc)
+                return
+            outcome: CompileOutcome = done.result()
+            entry = outcome.entry
+            is_json = spec.kind in ("json_schema", "json_object") and spec.reasoning is None
+            try:
+                binding_id = self._bindings.bind(entry.grammar_id, self._backend(entry.backend), entry.compiled,
+                                                 spec.max_tokens, is_json)
+            except BudgetTooSmall as exc:
+                result.set_exception(CompileError("INVALID_ARGUMENT", str(exc)))
+                return
+            except Exception as exc:  # noqa: BLE001 (a bug in the walk must not lose the answer)
+                log.exception("closing walk of grammar %d failed", entry.grammar_id)
+                result.set_exception(CompileError("INTERNAL", f"budget binding failed: {exc!r}"))
+                return
+            result.set_result(dataclasses.replace(outcome, entry=dataclasses.replace(entry, grammar_id=binding_id)))
+
+        compiled.add_done_callback(bind)
+        return result
 
     def _mark_slow(self, future: Future) -> None:
         if future.exception() is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from grammar_service.backends.base import GrammarBackend, Matcher
+from grammar_service.budget.rows import RowBudget
 from grammar_service.slow_filler import SlowFill
 from step_channel import ERR_NONE
 
@@ -22,6 +23,7 @@ class Slot:
     is_slow: bool = False
     was_late: bool = False             # a step got VALID_LATE for it: the engine sits it out (prefetch)
     slow_fill: SlowFill | None = None  # a slow fill of the current state, not yet used
+    budget: RowBudget | None = None    # the request's max_tokens (budget/rows.py: close on budget)
 
     @property
     def can_fill(self) -> bool:
@@ -42,11 +44,11 @@ class SlotTable:
         return 0 <= slot < self.max_slots
 
     def bind(self, slot: int, backend: GrammarBackend, matcher: Matcher, grammar_id: int,
-             fill_delay_s: float = 0.0) -> None:
+             fill_delay_s: float = 0.0, budget: RowBudget | None = None) -> None:
         """FRESH: a new request's matcher replaces whatever the slot held (a slow fill of the
         old one finishes unread)."""
         self.states[slot] = Slot(matcher=matcher, backend=backend, grammar_id=grammar_id,
-                                 fill_delay_s=fill_delay_s)
+                                 fill_delay_s=fill_delay_s, budget=budget)
 
     def fail(self, slot: int, error: int) -> None:
         """Drop the matcher (never left desynchronised) and report `error` on the next results."""

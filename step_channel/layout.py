@@ -15,7 +15,7 @@ can wait on and write the sequence numbers directly.
       drafts        [max_batch, max_drafts]            -- whoever proposes drafts
       outputs       counts[max_batch], tokens[max_batch, max_positions]  -- GPU / sampler
       grammar part  mask_status, valid_positions[max_batch] (this step's rows),
-                    results[max_batch] x (terminated_at, error) for step N-1's rows,
+                    results[max_batch] x (terminated_at, error | notes) for step N-1's rows,
                     forced_counts[max_batch], forced_tokens[max_batch, max_positions]
                     (the run the grammar forces from each FLAG_FORCED_DRAFTS row's last
                     exact position),
@@ -58,6 +58,10 @@ ERR_TOKEN_REJECTED = 1   # an accepted token was rejected by the matcher: abort 
 ERR_UNKNOWN_GRAMMAR = 2  # FRESH named a grammar id grammar_service does not hold
 ERR_NO_MATCHER = 3       # a constrained row's slot has no bound matcher
 ERR_INTERNAL = 4
+ERR_MASK = 0xFF          # the error code's bits of the error word
+# A note beside the error code (OR-ed in): this row's masks were narrowed to close its output
+# within its max_tokens (grammar_service/budget/), reported once per request.
+NOTE_BUDGET_CLOSED = 1 << 8
 
 # Entry mask_status values.
 MASK_OK = 0

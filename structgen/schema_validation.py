@@ -101,7 +101,7 @@ _VALIDATORS = {"draft-03": jsonschema.Draft3Validator, "draft-04": jsonschema.Dr
                "2019-09": jsonschema.Draft201909Validator, "2020-12": jsonschema.Draft202012Validator}
 
 
-def _validator_class(schema):
+def validator_class(schema):
     """The draft's validator: its `$schema` however spelled (jsonschema's lookup knows one
     spelling per draft and takes 2020-12 for https://json-schema.org/draft-07/schema#), else
     jsonschema's own lookup, 2020-12 when absent."""
@@ -115,7 +115,7 @@ def _validator_class(schema):
 @lru_cache(maxsize=256)
 def _validator(schema_text: str):
     schema = json.loads(schema_text)
-    cls = _validator_class(schema)
+    cls = validator_class(schema)
     cls = jsonschema.validators.extend(cls, {"pattern": _pattern, "patternProperties": _pattern_properties})
     return cls(schema, format_checker=cls.FORMAT_CHECKER)
 

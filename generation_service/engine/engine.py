@@ -294,7 +294,9 @@ class Engine:
             request.error = GrammarUnavailableError("constrained decoding is unavailable: no grammar_service")
             return
         try:
-            future = self.link.control.compile(request.spec.grammar, trace_context=request.spec.trace_context)
+            # with its budget: grammar_service closes the output within it (or refuses it up front)
+            grammar = replace(request.spec.grammar, max_tokens=request.max_new_tokens)
+            future = self.link.control.compile(grammar, trace_context=request.spec.trace_context)
         except Exception as error:  # noqa: BLE001
             request.error = GrammarUnavailableError(f"grammar compile failed to start: {error}")
             return

@@ -12,6 +12,7 @@ class FinishReason(enum.Enum):
     STOP_STRING = "stop_string"
     MAX_TOKENS = "max_tokens"
     GRAMMAR_COMPLETE = "grammar_complete"  # the grammar accepts nothing more
+    BUDGET_CLOSED = "budget_closed"        # the grammar completed, steered to close within max_tokens
     CANCELLED = "cancelled"
     DEADLINE = "deadline"
     ERROR = "error"                 # see OutputEvent.error

@@ -46,8 +46,8 @@ import torch
 from generation_service.engine.request import Request
 from grammar_contract.spec import GrammarSpec
 from step_channel import (
-    FLAG_CONSTRAINED, FLAG_FORCED_DRAFTS, FLAG_FRESH, FLAG_RELEASE, MASK_OK, MASK_RELEASED_BY_WATCHDOG,
-    Geometry, StepChannel,
+    ERR_MASK, FLAG_CONSTRAINED, FLAG_FORCED_DRAFTS, FLAG_FRESH, FLAG_RELEASE, MASK_OK, MASK_RELEASED_BY_WATCHDOG,
+    NOTE_BUDGET_CLOSED, Geometry, StepChannel,
 )
 
 log = logging.getLogger(__name__)
@@ -110,6 +110,7 @@ class RowResult:
     request: Request
     terminated_at: int
     error: int
+    budget_closed: bool = False  # its masks were narrowed to close within max_tokens (NOTE_BUDGET_CLOSED)
 
 
 @dataclass
@@ -378,9 +379,9 @@ class GrammarLink:
             return []
         out = []
         for r, row in enumerate(self._rows[step - 1]):
-            terminated_at, error = (int(x) for x in entry.results[r])
-            if row.is_constrained and (error or terminated_at >= 0):
-                out.append(RowResult(row.request, terminated_at, error))
+            terminated_at, word = (int(x) for x in entry.results[r])
+            if row.is_constrained and (word or terminated_at >= 0):
+                out.append(RowResult(row.request, terminated_at, word & ERR_MASK, bool(word & NOTE_BUDGET_CLOSED)))
         return out
 
     def publish(self, step: int, outputs: list[list[int]]) -> None:

@@ -270,6 +270,7 @@ class RequestTable:
     def _apply_results(self, results: list[RowResult]) -> None:
         for result in results:
             request = result.request
+            request.is_budget_closed |= result.budget_closed
             if request.is_finished or not result.error:
                 continue
             if result.error == ERR_TOKEN_REJECTED:

@@ -14,6 +14,7 @@ from generation_service.engine.request import Request
 
 _STOP_TOKEN, _STOP_STRING = FinishReason.STOP_TOKEN, FinishReason.STOP_STRING
 _MAX_TOKENS, _GRAMMAR_COMPLETE = FinishReason.MAX_TOKENS, FinishReason.GRAMMAR_COMPLETE
+_BUDGET_CLOSED = FinishReason.BUDGET_CLOSED
 
 
 @dataclass
@@ -66,7 +67,9 @@ class OutputProcessor:
         token_ids = self.request.token_ids
         token_ids.append(token)
         if token in self._end_token_ids:
-            return _GRAMMAR_COMPLETE if self._is_constrained and token in self.eos_token_ids else _STOP_TOKEN
+            if not self._is_constrained or token not in self.eos_token_ids:
+                return _STOP_TOKEN
+            return _BUDGET_CLOSED if self.request.is_budget_closed else _GRAMMAR_COMPLETE
         if len(token_ids) >= self._max_num_tokens:  # num_generated >= max_new_tokens
             return _MAX_TOKENS
         return None
@@ -79,7 +82,7 @@ class OutputProcessor:
         return Delta([token], text, logprobs[:1], reason)
 
     def _render(self, token: int, reason: FinishReason | None) -> tuple[str, FinishReason | None]:
-        is_text = reason is None or (reason is not _STOP_TOKEN and reason is not _GRAMMAR_COMPLETE)
+        is_text = reason is None or reason not in (_STOP_TOKEN, _GRAMMAR_COMPLETE, _BUDGET_CLOSED)
         text, is_string_stop = self._text([token] if is_text else [], reason is not None)
         return text, _STOP_STRING if is_string_stop else reason
 

@@ -69,6 +69,7 @@ class Request:
     grammar_id: int | None = None                 # set once the compile succeeded
     guarantee: GuaranteeReport | None = None
     is_matcher_bound: bool = False                # FRESH was sent for this slot
+    is_budget_closed: bool = False                # grammar_service narrowed its masks to close within max_new_tokens
     # Set once a mask of it came late (VALID_LATE) on a runner whose decode graphs wait for every
     # row's mask: a slow grammar. It sits out of steps while its next mask is likely not ready,
     # and the steps it joins are host steps, which let it be late alone (late_mask.py, issue 19).

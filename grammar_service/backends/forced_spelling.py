@@ -46,10 +46,10 @@ class ForcedSpelling:
             text = b"".join(self.decoded_vocab[t] for t in token_ids).decode("utf-8")
         except (UnicodeDecodeError, IndexError):
             return token_ids
-        ids = self._continuation_ids(text)
+        ids = self.continuation_ids(text)
         return ids if ids else token_ids
 
-    def _continuation_ids(self, text: str) -> list[int]:
+    def continuation_ids(self, text: str) -> list[int]:
         """`text` encoded as it continues a sequence: SentencePiece-style tokenizers put "▁"
         before the first word of an encoding, which a model mid-document does not write; so
         encode "\\n" + text and drop the newline's ids. [] when no exact spelling is found."""

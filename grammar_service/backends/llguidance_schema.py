@@ -19,9 +19,17 @@ Its regex engine also refuses look-around, which a `pattern` uses to exclude nam
 (`^(?!lucene\\.).*`): the assertions are dropped (grammar_service/look_around.py), which lets
 through the strings they excluded, so the guarantee report names it (guarantees.py's
 `_look_around`, read on the schema before this rewrite). A look-around in a
-`patternProperties` name stays: without it the pattern would also match the names it excluded,
-declared properties among them, whose values would then have to match its schema too (valid
-documents refused, not a weakening); llguidance refuses that schema as before.
+`patternProperties` name that excludes listed words (`^(?!python$)[a-z]+$`, "every other
+property") is spelled without it, the same names (grammar_service/excluded_names.py); any other
+is dropped where no declared property is matched by the name without it and not by the name
+itself (that property would take the pattern's schema too:
+valid documents refused; the schema is kept, and llguidance refuses it as before): the
+undeclared names it excluded then take the pattern's schema, which the report names, as a
+weakening where `additionalProperties` constrains them (guarantees.py) and as a restriction
+where it does not (restrictions.py).
+
+llguidance refuses `patternProperties` names that overlap; a name whose schema is that of a
+name every property matches (".*") says nothing more and is dropped (exact).
 
 The draft a schema is read as is the one grammar_service/schema_drafts.py gave it, and nothing
 moves: every JSON pointer into the result names the same place in the schema.
@@ -33,12 +41,13 @@ import json
 from urllib.parse import quote
 
 from grammar_service.schema_walk import iter_subschemas
-from grammar_service.look_around import without_look_around
+from grammar_service.look_around import llguidance_name_patterns, without_look_around
 from structgen.schema_draft_uri import draft_of
 
 # what a URI fragment may hold as it is (RFC 3986: pchar / "/" / "?"); "%" keeps an encoding
 _FRAGMENT_SAFE = "/?:@!$&'()*+,;=~%"
 _MAX_CACHED = 64  # auto's analysis and the compile read the same text one after the other
+_MATCH_ALL = frozenset({"", ".*", "^.*", ".*$", "^.*$", "^(.*)$"})  # name patterns every name matches
 
 
 def _registered(uri: str) -> str | None:
@@ -58,6 +67,10 @@ def _rewrite(schema: dict) -> bool:
         if isinstance(pattern, str) and (kept := without_look_around(pattern)) != pattern:
             node["pattern"] = kept
             changed = True
+        if names := llguidance_name_patterns(node):
+            node["patternProperties"] = {names.get(k, k): v for k, v in node["patternProperties"].items()}
+            changed = True
+        changed |= _drop_covered_patterns(node)
         uri = node.get("$schema")
         if isinstance(uri, str) and (registered := _registered(uri)) != uri:
             if registered is None:
@@ -72,11 +85,26 @@ def _rewrite(schema: dict) -> bool:
     return changed
 
 
+def _drop_covered_patterns(node: dict) -> bool:
+    """Drops the `patternProperties` names whose schema is that of a name matching every
+    property (".*"): a property both match takes that one schema either way, and llguidance
+    refuses patterns that overlap (Chrome Extension's commands: ".*" and
+    "^_execute_browser_action$", both a command). True if any was dropped."""
+    patterns = node.get("patternProperties")
+    if not isinstance(patterns, dict) or len(patterns) < 2:
+        return False
+    every = [schema for name, schema in patterns.items() if name in _MATCH_ALL]
+    covered = [name for name, schema in patterns.items() if name not in _MATCH_ALL and schema in every]
+    for name in covered:
+        del patterns[name]
+    return bool(covered)
+
+
 @functools.lru_cache(maxsize=_MAX_CACHED)
 def for_llguidance(schema_text: str) -> str:
     """`schema_text` (as grammar_service/schema_drafts.py drafted it) with its `$schema` and
     local references in the forms llguidance resolves (module doc); malformed JSON as is."""
-    if "$schema" not in schema_text and "$ref" not in schema_text and "(?" not in schema_text:
+    if not any(mark in schema_text for mark in ("$schema", "$ref", "(?", "patternProperties")):
         return schema_text
     try:
         schema = json.loads(schema_text)

@@ -78,11 +78,9 @@ NUMBER: /[0-9]{1,3}/
 def test_json_object_output_is_an_object(client):
     completion = client.generate_text("Object:", json_object=True, compact=True, max_tokens=48,
                                       temperature=1.0, seed=3)
-    assert completion.text.startswith("{")
-    if completion.finish_reason == "grammar_complete":
-        assert isinstance(json.loads(completion.text), dict)
-    else:  # random weights may ramble inside a string: what came is still a JSON object prefix
-        assert completion.finish_reason == "max_tokens"
+    # the model rambles inside strings at temperature 1.0: the grammar closes the object on budget
+    assert completion.finish_reason in ("grammar_complete", "budget_closed"), completion.text
+    assert isinstance(json.loads(completion.text), dict)
 
 
 def test_structural_tag_output_has_the_tag_around_valid_content(client):
@@ -98,8 +96,8 @@ def test_max_whitespace_caps_whitespace_runs(client):
     schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 3}
     completion = client.generate_text("List:", json_schema=schema, max_whitespace=1, max_tokens=48)
     assert not re.search(r"\s{2,}", completion.text), repr(completion.text)
-    if completion.finish_reason == "grammar_complete":
-        jsonschema.validate(json.loads(completion.text), schema)
+    assert completion.finish_reason in ("grammar_complete", "budget_closed")
+    jsonschema.validate(json.loads(completion.text), schema)
 
 
 def test_strict_accepts_a_fully_enforceable_schema(client):

@@ -11,7 +11,8 @@ from structgen_client.types import (Chunk, EngineStats, Guarantee, ModelInfo, To
 
 _FINISH = {pb.FINISH_REASON_STOP_TOKEN: "stop_token", pb.FINISH_REASON_STOP_STRING: "stop_string",
            pb.FINISH_REASON_MAX_TOKENS: "max_tokens",
-           pb.FINISH_REASON_GRAMMAR_COMPLETE: "grammar_complete"}
+           pb.FINISH_REASON_GRAMMAR_COMPLETE: "grammar_complete",
+           pb.FINISH_REASON_BUDGET_CLOSED: "budget_closed"}
 _BACKENDS = {None: pb.GRAMMAR_BACKEND_UNSPECIFIED, "auto": pb.GRAMMAR_BACKEND_UNSPECIFIED,
              "xgrammar": pb.GRAMMAR_BACKEND_XGRAMMAR, "llguidance": pb.GRAMMAR_BACKEND_LLGUIDANCE}
 _PROPOSERS = {None: pb.DRAFT_PROPOSER_UNSPECIFIED, "ngram": pb.DRAFT_PROPOSER_NGRAM,

@@ -82,7 +82,7 @@ class Chunk:
     token_ids: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprob, ...] = ()
     guarantee: Guarantee | None = None
-    finish_reason: str | None = None   # "stop_token", "stop_string", "max_tokens", "grammar_complete"
+    finish_reason: str | None = None   # "stop_token", "stop_string", "max_tokens", "grammar_complete", "budget_closed"
     usage: Usage | None = None
     validation: Validation | None = None
     request_id: str = ""

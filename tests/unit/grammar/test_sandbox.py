@@ -21,7 +21,7 @@ PERSON = json.dumps({"type": "object", "properties": {"name": {"type": "string"}
 
 def ref_chain(n: int) -> str:
     """$defs d0..dn, each an array of two $refs to the next: llguidance overflows its stack."""
-    defs = {f"d{i}": {"type": "array", "items": [{"$ref": f"#/$defs/d{i + 1}"}] * 2} for i in range(n)}
+    defs = {f"d{i}": {"type": "array", "prefixItems": [{"$ref": f"#/$defs/d{i + 1}"}] * 2} for i in range(n)}
     defs[f"d{n}"] = {"type": "integer"}
     return json.dumps({"$defs": defs, "$ref": "#/$defs/d0"})
 
