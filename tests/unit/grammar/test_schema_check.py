@@ -34,13 +34,13 @@ def test_the_compile_workers_live_on_after_malformed_schemas(service):
     """{"properties": 5} used to crash a compile worker in the guarantee analysis."""
     assert service.wait_compile_ready(60)
     workers = service._compiler._sandbox
-    before = sorted(w.process.pid for w in workers._idle)
+    before = sorted(w.pid for w in workers._idle)
     for _ in range(3):
         with pytest.raises(CompileError, match="/properties"):
             service.compile(GrammarSpec("json_schema", '{"properties": 5, "maxProperties": 2}')).result(60)
     ok = service.compile(GrammarSpec("json_schema", '{"type": "object", "maxProperties": 2}')).result(60)
     assert ok.entry.grammar_id > 0
-    assert sorted(w.process.pid for w in workers._idle) == before
+    assert sorted(w.pid for w in workers._idle) == before
 
 
 @pytest.mark.parametrize("schema", [
