@@ -34,9 +34,10 @@ class ConstrainedPlan:
     new_tokens: int
     concurrency: int
     reasoning_budget: int
+    corpus_max_tokens: int  # room for a real-world schema's shortest document (a smaller budget is refused)
 
 
-CONSTRAINED_PLAN = ConstrainedPlan(512, 128, 64, 32)
+CONSTRAINED_PLAN = ConstrainedPlan(512, 128, 64, 32, 512)
 
 
 def corpus_schemas(truth: pathlib.Path = ROOT / "benchmarks" / "results" / "schema_truth-dev-2core.json") -> list[str]:
@@ -65,8 +66,8 @@ def constrained_workloads(plan: ConstrainedPlan, prompts: list[list[int]], texts
     same concurrency (the corpus' warm figure is read against it)."""
     c, tag = plan.concurrency, f"{plan.prompt_len}/{plan.new_tokens} c={plan.concurrency}"
 
-    def pair(name: str, prompt_set: list, **kw) -> dict:
-        workload = Workload(f"{name} {tag}", plan.prompt_len, plan.new_tokens, concurrency=c, ignore_eos=False,
+    def pair(name: str, prompt_set: list, max_tokens: int = plan.new_tokens, **kw) -> dict:
+        workload = Workload(f"{name} {tag}", plan.prompt_len, max_tokens, concurrency=c, ignore_eos=False,
                             **kw, **common)
         constrained = run(workload, prompt_set)
         matched = run(dataclasses.replace(workload, name=f"free-matched ({workload.name})", json_schema=None,
@@ -82,13 +83,13 @@ def constrained_workloads(plan: ConstrainedPlan, prompts: list[list[int]], texts
 
     out = {}
     if corpus:
-        cold = run(Workload(f"corpus-cold {tag}", plan.prompt_len, plan.new_tokens, concurrency=c, ignore_eos=False,
-                            json_schemas=tuple(corpus), **common), prompts)
+        cold = run(Workload(f"corpus-cold {tag}", plan.prompt_len, plan.corpus_max_tokens, concurrency=c,
+                            ignore_eos=False, json_schemas=tuple(corpus), **common), prompts)
         compiled = [ms for ms in cold.get("compile_ms", []) if ms is not None]
         step_ms = cold["itl_p50_ms"] or 0.0
         cold_ttft = cold.get("cold_ttft_s", [])
         log(f"  corpus: compiling the rest of {len(corpus)} schemas: {server.compile_all(corpus):.1f} s")
-        warm = pair("corpus-warm", prompts, json_schemas=tuple(corpus))
+        warm = pair("corpus-warm", prompts, plan.corpus_max_tokens, json_schemas=tuple(corpus))
         warm_tok_s = warm["output_tokens_per_s"]
         out["corpus"] = warm | {
             "num_schemas": len(corpus), "cold_compiles": len(compiled),
@@ -108,13 +109,20 @@ def constrained_workloads(plan: ConstrainedPlan, prompts: list[list[int]], texts
 
 
 def compile_all(stub, pb, schemas: list[str], threads: int = 16) -> None:
-    """One one-token request per schema (compiles the ones not cached yet), `threads` at a time."""
+    """One one-token request per schema (compiles the ones not cached yet), `threads` at a time:
+    the server compiles a grammar before it refuses a budget below its shortest document."""
+    import grpc
+
     def one(schema: str) -> None:
         request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]), json_schema=schema,
                                      stop=pb.StopConditions(max_tokens=1))
         request.constraint_options.compact = True
-        for _ in stub.Generate(request, timeout=600):
-            pass
+        try:
+            for _ in stub.Generate(request, timeout=600):
+                pass
+        except grpc.RpcError as error:
+            if "shortest output" not in (error.details() or ""):
+                raise
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(one, schemas))
 

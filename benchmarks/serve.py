@@ -171,7 +171,8 @@ class Server(ServeProcess):
             for constrained in (False, True):
                 request = self.pb.GenerateRequest(
                     token_ids=self.pb.TokenIds(ids=prompt), sampling=self.pb.SamplingParams(temperature=0.0),
-                    stop=self.pb.StopConditions(max_tokens=4, ignore_eos=not constrained))
+                    # (a constrained request's budget holds the schema's shortest document)
+                    stop=self.pb.StopConditions(max_tokens=96 if constrained else 4, ignore_eos=not constrained))
                 if constrained:
                     request.json_schema = schema
                     request.constraint_options.compact = True
@@ -188,17 +189,18 @@ def plan(shape: str, name: str, duration: float, warmup: float) -> dict:
         features = FEATURES_PLAN if name == "features" else FeaturesPlan(48, 16, 4, 1, 96, 4)
         return {"idle": [], "closed": [], "poisson": [], "poisson_at": None, "features": features}
     if name in ("http", "http-smoke"):  # the same server over gRPC and over HTTP, one after the other
-        closed = [(48, 16, [4])] if name == "http-smoke" else [(512, 128, [64])]
+        closed = [(48, 64, [4])] if name == "http-smoke" else [(512, 128, [64])]
         return {"idle": [], "closed": [], "http": closed, "poisson": [], "poisson_at": None}
     if name == "smoke":
-        return {"idle": [64], "closed": [(48, 16, [1, 4])], "poisson": [0.5], "poisson_at": (48, 16, 4),
-                "prefix": PrefixPlan(256, 16, 16, 4, 64, 3, (48, 16, 4))}
+        # (64 new tokens: the schema's shortest document fits, which a constrained request needs)
+        return {"idle": [64], "closed": [(48, 64, [1, 4])], "poisson": [0.5], "poisson_at": (48, 64, 4),
+                "prefix": PrefixPlan(256, 16, 64, 4, 64, 3, (48, 16, 4))}
     if name in ("constrained", "constrained-smoke"):  # issue 43's: constrained beside free-matched, users' traffic
         smoke = name == "constrained-smoke"
         concurrencies = [4] if smoke else [128] if shape == "qwen3-0.6b" else [1, 16, 64, 128, 256]
-        group = (ConstrainedPlan(48, 16, 4, 8) if smoke else CONSTRAINED_PLAN) if shape != "qwen3-0.6b" else None
+        group = (ConstrainedPlan(48, 160, 4, 8, 256) if smoke else CONSTRAINED_PLAN) if shape != "qwen3-0.6b" else None
         return {"idle": [1024, 4096, 8192] if shape == "llama-3.1-8b" else [],
-                "closed": [(48, 16, concurrencies) if smoke else (512, 128, concurrencies)], "poisson": [],
+                "closed": [(48, 160, concurrencies) if smoke else (512, 128, concurrencies)], "poisson": [],
                 "poisson_at": None, "constrained": group}
     if name == "forced":
         return {"idle": [], "closed": [], "poisson": [], "poisson_at": None, "forced": FORCED_PLAN}

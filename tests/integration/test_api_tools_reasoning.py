@@ -103,21 +103,21 @@ def test_required_calls_are_parsed_and_valid(family_client, seed):
         assert completion.incomplete_tool_call == ""
 
 
-def test_a_call_cut_by_max_tokens_is_reported_never_text(family_server, family_client):
-    """max_tokens inside the first call: no call, no text, the cut call's text apart (gRPC), and
-    over HTTP finish_reason length with content null and the cut call in the extension."""
-    from openai import OpenAI
+def test_a_call_that_cannot_fit_max_tokens_is_refused_naming_the_minimum(family_server, family_client):
+    """max_tokens below the shortest call tool_choice required allows: INVALID_ARGUMENT over gRPC and a
+    400 over HTTP, each naming the max_tokens that fits (the grammar closes a turn within its budget,
+    so a call is never cut short)."""
+    from openai import BadRequestError, OpenAI
+    from structgen_client.errors import InvalidArgumentError
 
-    completion = family_client.generate_text(messages=ASK, tool_choice="required", seed=1, **{**CALLS, "max_tokens": 6})
-    assert completion.finish_reason == "max_tokens" and completion.text == "" and not completion.tool_calls
-    assert completion.incomplete_tool_call[:5] in ("<tool", '{"nam', "[TOOL")  # the format's call, cut
+    with pytest.raises(InvalidArgumentError, match=r"set max_tokens to at least \d+"):
+        family_client.generate_text(messages=ASK, tool_choice="required", seed=1, **{**CALLS, "max_tokens": 6})
     api = OpenAI(base_url=f"{family_server.http_url}/v1", api_key="none", max_retries=0)
-    choice = api.chat.completions.create(
-        model="model", messages=ASK, tools=[{"type": "function", "function": tool} for tool in TOOLS],
-        tool_choice="required", max_tokens=6, temperature=1.0, seed=1,
-        extra_body={"structgen": {"max_whitespace": 1}}).choices[0]
-    assert choice.finish_reason == "length" and choice.message.content is None and not choice.message.tool_calls
-    assert choice.model_extra["structgen"]["incomplete_tool_call"] == completion.incomplete_tool_call
+    with pytest.raises(BadRequestError, match=r"set max_tokens to at least \d+"):
+        api.chat.completions.create(
+            model="model", messages=ASK, tools=[{"type": "function", "function": tool} for tool in TOOLS],
+            tool_choice="required", max_tokens=6, temperature=1.0, seed=1,
+            extra_body={"structgen": {"max_whitespace": 1}})
 
 
 def test_named_single_call_stops_after_the_call(family_client):

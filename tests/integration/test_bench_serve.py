@@ -25,35 +25,35 @@ def test_serve_benchmark_runs_every_workload_on_cpu(tmp_path):
     shape = result["shapes"][0]
     names = [w["name"] for w in shape["workloads"]]
     prefix = [f"{kind} ({cache})" for cache in ("cache on", "cache off")
-              for kind in ("shared-prefix 256+16/16 c=4", "multi-turn 64+3x(16+16) c=4", "unshared 48/16 c=4")]
+              for kind in ("shared-prefix 256+16/64 c=4", "multi-turn 64+3x(64+16) c=4", "unshared 48/16 c=4")]
     assert names == ["idle-ttft-64"] + [name for c in (1, 4) for name in (
-        f"free 48/16 c={c}", f"free 48/16 c={c} #2", f"constrained 48/16 c={c}", f"free-matched 48/16 c={c}")] + [
+        f"free 48/64 c={c}", f"free 48/64 c={c} #2", f"constrained 48/64 c={c}", f"free-matched 48/64 c={c}")] + [
         names[9]] + prefix
-    assert names[9].startswith("poisson 48/16 0.50x")
+    assert names[9].startswith("poisson 48/64 0.50x")
     for w in shape["workloads"]:
         assert w["errors"] == {} and w["num_finished"] > 0, w
         assert w["num_requests"] == 3 or w["output_tokens_per_s"] > 0, w
     by = {w["name"]: w for w in shape["workloads"]}
     # --repeats 2: the free closed loop twice in a row, both runs listed on the first
-    assert [r["output_tokens_per_s"] for r in by["free 48/16 c=4"]["runs"]] == [
-        by[f"free 48/16 c=4{k}"]["output_tokens_per_s"] for k in ("", " #2")]
+    assert [r["output_tokens_per_s"] for r in by["free 48/64 c=4"]["runs"]] == [
+        by[f"free 48/64 c=4{k}"]["output_tokens_per_s"] for k in ("", " #2")]
     for c in (1, 4):
-        constrained, matched = by[f"constrained 48/16 c={c}"], by[f"free-matched 48/16 c={c}"]
+        constrained, matched = by[f"constrained 48/64 c={c}"], by[f"free-matched 48/64 c={c}"]
         assert sum(constrained["validation"].values()) == constrained["num_finished"]  # every output checked
         assert abs(matched["mean_output_len"] - constrained["mean_output_len"]) <= 2, (matched, constrained)
         assert matched["constrained_over_matched_free"] > 0
     # the server's own timings of the workload's requests (histogram means; the populations
     # differ a little: requests cut at the window's end): waiting and prefill are a part of a request
-    means = by["free 48/16 c=4"]["server_mean_s"]
+    means = by["free 48/64 c=4"]["server_mean_s"]
     assert all(v is not None and 0 < v < 60 for v in means.values()), means
     assert means["engine_queue"] + means["engine_prefill"] < means["request"], means
-    assert by["free 48/16 c=4"]["ttft_mean_s"] > 0 and by["free 48/16 c=4"]["client_cpu_max"] > 0
+    assert by["free 48/64 c=4"]["ttft_mean_s"] > 0 and by["free 48/64 c=4"]["client_cpu_max"] > 0
     assert shape["model_info"]["prefill_chunk_tokens"] == 512 and shape["workloads"][1]["engine"]["num_steps"] > 0
     # prefix caching: requests of the other workloads share no prefix; the shared system prompt
     # and the resent conversations are found cached, by the cache-on server only
     assert all(w["cached_prompt_fraction"] == 0 for w in shape["workloads"] if "cache on" not in w["name"])
-    assert by["shared-prefix 256+16/16 c=4 (cache on)"]["cached_prompt_fraction"] > 0.8
-    multi_turn = by["multi-turn 64+3x(16+16) c=4 (cache on)"]
+    assert by["shared-prefix 256+16/64 c=4 (cache on)"]["cached_prompt_fraction"] > 0.8
+    multi_turn = by["multi-turn 64+3x(64+16) c=4 (cache on)"]
     assert multi_turn["cached_prompt_fraction"] > 0.2 and multi_turn["ttft_p50_later_turns_s"] is not None
     assert by["unshared 48/16 c=4 (cache on)"]["cached_prompt_fraction"] == 0
     assert set(shape["prefix_cache"]) == {"shared_prefix", "multi_turn", "unshared"}
@@ -74,11 +74,11 @@ def test_constrained_plan_runs_every_kind_beside_free_matched_on_cpu(tmp_path):
     shape = json.loads(out.read_text())["shapes"][0]
     by = {w["name"]: w for w in shape["workloads"]}
     kinds = ["corpus-warm", "tools-auto", "tools-required", "reasoning-8+schema"]
-    assert set(by) == {"free 48/16 c=4", "constrained 48/16 c=4", "free-matched 48/16 c=4", "corpus-cold 48/16 c=4"} | {
-        name for kind in kinds for name in (f"{kind} 48/16 c=4", f"free-matched ({kind} 48/16 c=4)")}
+    assert set(by) == {"free 48/160 c=4", "constrained 48/160 c=4", "free-matched 48/160 c=4", "corpus-cold 48/160 c=4"} | {
+        name for kind in kinds for name in (f"{kind} 48/160 c=4", f"free-matched ({kind} 48/160 c=4)")}
     for w in shape["workloads"]:
         assert w["errors"] == {} and w["output_tokens_per_s"] > 0, w
-    assert by["corpus-cold 48/16 c=4"]["compile_ms"], "the cold requests' compile times"
+    assert by["corpus-cold 48/160 c=4"]["compile_ms"], "the cold requests' compile times"
     group = shape["constrained"]
     assert set(group) == {"corpus", "tools-auto", "tools-required", "reasoning-8+schema"}
     assert all(kind["constrained_over_matched_free"] > 0 for kind in group.values())

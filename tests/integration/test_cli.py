@@ -66,20 +66,22 @@ def test_demo_exits_zero_and_its_output_validates():
     assert re.search(r"[A-Za-z]{3,}", document["name"]), document  # words, not noise
 
 
-def test_a_cut_by_max_tokens_says_so_and_exits_3(live_server, tmp_path):
-    """A JSON document or a tool call that --max-tokens cut short is named as such on stderr (the
-    server reports it: validation.truncated, incomplete_tool_call), not only as invalid JSON."""
+def test_a_max_tokens_no_output_fits_is_refused_naming_the_minimum(live_server, tmp_path):
+    """A JSON document or a tool call that cannot finish within --max-tokens: the server refuses the
+    request at once, naming the max_tokens that fits (the grammar closes an output within its
+    budget, so none is cut short); exit 1 as for any failed call."""
     schema = tmp_path / "s.json"
     schema.write_text(json.dumps({"type": "object", "properties": {"name": {"type": "string"}},
                                   "required": ["name"], "additionalProperties": False}))
     result = structgen("generate", "--server", live_server.address, "--chat", "--json-schema", str(schema),
                        "--max-tokens", "3", "Name a person as JSON.")
-    assert result.returncode == 3, result.stderr
-    assert "error: the JSON document was cut short at 3 tokens (max_tokens)" in result.stderr
+    assert result.returncode == 1 and result.stdout == "", result.stderr
+    assert "error: INVALID_ARGUMENT: max_tokens 3 is below the shortest output" in result.stderr
+    assert "set max_tokens to at least" in result.stderr
     tools = tmp_path / "tools.json"
     tools.write_text(json.dumps([{"name": "get_time", "parameters": {
         "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}]))
     result = structgen("generate", "--server", live_server.address, "--tools", str(tools), "--tool-choice",
                        "required", "--max-tokens", "8", "What time is it in Berlin?")
-    assert result.returncode == 3 and result.stdout == "", result.stderr
-    assert "error: a tool call was cut short at 8 tokens (max_tokens)" in result.stderr
+    assert result.returncode == 1 and result.stdout == "", result.stderr
+    assert "set max_tokens to at least" in result.stderr

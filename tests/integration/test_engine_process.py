@@ -124,8 +124,8 @@ def test_refusals_keep_their_status_and_the_engine_keeps_serving(pair):
 def test_cancel_mid_stream_frees_everything_in_the_engine_process(pair):
     _, apart = pair
     with Client(apart.address, timeout=60) as client:
-        stream = client.generate("Tell a long story:", max_tokens=64, ignore_eos=True,
-                                 json_schema={"type": "array", "items": {"type": "string"}, "minItems": 40})
+        stream = client.generate("Tell a long story:", max_tokens=64, ignore_eos=True,  # (room to finish)
+                                 json_schema={"type": "array", "items": {"type": "string"}, "minItems": 12})
         received = 0
         for chunk in stream:
             received += len(chunk.token_ids)

@@ -213,21 +213,22 @@ def test_streamed_tool_call_matches_the_whole_answer(api, model):
         (0, "weather", whole.function.arguments)]
 
 
-def test_a_call_cut_by_max_tokens_is_reported_never_content(api, model):
-    """The built-in model under tool_choice required writes one call after another (greedy, it
-    prefers a newline and a new call to the end of its turn); max_tokens cuts the one it is
-    writing. The complete calls are calls, the cut one is `structgen.incomplete_tool_call`, and
-    the content stays empty."""
+def test_calls_within_max_tokens_never_leak_into_content(api, model):
+    """tool_choice required: max_tokens below the shortest call is a 400 naming the minimum. With room
+    for calls, the built-in model (greedy, it prefers a newline and a new call to the end of its turn)
+    writes one call after another; the complete ones are calls, and a call max_tokens cuts short is
+    `structgen.incomplete_tool_call` with finish_reason length, never content."""
     ask = [{"role": "user", "content": "What is the weather in Rome?"}]
-    for max_tokens in (12, 64):
-        completion = api.chat.completions.create(model=model, messages=ask, max_tokens=max_tokens,
-                                                 tools=[WEATHER], tool_choice="required")
-        choice = completion.choices[0]
-        assert choice.message.content is None and choice.finish_reason == "length", choice
-        assert choice.model_extra["structgen"]["incomplete_tool_call"].startswith("<tool_call>\n{")
-        for call in choice.message.tool_calls or []:
-            _arguments_valid(call, [WEATHER])
-    assert choice.message.tool_calls, "64 tokens hold at least one whole call"
+    with pytest.raises(openai.BadRequestError, match=r"set max_tokens to at least \d+"):
+        api.chat.completions.create(model=model, messages=ask, max_tokens=12, tools=[WEATHER], tool_choice="required")
+    choice = api.chat.completions.create(model=model, messages=ask, max_tokens=64, tools=[WEATHER],
+                                         tool_choice="required").choices[0]
+    assert choice.message.content is None and choice.message.tool_calls, choice
+    for call in choice.message.tool_calls:
+        _arguments_valid(call, [WEATHER])
+    cut = (choice.model_extra.get("structgen") or {}).get("incomplete_tool_call")
+    assert (choice.finish_reason == "length") == bool(cut), choice
+    assert not cut or cut.startswith("<tool_call>\n{"), cut
 
 
 def test_auto_tool_choice_answers_with_text_or_valid_calls(api, model):
