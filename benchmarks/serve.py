@@ -288,8 +288,12 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
     prompts = make_prompts(str(folder / "tokenizer.json"), lengths, 64, seed=1)
     schema = json.dumps(SCHEMA)
     warm_prompts = [prompts[n][0][::-1] for n in sorted(prompts)]  # reversed: no prefix a workload's prompts share
-    log(f"{shape}: warm-up, {len(warm_prompts)} prompt lengths, free and constrained: "
-        f"{server.warm(warm_prompts, schema):.1f} s")
+    try:
+        log(f"{shape}: warm-up, {len(warm_prompts)} prompt lengths, free and constrained: "
+            f"{server.warm(warm_prompts, schema):.1f} s")
+    except BaseException:  # (the workloads' own try stops it later)
+        server.stop()
+        raise
     common = dict(duration_s=args.duration, warmup_s=args.warmup)
     lengths: dict[str, list[int]] = {}
 
