@@ -9,6 +9,11 @@ from __future__ import annotations
 import pytest
 
 from real_tokenizers import tokenizer_dir
+from structgen.cli import disable_grpc_fork_handlers
+
+# NOTE: before grpc is imported, as the product's processes do: the in-process grammar services
+# of the unit tests fork their worker forker from this process, which has gRPC threads by then
+disable_grpc_fork_handlers()
 
 
 @pytest.fixture(scope="session")
