@@ -19,7 +19,6 @@ import time
 from concurrent import futures
 
 import grpc
-import prometheus_client
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from grammar_contract.spec import GrammarSpec, ReasoningSpan
@@ -30,6 +29,7 @@ from grammar_service.backends import available_backends, load_backend_class
 from grammar_service.compiler import spec_key
 from grammar_service.config import GrammarServiceConfig
 from grammar_service.forker import WorkerForker
+from grammar_service.metrics_endpoint import serve_metrics
 from grammar_service.settings import GRAMMAR_SETTINGS
 from grammar_service.service import GrammarService, ServiceError
 from grammar_service.tokenizer import derive_all, load_tokenizer
@@ -220,7 +220,7 @@ class RunningServer:
             self.health_server.add_insecure_port(f"0.0.0.0:{config.health_port}")
             self.health_server.start()
         if config.metrics_port:
-            prometheus_client.start_http_server(config.metrics_port)
+            serve_metrics(config.metrics_port, path, self._socket_inode)
         freeze_heap()
         # SERVING means a compile can start at once: a preloaded tokenizer's workers are up
         deadline = time.monotonic() + 120.0

@@ -245,8 +245,8 @@ class GrammarSupervisor:
             self._serving = self._spawn(self.socket_path)
             self.num_restarts += 1
         elif self._use_standby and self._standby is None and self._serving.is_ready:
-            # no metrics port: the serving child holds it (the standby would fail to bind and exit)
-            self._standby = self._spawn(self._standby_path, ("--metrics-port", "0"))
+            # its metrics port (the serving child's until then) is bound once it takes over
+            self._standby = self._spawn(self._standby_path)
 
     def _tend_standby(self) -> None:
         standby = self._standby
