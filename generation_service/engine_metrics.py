@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily
 
+from generation_service.engine.config import WAIT_BUCKETS_S
 from structgen.metrics_docs import FamilyDoc
 
 
@@ -42,6 +43,12 @@ STATS_FAMILIES = (
     StatsFamily("draft_tokens_proposed", "counter", "Speculative draft tokens proposed", lambda s: s.draft_proposed),
     StatsFamily("draft_tokens_accepted", "counter", "Speculative draft tokens accepted by verification",
                 lambda s: s.draft_accepted),
+    StatsFamily("grammar_forced_tokens", "counter", "Output tokens the grammar forced: draft tokens of the "
+                "grammar proposer's forced runs that verification accepted (by backend: the edge's "
+                "structgen_request_grammar_forced_tokens)", lambda s: s.num_forced_tokens),
+    StatsFamily("grammar_rejected_draft_tokens", "counter", "Speculative draft tokens the grammar refused "
+                "(the first it could not accept and those after it), never verified",
+                lambda s: s.num_grammar_rejected_drafts),
     StatsFamily("engine_steps", "counter", "Engine steps (forwards or grammar-only steps)", lambda s: s.steps),
     StatsFamily("grammar_steps", "counter", "Engine steps that waited on grammar masks", lambda s: s.grammar_steps),
     StatsFamily("grammar_mask_wait_seconds", "counter",
@@ -67,6 +74,21 @@ STATS_FAMILIES = (
                 lambda s: s.prefix_cache_evictions),
 )
 INFO_LABELS = ("model_name", "device", "dtype", "runner", "version")
+STEP_WAIT = FamilyDoc(
+    "structgen_grammar_step_wait_seconds", "histogram", ("model_name",),
+    "Per engine step that went through the step channel: how long the engine's host waited for its "
+    "grammar masks once it needed them (after the forward on the host path; on the GPU, after "
+    "launching the steps that follow it)")
+
+
+def step_wait_buckets(counts: tuple[int, ...]) -> list[tuple[str, int]]:
+    """Cumulative (le, count) buckets of `EngineStats.grammar_wait_counts`."""
+    counts = counts or (0,) * (len(WAIT_BUCKETS_S) + 1)
+    buckets, total = [], 0
+    for bound, count in zip([*map(repr, WAIT_BUCKETS_S), "+Inf"], counts):
+        total += count
+        buckets.append((bound, total))
+    return buckets
 
 
 class EngineCollector:
@@ -94,9 +116,14 @@ class EngineCollector:
             if stats is not None:
                 metric.add_metric([self._model_name], family.value(stats))
             yield metric
+        wait = HistogramMetricFamily(STEP_WAIT.name, STEP_WAIT.help, labels=list(STEP_WAIT.labels))
+        if stats is not None:
+            wait.add_metric([self._model_name], step_wait_buckets(stats.grammar_wait_counts),
+                            stats.grammar_wait_s_total)
+        yield wait
 
 
 def stats_family_docs() -> list[FamilyDoc]:
     info = FamilyDoc("structgen_model_info", "info", INFO_LABELS, "The served model and how it runs (value 1)")
     return [info] + [FamilyDoc(f"structgen_{f.name}" + ("_total" if f.kind == "counter" else ""), f.kind,
-                               ("model_name",), f.help) for f in STATS_FAMILIES]
+                               ("model_name",), f.help) for f in STATS_FAMILIES] + [STEP_WAIT]

@@ -100,6 +100,12 @@ class GenerationMetrics:
             "arguments) and status (invalid: a keyword the grammar did not enforce, else a bug; truncated: "
             "max_tokens cut it short; not_run: jsonschema could not use the schema)",
             ["backend", "kind", "status"])
+        self.grammar_forced_tokens = counter(
+            "structgen_request_grammar_forced_tokens", "Output tokens the grammar forced (accepted drafts of the "
+            "grammar proposer's forced runs) of finished constrained requests, by grammar backend", ["backend"])
+        self.grammar_rejected_drafts = counter(
+            "structgen_request_grammar_rejected_draft_tokens", "Draft tokens the grammar refused before "
+            "verification, of finished constrained requests, by grammar backend", ["backend"])
         self.rpcs = counter("structgen_rpcs", "RPCs handled, by method and final status code "
                             "(errors: code!=\"OK\")", ["method", "code"])
         self.http_requests = counter(
@@ -207,6 +213,10 @@ class RequestObserver:
             metrics.request_duration.labels(model, constrained).observe(now - self._received_s)
             metrics.request_prompt_tokens.labels(model).observe(len(self._request.prompt_ids))
             metrics.request_generation_tokens.labels(model, constrained).observe(self._num_tokens)
+            if event.usage is not None and self._backend:
+                metrics.grammar_forced_tokens.labels(model, self._backend).inc(event.usage.forced_tokens)
+                metrics.grammar_rejected_drafts.labels(model, self._backend).inc(
+                    event.usage.grammar_rejected_draft_tokens)
             tracing.annotate_final(event)
 
 

@@ -270,7 +270,8 @@ def event_to_proto(event: OutputEvent, request: GenerationRequest,
         response.usage.CopyFrom(pb.Usage(
             prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
             draft_tokens_proposed=usage.draft_tokens_proposed,
-            draft_tokens_accepted=usage.draft_tokens_accepted, cached_prompt_tokens=usage.cached_prompt_tokens))
+            draft_tokens_accepted=usage.draft_tokens_accepted, cached_prompt_tokens=usage.cached_prompt_tokens,
+            forced_tokens=usage.forced_tokens, grammar_rejected_draft_tokens=usage.grammar_rejected_draft_tokens))
     if event.is_final and request.grammar is not None and request.grammar.kind == "json_schema":
         response.validation.CopyFrom(validation_to_proto(validation))
     return response

@@ -146,6 +146,8 @@ def annotate_final(event) -> None:
         span.set_attribute("gen_ai.usage.cache_read.input_tokens", event.usage.cached_prompt_tokens)
         span.set_attribute("structgen.drafts.proposed", event.usage.draft_tokens_proposed)
         span.set_attribute("structgen.drafts.accepted", event.usage.draft_tokens_accepted)
+        span.set_attribute("structgen.grammar.forced_tokens", event.usage.forced_tokens)
+        span.set_attribute("structgen.grammar.rejected_drafts", event.usage.grammar_rejected_draft_tokens)
 
 
 class RequestSpans:

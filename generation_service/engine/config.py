@@ -3,6 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# per-step mask waits (EngineStats.grammar_wait_counts): from a fill inside the forward to a stall
+WAIT_BUCKETS_S = (50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 1.0)
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -122,6 +125,9 @@ class EngineStats:
     num_held_graph_host_steps: int = 0  # host steps asked for by held decode graphs (late_mask.HeldGraphs)
     num_chained_steps: int = 0          # steps launched before the step in flight was read (mixed_steps.py)
     num_chained_grammar_steps: int = 0  # of the mixed ones, grammar steps in stream order (constrained rows chained)
+    num_forced_tokens: int = 0          # drafts from grammars' forced runs that were accepted
+    num_grammar_rejected_drafts: int = 0  # drafts the grammar refused, with those after them
+    grammar_wait_counts: tuple[int, ...] = ()  # grammar steps by mask wait: WAIT_BUCKETS_S, then above
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -323,6 +323,7 @@ class Engine:
                 draft_proposed=self.table.draft_proposed, draft_accepted=self.table.draft_accepted,
                 steps=self.num_steps, grammar_steps=self.link.num_steps if self.link else 0,
                 grammar_wait_s_total=self.link.wait_s_total if self.link else 0.0,
+                grammar_wait_counts=tuple(self.link.wait_counts) if self.link else (),
                 grammar_disconnects=self.link.num_disconnects if self.link else 0,
                 num_preemptions=self.scheduler.num_preemptions,
                 num_finished=self.table.num_finished, tokens_generated=self.table.tokens_generated,
@@ -333,6 +334,8 @@ class Engine:
                 prefix_cache_hit_tokens=self.prefix_cache.num_hit_tokens,
                 prefix_cache_evictions=self.prefix_cache.num_evictions,
                 num_late_rows=self.table.num_late_rows,
+                num_forced_tokens=self.table.num_forced_tokens,
+                num_grammar_rejected_drafts=self.table.num_grammar_rejected_drafts,
                 num_held_graph_host_steps=self.held.num_probes if self.held is not None else 0,
                 num_chained_steps=(getattr(self.runner, "num_chained_steps", 0) + self.mixed.num_chained
                                    + self.mixed.num_into_graph),

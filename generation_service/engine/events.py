@@ -25,6 +25,8 @@ class Usage:
     draft_tokens_proposed: int = 0
     draft_tokens_accepted: int = 0
     cached_prompt_tokens: int = 0   # prompt tokens whose K/V came from the prefix cache, not a prefill
+    forced_tokens: int = 0          # drafts from the grammar's forced runs that were accepted
+    grammar_rejected_draft_tokens: int = 0  # drafts past the first one the grammar refused
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ number as `first_step` once grammar_service is serving again.
 from __future__ import annotations
 
 import atexit
+import bisect
 import logging
 import os
 import threading
@@ -43,6 +44,7 @@ from typing import Any, Callable, Protocol
 import numpy as np
 import torch
 
+from generation_service.engine.config import WAIT_BUCKETS_S
 from generation_service.engine.request import Request
 from grammar_contract.spec import GrammarSpec
 from step_channel import (
@@ -57,7 +59,7 @@ log = logging.getLogger(__name__)
 GPU_POLL_SPIN_S = 100e-6
 GPU_POLL_SLEEP_S = 50e-6
 # `forward_us` is the median of the latest host forwards: a mean would keep a first forward that
-# compiled kernels (seconds) for dozens of steps, and no fill would be slow beside it (issue 19).
+# compiled kernels (seconds) for dozens of steps, and no fill would be slow beside it.
 FORWARD_WINDOW = 9
 
 
@@ -148,6 +150,7 @@ class GrammarLink:
         self._released_tokens: dict[int, list[int]] = {}  # GPU steps the watchdog released early
         self.num_steps = 0
         self.wait_s_total = 0.0
+        self.wait_counts = [0] * (len(WAIT_BUCKETS_S) + 1)  # steps by wait, WAIT_BUCKETS_S then above
         self._forwards: deque[float] = deque(maxlen=FORWARD_WINDOW)  # host steps' (forward_done)
         self.num_disconnects = 0
         self.disconnected_at = time.monotonic()  # of the last disconnect (or the start), while not connected
@@ -294,7 +297,7 @@ class GrammarLink:
         """Masks of `step` in sampling-row order, or None when the watchdog released it."""
         start = time.monotonic()
         released = not self._wait_masks(step, start)
-        self.wait_s_total += time.monotonic() - start
+        self._waited(time.monotonic() - start)
         entry = self.channel.entry(step)
         if released or int(entry.mask_status[0]) != MASK_OK:
             log.error("grammar_service lost at step %d; releasing the step", step)
@@ -326,7 +329,7 @@ class GrammarLink:
         entry = self.channel.entry(step)
         if released:
             self._release_gpu_step(step)
-        self.wait_s_total += time.monotonic() - start
+        self._waited(time.monotonic() - start)
         if not self.channel.wait_seq("outputs_seq", step, timeout_s=gpu_timeout_s,
                                      spin_s=GPU_POLL_SPIN_S, max_sleep_s=GPU_POLL_SLEEP_S):
             raise RuntimeError(f"the GPU did not finish grammar step {step} in {gpu_timeout_s} s")
@@ -354,7 +357,11 @@ class GrammarLink:
         start = time.monotonic()
         if not self._wait_masks(step, start):
             self._release_gpu_step(step)
-        self.wait_s_total += time.monotonic() - start
+        self._waited(time.monotonic() - start)
+
+    def _waited(self, seconds: float) -> None:
+        self.wait_s_total += seconds
+        self.wait_counts[bisect.bisect_left(WAIT_BUCKETS_S, seconds)] += 1
 
     def _release_gpu_step(self, step: int) -> None:
         """The watchdog's release of a GPU step: all-ones masks (its free rows sample

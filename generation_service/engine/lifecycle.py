@@ -55,6 +55,8 @@ class RequestTable:
         self._releasing: list[int] = []        # slots released by the step in flight
         self.draft_proposed = 0
         self.draft_accepted = 0
+        self.num_forced_tokens = 0             # forced-run drafts accepted
+        self.num_grammar_rejected_drafts = 0   # drafts the grammar refused (and those after them)
         self.num_finished = 0
         self.num_late_rows = 0                 # sampling rows skipped: their masks were late
         self.num_fast_again = 0                # late rows back in decode graphs (late_mask.py)
@@ -184,6 +186,10 @@ class RequestTable:
                 if valid == VALID_LATE:  # its mask was not ready: sampled again next step
                     self._skip(row, request)
                     continue
+                if row.drafts and request.is_constrained:  # the walk stopped at the first refused draft
+                    refused = len(row.drafts) + 1 - valid
+                    request.num_grammar_rejected_drafts += refused
+                    self.num_grammar_rejected_drafts += refused
                 if request.wants_forced_drafts:
                     # the run starts at the token this step sampled at position valid - 1
                     request.forced_run = ForcedRun(request.num_tokens + valid - 1,
@@ -263,6 +269,9 @@ class RequestTable:
         request.num_drafts_accepted += result.num_accepted_drafts
         self.draft_proposed += len(row.drafts)
         self.draft_accepted += result.num_accepted_drafts
+        forced = min(result.num_accepted_drafts, request.num_forced_drafts)
+        request.num_forced_tokens += forced
+        self.num_forced_tokens += forced
         # NOTE: only rejected drafts leave pages past the cache; without drafts a page
         # may be reserved already for the next step launched before this one was read.
         self.scheduler.trim_pages(request)
@@ -338,7 +347,8 @@ class RequestTable:
         if reason in (FinishReason.CANCELLED, FinishReason.DEADLINE):
             text += output.flush()  # held-back text that never became a stop string
         usage = Usage(request.num_prompt_tokens, request.num_generated,
-                      request.num_drafts_proposed, request.num_drafts_accepted, request.num_cached_prompt_tokens)
+                      request.num_drafts_proposed, request.num_drafts_accepted, request.num_cached_prompt_tokens,
+                      request.num_forced_tokens, request.num_grammar_rejected_drafts)
         stream = self._streams.pop(request.request_id)
         del self._requests[request.request_id]
         self.num_finished += 1

@@ -79,6 +79,9 @@ class Request:
     num_preemptions: int = 0                      # times its pages were dropped for lack of room
     num_drafts_proposed: int = 0
     num_drafts_accepted: int = 0
+    num_forced_drafts: int = 0                    # of the drafts in flight, from the forced run
+    num_forced_tokens: int = 0                    # forced-run drafts accepted (Usage.forced_tokens)
+    num_grammar_rejected_drafts: int = 0          # drafts past the first its grammar refused
     # end
     finish_reason: FinishReason | None = None
     error: EngineError | None = None

@@ -75,8 +75,9 @@ class GrammarProposer(DraftProposer):
 
     def propose(self, request: Request, k: int) -> list[int]:
         run = request.forced_run
-        forced = run.after(request.token_ids) if run is not None else []
-        return forced[:k] if forced else self.ngram.propose(request, k)
+        forced = run.after(request.token_ids)[:k] if run is not None else []
+        request.num_forced_drafts = len(forced)  # (the row's drafts are read before its next proposal)
+        return forced if forced else self.ngram.propose(request, k)
 
 
 PROPOSERS: dict[str, Callable[[], DraftProposer]] = {"ngram": NgramProposer, "grammar": GrammarProposer}

@@ -31,4 +31,5 @@ def test_grammar_proposer_drafts_forced_tokens_and_keeps_greedy_output(client):
     # most of the document is forced, and a trained model spells it as the tokenizer does
     assert usage.draft_tokens_accepted >= usage.completion_tokens // 3, usage
     assert 0 < usage.draft_tokens_accepted <= usage.draft_tokens_proposed
-    assert plain.usage.draft_tokens_proposed == 0
+    assert 0 < usage.forced_tokens <= usage.draft_tokens_accepted
+    assert plain.usage.draft_tokens_proposed == plain.usage.forced_tokens == 0

@@ -502,6 +502,38 @@ def test_invalid_outputs_are_counted_per_backend(server, stub):
     assert moved == 1
 
 
+def test_forced_tokens_rejected_drafts_and_mask_waits_are_counted(server, stub):
+    """The grammar proposer's accepted forced drafts and the n-gram drafts the grammar refused:
+    in the request's usage, per backend at the edge and engine-wide; each grammar step's mask
+    wait in the engine's histogram."""
+    forced_schema = json.dumps({"type": "object", "properties": {
+        "shipping_status_description": {"enum": ["delivered_to_the_front_door", "returned_to_the_warehouse"]},
+        "schema_version": {"const": "structgen.forced-drafts.v1"}},
+        "required": ["shipping_status_description", "schema_version"], "additionalProperties": False})
+    before = _scrape(server.metrics_url)
+    forced = _generate(stub, prompt="The record as JSON:", json_schema=forced_schema,
+                       constraint_options=pb.ConstraintOptions(compact=True),
+                       stop=pb.StopConditions(max_tokens=64), speculative=pb.SpeculativeOptions(
+                           num_draft_tokens=4, proposer=pb.DRAFT_PROPOSER_GRAMMAR))
+    # after "x y", n-gram drafts copy the prompt's " x y ...", which the grammar refuses at " x"
+    refused = _generate(stub, prompt="x y x y x y x y", regex="x y [0-9]{1,3}", stop=pb.StopConditions(max_tokens=12),
+                        speculative=pb.SpeculativeOptions(num_draft_tokens=4, proposer=pb.DRAFT_PROPOSER_NGRAM))
+    usage, backend = forced[-1].usage, forced[0].guarantee.backend
+    assert 0 < usage.forced_tokens <= usage.draft_tokens_accepted, usage
+    assert refused[-1].usage.grammar_rejected_draft_tokens > 0, refused[-1].usage
+    rejected = usage.grammar_rejected_draft_tokens + refused[-1].usage.grammar_rejected_draft_tokens
+    moved = lambda after, name, **labels: _total(after, name, **labels) - _total(before, name, **labels)  # noqa: E731
+    after = _scrape_when(server.metrics_url, lambda s: moved(
+        s, "structgen_request_grammar_rejected_draft_tokens_total") >= rejected)
+    assert moved(after, "structgen_request_grammar_forced_tokens_total", backend=backend) == usage.forced_tokens
+    assert moved(after, "structgen_grammar_forced_tokens_total") == usage.forced_tokens
+    assert moved(after, "structgen_request_grammar_rejected_draft_tokens_total") == rejected
+    assert moved(after, "structgen_grammar_rejected_draft_tokens_total") == rejected
+    steps = moved(after, "structgen_grammar_steps_total")
+    assert steps > 0 and moved(after, "structgen_grammar_step_wait_seconds_count") == steps
+    assert moved(after, "structgen_grammar_step_wait_seconds_bucket", le="+Inf") == steps
+
+
 def test_grammar_metrics_under_serve_and_a_standby_that_does_not_bind(server, stub):
     """STRUCTGEN_GRAMMAR_METRICS_PORT reaches the grammar child under `structgen serve`; its warm
     standby, spawned beside it, does not take the port (it became ready instead of exiting on

@@ -197,7 +197,7 @@ def to_chunk(response: pb.GenerateResponse) -> Chunk:
     if response.HasField("usage"):
         u = response.usage
         usage = Usage(u.prompt_tokens, u.completion_tokens, u.draft_tokens_proposed,
-                      u.draft_tokens_accepted, u.cached_prompt_tokens)
+                      u.draft_tokens_accepted, u.cached_prompt_tokens, u.forced_tokens, u.grammar_rejected_draft_tokens)
     validation = _validation(response.validation) if response.HasField("validation") else None
     return Chunk(text=response.text, token_ids=tuple(response.token_ids),
                  logprobs=tuple(TokenLogprob(lp.token_id, lp.logprob,

@@ -34,6 +34,8 @@ class Usage:
     draft_tokens_proposed: int = 0
     draft_tokens_accepted: int = 0
     cached_prompt_tokens: int = 0   # of prompt_tokens, found in the server's prefix cache
+    forced_tokens: int = 0          # accepted drafts the grammar forced (the "grammar" proposer)
+    grammar_rejected_draft_tokens: int = 0  # drafts the grammar refused before verification
 
 
 @dataclass(frozen=True)

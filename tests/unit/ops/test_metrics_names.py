@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from generation_service.engine.config import EngineConfig, EngineStats
+from generation_service.engine.config import WAIT_BUCKETS_S, EngineConfig, EngineStats
 from generation_service.metrics import GenerationMetrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
@@ -39,7 +39,8 @@ class StatsOnly:
 
     def stats(self) -> EngineStats:
         fields = {f.name: 3 for f in dataclasses.fields(EngineStats)}
-        return EngineStats(**{**fields, "num_kv_pages_total": 8, "grammar_available": True})
+        return EngineStats(**{**fields, "num_kv_pages_total": 8, "grammar_available": True,
+                              "grammar_wait_counts": (3,) * (len(WAIT_BUCKETS_S) + 1)})
 
 
 @pytest.fixture()
