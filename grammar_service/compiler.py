@@ -144,16 +144,16 @@ class GrammarCompiler:
                 self._by_key.move_to_end(key)
                 self.stats.num_cache_hits += 1
             else:
-                shared, start = self._claim(key)
+                shared, start = self._claim(key, requested)
         if entry is not None:
-            metrics.COMPILE_REQUESTS.labels("cache_hit").inc()
+            metrics.COMPILE_REQUESTS.labels("cache_hit", requested).inc()
             self._on_reuse(key, spec)
             return self._apply_strict(spec, _done(CompileOutcome(entry, cache_hit=True)))
         if start:
             self._start(key, spec, requested, shared)
         return self._apply_strict(spec, shared)
 
-    def _claim(self, key: str) -> tuple[Future, bool]:
+    def _claim(self, key: str, requested: str) -> tuple[Future, bool]:
         """(the future of `key`'s compile, whether the caller starts it); under the lock."""
         if (negative := self._negative.get(key)) is not None:
             if negative.expires_at > self._clock():
@@ -163,7 +163,7 @@ class GrammarCompiler:
         if shared is not None:
             return shared, False
         if self._num_jobs >= self._max_jobs:
-            metrics.COMPILE_REQUESTS.labels("saturated").inc()
+            metrics.COMPILE_REQUESTS.labels("saturated", requested).inc()
             return _failed(CompileError("RESOURCE_EXHAUSTED", (
                 f"the grammar compiler is saturated: {self._num_jobs} new grammars are compiling or "
                 f"waiting (num_compile_threads {self._config.num_compile_threads} + max_queued_compiles "
@@ -240,7 +240,8 @@ class GrammarCompiler:
                 raise SandboxError("RESOURCE_EXHAUSTED", "no compile thread became free before the compile timeout "
                                    "(every thread is busy with other grammars); retry later", is_grammar_fault=False)
             # what the wait left of the timeout is the compile's
-            timer = threading.Timer(max(0.0, deadline - time.monotonic()), self._on_timeout, (key, spec, result))
+            timer = threading.Timer(max(0.0, deadline - time.monotonic()), self._on_timeout,
+                                    (key, requested, spec, result))
             timer.daemon = True
             timers.append(timer)
             timer.start()
@@ -267,7 +268,8 @@ class GrammarCompiler:
             for timer in timers:
                 timer.cancel()
             if done.cancelled():  # the pool was shut down before it ran
-                self._fail(key, CompileError("UNAVAILABLE", "grammar_service is shutting down"), result, remember=False)
+                self._fail(key, requested, CompileError("UNAVAILABLE", "grammar_service is shutting down"), result,
+                           remember=False)
                 return
             exc = done.exception()
             if exc is None:
@@ -275,25 +277,27 @@ class GrammarCompiler:
                 metrics.COMPILE_SECONDS.labels(spec.kind).observe(elapsed_ms / 1e3)
                 if fallback_from:
                     metrics.BACKEND_FALLBACKS.labels(fallback_from, backend).inc()
-                self._store(key, CompiledEntry(0, backend, compiled, elapsed_ms, unenforced, restricted_forms), result)
+                self._store(key, requested, CompiledEntry(0, backend, compiled, elapsed_ms, unenforced,
+                                                          restricted_forms), result)
             elif isinstance(exc, SandboxError) and exc.timed_out:
-                self._on_timeout(key, spec, result)
+                self._on_timeout(key, requested, spec, result)
             elif isinstance(exc, SandboxError):
                 if exc.is_grammar_fault:
                     log.warning("compile of %s grammar %s failed in its worker: %s", spec.kind, key[:16], exc.message)
-                self._fail(key, CompileError(exc.status, exc.message), result, remember=exc.is_grammar_fault)
+                self._fail(key, requested, CompileError(exc.status, exc.message), result,
+                           remember=exc.is_grammar_fault)
             elif isinstance(exc, (GrammarCompileError, ValueError)):
-                self._fail(key, CompileError("INVALID_ARGUMENT", str(exc)), result)
+                self._fail(key, requested, CompileError("INVALID_ARGUMENT", str(exc)), result)
             elif isinstance(exc, RecursionError):
-                self._fail(key, CompileError("INVALID_ARGUMENT", f"{spec.kind}: the grammar nests too deeply "
-                                             "to compile"), result)
+                self._fail(key, requested, CompileError("INVALID_ARGUMENT", f"{spec.kind}: the grammar nests "
+                                                        "too deeply to compile"), result)
             else:
                 log.error("compile of %s grammar %s failed unexpectedly", spec.kind, key[:16], exc_info=exc)
-                self._fail(key, CompileError("INTERNAL", f"compile failed: {exc!r}"), result)
+                self._fail(key, requested, CompileError("INTERNAL", f"compile failed: {exc!r}"), result)
 
         self._pool.submit(run).add_done_callback(finished)
 
-    def _store(self, key, compiled: CompiledEntry, result: Future) -> None:
+    def _store(self, key, requested: str, compiled: CompiledEntry, result: Future) -> None:
         """Caches `compiled` under the next grammar id (its own id is a placeholder)."""
         with self._lock:
             if self._in_flight.get(key) is not result:
@@ -307,10 +311,10 @@ class GrammarCompiler:
                 _, old = self._by_key.popitem(last=False)
                 del self._by_id[old.grammar_id]
             self.stats.num_compiles += 1
-        metrics.COMPILE_REQUESTS.labels("compiled").inc()
+        metrics.COMPILE_REQUESTS.labels("compiled", requested).inc()
         result.set_result(CompileOutcome(entry, cache_hit=False))
 
-    def _fail(self, key: str, error: CompileError, result: Future, *, timed_out: bool = False,
+    def _fail(self, key: str, requested: str, error: CompileError, result: Future, *, timed_out: bool = False,
               remember: bool = True) -> None:
         """`remember`: the grammar itself failed, so the same spec is refused from memory for the
         TTL; a compile that failed for capacity or shutdown is not remembered."""
@@ -322,17 +326,17 @@ class GrammarCompiler:
                 self._negative[key] = _Negative(error, self._clock() + self._config.negative_cache_ttl_s)
             self.stats.num_errors += 1
             self.stats.num_timeouts += timed_out
-        metrics.COMPILE_REQUESTS.labels("timeout" if timed_out else "error").inc()
+        metrics.COMPILE_REQUESTS.labels("timeout" if timed_out else "error", requested).inc()
         result.set_exception(error)
 
-    def _on_timeout(self, key: str, spec: GrammarSpec, result: Future) -> None:
+    def _on_timeout(self, key: str, requested: str, spec: GrammarSpec, result: Future) -> None:
         limit = self._config.compile_timeout_s
         log.warning("compile of %s grammar %s (%d bytes) did not finish within %g s", spec.kind, key[:16],
                     spec_bytes(spec), limit)
         # In-process, the backend thread cannot be interrupted: it finishes in the background and
         # its result is dropped. In a sandbox its worker was killed. The spec is answered from
         # the negative cache meanwhile.
-        self._fail(key, CompileError("INVALID_ARGUMENT", f"grammar compile did not finish within "
+        self._fail(key, requested, CompileError("INVALID_ARGUMENT", f"grammar compile did not finish within "
                                      f"the {limit:g} s compile timeout (the grammar is too complex)"),
                    result, timed_out=True)
 

@@ -15,8 +15,9 @@ COMPILE_SECONDS = Histogram(
     buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30))
 COMPILE_REQUESTS = Counter(
     "structgen_grammar_compile_requests_total", "Compile requests by outcome (compiled, cache_hit, error, "
-    "timeout: past the compile timeout, saturated: refused, the compile queue full)",
-    ["outcome"])  # compiled, cache_hit, error, timeout, saturated
+    "timeout: past the compile timeout, saturated: refused, the compile queue full) and the backend asked "
+    "for (auto, xgrammar, llguidance)",
+    ["outcome", "backend"])  # compiled, cache_hit, error, timeout, saturated
 STEP_SECONDS = Histogram(
     "structgen_grammar_step_seconds", "Time of one grammar step: advance + mask fill",
     buckets=(50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1))

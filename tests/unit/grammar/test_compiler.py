@@ -76,7 +76,8 @@ class _SlowBackend(GrammarBackend):
 
 
 def _timeouts_counted() -> float:
-    return REGISTRY.get_sample_value("structgen_grammar_compile_requests_total", {"outcome": "timeout"}) or 0.0
+    return REGISTRY.get_sample_value("structgen_grammar_compile_requests_total",
+                                     {"outcome": "timeout", "backend": "xgrammar"}) or 0.0
 
 
 def test_compile_timeout_is_reported_and_remembered_for_the_ttl():

@@ -66,7 +66,7 @@ def test_grammar_exposition_passes_promtool(promtool):
     for metric in (grammar_metrics.COMPILE_SECONDS, grammar_metrics.COMPILE_REQUESTS, grammar_metrics.STEP_SECONDS,
                    grammar_metrics.ROWS_REJECTED, grammar_metrics.STEP_PHASE_SECONDS):
         registry.register(metric)
-    grammar_metrics.COMPILE_REQUESTS.labels("compiled").inc()
+    grammar_metrics.COMPILE_REQUESTS.labels("compiled", "auto").inc()
     text = generate_latest(registry)
     assert promtool_problems(promtool, text) == ""
     assert b"_created" not in text
