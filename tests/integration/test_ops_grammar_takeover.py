@@ -4,8 +4,7 @@ A `structgen serve` of its own (default model) serves two constrained streams (a
 JSON schema, every output validated) and a free one while the test SIGKILLs the process that
 listens on the serving grammar socket: 1 s after serve says it listens, right after the takeover
 that follows, and again right after that one (two kills within 5 s). Each time a constrained
-request made after the kill is served within seconds (the 2 s target is
-benchmarks/grammar_kills.py's). Only requests in flight at a kill may fail,
+request made after the kill is served within 2 s. Only requests in flight at a kill may fail,
 and only constrained ones. Then, once the standby holds the grammars in use, a fourth kill: the
 schema's first request after the takeover is a cache hit. Nothing leaks: the killed children's
 compile workers are gone, the engine and the grammar child hold no slot or matcher once idle,
@@ -33,8 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from structgen_client import Client
 
 pytestmark = pytest.mark.slow
-# The 2 s target is benchmarks/grammar_kills.py's; here only a bound a loaded 2-core run keeps.
-RECOVERY_S = 5.0
+RECOVERY_S = 2.0  # the target; 0.4-0.5 s on the 2-core machine when nothing else runs
 SEGMENT = re.compile(r"created step channel /dev/shm/(structgen-[0-9a-f]+)")
 
 
@@ -73,7 +71,7 @@ def server(tmp_path_factory):
         stop_serve(server)
 
 
-def test_kills_at_the_worst_moments_are_served_again_within_seconds(server):
+def test_kills_at_the_worst_moments_are_served_again_within_2_s(server):
     folder = server.grammar_folder
     load = Load(server.address)
     threads = load.run()
