@@ -227,7 +227,7 @@ def guarantee_to_proto(report: GuaranteeReport) -> pb.GuaranteeReport:
         unenforced=[pb.UnenforcedSchemaKeyword(keyword=k.keyword, pointer=k.pointer, reason=k.reason)
                     for k in report.unenforced],
         restricted=[pb.UnenforcedSchemaKeyword(keyword=k.keyword, pointer=k.pointer, reason=k.reason)
-                    for k in report.restricted])
+                    for k in report.restricted], fallback_from=report.fallback_from)
 
 
 def validation_to_proto(result: "ValidationResult | None") -> pb.ValidationResult:

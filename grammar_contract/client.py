@@ -149,7 +149,8 @@ class GrammarControlClient:
                 grammar_id=reply.grammar_id, backend=reply.backend, compile_ms=reply.compile_ms,
                 cache_hit=reply.cached,
                 unenforced=tuple(UnenforcedKeyword(u.keyword, u.pointer, u.reason) for u in reply.unenforced),
-                restricted=tuple(UnenforcedKeyword(u.keyword, u.pointer, u.reason) for u in reply.restricted)))
+                restricted=tuple(UnenforcedKeyword(u.keyword, u.pointer, u.reason) for u in reply.restricted),
+                fallback_from=reply.fallback_from))
 
         call()
         return result

@@ -26,6 +26,7 @@ class CompileResult:
     cache_hit: bool
     unenforced: tuple[UnenforcedKeyword, ...]
     restricted: tuple[UnenforcedKeyword, ...] = ()
+    fallback_from: str = ""   # `auto`'s first pick when `backend` compiled in its place
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class GuaranteeReport:
     # keywords under which the grammar refuses some valid documents (fixed property order...):
     # the output still matches the schema (grammar_service/restrictions.py)
     restricted: tuple[UnenforcedKeyword, ...] = ()
+    fallback_from: str = ""   # `auto`'s first pick when `backend` compiled in its place
 
     @property
     def is_fully_enforced(self) -> bool:

@@ -57,6 +57,7 @@ class CompiledEntry:
     compile_ms: float
     unenforced: tuple[UnenforcedKeyword, ...]
     restricted: tuple[UnenforcedKeyword, ...] = ()  # valid forms the grammar refuses (restrictions.py)
+    fallback_from: str = ""           # `auto`'s pick, when `backend` compiled in its place
 
 
 @dataclass(frozen=True)
@@ -278,7 +279,7 @@ class GrammarCompiler:
                 if fallback_from:
                     metrics.BACKEND_FALLBACKS.labels(fallback_from, backend).inc()
                 self._store(key, requested, CompiledEntry(0, backend, compiled, elapsed_ms, unenforced,
-                                                          restricted_forms), result)
+                                                          restricted_forms, fallback_from), result)
             elif isinstance(exc, SandboxError) and exc.timed_out:
                 self._on_timeout(key, requested, spec, result)
             elif isinstance(exc, SandboxError):

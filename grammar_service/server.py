@@ -162,7 +162,7 @@ class GrammarServicer(grammar_pb2_grpc.GrammarServiceServicer):
             unenforced=[grammar_pb2.UnenforcedKeyword(keyword=u.keyword, pointer=u.pointer, reason=u.reason)
                         for u in entry.unenforced],
             restricted=[grammar_pb2.UnenforcedKeyword(keyword=u.keyword, pointer=u.pointer, reason=u.reason)
-                        for u in entry.restricted])
+                        for u in entry.restricted], fallback_from=entry.fallback_from)
 
     def GetStats(self, request, context):
         return grammar_pb2.GetStatsResponse(**self.service.stats())

@@ -125,7 +125,7 @@ class RequestTable:
         if request.guarantee is not None:  # compiled again after grammar_service was lost: reported once
             return
         request.guarantee = GuaranteeReport(result.backend, tuple(result.unenforced), result.compile_ms,
-                                            result.cache_hit, tuple(result.restricted))
+                                            result.cache_hit, tuple(result.restricted), result.fallback_from)
         self._streams[request.request_id].put(OutputEvent(guarantee=request.guarantee))
 
     def grammar_rows(self, batch: ScheduledBatch, link: GrammarLink | None) -> list[LinkRow]:

@@ -43,6 +43,17 @@ def test_json_schema_with_unenforced_keyword_is_reported_then_validated(client):
         assert completion.validation.errors
 
 
+def test_a_fallback_of_auto_is_in_the_guarantee_report(client):
+    """500 optional properties: llguidance compiles them but cannot take the first token, so
+    `auto` serves the schema with xgrammar and the report says it fell back from its pick."""
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(500)}}
+    completion = client.generate_text("An object:", json_schema=schema, compact=True, max_tokens=32)
+    assert (completion.guarantee.backend, completion.guarantee.fallback_from) == ("xgrammar", "llguidance")
+    jsonschema.validate(json.loads(completion.text), schema)
+    plain = client.generate_text("A person:", json_schema=PERSON, compact=True, max_tokens=64)
+    assert plain.guarantee.fallback_from == ""
+
+
 def test_second_identical_schema_is_a_cache_hit(client):
     schema = {"enum": ["left", "right"]}
     client.generate_text("Go", json_schema=schema, max_tokens=8)

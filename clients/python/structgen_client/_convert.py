@@ -192,7 +192,8 @@ def to_chunk(response: pb.GenerateResponse) -> Chunk:
         g = response.guarantee
         guarantee = Guarantee(g.backend, tuple(UnenforcedKeyword(u.keyword, u.pointer, u.reason)
                                                for u in g.unenforced), g.compile_ms, g.cache_hit,
-                              tuple(UnenforcedKeyword(u.keyword, u.pointer, u.reason) for u in g.restricted))
+                              tuple(UnenforcedKeyword(u.keyword, u.pointer, u.reason) for u in g.restricted),
+                              g.fallback_from)
     usage = None
     if response.HasField("usage"):
         u = response.usage

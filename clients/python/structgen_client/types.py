@@ -21,6 +21,7 @@ class Guarantee:
     cache_hit: bool = False
     # where the grammar refuses some valid forms (property order...); outputs still match
     restricted: tuple[UnenforcedKeyword, ...] = ()
+    fallback_from: str = ""         # `auto`'s first pick when `backend` compiled in its place
 
     @property
     def is_fully_enforced(self) -> bool:

@@ -115,7 +115,8 @@ def test_auto_falls_back_when_llguidance_cannot_take_the_first_token(isolated):
         "structgen_grammar_backend_fallbacks_total", {"from_backend": "llguidance", "to_backend": "xgrammar"}) or 0
     before = counted()
     result = isolated.compile(GrammarSpec("json_schema", optional_properties(500))).result(60)
-    assert result.entry.backend == "xgrammar" and counted() == before + 1
+    assert result.entry.backend == "xgrammar" and result.entry.fallback_from == "llguidance"
+    assert counted() == before + 1
     err = _error(isolated.compile(GrammarSpec("json_schema", optional_properties(500), backend="llguidance")))
     assert "llguidance matcher refuses the first token" in err.message and "try the other backend" in err.message
 
