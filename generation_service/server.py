@@ -45,8 +45,8 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
 _NO_DEADLINE_S = 1e7  # grpc reports a far-future deadline when the client set none
 # grpc.aio servers on the API port, one event loop: each accepts one call at a time, each accept a
 # few turns of the loop; one server kept new calls 86-165 ms from their handler under the 1B's
-# c=128 stream load (serve-h200-1b-accept-probe.log); 4 left ~100 ms where connections were
-# uneven, 16 ~18 ms (serve-h200-1b-listeners-after2.json, serve-h200-1b-listeners-l16.json).
+# c=128 stream load on an H200; 4 left ~100 ms where connections were uneven, 16 ~18 ms
+# (docs/serving.md, "Accepting calls").
 LISTENERS = 16
 
 

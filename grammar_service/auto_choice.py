@@ -1,9 +1,10 @@
 """`auto`'s choice of backend for one grammar: rank the backends on the schema, no compile.
 
-The rule (issue 8): the backend that enforces more of the schema, then the one that compiles
-faster. What each backend enforces comes from its analysis (grammar_service/guarantees.py for
-llguidance, backends/xgrammar_unenforced.py for xgrammar); backend_choice.py applies the
-choice, time-boxing a slow pick that a fast fallback can replace.
+The rule (docs/guarantees.md, "`auto`: one rule, and its price"): the backend that enforces
+more of the schema, then the one that compiles faster. What each backend enforces comes from
+its analysis (grammar_service/guarantees.py for llguidance, backends/xgrammar_unenforced.py for
+xgrammar); backend_choice.py applies the choice, time-boxing a slow pick that a fast fallback
+can replace.
 """
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ from typing import Callable
 from grammar_contract.report import UnenforcedKeyword
 from grammar_service.guarantees import llguidance_report
 
-# `auto` (issue 8): the backend that enforces more of the schema, then the one that compiles
-# faster. Listed fastest compile first, measured over 35 real schemas on 2 cores
-# (benchmarks/results/schemas-ci-2core.json): llguidance median 23 ms / max 147 ms at 32k,
-# xgrammar 587 ms / 26 s. The price on a tie: llguidance's mask fills are slower (p50 71 us
-# against xgrammar's 37 us per token at 32k), paid every step; docs/guarantees.md.
+# `auto`: the backend that enforces more of the schema, then the one that compiles faster.
+# Listed fastest compile first, measured over 35 real schemas on 2 cores: llguidance median
+# 23 ms / max 147 ms at 32k, xgrammar 587 ms / 26 s. The price on a tie: llguidance's mask fills
+# are slower (p50 71 us against xgrammar's 37 us per token at 32k), paid every step;
+# docs/guarantees.md.
 AUTO_CANDIDATES = ("llguidance", "xgrammar")
 
 

@@ -219,7 +219,7 @@ def auto_plan(spec: GrammarSpec, backend_for: BackendFor) -> tuple[tuple[str, ..
     """Backends to try for `auto`, best first, the unenforced keywords already known, and the
     fast fallback that compiles before the pick, whose compile is then time-boxed ("" for none).
 
-    The order is grammar_service.auto_choice.choose_backend's, unchanged (issue 8's rule: the
+    The order is grammar_service.auto_choice.choose_backend's, unchanged (the rule: the
     backend that enforces more of the schema, then the one that compiles faster); the
     trade-off against mask-fill speed is in docs/guarantees.md.
     """

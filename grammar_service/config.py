@@ -24,16 +24,14 @@ class GrammarServiceConfig:
     # llguidance: batch_advance runs in the fill threads (consume_token_par) from this many rows;
     # 0 = never, the default: on 2 and on 16 CPUs, with and without lanes, the service step
     # gained less than the 5% that would turn it on, and lost where rows share one grammar
-    # (benchmarks/results/grammar_step-ci-2core-parallel-advance.json,
-    # grammar_step-ci-2core-lanes.json, grammar_step-h200-host-16cpu-lanes.json).
+    # (docs/architecture.md step 4).
     min_parallel_advance_rows: int = 0
     # llguidance: matchers built apart per compiled grammar ("lanes", backends/llguidance.py), new
     # rows handed out round robin over them, so the rows of one grammar fill and advance in up to
     # that many threads at once (copies of one matcher share its lexer lock); 0 and 1: one lane.
     # Capped at llguidance's fill threads (1 on 2 CPUs: no change there; 12 on the 16-CPU GPU
-    # host). 8: on that host, one schema, 8 lanes halve the fill of 64-128 rows against one
-    # (benchmarks/results/grammar_step-h200-host-16cpu-lanes.json); on 2 CPUs the difference is
-    # within the A/A floor (grammar_step-ci-2core-lanes.json, grammar_step-ci-2core-lanes-aa.json).
+    # host). 8: on that host, one schema, 8 lanes halve the fill of 64-128 rows against one;
+    # on 2 CPUs the difference is within the A/A floor.
     # Each lane adds its build to the compile and its memory, once per grammar (docs/architecture.md
     # step 4): workloads with a new schema per request gain nothing from lanes, set 1 there.
     num_llguidance_lanes: int = 8
@@ -53,8 +51,8 @@ class GrammarServiceConfig:
     # `auto`: its budget for a schema whose pick compiles slower than a backend that compiles it
     # too (grammar_service/backend_choice.py): that one compiles first, the pick gets what is
     # left, and past it that one serves (its unenforced keywords reported). Counted from the
-    # start, so a boxed compile takes ~0.4 s, under issue 25's 0.5 s p99 with room for thread
-    # scheduling on a loaded box; 0 = up to the compile timeout
+    # start, so a boxed compile takes ~0.4 s, under the 0.5 s compile p99 target with room for
+    # thread scheduling on a loaded box; 0 = up to the compile timeout
     auto_time_box_s: float = 0.4
     negative_cache_ttl_s: float = 60.0  # how long a failed/timed-out spec is answered from memory
     max_grammar_bytes: int = 1 << 20    # grammar text (or all choices together) above this is refused

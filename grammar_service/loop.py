@@ -15,9 +15,9 @@ rows only for bookkeeping. Masks are written in place in
 the shared region; rows that are not filled with a grammar mask are all ones, and only rows
 that were written with a grammar mask on the entry's previous use are reset.
 
-Slow rows (issue 19 point 6, slow_rows.py): on steps whose descriptor gives `forward_us`, a row
-whose fill alone is slow has its masks filled apart, beside the batch fill, and is late
-(VALID_LATE) when that fill is not done by the end of the engine's forward.
+Slow rows (slow_rows.py; docs/step_channel.md, "Late rows"): on steps whose descriptor gives
+`forward_us`, a row whose fill alone is slow has its masks filled apart, beside the batch fill,
+and is late (VALID_LATE) when that fill is not done by the end of the engine's forward.
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ worker that crashes or is killed on its deadline takes only that grammar's reque
 and a new one takes its place. Only a grammar that compiled there within the limits is then
 compiled by grammar_service itself (the compile is deterministic: same library, same input);
 cached grammars never pass through a worker. The cost, a second compile of each new grammar,
-is in benchmarks/results/compile_isolation-ci-2core.json.
+is in docs/grammar_service.md, "Compile".
 
 Workers are forked from a copy of grammar_service made before its gRPC server
 (grammar_service/forker.py), with the backends imported and, when grammar_service had loaded

@@ -1,4 +1,4 @@
-"""SlowFiller: mask fills of slow rows, off the step's path (issue 19 point 6).
+"""SlowFiller: mask fills of slow rows, off the step's path (docs/step_channel.md, "Late rows").
 
 A row whose mask takes long to fill (an adversarial grammar state) would hold every other row
 of its step: the loop publishes all masks of a step at once. Its fills run here instead, one
@@ -10,7 +10,7 @@ sampled nothing for it), so the fill stays valid for the next step, which uses i
 NUM_THREADS threads, each one fill at a time: a row is slow against the engine's forward, which
 on a small model is well under a millisecond, so a row of an ordinary schema is slow in its
 string states, and one thread would queue such a millisecond fill behind an adversarial row's
-(the GPU slow-row test's others then sit out at its pace: gpu-tests-h200-slow-row-d2f24a6-1.log).
+(the GPU slow-row test's others then sat out at its pace).
 The backends' fills run with the GIL released (xgrammar's binding, llguidance's executor), so the
 loop thread runs beside them.
 """

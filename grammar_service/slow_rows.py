@@ -1,4 +1,6 @@
-"""SlowRows: which rows of a channel are slow, and their masks from the slow filler (issue 19 point 6).
+"""SlowRows: which rows of a channel are slow, and their masks from the slow filler.
+
+See docs/step_channel.md, "Late rows".
 
 Only on steps whose descriptor gives `forward_us` (the engine's recent forward time; GPU steps
 give 0 and every row waits, as before). Per fillable one-position row, `route` says where its

@@ -54,7 +54,7 @@ class EngineConfig:
                                        # fed back on the device (None: on with pipeline_mixed)
     verify_graphs: bool = True         # cuda_graph runner: rows with speculative drafts replay captured
                                        # verify steps (rows x 1 + max_draft_tokens) instead of eager ones
-                                       # (H200: 10-50x faster per step, benchmarks/results/verify-h200.json)
+                                       # (H200: 10-50x faster per step; docs/gpu.md, "Speculative verify graphs")
     tensor_parallel: int = 1           # ranks the model is sharded over (generation_service/parallel/);
                                        # > 1 runs the eager runner: CUDA graphs are not captured with it
 

@@ -52,8 +52,7 @@ class OutputEvent:
     def of_tokens(cls, token_ids: tuple[int, ...], text: str, logprobs: tuple[TokenLogprob, ...]) -> "OutputEvent":
         """``OutputEvent(token_ids, text, logprobs)``, built without the frozen __init__, which
         sets each of the seven fields through object.__setattr__: the engine builds one per
-        row per step, inside the ~9 us a row's postprocess costs on 2 CPUs
-        (benchmarks/results/engine_host-ci-2core.json). The fields not
+        row per step, inside the ~9 us a row's postprocess costs on 2 CPUs. The fields not
         given read their defaults from the class, as dataclass fields with a default do."""
         event = object.__new__(cls)
         fields = event.__dict__  # (item stores: no keyword dict built, no update call)

@@ -35,8 +35,8 @@ path. The `+serial` variants (`mask_prefetch=False`) run the wait and the gather
 main stream after the forward instead: the same kernels, the same buffers, so the same tokens.
 Buckets below `prefetch_min_bucket` (16) fork late, at the LM head: there the forward is a chain
 of PDL-linked kernels, and a branch forked at the start of the step slowed it by more than the
-gather it hides (benchmarks/results/profile-h200-channel.json); forked at the head it costs
-nothing measurable and hides the wait node too (benchmarks/results/profile-h200-at-head.json).
+gather it hides (24 us at 1B B=8 on an H200); forked at the head it costs nothing measurable
+and hides the wait node too (docs/gpu.md, "Where the masks are read").
 
 Capture: the side stream forks at the start of the step (below 16: before the LM head) and
 joins before the sampler reads the mask buffer; both are event edges, so in a graph the wait +
@@ -85,12 +85,11 @@ PREFETCH_MIN_BUCKET = 16
 # CTAs of the side stream's mask gather (kernels/mask_gather.py): enough 32 KB tiles in flight
 # to keep the host link busy, few enough SMs that the forward beside it keeps the rest; 4, not
 # 2: twice the loads in flight when a late mask puts the gather on the critical path. The sweep:
-# benchmarks/results/profile-h200-gather.json (docs/gpu.md, "Where the masks are read").
+# docs/gpu.md, "Where the masks are read".
 MASK_GATHER_PROGRAMS = 4
 # Below PREFETCH_MIN_BUCKET the prefetch variants fork the mask wait + gather beside the LM head
 # (the forward's last launch): it hides the wait node, the gather and up to the head's time of a
-# late grammar_service, at no branch cost (benchmarks/results/profile-h200-at-head.json;
-# decode-h200-1b-at-head-on.json against decode-h200-1b-at-head-off.json).
+# late grammar_service, at no branch cost (docs/gpu.md, "Where the masks are read").
 PREFETCH_AT_HEAD = True
 
 
@@ -154,11 +153,11 @@ class GpuDecodeRunner:
         self.mask_prefetch = mask_prefetch  # the default of `step`; `+serial` variants read masks after the forward
         # Buckets below this do not fork the mask read at the step's start: that branch beside the
         # forward's PDL-chained small-bucket kernels cost more than the gather it hides
-        # (benchmarks/results/profile-h200-channel.json); see prefetch_at_head. Read at capture.
+        # (24 us at 1B B=8 on an H200); see prefetch_at_head. Read at capture.
         self.prefetch_min_bucket = PREFETCH_MIN_BUCKET
         # Read at capture: masks read after the forward (no prefetch) go straight from the mapped
         # ring into the sampler, no gather kernel (`_masks_after_forward`). Off: within noise at 1B
-        # (benchmarks/results/profile-h200-gather.json; the sampler's slice loop pays a PCIe
+        # (docs/gpu.md, "Where the masks are read"; the sampler's slice loop pays a PCIe
         # latency per 1024 tokens where the gather pays one), and the head fork reads first.
         self.ring_mask_read = False
         # Read at capture: CTAs of the prefetching side stream's mask gather; 0: torch.index_select

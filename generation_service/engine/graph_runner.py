@@ -374,7 +374,7 @@ class CudaGraphRunner(ModelRunner):
     def attach(self, link) -> None:
         """Attach the link's step channel and capture its graphs now (engine start) instead of
         in the first constrained step, which would stall its rows for the whole capture (every
-        decode and verify variant: seconds, `captured ... graphs` in benchmarks/results/decode-h200.log).
+        decode and verify variant: seconds).
         A later step of the link only checks it."""
         if link is not None and link.is_connected:
             self._ensure_channel(link, link.next_step)

@@ -1,4 +1,4 @@
-"""LateMask: when a slow grammar's next mask is likely ready (issue 19 point 6).
+"""LateMask: when a slow grammar's next mask is likely ready (docs/step_channel.md, "Late rows").
 
 A row whose mask was late once (VALID_LATE: its grammar fills masks slower than the engine's
 forward) would keep every step of its batch on the host path, which lets one row be late but
@@ -15,9 +15,9 @@ look took at most the time since the row's last token: the estimate halves from 
 is under a forward (the mask is done before any step reads it) the row is fast again and back in
 decode graphs. So a row found late for a reason that passed (a fast grammar's fill queued once
 behind a slow row's in grammar_service's slow filler) sits out for a few tokens, not for many at
-the pace of the time it once waited (gpu-tests-h200-slow-row-256b9ea-1.log: others at the slow
-row's pace). Until a first estimate its retries back off exponentially, so the others' steps are
-not host steps while it learns.
+the pace of the time it once waited (the GPU slow-row test saw the others at the slow row's
+pace; docs/step_channel.md, "Late rows"). Until a first estimate its retries back off
+exponentially, so the others' steps are not host steps while it learns.
 
 Only on a runner whose graphed steps wait for every row's mask (ModelRunner.waits_for_every_mask:
 the CUDA-graph runner). Where every step is a host step (the CPU) a late row costs the others
@@ -89,8 +89,8 @@ class HeldGraphs:
     they have taken PROBE_EVERY thresholds of time. A burst spent before the slow row held any
     step (on another request's stalled step, or the prompts' host step) would otherwise leave it
     holding PROBE_EVERY graph steps, each its whole fill, and a short request never sits out
-    (gpu-tests-h200-slow-row-dda6414-1.log). Between bursts the graph steps still run PROBE_EVERY
-    steps or PROBE_EVERY x HELD_FACTOR decode steps' time."""
+    (the GPU slow-row test; docs/step_channel.md, "Late rows"). Between bursts the graph steps
+    still run PROBE_EVERY steps or PROBE_EVERY x HELD_FACTOR decode steps' time."""
 
     def __init__(self, decode_s: float) -> None:
         self.threshold_s = HELD_FACTOR * decode_s

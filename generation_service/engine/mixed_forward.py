@@ -54,8 +54,7 @@ class MixedLayout:
 
 def pack_mixed(rows: list[ScheduledRow], page_size: int, vocab_size: int) -> MixedLayout:
     """The packed layout of `rows` (each with >= 1 new token: its uncached tokens, then drafts)."""
-    # the rows' order and page table in numpy, not per row in Python: a step has over a hundred
-    # rows (benchmarks/results/engine_host_mixed-ci-2core-pack.json)
+    # the rows' order and page table in numpy, not per row in Python: a step has over a hundred rows
     num_rows = len(rows)
     batch_lens = np.fromiter((len(row.input_ids) for row in rows), dtype=np.int64, count=num_rows)
     order = np.argsort(batch_lens > 1, kind="stable")  # decode rows (one new token) first

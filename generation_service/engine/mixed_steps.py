@@ -300,7 +300,6 @@ class MixedSteps:
         if engine.link is not None and not engine.link.is_connected:
             return None  # let `poll` reconnect and fail what needs the grammar, once N is read
         # NOTE: what every row reads is looked up once: this loop runs per row per step
-        # (benchmarks/results/engine_host_mixed-ci-2core-chain.json)
         now = time.monotonic()
         may_draft = bool(engine.config.max_draft_tokens)
         reserve = engine.scheduler.reserve

@@ -72,7 +72,7 @@ class Request:
     is_budget_closed: bool = False                # grammar_service narrowed its masks to close within max_new_tokens
     # Set once a mask of it came late (VALID_LATE) on a runner whose decode graphs wait for every
     # row's mask: a slow grammar. It sits out of steps while its next mask is likely not ready,
-    # and the steps it joins are host steps, which let it be late alone (late_mask.py, issue 19).
+    # and the steps it joins are host steps, which let it be late alone (late_mask.py).
     late_mask: LateMask | None = None
     # speculation
     forced_run: ForcedRun | None = None           # the grammar's last forced run (grammar proposer)

@@ -89,7 +89,7 @@ class ScheduledBatch:
 DraftFn = Callable[[Request, int], list[int]]  # (request, max drafts) -> draft tokens
 
 # Beside decode rows a step takes the waiting prompt tokens over this many steps (TokenBudget);
-# 2 shortened the queue but not the throughput (benchmarks/results/serve-h200-1b-spread2.json)
+# 2 shortened the queue but not the throughput (docs/serving.md, "Where it stands")
 QUEUE_SPREAD_STEPS = 8
 
 
@@ -161,7 +161,7 @@ class Scheduler:
         # Caps the slots of a step that decode rows share at a few plain decode steps' time
         self.step_time = step_time
         # The most tokens a step that decode rows share may hold (the runner's largest mixed
-        # graph): a step past it runs eagerly, many times slower (serve-h200-1b-budget-wide.json)
+        # graph): a step past it runs eagerly, many times slower (docs/serving.md, "The prefill budget")
         self.max_step_tokens = max_step_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

@@ -9,7 +9,7 @@ cadence a stream sees between mixed steps, and a host-bound server can afford mo
 step than its graphs alone suggest). A batch no plain decode step of its size has run is not
 capped: every step of it is mixed, so no decode step alternates with them, and a mean of
 another batch (the 1-row steps of an idle server) held the 1B shape's prefill at its floor
-(benchmarks/results/serve-h200-targets.json: 320 prompt tokens a step at c=128, TTFT p50 0.48 s).
+(H200: 320 prompt tokens a step at c=128, TTFT p50 0.48 s).
 """
 from __future__ import annotations
 

@@ -237,7 +237,7 @@ def extend_attention_tiles(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     group = num_q_heads // num_kv_heads
     if num_warps is None:
         num_warps = 8 if block_m >= 128 else 4
-    if num_stages is None:  # one stage at head_dim 64: ~0.8x the time of two (mixed_kernels-h200.json)
+    if num_stages is None:  # one stage at head_dim 64: ~0.8x the time of two on an H200
         num_stages = 1 if head_dim <= 64 else 2
     # kv heads on axis 0: programs start tile by tile, in the list's order (tile_array)
     _extend_kernel[(num_kv_heads, tile_rows.shape[0], 1)](

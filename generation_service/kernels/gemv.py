@@ -2,8 +2,8 @@
 (the nn.Linear layout), M <= 16 rows, fp32 accumulation, output in x's dtype.
 
 Why: at M = 1..8 every projection of a decode step is a GEMV, bound by reading W once
-(the 8B projections + LM head alone stream at ~88% of the copy bandwidth under cuBLAS:
-`GEMMs alone` in benchmarks/results/decode-h200.log). Design for bandwidth:
+(the 8B projections + LM head alone stream at ~88% of the copy bandwidth under cuBLAS on an
+H200). Design for bandwidth:
 - each program owns BLOCK_N output columns and streams those W rows across K in
   (BLOCK_N, BLOCK_K) tiles, 128-bit loads along K, pipelined `num_stages` deep; x's K tile is
   loaded once per step and serves all M rows;
@@ -107,14 +107,14 @@ ROW_TILE = 8192  # row kernel: BLOCK_N * BLOCK_K fp32 partials = 64 registers a 
 CUBLAS = None  # a MEASURED choice: F.linear (cuBLAS) beat every Triton candidate
 MIN_GAIN = 0.01  # Triton's best must beat cuBLAS by >= 1%: ties (<= 0.4% in the run) go to cuBLAS
 
-# From benchmarks/results/kernels-gemv-h200.json (commit 39e64ce: `kernels.py --only
-# gemv,gemv_decode` on one H200, bf16, each projection a CUDA graph of one launch per layer over
-# distinct weights; gate_up is the fused gemv_gate_up_silu vs F.linear + silu_mul).
+# Measured with `benchmarks/kernels.py --only gemv,gemv_decode` on one H200 (bf16, each projection
+# a CUDA graph of one launch per layer over distinct weights; gate_up is the fused
+# gemv_gate_up_silu vs F.linear + silu_mul; docs/gpu.md, "The decode forward").
 # (weight rows, K, fused) -> ((max rows, choice), ...) by ascending max rows; rows measured:
 # 1, 2, 4, 8. choice: the fastest Triton config where it beat cuBLAS by MIN_GAIN at every measured
 # row count of the range, else CUBLAS. Comments: us per call, cuBLAS -> that config (or the best
 # Triton config where cuBLAS won). tests/unit/kernels/test_gemv_kernel.py re-derives this from
-# the JSON: a new run means a new table.
+# that run's results: a new run means a new table.
 MEASURED: dict[tuple[int, int, bool], tuple[tuple[int, GemvConfig | None], ...]] = {
     # Llama-3.1-8B: hidden 4096, intermediate 14336, 32 q / 8 kv heads x 128, vocab 131072
     (6144, 4096, False): ((8, CUBLAS),),  # qkv 15.2-15.8 -> 15.7-16.3
@@ -135,10 +135,10 @@ MEASURED: dict[tuple[int, int, bool], tuple[tuple[int, GemvConfig | None], ...]]
 
 # One row under PDL (kernels/pdl.py): MEASURED timed each projection alone, where cuBLAS kept
 # qkv and down by < 4%; in a whole decode step with PDL, Triton there lets the step's chain of
-# Triton kernels overlap across them (benchmarks/results/profile-h200-triton-m1.json).
+# Triton kernels overlap across them (docs/gpu.md, "The decode forward").
 # The configs: the CUDA-core kernel at BLOCK_N 8 (N / 8 programs, 4-8 per SM, each streaming
-# whole 1024-wide K tiles), the fastest of 9-14 candidates for every projection but gate_up in
-# kernels-gemv-m1-h200.json (`kernels.py --extra-m1`, us per call, before -> this config):
+# whole 1024-wide K tiles), the fastest of 9-14 candidates for every projection but gate_up
+# (`kernels.py --extra-m1` on one H200, us per call, before -> this config):
 PDL_M1: dict[tuple[int, int, bool], GemvConfig] = {
     (6144, 4096, False): GemvConfig(8, 1024, num_stages=3, use_dot=False),  # 8B qkv 15.2 -> 14.5
     (4096, 4096, False): GemvConfig(8, 1024, num_stages=3, use_dot=False),  # 8B o_proj 12.0 -> 10.3
@@ -270,8 +270,8 @@ def _gemv_dot_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride
     # rows of x beyond M load as zeros. EVEN: N % BLOCK_N == 0 and K % BLOCK_K == 0.
     # RMS_SCALE (a folded RMSNorm's consumer): x is the raw residual stream and W carries the
     # norm weight; the rows' 1/rms scales the accumulators after the K loop, which stays as it
-    # is (scaling x per K tile stopped Triton pipelining the W loads: 3x slower, 1B gate_up in
-    # benchmarks/results/profile-h200-merge-norm-pdl-early.json).
+    # is (scaling x per K tile stopped Triton pipelining the W loads: 3x slower, 1B gate_up on an
+    # H200; docs/gpu.md, "The decode forward").
     pdl_wait(PDL)  # before any global access (pdl.py)
     offs_n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)

@@ -5,8 +5,8 @@
 Why not `torch.index_select`: the ring lives in host memory, so every load is a PCIe round
 trip. index_select spreads 2 MB (128 rows, 131k vocabulary) over hundreds of blocks on
 every SM; each block then holds its SM while its loads cross the bus, and on the mask-prefetch
-side stream that starves the forward beside it (H200, 1B at batch 64/128:
-benchmarks/results/profile-h200-gather.json). Here `programs` CTAs each move (BLOCK_R, BLOCK_W)
+side stream that starves the forward beside it (H200, 1B at batch 64/128: docs/gpu.md,
+"Where the masks are read"). Here `programs` CTAs each move (BLOCK_R, BLOCK_W)
 tiles with every load of a tile in flight at once (32 KB a tile), so a few programs keep the
 bus busy while the forward keeps the rest of the GPU. On the main stream after the forward
 (nothing runs beside it) one program per tile puts the whole copy in flight at once.

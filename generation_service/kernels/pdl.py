@@ -7,8 +7,8 @@ the predecessor has completed and its writes are visible) and `pdl_launch_depend
 successor may be let in (the successor launches when every program of this kernel has called
 it or exited). The small kernels (RMSNorm, RoPE, silu*mul, the attention reduce) call it at
 their start; the GEMVs and the attention split kernel after their main loop, so the waiting
-successor does not hold SM slots while they still stream (at their start the step ran slower:
-benchmarks/results/profile-h200-merge-norm-pdl-early.json). So the successor's launch and
+successor does not hold SM slots while they still stream (at their start the step ran slower on
+an H200: docs/gpu.md, "The decode forward"). So the successor's launch and
 setup overlap the predecessor's tail, and nothing is read or written early.
 
 Rules for a kernel that takes `PDL`: `pdl_wait` unconditionally at its top, before any global

@@ -90,7 +90,7 @@ def _rope_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, v_
 
 # Heads a program rotates: 16 (4 warps) is within 0.6 us of the best setting measured up to 768
 # tokens for the 1B and 8B shapes, and 9x one head a program at 768
-# (benchmarks/results/mixed_kernels-h200.json)
+# (H200; docs/serving.md, "Where it stands")
 HEADS_PER_PROGRAM, NUM_WARPS = 16, 4
 
 

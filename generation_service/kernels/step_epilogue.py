@@ -22,7 +22,7 @@ program run in order) the fence is left out.
 Why: in torch these are 5 launches on a free step (a copy, the compare, a copy, two adds)
 and 3 more on a channel step (the int32 cast and two index_put), each a graph node of a
 few microseconds that the decode forward's PDL chain cannot overlap
-(`engine/gpu_runner.py`'s step body; benchmarks/results/profile-h200-epilogue.json); publishing folds in
+(`engine/gpu_runner.py`'s step body; docs/gpu.md, "The step tail in the epilogue"); publishing folds in
 `gpu_runner.publish_step_seq` + `advance_channel_step` (a write memop and 3 kernels).
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The llguidance backend: Earley parser + lazy lexer, compiles real-world schemas in ms.
 
-Compared with xgrammar (see benchmarks/results/schemas-*.json): compile is 10-1000x faster
+Compared with xgrammar (see docs/guarantees.md, "Backends and `auto`"): compile is 10-1000x faster
 because llguidance builds token masks lazily per step instead of precomputing them per
 grammar rule; mask fill costs a little more per token. It compiles JSON Schemas in
 `lenient` mode and reports every keyword it weakened as a grammar warning, which
@@ -254,7 +254,7 @@ class LLGuidanceBackend(GrammarBackend):
         # NOTE: deep_copy shares the lane's lexer (llguidance's Parser.shared, an Arc<Mutex>)
         # and every compute_mask / consume_token holds that lock, so the rows of one lane fill
         # and advance one at a time whatever the thread count (hence lanes: 8 halve the fill of
-        # one schema's rows on 16 CPUs, benchmarks/results/grammar_step-h200-host-16cpu-lanes.json).
+        # one schema's rows on 16 CPUs; docs/architecture.md step 4).
         # Round robin rather than least loaded: rows of one grammar live about as long.
         lane = compiled.next_lane()
         return LLGuidanceMatcher(compiled.lanes[lane].deep_copy(), self._stop_ids, lane)

@@ -121,7 +121,7 @@ def exit_now(code: int) -> None:
 def uses_engine_process(config, engine_config) -> bool:
     """--engine-process, by default on with a CUDA device and one process: there a small model's
     engine loop is the bound, and sharing the GIL with the gRPC front halved the 1B shape's
-    throughput (benchmarks/results/serve-h200-engine-process.json against serve-h200-1b-ref.json)."""
+    throughput (docs/serving.md, "The engine process")."""
     if config.engine_process is not None:
         return config.engine_process
     return str(engine_config.device).startswith("cuda") and engine_config.tensor_parallel == 1
