@@ -7,7 +7,6 @@ import os
 import pathlib
 import re
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -18,7 +17,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from grammar_kills import descendants
-from live_server import start_serve, stop_serve
+from live_server import free_port, start_serve, stop_serve
 from structgen_client import Client, UnauthenticatedError, UnavailableError
 
 TOKEN = "s3cret-token"
@@ -33,21 +32,16 @@ def _is_alive(pid: int) -> bool:
         return False
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def own_server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("serve2")
     (folder / "token").write_text(TOKEN + "\n")
-    health_port, metrics_port = _free_port(), _free_port()
+    health_port, metrics_port = free_port(), free_port()
     # 120 s of drain: the open streams' 200 tokens end well before it (the drain stops when they do)
     server = start_serve(["--max-new-tokens-limit=256", "--drain-seconds=120",
                           f"--auth-token-file={folder / 'token'}", f"--health-port={health_port}",
-                          f"--metrics-port={metrics_port}", f"--http-port={_free_port()}"], folder / "serve.log")
+                          f"--metrics-port={metrics_port}", f"--http-port={free_port()}"], folder / "serve.log")
     server.health_port, server.metrics_port = health_port, metrics_port
     yield server
     if server.process.poll() is None:

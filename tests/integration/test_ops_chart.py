@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from live_server import start_serve, stop_serve
+from live_server import free_port, start_serve, stop_serve
 from structgen.supervisor import wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,11 +36,6 @@ VALUES = {
 # The container's environment that is about the pod's filesystem, not settings.
 POD_PATHS = {"HOME", "XDG_CACHE_HOME", "TRITON_CACHE_DIR"}
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +83,7 @@ def pod(rendered, tmp_path_factory):
     assert wait_healthy(socket_address, 120, sidecar), grammar_log.read_text()[-3000:]
 
     generation = _container(rendered, "generation")
-    metrics_port = _free_port()
+    metrics_port = free_port()
     rewrites = {"--host=0.0.0.0": "--host=127.0.0.1", "--port=50051": "--port=0",
                 "--metrics-port=9400": f"--metrics-port={metrics_port}"}
     args = [rewrites.get(a, a.replace(SOCKET, socket_address)) for a in generation["args"][1:]]

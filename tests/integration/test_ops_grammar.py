@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from channel_driver import ChannelDriver, Row
 from grammar_contract.client import GrammarControlClient
 from grammar_contract.spec import GrammarSpec
+from live_server import free_port
 from real_tokenizers import continuation_ids
 from step_channel import Geometry, StepChannel
 from structgen.supervisor import wait_healthy
@@ -29,11 +29,6 @@ VOCAB = 32768
 GEOMETRY = Geometry(max_batch=2, max_positions=1, vocab_size=VOCAB)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _scrape(port: int) -> dict[str, float]:
@@ -54,7 +49,7 @@ def _grammar_health(address: str) -> int:
 @pytest.fixture(scope="module")
 def sidecar(tmp_path_factory, mistral_32k_dir):
     sock = tmp_path_factory.mktemp("sidecar") / "grammar.sock"
-    metrics_port, health_port = _free_port(), _free_port()
+    metrics_port, health_port = free_port(), free_port()
     proc = subprocess.Popen([sys.executable, "-m", "structgen.cli", "grammar", "--listen", f"unix://{sock}",
                              f"--metrics-port={metrics_port}", f"--health-port={health_port}",
                              "--tokenizer-dir", mistral_32k_dir, "--vocab-size", str(VOCAB)], cwd=ROOT)

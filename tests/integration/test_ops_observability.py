@@ -6,10 +6,8 @@ One server for the module, started with OTEL_* pointing at an in-test OTLP recei
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import secrets
-import socket
 import subprocess
 import threading
 import time
@@ -25,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import structgen
 from otlp_receiver import OtlpReceiver
-from live_server import LIMITS, start_serve, stop_serve
+from live_server import LIMITS, free_port, start_serve, stop_serve
 from structgen.v1 import generation_pb2 as pb
 from structgen.v1 import generation_pb2_grpc as pb_grpc
 from structgen_client import Client
@@ -40,11 +38,6 @@ DRAIN_S = 60
 MAX_TOKENS_LIMIT = 1024
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def receiver():
@@ -54,11 +47,11 @@ def receiver():
 
 @pytest.fixture(scope="module")
 def server(receiver, tmp_path_factory):
-    metrics_port, health_port, grammar_metrics_port = _free_port(), _free_port(), _free_port()
+    metrics_port, health_port, grammar_metrics_port = free_port(), free_port(), free_port()
     limits = {**LIMITS, "max_new_tokens_limit": MAX_TOKENS_LIMIT}
     args = [f"--{name.replace('_', '-')}={value}" for name, value in limits.items()]
     args += [f"--metrics-port={metrics_port}", f"--drain-seconds={DRAIN_S}", f"--health-port={health_port}",
-             f"--http-port={_free_port()}"]
+             f"--http-port={free_port()}"]
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_EXPORTER_OTLP_INSECURE": "true",
            "OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_TRACES_SAMPLER": "parentbased_always_on",
            "STRUCTGEN_GRAMMAR_METRICS_PORT": str(grammar_metrics_port)}  # the grammar child's, as in the chart

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import ssl
 import stat
 from types import SimpleNamespace
@@ -18,7 +17,7 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from live_server import LIMITS, start_serve, stop_serve
+from live_server import LIMITS, free_port, start_serve, stop_serve
 from pki import make_pki
 from structgen.v1 import generation_pb2 as pb
 from structgen.v1 import generation_pb2_grpc as pb_grpc
@@ -26,11 +25,6 @@ from structgen.v1 import generation_pb2_grpc as pb_grpc
 TOKEN = "s3cret-token-for-tests"
 HANDSHAKE_FAILED = (grpc.StatusCode.UNAVAILABLE,)
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +37,11 @@ def secure_server(pki, tmp_path_factory):
     folder = tmp_path_factory.mktemp("secure")
     token_file = folder / "token"
     token_file.write_text(TOKEN + "\n")
-    health_port = _free_port()
+    health_port = free_port()
     args = [f"--{name.replace('_', '-')}={value}" for name, value in LIMITS.items()]
     args += [f"--tls-cert={pki.path('server.crt')}", f"--tls-key={pki.path('server.key')}",
              f"--tls-client-ca={pki.path('ca.crt')}", f"--auth-token-file={token_file}",
-             f"--health-port={health_port}", f"--http-port={_free_port()}"]
+             f"--health-port={health_port}", f"--http-port={free_port()}"]
     server = start_serve(args, folder / "serve.log")
     server.health_address = f"127.0.0.1:{health_port}"
     yield server
