@@ -1,4 +1,4 @@
-"""The step channel shared by generation_service and grammar_service (DESIGN §3)."""
+"""The step channel shared by generation_service and grammar_service (docs/step_channel.md)."""
 from step_channel.layout import (
     ERR_INTERNAL, ERR_MASK, ERR_NO_MATCHER, ERR_NONE, ERR_TOKEN_REJECTED, ERR_UNKNOWN_GRAMMAR,
     FLAG_CONSTRAINED, FLAG_FORCED_DRAFTS, FLAG_FRESH, FLAG_RELEASE, MASK_OK, MASK_RELEASED_BY_WATCHDOG,

@@ -1,4 +1,4 @@
-"""Byte layout of the step channel (DESIGN §3): a versioned header and a ring of step entries.
+"""Byte layout of the step channel (docs/step_channel.md): a versioned header and a ring of step entries.
 
 The region is one flat buffer shared by generation_service (creator; on CUDA hosts the GPU
 reads and writes it through a device mapping) and grammar_service. Every field is a little-

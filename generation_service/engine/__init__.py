@@ -1,4 +1,4 @@
-"""The generation engine: one file per noun (DESIGN §2 steps 3-6 live here).
+"""The generation engine: one file per noun (steps 3-6 of docs/architecture.md, "A request's life", live here).
 
     engine.py        Engine: submit / cancel / stats / start / stop; the main loop `step`
     config.py        EngineConfig (frozen) and EngineStats

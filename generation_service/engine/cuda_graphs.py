@@ -1,4 +1,4 @@
-"""Persistent decode buffers and the CUDA graphs captured over them (DESIGN §4).
+"""Persistent decode buffers and the CUDA graphs captured over them (docs/gpu.md).
 
 One graph per (batch bucket, variant). A step of B rows replays the graph of the smallest
 bucket >= B; rows B..bucket-1 are padding: `DecodeBuffers.scrub_tail` points them at the

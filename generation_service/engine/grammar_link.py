@@ -1,4 +1,4 @@
-"""GrammarLink: the engine's side of the step channel (DESIGN §3, docs/step_channel.md).
+"""GrammarLink: the engine's side of the step channel (docs/step_channel.md).
 
 Per grammar step N (an engine step with constrained or release rows; other steps never touch
 the channel): `begin` writes descriptor N and the drafts, then `inputs_seq = N`, *before* the

@@ -1,6 +1,6 @@
 """Sampler: logits of the sampling positions -> accepted tokens per row.
 
-Order per position (DESIGN §4): NaN -> -inf, grammar mask (constrained rows only), the
+Order per position: NaN -> -inf, grammar mask (constrained rows only), the
 logits processing of logit_processing.py (EOS hold, logit_bias, penalties, min_p; rows that
 ask for it), then temperature, top-k, top-p; greedy rows take the argmax of the processed
 logits. Logprobs are those of the grammar-masked model distribution, before the processing.
