@@ -6,6 +6,7 @@ takes one stats snapshot per scrape. Every family carries the `model_name` label
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -84,11 +85,7 @@ STEP_WAIT = FamilyDoc(
 def step_wait_buckets(counts: tuple[int, ...]) -> list[tuple[str, int]]:
     """Cumulative (le, count) buckets of `EngineStats.grammar_wait_counts`."""
     counts = counts or (0,) * (len(WAIT_BUCKETS_S) + 1)
-    buckets, total = [], 0
-    for bound, count in zip([*map(repr, WAIT_BUCKETS_S), "+Inf"], counts):
-        total += count
-        buckets.append((bound, total))
-    return buckets
+    return list(zip([*map(repr, WAIT_BUCKETS_S), "+Inf"], itertools.accumulate(counts)))
 
 
 class EngineCollector:

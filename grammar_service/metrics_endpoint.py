@@ -16,8 +16,7 @@ import time
 import prometheus_client
 
 log = logging.getLogger(__name__)
-MOVED_POLL_S = 0.1   # a takeover's metrics are served this soon after it
-RETRY_S = 0.1        # the replaced child may still be closing the port
+POLL_S = 0.1  # a takeover's metrics are served this soon after it (or after the replaced child let go of the port)
 
 
 def serve_metrics(port: int, socket_path: str | None, socket_inode: int | None) -> None:
@@ -37,19 +36,18 @@ def serve_metrics(port: int, socket_path: str | None, socket_inode: int | None) 
 
 def _bind_after_move(port: int, socket_path: str, socket_inode: int | None) -> None:
     while True:
-        time.sleep(MOVED_POLL_S)
+        time.sleep(POLL_S)
         try:
-            if os.stat(socket_path).st_ino != socket_inode:
-                break
+            if os.stat(socket_path).st_ino == socket_inode:
+                continue  # still standing by
         except FileNotFoundError:
-            break
-    while True:
+            pass
         try:
             prometheus_client.start_http_server(port)
-            log.info("serving /metrics on port %d", port)
-            return
         except OSError as exc:
-            if exc.errno != errno.EADDRINUSE:
-                log.warning("cannot serve /metrics on port %d: %s", port, exc)
-                return
-        time.sleep(RETRY_S)
+            if exc.errno == errno.EADDRINUSE:
+                continue
+            log.warning("cannot serve /metrics on port %d: %s", port, exc)
+            return
+        log.info("serving /metrics on port %d", port)
+        return
