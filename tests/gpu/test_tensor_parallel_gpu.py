@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 import multiprocessing
 import re
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
+from ports import free_port
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 
@@ -26,9 +26,7 @@ PAGE_SIZE = 16
 
 
 def _address() -> str:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+    return f"tcp://127.0.0.1:{free_port()}"
 
 
 def steps_logits(model, kv, forced: list[list[int]] | None) -> tuple[list[torch.Tensor], list[list[int]]]:

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from live_server import LIMITS, SLOW_FILL_MARKER, SLOW_FILL_MS, LiveServer, free_port, start_serve, stop_serve
+from live_server import LIMITS, SLOW_FILL_MARKER, SLOW_FILL_MS, LiveServer, start_serve, stop_serve
+from ports import free_port
 from live_server import wait_idle as wait_until_idle
 
 

@@ -20,7 +20,8 @@ import jsonschema
 import pytest
 
 from chat_checkpoints import write_checkpoint
-from live_server import free_port, start_serve, stop_serve
+from live_server import start_serve, stop_serve
+from ports import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # city: a pattern, not maxLength: random byte-level tokens can close a string on bytes that are

@@ -17,7 +17,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from grammar_kills import descendants
-from live_server import free_port, start_serve, stop_serve
+from live_server import start_serve, stop_serve
+from ports import free_port
 from structgen_client import Client, UnauthenticatedError, UnavailableError
 
 TOKEN = "s3cret-token"

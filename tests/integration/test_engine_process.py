@@ -17,7 +17,8 @@ import time
 import jsonschema
 import pytest
 
-from live_server import free_port, start_serve, stop_serve, wait_idle
+from live_server import start_serve, stop_serve, wait_idle
+from ports import free_port
 from structgen_client import Client, InvalidArgumentError, OutOfRangeError, UnavailableError
 
 MODEL = ["--model", "tiny-random", "--max-new-tokens-limit", "64", "--max-prompt-tokens", "256"]

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from live_server import free_port, start_serve, stop_serve
+from live_server import start_serve, stop_serve
+from ports import free_port
 from structgen.supervisor import wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from channel_driver import ChannelDriver, Row
 from grammar_contract.client import GrammarControlClient
 from grammar_contract.spec import GrammarSpec
-from live_server import free_port
+from ports import free_port
 from real_tokenizers import continuation_ids
 from step_channel import Geometry, StepChannel
 from structgen.supervisor import wait_healthy

@@ -27,7 +27,8 @@ import pytest
 
 from grammar_contract.client import GrammarControlClient
 from grammar_kills import SCHEMA, Kill, Load, in_flight, is_alive, kill_serving, losses, one_request
-from live_server import free_port, start_serve, stop_serve, wait_idle
+from live_server import start_serve, stop_serve, wait_idle
+from ports import free_port
 from prometheus_client.parser import text_string_to_metric_families
 from structgen_client import Client
 

@@ -23,7 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import structgen
 from otlp_receiver import OtlpReceiver
-from live_server import LIMITS, free_port, start_serve, stop_serve
+from live_server import LIMITS, start_serve, stop_serve
+from ports import free_port
 from structgen.v1 import generation_pb2 as pb
 from structgen.v1 import generation_pb2_grpc as pb_grpc
 from structgen_client import Client

@@ -17,7 +17,8 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from live_server import LIMITS, free_port, start_serve, stop_serve
+from live_server import LIMITS, start_serve, stop_serve
+from ports import free_port
 from pki import make_pki
 from structgen.v1 import generation_pb2 as pb
 from structgen.v1 import generation_pb2_grpc as pb_grpc

@@ -23,7 +23,8 @@ import sys
 import jsonschema
 import pytest
 
-from live_server import free_port, start_serve, stop_serve
+from live_server import start_serve, stop_serve
+from ports import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 README_ADDRESS = "localhost:50051"

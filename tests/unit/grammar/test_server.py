@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import gc
-import socket
 
 import grpc
 import pytest
@@ -15,6 +14,7 @@ from grammar_contract.spec import GrammarSpec, ReasoningSpan
 from grammar_service.config import GrammarServiceConfig
 from grammar_service.server import RunningServer, build_parser, main, spec_from_proto
 from grammar_service.settings import GRAMMAR_SETTINGS
+from ports import free_port
 from step_channel import Geometry, StepChannel
 
 
@@ -46,14 +46,8 @@ def test_bad_configuration_exits_2(capsys):
     assert "STRUCTGEN_GRAMMAR_NUM_FILL_THREADS: expected an integer, got 'many'" in capsys.readouterr().err
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_health_port_and_compile_before_any_tokenizer(tmp_path):
-    port = _free_port()
+    port = free_port()
     config = GrammarServiceConfig(listen=f"unix://{tmp_path}/g.sock", health_port=port, shutdown_grace_s=0.5)
     running = RunningServer(config)
     client = GrammarControlClient(config.listen)

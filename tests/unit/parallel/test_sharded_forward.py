@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import socket
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from generation_service.model.forward_batch import build_forward_batch
 from generation_service.model.loader import load_model
 from generation_service.model.random_init import build_random_model
 from generation_service.parallel.plan import ShardPlan, TensorParallelError, check_divisible
+from ports import free_port
 
 HF_CONFIG = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 101, "hidden_size": 64,
@@ -60,9 +60,7 @@ def greedy_logits(model, kv: KVCache) -> list[torch.Tensor]:
 
 
 def _address() -> str:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+    return f"tcp://127.0.0.1:{free_port()}"
 
 
 def run_worker(address: str, folder: str) -> None:
