@@ -26,14 +26,17 @@ def random_model(config):
     return build_random_model(config, torch.device("cuda"), torch.bfloat16, seed=0)
 
 
-def random_kv_cache(config, num_pages: int):
-    """A bf16 KV cache of `num_pages` pages on the GPU, every value N(0, 1)."""
+def random_kv_cache(config, num_pages: int, dtype: torch.dtype = torch.bfloat16):
+    """A KV cache of `num_pages` pages on the GPU in `dtype` (bf16, or KV_FP8 with scales 1.0),
+    every value N(0, 1)."""
     from generation_service.engine.kv_cache import KVCache
 
-    kv = KVCache(config.num_layers, num_pages, PAGE_SIZE, config.num_kv_heads, config.head_dim,
-                 torch.bfloat16, "cuda")
+    kv = KVCache(config.num_layers, num_pages, PAGE_SIZE, config.num_kv_heads, config.head_dim, dtype, "cuda")
     for t in kv.k + kv.v:
-        t.normal_(0.0, 1.0)
+        if t.dtype == torch.bfloat16:
+            t.normal_(0.0, 1.0)
+        else:  # (no normal_ for float8: drawn in bf16, then rounded)
+            t.copy_(torch.empty(t.shape, dtype=torch.bfloat16, device=t.device).normal_(0.0, 1.0))
     return kv
 
 

@@ -14,11 +14,19 @@ freeing the device, before the server starts):
   with --mixed-kernels, also each replay's kernels by group (torch.profiler) and its GEMMs'
   time and TFLOP/s by projection; with --mixed-buckets, graphs of those token buckets;
 - the model's FLOPs per prompt: 2 x the linear parameters per token, the causal attention's
-  4 x layers x heads x head_dim x (n^2 / 2), and one LM-head row.
+  4 x layers x heads x head_dim x (n^2 / 2), and one LM-head row;
+- with --quantization fp8 and/or --kv-cache-dtype fp8 (the server's flags), every step above is
+  timed on what that server runs: the model's linear layers quantized at load as the loader does
+  (`quantize_model_`, per-channel e4m3), KV pages in e4m3. With --quantization fp8 the prefill
+  ceiling `matmul_tflops` is the FP8 rate (`torch._scaled_mm`, row-wise scales, the GEMM of
+  `kernels/fp8_gemm.py`; the bf16 one beside it), and the weight-read floor counts the bytes that
+  model's decode step reads (FP8 linear weights and their scales, the bf16 LM head and norms).
 
     python benchmarks/_roofline.py --config folder/config.json --points 1:1024 64:576 --out r.json
     python benchmarks/_roofline.py --config folder/config.json --points 128:576 --mixed-points 96:576:448 --out r.json
     python benchmarks/_roofline.py --config folder/config.json --points 1:1024 --tensor-parallel 4 --out r.json
+    python benchmarks/_roofline.py --config folder/config.json --points 1:576 64:576 --quantization fp8 \
+        --kv-cache-dtype fp8 --out r.json
 """
 from __future__ import annotations
 
@@ -32,7 +40,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._gpu_timing import median_ms  # noqa: E402
+from benchmarks._gpu_timing import median_ms, weight_bytes_read  # noqa: E402
 
 
 def prefill_flops(config, num_tokens: int) -> float:
@@ -45,21 +53,32 @@ def prefill_flops(config, num_tokens: int) -> float:
     return linear + attention + 2.0 * c.hidden_size * c.vocab_size
 
 
-def ceilings() -> dict:
+def ceilings(quantization: str | None = None) -> dict:
+    """The matmul rate prefill is held to (bf16; with quantization "fp8" the FP8 GEMM's, the
+    bf16 one beside it) and the device copy bandwidth (bytes read + written per second)."""
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     matmul_ms = median_ms(lambda: a @ b, 10)
+    out = {"matmul_tflops": 2 * 8192 ** 3 / matmul_ms / 1e9}
+    if quantization == "fp8":  # e4m3 operands, one fp32 scale per row of each, bf16 out
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+        scale_a = torch.ones(8192, 1, device="cuda", dtype=torch.float32)
+        scale_b = torch.ones(1, 8192, device="cuda", dtype=torch.float32)
+        fp8_ms = median_ms(lambda: torch._scaled_mm(a8, b8.t(), scale_a=scale_a, scale_b=scale_b,
+                                                    out_dtype=torch.bfloat16), 10)
+        out = {"matmul_tflops": 2 * 8192 ** 3 / fp8_ms / 1e9, "bf16_matmul_tflops": out["matmul_tflops"]}
+        del a8, b8
     src = torch.randn(1 << 31, device="cuda", dtype=torch.bfloat16)
     dst = torch.empty_like(src)
     copy_ms = median_ms(lambda: dst.copy_(src), 10)
     del a, b, src, dst
     torch.cuda.empty_cache()
-    return {"matmul_tflops": 2 * 8192 ** 3 / matmul_ms / 1e9, "copy_bandwidth_GBps": 2 * (2 << 31) / copy_ms / 1e6}
+    return out | {"copy_bandwidth_GBps": 2 * (2 << 31) / copy_ms / 1e6}
 
 
 @torch.no_grad()
-def decode_steps(model, points: list[tuple[int, int]]) -> list[dict]:
-    """Free decode-graph step time of each (batch, context) of `model` (`random_model`)."""
+def decode_steps(model, points: list[tuple[int, int]], kv_dtype: torch.dtype = torch.bfloat16) -> list[dict]:
+    """Free decode-graph step time of each (batch, context) of `model` (`random_model`), KV pages in `kv_dtype`."""
     from benchmarks._gpu_model import load_rows, pages_per_row, random_kv_cache
     from generation_service.engine.cuda_graphs import FREE
     from generation_service.engine.gpu_runner import GpuDecodeRunner
@@ -69,7 +88,7 @@ def decode_steps(model, points: list[tuple[int, int]]) -> list[dict]:
     max_batch, reps = max(batches), 20
     row_pages = [pages_per_row(c + reps + 8) for _, c in points]
     num_pages = max(b * n for (b, _), n in zip(points, row_pages))  # one point at a time
-    kv = random_kv_cache(config, 1 + num_pages)
+    kv = random_kv_cache(config, 1 + num_pages, kv_dtype)
     runner = GpuDecodeRunner(model, kv, max_batch=max_batch, buckets=tuple(batches), variants=(FREE,))
     runner.capture()
     rows = []
@@ -84,7 +103,7 @@ def decode_steps(model, points: list[tuple[int, int]]) -> list[dict]:
 
 @torch.no_grad()
 def mixed_steps(model, points: list[tuple[int, int, int]], max_rows: int, kernels: bool = False,
-                buckets: tuple[int, ...] | None = None) -> list[dict]:
+                buckets: tuple[int, ...] | None = None, kv_dtype: torch.dtype = torch.bfloat16) -> list[dict]:
     """Mixed-step graph time of each (decode rows, context, prompt chunk): D rows of one new token
     at context C, then a first chunk of P prompt tokens, sampled at its end; graphs of `max_rows`
     rows (the server's max batch; at least D + 1); `kernels`: and the replay's kernels."""
@@ -98,7 +117,7 @@ def mixed_steps(model, points: list[tuple[int, int, int]], max_rows: int, kernel
 
     config = model.config
     max_pages = max(pages_per_row(max(c, p) + 1) for _, c, p in points)
-    kv = random_kv_cache(config, 1 + max(d * pages_per_row(c + 1) + pages_per_row(p) for d, c, p in points))
+    kv = random_kv_cache(config, 1 + max(d * pages_per_row(c + 1) + pages_per_row(p) for d, c, p in points), kv_dtype)
     runner = GpuDecodeRunner(model, kv, max_batch=max_rows, buckets=(max_rows,), variants=(FREE,))
     graphs = MixedGraphs(runner.forward, runner.max_batch, max_pages, buckets=buckets or MIXED_TOKEN_BUCKETS)
     graphs.capture()
@@ -162,29 +181,48 @@ def main() -> int:
     parser.add_argument("--mixed-buckets", type=int, nargs="*", default=None,
                         help="the mixed graphs' token buckets (default: the server's, MIXED_TOKEN_BUCKETS)")
     parser.add_argument("--tensor-parallel", type=int, default=1)
+    parser.add_argument("--quantization", choices=("fp8",), default=None,
+                        help="the server's --quantization: the linear layers in FP8 e4m3 (one GPU only)")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                        help="the server's --kv-cache-dtype: fp8, KV pages in e4m3 (one GPU only)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    config = read_config(pathlib.Path(args.config))
-    result = ceilings()
-    print(f"bf16 matmul {result['matmul_tflops']:.0f} TFLOP/s, copy {result['copy_bandwidth_GBps']:.0f} GB/s", flush=True)
-    points = sorted({tuple(int(x) for x in point.split(":")) for point in args.points})
     n = args.tensor_parallel
-    result["tensor_parallel"] = n
-    embedding = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size  # one row is read
-    result["weight_bytes_per_gpu"] = (config.num_parameters - embedding) * 2 / n  # bf16
-    result["weight_read_floor_ms"] = result["weight_bytes_per_gpu"] / (result["copy_bandwidth_GBps"] * 1e9) * 1e3
-    print(f"weight-read floor per GPU at TP={n}: {result['weight_read_floor_ms']:.3f} ms", flush=True)
-    result["decode_steps"] = []
-    if n == 1:  # one random model for both kinds of step
+    if n > 1 and (args.quantization or args.kv_cache_dtype != "auto"):
+        parser.error("FP8 runs on one GPU only (the server's rule)")
+    config = read_config(pathlib.Path(args.config))
+    result = ceilings(args.quantization)
+    print(f"{args.quantization or 'bf16'} matmul {result['matmul_tflops']:.0f} TFLOP/s, "
+          f"copy {result['copy_bandwidth_GBps']:.0f} GB/s", flush=True)
+    points = sorted({tuple(int(x) for x in point.split(":")) for point in args.points})
+    result.update(tensor_parallel=n, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                  decode_steps=[])
+    model = None
+    if n == 1:  # one random model for both kinds of step, quantized as the loader does
         from benchmarks._gpu_model import random_model
         model = random_model(config)
-        result["decode_steps"] = decode_steps(model, points)
+        if args.quantization:
+            from generation_service.model.quantization.apply import quantize_model_
+            from generation_service.model.quantization.scheme import ONLINE_FP8
+            quantize_model_(model, ONLINE_FP8)
+            torch.cuda.empty_cache()
+        result["weight_bytes_per_gpu"] = weight_bytes_read(model)
+    else:
+        embedding = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size  # one row is read
+        result["weight_bytes_per_gpu"] = (config.num_parameters - embedding) * 2 / n  # bf16
+    result["weight_read_floor_ms"] = result["weight_bytes_per_gpu"] / (result["copy_bandwidth_GBps"] * 1e9) * 1e3
+    print(f"weight-read floor per GPU at TP={n}: {result['weight_read_floor_ms']:.3f} ms "
+          f"({result['weight_bytes_per_gpu'] / 1e9:.2f} GB)", flush=True)
+    if model is not None:
+        from generation_service.engine.kv_cache import kv_cache_dtype
+        kv_dtype = kv_cache_dtype(args.kv_cache_dtype, torch.bfloat16)
+        result["decode_steps"] = decode_steps(model, points, kv_dtype)
         mixed = sorted({tuple(int(x) for x in point.split(":")) for point in args.mixed_points})
         if mixed:
             torch.cuda.empty_cache()
             result["mixed_steps"] = mixed_steps(model, mixed, args.max_batch or 1 + max(d for d, _, _ in mixed),
                                                 args.mixed_kernels,
-                                                tuple(args.mixed_buckets) if args.mixed_buckets else None)
+                                                tuple(args.mixed_buckets) if args.mixed_buckets else None, kv_dtype)
     pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
     return 0
 
