@@ -1,6 +1,7 @@
 """serve.py's figures: a workload's summary from its client records (tok/s, TTFT, inter-token, errors,
-finish reasons, validation), the engine's step counters over it, the roofline a closed loop is
-held against, the ratios of one workload over another, and the one-line print of a summary."""
+finish reasons, validation), the engine's step counters over it (and its preemptions, from the
+server's /metrics), the roofline a closed loop is held against, the ratios of one workload over
+another, and the one-line print of a summary."""
 from __future__ import annotations
 
 import statistics
@@ -125,6 +126,17 @@ def histogram_totals(metrics_text: str) -> dict[str, tuple[float, float]]:
     return {key: (total, count) for key, (total, count) in totals.items()}
 
 
+def counter_delta(before: str, after: str, family: str) -> int:
+    """How much a Prometheus counter (`family`, without _total; summed over its labels) grew
+    between two /metrics scrapes: GetEngineStats has no preemption count, /metrics has."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def total(text: str) -> float:
+        return sum(sample.value for f in text_string_to_metric_families(text) if f.name == family
+                   for sample in f.samples if sample.name == family + "_total")
+    return round(total(after) - total(before))
+
+
 def timing_means(before: str, after: str) -> dict[str, float | None]:
     """Mean seconds of each SERVER_TIMINGS histogram over the requests finished between two scrapes."""
     a, b = histogram_totals(before), histogram_totals(after)
@@ -190,6 +202,7 @@ def line(s: dict) -> str:
             f"  x{fmt(s.get('over_roofline'), '.2f')} roofline  err {s['errors']} fin {s['finish_reasons']}"
             f" val {s['validation']} cached {fmt(s.get('cached_prompt_fraction'), '.2f')}"
             + (f" client cpu {s['client_cpu_max']:.2f}" if s.get("client_cpu_max") is not None else "")
+            + (f" preempted {preempted:.0f}" if (preempted := s.get("engine", {}).get("num_preemptions")) else "")
             + (" server ms " + " ".join(f"{k} {fmt(v and 1e3 * v, '.1f')}" for k, v in means.items())
                if (means := s.get("server_mean_s") or s.get("engine", {}).get("server_mean_s")) else "")
             + (f" calls {s['tool_call_validation']} reasoning {fmt(s['reasoning_fraction'], '.2f')}"

@@ -10,6 +10,8 @@ client processes, each result next to the same run's roofline (issue 16).
     python benchmarks/serve.py --plan features --shapes llama-3.1-8b --out ...      # tools/reasoning beside ordinary
     python benchmarks/serve.py --plan forced --shapes llama-3.1-8b --out ...        # grammar-forced drafts, c=1
     python benchmarks/serve.py --plan quick --shapes llama-3.1-70b --tensor-parallel 4 --out ...   # sharded, 4 GPUs
+    python benchmarks/serve.py --plan fp8 --shapes llama-3.1-8b --quantization fp8 --kv-cache-dtype fp8 \
+        --duration 3 --warmup 1 --out ...                                           # BF16, then FP8, one run
 
 Per model shape (random weights of a preset shape, the real 131k Tekken tokenizer beside them):
 1. roofline (its own process, `_roofline.py`): bf16 matmul rate, copy bandwidth, and the free
@@ -68,6 +70,25 @@ Per model shape (random weights of a preset shape, the real 131k Tekken tokenize
    gives the per-GPU weight-read floor instead (the weights' bytes / N at the copy
    bandwidth), and the batch-1 closed loop reports its inter-token p50 over that floor
    (`step_over_weight_floor`).
+2d. FP8 arms (issue 47): with --quantization fp8 and/or --kv-cache-dtype fp8 (`_serve_arms.py`)
+   every step above runs twice per shape, first as it is (the bf16 arm), then with those flags
+   given to `_roofline.py` and to `structgen serve` (nothing else differs: the same plan, prompts,
+   random weights and KV-cache budget). The second arm's workloads are named by it (`free 512/128
+   c=64 (fp8+fp8-kv)`), its roofline is its own (decode graphs of the quantized model over e4m3
+   pages, the FP8 GEMM's rate, the FP8 weight-read floor, which its batch-1 `step_over_weight_floor`
+   is read over), and `over_base` gives each such workload over its bf16 twin: output tok/s, TTFT
+   p50, inter-token p50/p99, ms per graph step (> 1: the FP8 arm higher), with each arm's
+   preemptions, constrained / free-matched and batch-1 step over its floor beside them. `arms`:
+   each arm's server flags, roofline, KV pages and group results. Every workload reports the
+   server's preemptions over it (`engine.num_preemptions`, from /metrics: GetEngineStats has none).
+   Plan `fp8`: the workloads the issue's FP8 targets read, 512/128 closed loops, free at c=1 (step
+   over the floor), 64 and 128 (output tok/s ratio), 256 (preemptions), and constrained beside
+   free-matched at c=64; every arm's server gets --kv-memory-budget-bytes of 3/4 of the c=256
+   loop's tokens in bf16: sized so that loop needs more bf16 pages than the budget holds and
+   fewer e4m3 ones (--kv-cache-dtype fp8: twice the tokens in the same bytes). 8B with
+   --duration 3 --warmup 1: about 2 minutes an arm (roofline ~25 s, server start ~30 s, warm-up
+   ~5 s, six workloads ~60 s: estimated from the targets plan's 8B timings, not yet run), ~4.5
+   minutes in all. `fp8-smoke`: the CPU's (c=4 of 48/64, its budget in float32).
 3. Each closed-loop result over its roofline: C requests of P prompt tokens and N new tokens take
    C x prefill_flops(P) / matmul rate + N x decode step(C, context P + N/2), so
    roofline tok/s = C x N / that; idle TTFT over prefill_flops(P) / rate + one decode step.
@@ -93,6 +114,7 @@ from benchmarks._harness import (  # noqa: E402
     VOCAB, ServeProcess, code_commit, command_line, free_port, host_python_ms, log, random_model_folder, scrape,
     write_result,
 )
+from benchmarks._serve_arms import Arm, join_arms, kv_budget_flags, ratio_line, serve_arms  # noqa: E402
 from benchmarks._serve_groups import (  # noqa: E402
     FEATURES_PLAN, FORCED_PLAN, PREFIX_PLAN, SCHEMA, FeaturesPlan, PrefixPlan, feature_workloads,
     forced_workloads, prefix_workloads,
@@ -101,14 +123,14 @@ from benchmarks._serve_constrained import CONSTRAINED_PLAN, ConstrainedPlan, com
 from benchmarks._serve_load import Workload, make_prompts, run_workload, run_workloads  # noqa: E402
 from benchmarks._serve_profile import profile_server, profile_summary  # noqa: E402
 from benchmarks._serve_summary import (  # noqa: E402
-    cache_ratios, decode_step_ms, fmt_ratio, line, output_lengths, roofline_tok_s, step_delta, summarize,
-    timing_means,
+    cache_ratios, counter_delta, decode_step_ms, fmt_ratio, line, output_lengths, roofline_tok_s, step_delta,
+    summarize, timing_means,
 )
 
 # the prompt tokens of a loaded 1B mixed step (455 a step at c=128, serve-h200-1b-host-1-after.json)
 MIXED_CHUNK_TOKENS = 448
 PLANS = ("full", "targets", "quick", "load", "smoke", "http", "http-smoke", "prefix", "features", "features-smoke",
-         "forced", "constrained", "constrained-smoke")
+         "forced", "constrained", "constrained-smoke", "fp8", "fp8-smoke")
 
 
 # ---- the server ---------------------------------------------------------------------------------
@@ -183,8 +205,18 @@ class Server(ServeProcess):
 
 # ---- the plan -----------------------------------------------------------------------------------
 def plan(shape: str, name: str, duration: float, warmup: float) -> dict:
-    """idle TTFT prompt lengths, closed-loop (prompt, new tokens, concurrencies), Poisson fractions,
-    the prefix-caching workloads (`prefix`: a PrefixPlan, if any), the features' (`features`)."""
+    """idle TTFT prompt lengths, closed-loop (prompt, new tokens, concurrencies), the concurrencies
+    whose closed loop runs constrained and free-matched beside free (`matched_at`; absent: every
+    one), Poisson fractions, the prefix-caching workloads (`prefix`: a PrefixPlan, if any), the
+    features' (`features`), the KV-cache budget of every arm's server in tokens (`kv_budget_tokens`)."""
+    if name in ("fp8", "fp8-smoke"):  # issue 47's FP8 targets, run by each arm (--quantization, --kv-cache-dtype)
+        prompt_len, new_tokens, concurrencies, matched_at = (
+            (48, 64, [4], [4]) if name == "fp8-smoke" else (512, 128, [1, 64, 128, 256], [64]))
+        # 3/4 of the largest loop's tokens at the base arm's KV dtype: too few pages for that loop
+        # there, enough in e4m3 (2x the tokens in the same bytes)
+        return {"idle": [], "closed": [(prompt_len, new_tokens, concurrencies)], "matched_at": matched_at,
+                "poisson": [], "poisson_at": None,
+                "kv_budget_tokens": 3 * max(concurrencies) * (prompt_len + new_tokens) // 4}
     if name in ("features", "features-smoke"):
         features = FEATURES_PLAN if name == "features" else FeaturesPlan(48, 16, 4, 1, 96, 4)
         return {"idle": [], "closed": [], "poisson": [], "poisson_at": None, "features": features}
@@ -232,9 +264,9 @@ def steady_window(args, roofline: dict | None, config, concurrency: int, prompt_
     return dict(duration_s=max(args.duration, 2 * wave_s), warmup_s=max(args.warmup, 2 * wave_s))
 
 
-def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, save) -> dict:
-    """Roofline, server, workloads of one shape; `save(result)` after every workload (a run cut
-    short keeps what it measured)."""
+def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, save, arm: Arm) -> dict:
+    """Roofline, server, workloads of one shape, all with `arm`'s flags (workloads named with its
+    suffix); `save(result)` after every workload (a run cut short keeps what it measured)."""
     from generation_service.model.loader import read_config
     p = plan(shape, args.plan, args.duration, args.warmup)
     if shape == "tiny-random":  # CPU harness check: the built-in random-weight model, its own tokenizer
@@ -264,18 +296,22 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
     mixed_points = sorted({f"{d}:{int(pl + n / 2)}:{MIXED_CHUNK_TOKENS}" for pl, n, cs in p["closed"] for c in cs
                            if c >= 64 for d in (c // 2, 3 * c // 4, c - 1)})
     if args.device == "cuda" and points:
-        out = tmp / f"roofline-{shape}.json"
-        log(f"{shape}: roofline (decode graph at batch:context {points})")
+        out = tmp / f"roofline-{shape}-{arm.name}.json"
+        log(f"{shape} {arm.name}: roofline (decode graph at batch:context {points})")
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "_roofline.py"), "--config",
                         str(folder / "config.json"), "--points", *points, "--mixed-points", *mixed_points,
                         "--max-batch", str(max_batch), "--out", str(out),
-                        "--tensor-parallel", str(args.tensor_parallel)], check=True, cwd=ROOT)
+                        "--tensor-parallel", str(args.tensor_parallel), *arm.flags], check=True, cwd=ROOT)
         roofline = json.loads(out.read_text())
-    log(f"{shape}: starting the server")
-    server = Server(model, args, tmp / f"server-{shape}.log", max_batch, http=bool(p.get("http")))
+    flags = (*arm.flags, *kv_budget_flags(config, p.get("kv_budget_tokens"), args.device))
+    log(f"{shape} {arm.name}: starting the server {' '.join(flags)}")
+    server = Server(model, args, tmp / f"server-{shape}-{arm.name}.log", max_batch, http=bool(p.get("http")),
+                    extra=flags)
     log(f"{shape}: listening at {server.address} after {server.startup_s:.1f} s")
-    result = {"shape": shape, "model": model, "server_command": server.command, "server_startup_s": server.startup_s,
-              "model_info": server.model_info(), "roofline": roofline, "workloads": []}
+    result = {"shape": shape, "model": model, "arm": arm.name, "server_flags": list(flags),
+              "server_command": server.command, "server_startup_s": server.startup_s,
+              "model_info": server.model_info(), "num_kv_pages_total": int(server.stats()["num_kv_pages_total"]),
+              "roofline": roofline, "workloads": []}
     lengths = set(p["idle"]) | {pl for pl, _, _ in p["closed"] + p.get("http", [])}
     if p.get("forced"):
         lengths.add(p["forced"][0])
@@ -308,7 +344,7 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
         records = run_workload(address, workload, prompt_set or prompts[workload.prompt_len], args.client_procs,
                                salt=len(result["workloads"]) << 30,  # request numbers apart from every other run's
                                client_cpu=client_cpu)
-        summary = summarize(workload, records)
+        summary = summarize(workload, records) | {"name": workload.name + arm.suffix, "arm": arm.name}
         summary["client_cpu_max"] = round(max(client_cpu), 3) if client_cpu else None
         for process, profiler in profilers.items():
             profiler.wait(timeout=60)
@@ -318,7 +354,9 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
         lengths[workload.name] = output_lengths(records)
         summary["engine"] = step_delta(before, on.wait_idle(), workload.warmup_s + workload.duration_s
                                        if not workload.num_requests else 0)
-        summary["server_mean_s"] = timing_means(scraped, on.metrics())
+        after = on.metrics()
+        summary["engine"]["num_preemptions"] = counter_delta(scraped, after, "structgen_preemptions")
+        summary["server_mean_s"] = timing_means(scraped, after)
         if roof:
             summary["roofline_tokens_per_s"] = roof
             summary["over_roofline"] = summary["output_tokens_per_s"] / roof if summary["output_tokens_per_s"] else None
@@ -335,10 +373,13 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
         runs = [(w, ps, args.client_procs if i == 0 else 1) for i, (w, ps) in enumerate(workloads)]
         records = run_workloads(server.address, runs, salt=len(result["workloads"]) << 30)
         engine = step_delta(before, server.wait_idle(), workloads[0][0].warmup_s + workloads[0][0].duration_s)
-        engine["server_mean_s"] = timing_means(scraped, server.metrics())
+        after = server.metrics()
+        engine.update(num_preemptions=counter_delta(scraped, after, "structgen_preemptions"),
+                      server_mean_s=timing_means(scraped, after))
         summaries = []
         for (workload, _), these in zip(workloads, records):
-            summaries.append(summarize(workload, these) | {"engine": engine})
+            summaries.append(summarize(workload, these) | {"name": workload.name + arm.suffix, "arm": arm.name,
+                                                           "engine": engine})
             lengths[workload.name] = output_lengths(these)
             log(line(summaries[-1]))
         result["workloads"] += summaries
@@ -376,6 +417,8 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
                     free["step_over_weight_floor"] = free["itl_p50_ms"] / roofline["weight_read_floor_ms"]
                     log(f"  batch-1 step (ITL p50) over the per-GPU weight-read floor "
                         f"{roofline['weight_read_floor_ms']:.2f} ms: x{free['step_over_weight_floor']:.2f}")
+                if c not in p.get("matched_at", [c]):
+                    continue
                 constrained = run(Workload(f"constrained {tag}", prompt_len, new_tokens, concurrency=c,
                                            json_schema=schema, ignore_eos=False, **window))
                 if roofline and constrained["mean_output_len"]:
@@ -383,7 +426,7 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
                     constrained["roofline_tokens_per_s"] = roofline_tok_s(roofline, config, c, prompt_len, n)
                     constrained["over_roofline"] = constrained["output_tokens_per_s"] / constrained["roofline_tokens_per_s"]
                 matched = run(Workload(f"free-matched {tag}", prompt_len, new_tokens, concurrency=c,
-                                       max_tokens_list=lengths[constrained["name"]] or [new_tokens], **window),
+                                       max_tokens_list=lengths[f"constrained {tag}"] or [new_tokens], **window),
                               constrained.get("roofline_tokens_per_s"))
                 matched["constrained_over_matched_free"] = (
                     constrained["output_tokens_per_s"] / matched["output_tokens_per_s"]
@@ -404,7 +447,8 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
                     log(f"  {kind} {tag}: HTTP / gRPC output tok/s {over_http['http_over_grpc']:.3f}")
         if p["poisson"] and p["poisson_at"]:
             prompt_len, new_tokens, c = p["poisson_at"]
-            ref = next(w for w in result["workloads"] if w["name"] == f"free {prompt_len}/{new_tokens} c={c}")
+            ref = next(w for w in result["workloads"]
+                       if w["name"] == f"free {prompt_len}/{new_tokens} c={c}{arm.suffix}")
             for fraction in p["poisson"]:
                 rate = fraction * ref["requests_per_s"]
                 s = run(Workload(f"poisson {prompt_len}/{new_tokens} {fraction:.2f}x ({rate:.1f} req/s)", prompt_len,
@@ -419,7 +463,7 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
             decode = Tokenizer.from_file(str(folder / "tokenizer.json")).decode
             corpus = json.loads(pathlib.Path(args.corpus_schemas).read_text()) if args.corpus_schemas else []
             single = next((w for w in result["workloads"] if w["name"] == (
-                f"constrained {group.prompt_len}/{group.new_tokens} c={group.concurrency}")), None)
+                f"constrained {group.prompt_len}/{group.new_tokens} c={group.concurrency}{arm.suffix}")), None)
             result["constrained"] = constrained_workloads(
                 group, prompts[group.prompt_len], [decode(ids) for ids in prompts[group.prompt_len]], schema, corpus,
                 common, lambda w, ps: run(w, prompt_set=ps), lengths, server, single)
@@ -435,9 +479,9 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
         result["server_log"] = server.log_lines(r"prefill budget|prefill chunk|captured|ERROR|Traceback|error")[-40:]
         server.stop()
     if prefix:  # NOTE: after the first server stopped: each sizes its KV cache to the free GPU memory
-        log(f"{shape}: starting the server without prefix caching")
-        off = Server(model, args, tmp / f"server-{shape}-no-prefix-cache.log", max_batch,
-                     extra=("--prefix-caching", "false"))
+        log(f"{shape} {arm.name}: starting the server without prefix caching")
+        off = Server(model, args, tmp / f"server-{shape}-{arm.name}-no-prefix-cache.log", max_batch,
+                     extra=("--prefix-caching", "false", *flags))
         try:
             log(f"{shape}: warm-up: {off.warm(warm_prompts, schema):.1f} s")
             uncached = prefix_workloads(prefix, prompts, schema, common, lambda w, ps: run(w, on=off, prompt_set=ps),
@@ -470,6 +514,10 @@ def main() -> int:
     parser.add_argument("--corpus-schemas", default="",
                         help="--plan constrained: a JSON list of schemas for per-request schemas "
                              "(benchmarks/_serve_constrained.py writes it)")
+    parser.add_argument("--quantization", choices=("fp8",), default=None,
+                        help="a second arm: every workload again on a server (and roofline) with this --quantization")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                        help="a second arm (with --quantization: the same one) with this --kv-cache-dtype")
     parser.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="more `structgen serve` flags")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -478,18 +526,23 @@ def main() -> int:
     result = {"benchmark": "serve", "command": command_line(pathlib.Path(sys.argv[0]).name),
               "code_commit": code_commit(), "python": platform.python_version(), "client_procs": args.client_procs,
               "plan": args.plan, "tensor_parallel": args.tensor_parallel, "duration_s": args.duration, "warmup_s": args.warmup,
+              "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
               "host_python_ms": host_python_ms(), "shapes": []}
     if args.device == "cuda":
         import torch
         result.update(device=torch.cuda.get_device_name(), torch=torch.__version__, cpus=os.cpu_count())
     with tempfile.TemporaryDirectory(prefix="structgen-serve-bench-") as tmp:
         for shape in args.shapes:
-            done = list(result["shapes"])
+            done, arms_done = list(result["shapes"]), []
 
-            def save(partial: dict) -> None:
-                result["shapes"] = done + [partial]
+            def save(partial: dict | None) -> None:
+                result["shapes"] = done + [join_arms(arms_done + ([partial] if partial else []))]
                 write_result(args.out, result)
-            save(run_shape(shape, args, tok, pathlib.Path(tmp), save))
+            for arm in serve_arms(args.device, args.quantization, args.kv_cache_dtype):
+                arms_done.append(run_shape(shape, args, tok, pathlib.Path(tmp), save, arm))
+            save(None)
+            for name, ratios in result["shapes"][-1].get("over_base", {}).items():
+                log(ratio_line(name, ratios))
     log("done: " + args.out)
     for shape in result["shapes"]:
         print(f"== {shape['shape']}")

@@ -83,3 +83,35 @@ def test_constrained_plan_runs_every_kind_beside_free_matched_on_cpu(tmp_path):
     assert set(group) == {"corpus", "tools-auto", "tools-required", "reasoning-8+schema"}
     assert all(kind["constrained_over_matched_free"] > 0 for kind in group.values())
     assert group["corpus"]["num_schemas"] == 4 and group["corpus"]["warm_over_single_schema"] > 0
+
+
+def test_fp8_arm_runs_the_plan_again_beside_the_base_on_cpu(tmp_path):
+    """`--quantization fp8 --kv-cache-dtype fp8` (plan fp8-smoke): the plan's workloads on the base
+    server, then on one with those flags (the CPU runs FP8 layers by their fp32 reference), each
+    FP8 workload named by its arm and read over its base twin. Both servers' KV caches get the same
+    bytes, 3/4 of the loop's tokens in float32: the base preempts, e4m3 pages hold 4x the tokens
+    and never do."""
+    out = tmp_path / "serve.json"
+    subprocess.run([sys.executable, "benchmarks/serve.py", "--device", "cpu", "--shapes", "tiny-random", "--plan",
+                    "fp8-smoke", "--quantization", "fp8", "--kv-cache-dtype", "fp8", "--duration", "2", "--warmup", "1",
+                    "--client-procs", "2", "--out", str(out)], cwd=ROOT, check=True, timeout=300, capture_output=True)
+    shape = json.loads(out.read_text())["shapes"][0]
+    base = ["free 48/64 c=4", "constrained 48/64 c=4", "free-matched 48/64 c=4"]
+    assert [w["name"] for w in shape["workloads"]] == base + [f"{name} (fp8+fp8-kv)" for name in base]
+    for w in shape["workloads"]:
+        assert w["errors"] == {} and w["output_tokens_per_s"] > 0, w
+    constrained = [w for w in shape["workloads"] if w["constrained"]]
+    assert all(w["validation"] == {"VALIDATION_STATUS_VALID": w["num_finished"]} for w in constrained), constrained
+    base_arm, fp8_arm = shape["arms"]
+    assert (base_arm["arm"], fp8_arm["arm"]) == ("float32", "fp8+fp8-kv")
+    assert fp8_arm["server_flags"][:4] == ["--quantization", "fp8", "--kv-cache-dtype", "fp8"]
+    assert "--quantization" not in base_arm["server_flags"] and "--kv-cache-dtype" not in base_arm["server_flags"]
+    assert fp8_arm["num_kv_pages_total"] == 4 * base_arm["num_kv_pages_total"]  # the same bytes: e4m3 over float32
+    over = shape["over_base"]
+    assert set(over) == {f"{name} (fp8+fp8-kv)" for name in base}
+    for name, ratios in over.items():
+        assert ratios["base"] == name.removesuffix(" (fp8+fp8-kv)")
+        assert all(ratios[k] > 0 for k in ("output_tok_s", "ttft_p50", "itl_p50")), ratios
+        assert ratios["num_preemptions"]["float32"] > 0 and ratios["num_preemptions"]["fp8+fp8-kv"] == 0, ratios
+    matched = over["free-matched 48/64 c=4 (fp8+fp8-kv)"]["constrained_over_matched_free"]
+    assert set(matched) == {"float32", "fp8+fp8-kv"} and all(v > 0 for v in matched.values())
