@@ -11,10 +11,12 @@ free requests of the same prompts and output lengths in one run (constrained / f
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import pathlib
 import statistics
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -117,12 +119,18 @@ def compile_all(stub, pb, schemas: list[str], threads: int = 16) -> None:
         request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]), json_schema=schema,
                                      stop=pb.StopConditions(max_tokens=1))
         request.constraint_options.compact = True
-        try:
-            for _ in stub.Generate(request, timeout=600):
-                pass
-        except grpc.RpcError as error:
-            if "shortest output" not in (error.details() or ""):
-                raise
+        for attempt in itertools.count():
+            try:
+                for _ in stub.Generate(request, timeout=600):
+                    pass
+                return
+            except grpc.RpcError as error:
+                if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and attempt < 100:
+                    time.sleep(0.1)  # the compile queue is full: as its message says, retry later
+                    continue
+                if "shortest output" not in (error.details() or ""):
+                    raise
+                return
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(one, schemas))
 

@@ -144,6 +144,28 @@ def timing_means(before: str, after: str) -> dict[str, float | None]:
             for key in SERVER_TIMINGS}
 
 
+def grammar_step_delta(before: str, after: str) -> dict[str, float | None]:
+    """grammar_service's own steps between two scrapes of its /metrics: how many, their mean time
+    and its phases per step (advance, fill, bookkeeping, grammar_service/loop.py), in us: whether
+    the grammar step fits beside the forward it overlaps."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def totals(text: str) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in ("structgen_grammar_step_seconds_sum", "structgen_grammar_step_seconds_count"):
+                    out[sample.name] = out.get(sample.name, 0.0) + sample.value
+                elif sample.name == "structgen_grammar_step_phase_seconds_total":
+                    out[sample.labels["phase"]] = out.get(sample.labels["phase"], 0.0) + sample.value
+        return out
+    a, b = totals(before), totals(after)
+    steps = b.get("structgen_grammar_step_seconds_count", 0.0) - a.get("structgen_grammar_step_seconds_count", 0.0)
+    per_step = lambda key: 1e6 * (b.get(key, 0.0) - a.get(key, 0.0)) / steps if steps else None  # noqa: E731
+    return {"steps": steps, "step_us": per_step("structgen_grammar_step_seconds_sum"),
+            **{f"{phase}_us": per_step(phase) for phase in ("advance", "fill", "bookkeeping")}}
+
+
 def roofline_tok_s(roofline: dict, config, concurrency: int, prompt_len: int, new_tokens: float) -> float | None:
     """C x N output tokens over C prefills at the matmul rate + N decode steps at batch C."""
     from benchmarks._roofline import prefill_flops
@@ -205,5 +227,9 @@ def line(s: dict) -> str:
             + (f" preempted {preempted:.0f}" if (preempted := s.get("engine", {}).get("num_preemptions")) else "")
             + (" server ms " + " ".join(f"{k} {fmt(v and 1e3 * v, '.1f')}" for k, v in means.items())
                if (means := s.get("server_mean_s") or s.get("engine", {}).get("server_mean_s")) else "")
+            + (f" engine ms/step graph {fmt(e.get('ms_per_graph_step'), '.2f')} mixed {fmt(e.get('ms_per_mixed_step'), '.2f')}"
+               if (e := s.get("engine")) else "")
+            + (f" grammar step us {fmt(g['step_us'], '.0f')} (advance {fmt(g['advance_us'], '.0f')} fill"
+               f" {fmt(g['fill_us'], '.0f')}) x{g['steps']:.0f}" if (g := s.get("grammar_steps")) and g["steps"] else "")
             + (f" calls {s['tool_call_validation']} reasoning {fmt(s['reasoning_fraction'], '.2f')}"
                if "tool_call_validation" in s else ""))

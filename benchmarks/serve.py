@@ -123,8 +123,8 @@ from benchmarks._serve_constrained import CONSTRAINED_PLAN, ConstrainedPlan, com
 from benchmarks._serve_load import Workload, make_prompts, run_workload, run_workloads  # noqa: E402
 from benchmarks._serve_profile import profile_server, profile_summary  # noqa: E402
 from benchmarks._serve_summary import (  # noqa: E402
-    cache_ratios, counter_delta, decode_step_ms, fmt_ratio, line, output_lengths, roofline_tok_s, step_delta,
-    summarize, timing_means,
+    cache_ratios, counter_delta, decode_step_ms, fmt_ratio, grammar_step_delta, line, output_lengths, roofline_tok_s,
+    step_delta, summarize, timing_means,
 )
 
 # the prompt tokens of a loaded 1B mixed step (455 a step at c=128, serve-h200-1b-host-1-after.json)
@@ -149,8 +149,12 @@ class Server(ServeProcess):
             command += ["--dtype", "float32"]
         if http:  # the OpenAI-compatible API beside gRPC, same process and engine
             command += ["--http-port", str(free_port())]
-        super().__init__(command, log_path, env={"PYTHONUNBUFFERED": "1"})
+        # the grammar child's own /metrics too: its step times beside the engine's
+        grammar_port = free_port()
+        super().__init__(command, log_path,
+                         env={"PYTHONUNBUFFERED": "1", "STRUCTGEN_GRAMMAR_METRICS_PORT": str(grammar_port)})
         self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+        self.grammar_metrics_url = f"http://127.0.0.1:{grammar_port}/metrics"
         import grpc
 
         from structgen.v1 import generation_pb2 as pb
@@ -175,6 +179,13 @@ class Server(ServeProcess):
     def metrics(self) -> str:
         """The Prometheus scrape of the serving process."""
         return scrape(self.metrics_url)
+
+    def grammar_metrics(self) -> str:
+        """The Prometheus scrape of its grammar_service child ("" if it does not answer)."""
+        try:
+            return scrape(self.grammar_metrics_url)
+        except OSError:
+            return ""
 
     def wait_idle(self, timeout_s: float = 120) -> dict:
         deadline = time.monotonic() + timeout_s
@@ -269,6 +280,8 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
     suffix); `save(result)` after every workload (a run cut short keeps what it measured)."""
     from generation_service.model.loader import read_config
     p = plan(shape, args.plan, args.duration, args.warmup)
+    if args.concurrencies:  # a shorter run of the plan's closed loops
+        p["closed"] = [(prompt_len, new_tokens, args.concurrencies) for prompt_len, new_tokens, _ in p["closed"]]
     if shape == "tiny-random":  # CPU harness check: the built-in random-weight model, its own tokenizer
         from generation_service.model.tiny_random_model import ensure_tiny_random_model
         folder = ensure_tiny_random_model()
@@ -337,7 +350,7 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
             prompt_set: list[list[int]] | None = None) -> dict:
         on = on or server
         on.wait_idle()
-        before, scraped = on.stats(), on.metrics()
+        before, scraped, grammar_scraped = on.stats(), on.metrics(), on.grammar_metrics()
         address = on.http_url if workload.transport == "http" else on.address
         profilers = profile_server(args, on, shape, workload)
         client_cpu: list[float] = []
@@ -357,6 +370,7 @@ def run_shape(shape: str, args, tokenizer_dir: pathlib.Path, tmp: pathlib.Path, 
         after = on.metrics()
         summary["engine"]["num_preemptions"] = counter_delta(scraped, after, "structgen_preemptions")
         summary["server_mean_s"] = timing_means(scraped, after)
+        summary["grammar_steps"] = grammar_step_delta(grammar_scraped, on.grammar_metrics())
         if roof:
             summary["roofline_tokens_per_s"] = roof
             summary["over_roofline"] = summary["output_tokens_per_s"] / roof if summary["output_tokens_per_s"] else None
@@ -504,6 +518,8 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=8.0, help="measured seconds per workload")
     parser.add_argument("--warmup", type=float, default=2.0, help="seconds before the window opens")
     parser.add_argument("--client-procs", type=int, default=4)
+    parser.add_argument("--concurrencies", type=int, nargs="*", default=[],
+                        help="the closed loops at these concurrencies instead of the plan's")
     parser.add_argument("--repeats", type=int, default=1, help="run each closed loop's free workload this many times")
     parser.add_argument("--min-max-batch", type=int, default=1, help="the server's --max-batch at least this")
     parser.add_argument("--tensor-parallel", type=int, default=1,

@@ -79,6 +79,8 @@ def test_constrained_plan_runs_every_kind_beside_free_matched_on_cpu(tmp_path):
     for w in shape["workloads"]:
         assert w["errors"] == {} and w["output_tokens_per_s"] > 0, w
     assert by["corpus-cold 48/160 c=4"]["compile_ms"], "the cold requests' compile times"
+    steps = by["constrained 48/160 c=4"]["grammar_steps"]  # grammar_service's own, from its /metrics
+    assert steps["steps"] > 0 and 0 < steps["fill_us"] <= steps["step_us"], steps
     group = shape["constrained"]
     assert set(group) == {"corpus", "tools-auto", "tools-required", "reasoning-8+schema"}
     assert all(kind["constrained_over_matched_free"] > 0 for kind in group.values())
