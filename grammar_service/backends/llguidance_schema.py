@@ -40,8 +40,9 @@ import functools
 import json
 from urllib.parse import quote
 
+from grammar_service.backends.llguidance_intersections import untangle
 from grammar_service.schema_walk import iter_subschemas
-from grammar_service.look_around import llguidance_name_patterns, without_look_around
+from grammar_service.look_around import llguidance_name_patterns, with_literal_braces, without_look_around
 from structgen.schema_draft_uri import draft_of
 
 # what a URI fragment may hold as it is (RFC 3986: pchar / "/" / "?"); "%" keeps an encoding
@@ -64,7 +65,7 @@ def _rewrite(schema: dict) -> bool:
     changed = False
     for _, node in iter_subschemas(schema):
         pattern = node.get("pattern")
-        if isinstance(pattern, str) and (kept := without_look_around(pattern)) != pattern:
+        if isinstance(pattern, str) and (kept := with_literal_braces(without_look_around(pattern))) != pattern:
             node["pattern"] = kept
             changed = True
         if names := llguidance_name_patterns(node):
@@ -104,14 +105,14 @@ def _drop_covered_patterns(node: dict) -> bool:
 def for_llguidance(schema_text: str) -> str:
     """`schema_text` (as grammar_service/schema_drafts.py drafted it) with its `$schema` and
     local references in the forms llguidance resolves (module doc); malformed JSON as is."""
-    if not any(mark in schema_text for mark in ("$schema", "$ref", "(?", "patternProperties")):
+    if not any(mark in schema_text for mark in ("$schema", "$ref", "(?", "pattern", "Of\"")):
         return schema_text
     try:
         schema = json.loads(schema_text)
     except (ValueError, RecursionError):
         return schema_text
     try:
-        if not isinstance(schema, dict) or not _rewrite(schema):
+        if not isinstance(schema, dict) or not (_rewrite(schema) | untangle(schema)):
             return schema_text
     except RecursionError:  # nested too deep to walk: the compile says so
         return schema_text
