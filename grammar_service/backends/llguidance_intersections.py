@@ -11,7 +11,10 @@ intersecting them, and three shapes of real-world schemas defeat that:
   branch does, where the property's schema is recursive, unrolls the recursion until
   "Schema intersection stack level exceeded";
 - an `anyOf` of N branches under a parent property that is an enum of N values intersects
-  each value with each branch: N² schema nodes ("schema too large" past its 50,000).
+  each value with each branch: N² schema nodes ("schema too large" past its 50,000);
+- a declared property that a `patternProperties` name also matches takes both schemas: where
+  its own `allOf` holds the pattern's schema already, that schema meets itself (a `oneOf` of N
+  events becomes N², "schema too large" or "initial lexer configuration too big").
 
 Each rewrite below is exact (the same documents are valid):
 
@@ -23,7 +26,9 @@ Each rewrite below is exact (the same documents are valid):
 - a parent's property schema that every branch narrows further is dropped (`{}`), or kept as
   its `type` where the branch narrows only strings to one literal (`pattern: "^X$"`): P ∩ Q = Q
   when Q ⊆ P. Where the parent's schema is a reference's target, the branch's copy drops its
-  equal schema instead.
+  equal schema instead;
+- a declared property's `allOf` branch equal to the schema of a name pattern it matches goes:
+  the pattern applies it anyway (whether the name matches is judged with Python's `re`).
 
 Pointers: llguidance's report is walked on the schema before this rewrite (guarantees.py), so a
 moved keyword moves no entry.
@@ -194,7 +199,8 @@ def _narrowed(doc: _Document, outer, inner) -> dict | bool | None:
     """What `outer` may become beside `inner` (outer ∩ inner unchanged), or None: {} where
     `inner` is `outer`, {"type": ...} where `inner` admits one of outer's strings; False where
     it admits none of them (outer ∩ inner is empty)."""
-    if inner == outer or (_bare_ref(inner) is not None and resolve_pointer(doc.schema, _bare_ref(inner)) is outer):
+    target = _bare_ref(inner)
+    if inner == outer or target is not None and (target == _bare_ref(outer) or resolve_pointer(doc.schema, target) is outer):
         return {}
     outer_values, pattern = _values(outer, exact=True), inner.get("pattern") if isinstance(inner, dict) else None
     literal = _LITERAL.match(pattern) if isinstance(pattern, str) else None
@@ -300,6 +306,31 @@ def _drop_repeated_in_all_of(doc: _Document, pointer: str, node: dict) -> bool:
     return changed
 
 
+def _drop_pattern_repeats(doc: _Document, pointer: str, node: dict) -> bool:
+    """A declared property that a `patternProperties` name matches takes that name's schema too:
+    where its own `allOf` holds that schema already, the branch goes (judged with Python's `re`)."""
+    properties, patterns = node.get("properties"), node.get("patternProperties")
+    if not isinstance(properties, dict) or not isinstance(patterns, dict):
+        return False
+    changed = False
+    for name, own in properties.items():
+        branches = own.get("allOf") if isinstance(own, dict) else None
+        if not isinstance(branches, list) or doc.is_targeted(f"{pointer}/properties/{_escape(name)}/allOf"):
+            continue
+        for regex, schema in patterns.items():
+            try:
+                matched = re.search(regex, name) is not None
+            except re.error:
+                continue
+            kept = [b for b in branches if not matched or _narrowed(doc, schema, b) != {}]
+            if len(kept) < len(branches):
+                branches[:] = kept
+                changed = True
+        if not branches:
+            del own["allOf"]
+    return changed
+
+
 def _property(doc: _Document, branch, name: str):
     target = _branch_target(doc, branch)
     properties = target.get("properties") if isinstance(target, dict) else None
@@ -338,5 +369,6 @@ def untangle(schema: dict) -> bool:
         changed |= _copy_cyclic_branches(doc, pointer, node)
         changed |= _drop_repeated_properties(doc, pointer, node)
         changed |= _drop_repeated_in_all_of(doc, pointer, node)
+        changed |= _drop_pattern_repeats(doc, pointer, node)
         changed |= _move_siblings(doc, pointer, node)
     return changed

@@ -49,6 +49,18 @@ ENUM_TIMES_BRANCHES = {"type": "object", "additionalProperties": False, "require
                        "anyOf": [{"required": ["task"], "properties": {
                            "task": {"pattern": f"^{n}$"}, "inputs": {"properties": {"x": {"type": "integer"}}}}}
                                  for n in [*NAMES, "Gone@1"]]}
+# SWADL: declared activities hold the schema every custom activity (a name pattern) takes, and
+# match that pattern too: each intersects it with itself, a product of its event branches.
+EVENTS = {f"event{i}": {"type": "object", "additionalProperties": False, "properties": {f"e{i}": {
+    "type": "object", "properties": {"user": {"type": "string", "pattern": "^[a-z]+@[a-z]+$"}}}}} for i in range(60)}
+PATTERN_REPEATS = {"type": "object", "additionalProperties": False, "maxProperties": 1,
+                   "properties": {f"make-{j}": {"allOf": [{"$ref": "#/definitions/common"}, {"$ref": "#/definitions/named"}]}
+                                  for j in range(6)},
+                   "patternProperties": {"^(?!send)[a-z0-9-]+$": {"$ref": "#/definitions/common"}},
+                   "definitions": {**EVENTS, "named": {"type": "object", "properties": {"name": {"type": "string"}}},
+                                   "on": {"type": "object", "oneOf": [{"$ref": f"#/definitions/{e}"} for e in EVENTS]},
+                                   "common": {"type": "object", "required": ["id"], "properties": {
+                                       "id": {"type": "string"}, "on": {"$ref": "#/definitions/on"}}}}}
 
 CASES = {  # schema, valid documents, invalid documents
     "cycle beside anyOf": (CYCLE_BESIDE_ANY_OF, [{"f": ["x", {"f": []}]}], [{"f": [1]}, {"f": [{"g": 1}]}, {}]),
@@ -60,6 +72,9 @@ CASES = {  # schema, valid documents, invalid documents
                         [{"source": {"modifiers": [{"condition": 1}]}}, {"source": {"modifiers": {}}}]),
     "enum times branches": (ENUM_TIMES_BRANCHES, [{"task": "Task7@1", "inputs": {"x": 1}}, {"task": "Task229@1"}],
                             [{"task": "Gone@1"}, {"task": "Task7@2"}, {"task": 7}, {"task": "Task7@1", "inputs": {"x": "1"}}]),
+    "pattern repeats": (PATTERN_REPEATS, [{"make-0": {"id": "a"}}, {"custom-x": {"id": "b"}}],
+                        [{"make-0": {}}, {"make-1": {"id": "a", "name": 1}}, {"send": {"id": "a"}},
+                         {"make-0": {"id": "a", "on": {"e3": {"user": "x"}}}}]),
 }
 
 
