@@ -72,6 +72,7 @@ def _rewrite(schema: dict) -> bool:
             node["patternProperties"] = {names.get(k, k): v for k, v in node["patternProperties"].items()}
             changed = True
         changed |= _drop_covered_patterns(node)
+        changed |= _escape_literal_braces(node)
         uri = node.get("$schema")
         if isinstance(uri, str) and (registered := _registered(uri)) != uri:
             if registered is None:
@@ -99,6 +100,19 @@ def _drop_covered_patterns(node: dict) -> bool:
     for name in covered:
         del patterns[name]
     return bool(covered)
+
+
+def _escape_literal_braces(node: dict) -> bool:
+    """Spells the `patternProperties` names with a literal brace as llguidance reads them
+    (look_around.with_literal_braces: the same names); True if any changed."""
+    patterns = node.get("patternProperties")
+    if not isinstance(patterns, dict):
+        return False
+    spelled = {with_literal_braces(name): schema for name, schema in patterns.items()}
+    if list(spelled) == list(patterns) or len(spelled) < len(patterns):
+        return False
+    node["patternProperties"] = spelled
+    return True
 
 
 @functools.lru_cache(maxsize=_MAX_CACHED)

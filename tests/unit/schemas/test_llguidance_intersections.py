@@ -111,11 +111,16 @@ def test_a_literal_brace_is_escaped_and_nothing_else(pattern, spelled):
 
 
 def test_a_pattern_with_a_literal_brace_compiles_in_llguidance(make_backend, tokenize):
-    """Serverless's `\\${.*\\}` (ECMA-262 reads the brace as text; llguidance refused it)."""
+    """Serverless's `\\${.*\\}` (ECMA-262 reads the brace as text; llguidance refused it), in a
+    value and in a property name."""
     schema = {"type": "string", "pattern": "^(\\${.*\\})$"}
     llguidance = make_backend("llguidance")
     assert accepts(llguidance, schema, "${a}", tokenize)
     assert not accepts(llguidance, schema, "a", tokenize)
+    named = {"type": "object", "additionalProperties": False, "patternProperties": {"^\\${{x}}$": {"type": "integer"}}}
+    assert accepts(llguidance, named, {"${{x}}": 1}, tokenize)
+    assert not accepts(llguidance, named, {"${{x}}": "1"}, tokenize)
+    assert not accepts(llguidance, named, {"x": 1}, tokenize)
 
 
 def test_a_parent_enum_that_says_more_than_its_values_stays():
