@@ -60,6 +60,7 @@ _ASSERTING = frozenset(_FOR_TYPES) | {"type", "enum", "const", "allOf", "anyOf",
                                       "else", "$ref", "$dynamicRef", "$recursiveRef"}
 _LITERAL = re.compile(r"^\^((?:[^\\.^$*+?()\[\]{}|]|\\[^A-Za-z0-9])*)\$$")  # "^X$" with X literal
 _SCOPED = ('"$id"', '"$anchor"', '"$dynamicRef"', '"$recursiveRef"')  # a copy would move what these mean
+_MAX_MOVED_BYTES = 1 << 16  # the copies of the keywords moved beside one anyOf
 _MAX_COPIES = 64  # a copy holds references too: a bound on how often one rewrite copies
 _JSON_TYPES = {str: "string", bool: "boolean", int: "integer", float: "number", type(None): "null",
                list: "array", dict: "object"}
@@ -350,6 +351,8 @@ def _move_siblings(doc: _Document, pointer: str, node: dict) -> bool:
         return False
     if not all(_says_nothing_about(siblings, _types(doc, resolve_pointer(doc.schema, t))) for t in targets):
         return False
+    if len(json.dumps(siblings)) * (len(branches) - len(targets)) > _MAX_MOVED_BYTES:
+        return False  # each inline branch gets a copy: llguidance would compile them all
     node[keys[0]] = [b if _bare_ref(b) is not None else {"allOf": [copy.deepcopy(siblings), b]} for b in branches]
     for key in siblings:
         del node[key]
