@@ -1,5 +1,6 @@
 """Look-around groups out of a regex: what llguidance's regex engine refuses in a `pattern` and
-in a `patternProperties` name.
+in a `patternProperties` name. Also a literal brace, which it refuses unescaped (`\\${.*\\}`)
+where ECMA-262 reads a `{` that starts no quantifier as text: escaped, the same language.
 
 An assertion only narrows a match, so a pattern without its look-around groups matches every
 string the pattern matches, and those the assertions excluded: a weakening, which the guarantee
@@ -61,6 +62,27 @@ def without_look_around(pattern: str) -> str:
             i = end
         else:
             out.append(pattern[i])
+            i += 1
+    return "".join(out)
+
+
+_QUANTIFIER = re.compile(r"\{\d+(,\d*)?\}")
+
+
+def with_literal_braces(pattern: str) -> str:
+    """`pattern` with every `{` that starts no quantifier escaped (module doc)."""
+    out, i = [], 0
+    while i < len(pattern):
+        if pattern[i] == "\\":
+            out.append(pattern[i:i + 2])
+            i += 2
+        elif pattern[i] == "[":
+            end = _class_end(pattern, i)
+            out.append(pattern[i:end])
+            i = end
+        else:
+            is_text = pattern[i] == "{" and not _QUANTIFIER.match(pattern, i)
+            out.append("\\{" if is_text else pattern[i])
             i += 1
     return "".join(out)
 

@@ -40,8 +40,9 @@ import functools
 import json
 from urllib.parse import quote
 
+from grammar_service.backends.llguidance_intersections import untangle
 from grammar_service.schema_walk import iter_subschemas
-from grammar_service.look_around import llguidance_name_patterns, without_look_around
+from grammar_service.look_around import llguidance_name_patterns, with_literal_braces, without_look_around
 from structgen.schema_draft_uri import draft_of
 
 # what a URI fragment may hold as it is (RFC 3986: pchar / "/" / "?"); "%" keeps an encoding
@@ -64,13 +65,14 @@ def _rewrite(schema: dict) -> bool:
     changed = False
     for _, node in iter_subschemas(schema):
         pattern = node.get("pattern")
-        if isinstance(pattern, str) and (kept := without_look_around(pattern)) != pattern:
+        if isinstance(pattern, str) and (kept := with_literal_braces(without_look_around(pattern))) != pattern:
             node["pattern"] = kept
             changed = True
         if names := llguidance_name_patterns(node):
             node["patternProperties"] = {names.get(k, k): v for k, v in node["patternProperties"].items()}
             changed = True
         changed |= _drop_covered_patterns(node)
+        changed |= _escape_literal_braces(node)
         uri = node.get("$schema")
         if isinstance(uri, str) and (registered := _registered(uri)) != uri:
             if registered is None:
@@ -100,18 +102,31 @@ def _drop_covered_patterns(node: dict) -> bool:
     return bool(covered)
 
 
+def _escape_literal_braces(node: dict) -> bool:
+    """Spells the `patternProperties` names with a literal brace as llguidance reads them
+    (look_around.with_literal_braces: the same names); True if any changed."""
+    patterns = node.get("patternProperties")
+    if not isinstance(patterns, dict):
+        return False
+    spelled = {with_literal_braces(name): schema for name, schema in patterns.items()}
+    if list(spelled) == list(patterns) or len(spelled) < len(patterns):
+        return False
+    node["patternProperties"] = spelled
+    return True
+
+
 @functools.lru_cache(maxsize=_MAX_CACHED)
 def for_llguidance(schema_text: str) -> str:
     """`schema_text` (as grammar_service/schema_drafts.py drafted it) with its `$schema` and
     local references in the forms llguidance resolves (module doc); malformed JSON as is."""
-    if not any(mark in schema_text for mark in ("$schema", "$ref", "(?", "patternProperties")):
+    if not any(mark in schema_text for mark in ("$schema", "$ref", "(?", "pattern", "Of\"")):
         return schema_text
     try:
         schema = json.loads(schema_text)
     except (ValueError, RecursionError):
         return schema_text
     try:
-        if not isinstance(schema, dict) or not _rewrite(schema):
+        if not isinstance(schema, dict) or not (_rewrite(schema) | untangle(schema)):
             return schema_text
     except RecursionError:  # nested too deep to walk: the compile says so
         return schema_text
