@@ -133,6 +133,29 @@ def test_a_saturated_compiler_answers_resource_exhausted_at_once():
     compiler.close()
 
 
+def test_a_burst_of_new_grammars_as_large_as_a_batch_waits_with_the_defaults():
+    """64 requests, each with its own schema, arrive at once: all compile, none is refused."""
+    backend = _SlowBackend(delay_s=0.005)
+    compiler = GrammarCompiler(lambda name: backend, GrammarServiceConfig(isolate_compiles=False))
+    futures = [compiler.compile(GrammarSpec("regex", f"a{i}", backend="xgrammar")) for i in range(64)]
+    assert all(not f.result(10).cache_hit for f in futures) and backend.num_calls == 64
+    compiler.close()
+
+
+def test_an_explicit_small_queue_still_refuses_a_burst_at_once():
+    gate = threading.Event()
+    backend = _SlowBackend(delay_s=0.0, gate=gate)  # accepted compiles hold their place until the gate opens
+    config = GrammarServiceConfig(isolate_compiles=False, max_queued_compiles=4)
+    compiler = GrammarCompiler(lambda name: backend, config)
+    futures = [compiler.compile(GrammarSpec("regex", f"a{i}", backend="xgrammar")) for i in range(64)]
+    refused = [f for f in futures if f.done() and f.exception() is not None]
+    assert len(refused) == 64 - config.num_compile_threads - 4
+    assert all(f.exception().status == "RESOURCE_EXHAUSTED" for f in refused)
+    gate.set()
+    assert sum(not f.result(10).cache_hit for f in futures if f not in refused) == config.num_compile_threads + 4
+    compiler.close()
+
+
 def test_grammar_text_over_the_size_limit_names_the_limit(mistral_32k_dir):
     compiler = GrammarCompiler(lambda name: _SlowBackend(0), GrammarServiceConfig(max_grammar_bytes=100))
     err = _error(compiler.compile(GrammarSpec("regex", "a" * 101)))
