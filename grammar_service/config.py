@@ -56,7 +56,9 @@ class GrammarServiceConfig:
     # slow_fill_marker takes slow_fill_ms longer (a sleep before the fill); off when either is unset
     slow_fill_ms: float = 0.0
     slow_fill_marker: str = ""
-    compile_timeout_s: float = 10.0     # a slower compile (wait for a worker included) is refused and remembered
+    # a slower compile (the wait for a worker included) is refused, and remembered when the grammar
+    # itself took most of it (a compile the queue left less than half is refused for capacity)
+    compile_timeout_s: float = 10.0
     # `auto`: its budget for a schema whose pick compiles slower than a backend that compiles it
     # too (grammar_service/backend_choice.py): that one compiles first, the pick gets what is
     # left, and past it that one serves (its unenforced keywords reported). Counted from the

@@ -41,8 +41,8 @@ GRAMMAR_SETTINGS = SettingsTable("structgen grammar", env_prefix=f"{ENV_PREFIX}G
                 "containing --slow-fill-marker takes (0 = off)", minimum=0, chart=False),
         Setting("slow-fill-marker", "tests and benchmarks: the text that marks a grammar for "
                 "--slow-fill-ms", chart=False),
-        Setting("compile-timeout-s", "a slower compile (the wait for a worker included) is refused and "
-                "remembered", greater_than=0),
+        Setting("compile-timeout-s", "a slower compile (the wait for a worker included) is refused, and "
+                "remembered when the grammar itself took most of it", greater_than=0),
         Setting("auto-time-box-s", "auto: seconds a compile may take in all when its pick is slower than a "
                 "backend that compiles the schema too, which compiles first and serves past it (0 = up to the "
                 "compile timeout)", minimum=0, chart=False),

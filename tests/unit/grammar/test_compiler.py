@@ -12,6 +12,7 @@ from grammar_contract.spec import GrammarSpec
 from grammar_service.backends.base import GrammarBackend
 from grammar_service.compiler import CompileError, GrammarCompiler
 from grammar_service.config import GrammarServiceConfig
+from grammar_service.sandbox import SandboxError
 
 PERSON = json.dumps({"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]})
 
@@ -115,6 +116,44 @@ def test_the_wait_for_a_thread_counts_against_the_timeout():
     assert err.status == "RESOURCE_EXHAUSTED" and "no compile thread became free" in err.message
     gate.set()
     assert compiler.compile(GrammarSpec("regex", "b")).result(5).cache_hit is False
+    compiler.close()
+
+
+def test_a_compile_the_queue_left_little_time_is_refused_for_capacity_not_remembered():
+    """A grammar that waited most of its timeout for a thread and then ran out is not called too complex."""
+    backend = _SlowBackend(delay_s=0.35)
+    config = GrammarServiceConfig(num_compile_threads=1, compile_timeout_s=0.5, isolate_compiles=False)
+    compiler = GrammarCompiler(lambda name: backend, config)
+    first = compiler.compile(GrammarSpec("regex", "a", backend="xgrammar"))
+    err = _error(compiler.compile(GrammarSpec("regex", "b", backend="xgrammar")))  # 0.35 s waiting, 0.15 s its own
+    assert err.status == "RESOURCE_EXHAUSTED" and "which it waited for a worker" in err.message
+    assert first.result(5) and compiler.num_negative == 0
+    backend.delay_s = 0.0
+    assert compiler.compile(GrammarSpec("regex", "b", backend="xgrammar")).result(5).cache_hit is False
+    compiler.close()
+
+
+class _TimedOutSandbox:
+    """A sandbox whose worker ran out of time after `compile_s` of compiling."""
+
+    def __init__(self, compile_s: float):
+        self.compile_s = compile_s
+
+    def probe(self, spec, requested, deadline):
+        raise SandboxError("INVALID_ARGUMENT", "", is_grammar_fault=True, timed_out=True, compile_s=self.compile_s)
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("compile_s, status, num_remembered", [(1.0, "RESOURCE_EXHAUSTED", 0),
+                                                               (10.0, "INVALID_ARGUMENT", 1)])
+def test_a_worker_timeout_blames_the_grammar_only_when_it_compiled_most_of_the_timeout(compile_s, status,
+                                                                                      num_remembered):
+    compiler = GrammarCompiler(lambda name: _SlowBackend(0), GrammarServiceConfig(compile_timeout_s=10.0),
+                               sandbox=_TimedOutSandbox(compile_s))
+    assert _error(compiler.compile(GrammarSpec("regex", "a"))).status == status
+    assert compiler.num_negative == num_remembered
     compiler.close()
 
 
