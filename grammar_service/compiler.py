@@ -8,7 +8,8 @@ through the future.
 
 Bounded end to end: at most `num_compile_threads + max_queued_compiles` new grammars are
 compiling or waiting at once (beyond: RESOURCE_EXHAUSTED at once), and the compile timeout
-counts from acceptance, the wait for a worker included. With a `CompileSandbox` (the
+counts from acceptance, the wait for a worker included; a compile the wait left less than half
+of it is refused for capacity, not remembered as too complex. With a `CompileSandbox` (the
 service's default) each new grammar is compiled in a worker process first
 (grammar_service/sandbox.py) and a worker past the timeout is killed, which frees it.
 """
@@ -241,8 +242,9 @@ class GrammarCompiler:
                 raise SandboxError("RESOURCE_EXHAUSTED", "no compile thread became free before the compile timeout "
                                    "(every thread is busy with other grammars); retry later", is_grammar_fault=False)
             # what the wait left of the timeout is the compile's
-            timer = threading.Timer(max(0.0, deadline - time.monotonic()), self._on_timeout,
-                                    (key, requested, spec, result))
+            began = time.monotonic()
+            timer = threading.Timer(max(0.0, deadline - began),
+                                    lambda: self._on_timeout(key, requested, spec, result, time.monotonic() - began))
             timer.daemon = True
             timers.append(timer)
             timer.start()
@@ -281,7 +283,7 @@ class GrammarCompiler:
                 self._store(key, requested, CompiledEntry(0, backend, compiled, elapsed_ms, unenforced,
                                                           restricted_forms, fallback_from), result)
             elif isinstance(exc, SandboxError) and exc.timed_out:
-                self._on_timeout(key, requested, spec, result)
+                self._on_timeout(key, requested, spec, result, exc.compile_s)
             elif isinstance(exc, SandboxError):
                 if exc.is_grammar_fault:
                     log.warning("compile of %s grammar %s failed in its worker: %s", spec.kind, key[:16], exc.message)
@@ -330,8 +332,15 @@ class GrammarCompiler:
         metrics.COMPILE_REQUESTS.labels("timeout" if timed_out else "error", requested).inc()
         result.set_exception(error)
 
-    def _on_timeout(self, key: str, requested: str, spec: GrammarSpec, result: Future) -> None:
+    def _on_timeout(self, key: str, requested: str, spec: GrammarSpec, result: Future, compile_s: float) -> None:
+        """`compile_s`: the part of the timeout the grammar compiled; the rest it waited for a worker."""
         limit = self._config.compile_timeout_s
+        if compile_s < limit / 2:  # the queue took most of its time: not shown to be the grammar's fault
+            self._fail(key, requested, CompileError("RESOURCE_EXHAUSTED", (
+                f"the compile did not finish within the {limit:g} s compile timeout, {limit - compile_s:.1f} s of "
+                "which it waited for a worker busy with other grammars; retry later")), result, timed_out=True,
+                remember=False)
+            return
         log.warning("compile of %s grammar %s (%d bytes) did not finish within %g s", spec.kind, key[:16],
                     spec_bytes(spec), limit)
         # In-process, the backend thread cannot be interrupted: it finishes in the background and

@@ -5,14 +5,23 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+# rpc threads beyond the waiting Compile calls: health, OpenChannel, GetStats and cache hits
+NUM_OTHER_RPC_THREADS = 8
+
 
 @dataclass(frozen=True)
 class GrammarServiceConfig:
+    """None in an `auto` field is resolved in __post_init__, so every reader (and --print-config)
+    sees the count in use; an explicit value is kept as given."""
     # "unix:///path.sock" (default; socket file mode 0600) or "host:port" for TCP.
     listen: str = "unix:///tmp/structgen-grammar.sock"
-    num_compile_threads: int = 2        # concurrent compiles (with isolate_compiles: worker processes)
-    # new grammars that may wait for a compile beyond those running; more: RESOURCE_EXHAUSTED at once
-    max_queued_compiles: int = 8
+    # concurrent compiles (with isolate_compiles: worker processes); None ("auto"): from the CPUs
+    # this process may use, auto_compile_threads()
+    num_compile_threads: int | None = None
+    # new grammars that may wait for a compile beyond those running; more: RESOURCE_EXHAUSTED at
+    # once. serve's max_waiting: a burst of new schemas as large as its queue waits, each wait
+    # still ending at compile_timeout_s
+    max_queued_compiles: int = 256
     # compile each new grammar first in a worker process (grammar_service/sandbox.py), so a
     # grammar that crashes a backend, runs past compile_timeout_s or needs more than
     # max_compile_memory_mb fails its own request only; cached grammars never go through one
@@ -47,7 +56,9 @@ class GrammarServiceConfig:
     # slow_fill_marker takes slow_fill_ms longer (a sleep before the fill); off when either is unset
     slow_fill_ms: float = 0.0
     slow_fill_marker: str = ""
-    compile_timeout_s: float = 10.0     # a slower compile (wait for a worker included) is refused and remembered
+    # a slower compile (the wait for a worker included) is refused, and remembered when the grammar
+    # itself took most of it (a compile the queue left less than half is refused for capacity)
+    compile_timeout_s: float = 10.0
     # `auto`: its budget for a schema whose pick compiles slower than a backend that compiles it
     # too (grammar_service/backend_choice.py): that one compiles first, the pick gets what is
     # left, and past it that one serves (its unenforced keywords reported). Counted from the
@@ -57,7 +68,9 @@ class GrammarServiceConfig:
     negative_cache_ttl_s: float = 60.0  # how long a failed/timed-out spec is answered from memory
     max_grammar_bytes: int = 1 << 20    # grammar text (or all choices together) above this is refused
     max_cached_grammars: int = 4096     # compiled grammars kept (least recently used evicted)
-    num_rpc_threads: int = 16           # gRPC handler threads (each waiting Compile call holds one)
+    # gRPC handler threads (each waiting Compile call holds one); None ("auto"): the compiles
+    # running and queued + NUM_OTHER_RPC_THREADS, so the compile queue, not the threads, refuses
+    num_rpc_threads: int | None = None
     tokenizer_dir: str | None = None    # preload a tokenizer (else the first OpenChannel's)
     # folder shared with other grammar_service processes (structgen serve gives its children one):
     # grammars requests reuse are recorded there, and those the others recorded compiled here
@@ -68,6 +81,11 @@ class GrammarServiceConfig:
     metrics_port: int = 0               # >0: Prometheus /metrics over HTTP
 
     def __post_init__(self) -> None:
+        if self.num_compile_threads is None:
+            object.__setattr__(self, "num_compile_threads", auto_compile_threads(len(os.sched_getaffinity(0))))
+        if self.num_rpc_threads is None:
+            object.__setattr__(self, "num_rpc_threads",
+                               self.num_compile_threads + self.max_queued_compiles + NUM_OTHER_RPC_THREADS)
         if self.num_compile_threads < 1:
             raise ValueError(f"num_compile_threads must be >= 1, got {self.num_compile_threads}")
         if self.max_queued_compiles < 0:
@@ -116,3 +134,9 @@ def llguidance_lanes(num_llguidance_lanes: int, num_fill_threads: int) -> int:
     """The lanes a compiled llguidance grammar gets: at least one, at most its fill threads (more
     cannot run at once, and each costs a build)."""
     return max(1, min(num_llguidance_lanes, llguidance_fill_threads(num_fill_threads)))
+
+
+def auto_compile_threads(num_cpus: int) -> int:
+    """The compiles that run at once by default, on `num_cpus` usable CPUs."""
+    # a quarter of the CPUs (the rest fill masks); >= 2 beside a slow grammar; <= 8 x max_compile_memory_mb
+    return max(2, min(8, num_cpus // 4))

@@ -41,12 +41,14 @@ class ProbeResult:
 
 class SandboxError(Exception):
     """A probe that failed; `status` is a grpc.StatusCode name. `is_grammar_fault`: the grammar
-    itself failed (remembered in the negative cache), not the compiler's capacity."""
+    itself failed (remembered in the negative cache), not the compiler's capacity. `compile_s`:
+    of a timed-out probe, the seconds it had a worker (the rest of the timeout it waited)."""
 
-    def __init__(self, status: str, message: str, *, is_grammar_fault: bool, timed_out: bool = False):
+    def __init__(self, status: str, message: str, *, is_grammar_fault: bool, timed_out: bool = False,
+                 compile_s: float = 0.0):
         super().__init__(message)
         self.status, self.message = status, message
-        self.is_grammar_fault, self.timed_out = is_grammar_fault, timed_out
+        self.is_grammar_fault, self.timed_out, self.compile_s = is_grammar_fault, timed_out, compile_s
 
 
 class CompileSandbox:
@@ -76,11 +78,13 @@ class CompileSandbox:
             self._has_started.wait(_START_TIMEOUT_S)
             deadline += time.monotonic() - before
         worker = self._acquire(deadline)
+        acquired = time.monotonic()
         try:
             worker.conn.send((spec, requested, deadline))
             if not worker.conn.poll(max(0.0, deadline - time.monotonic())):
                 self._replace(worker)
-                raise SandboxError("INVALID_ARGUMENT", "", is_grammar_fault=True, timed_out=True)
+                raise SandboxError("INVALID_ARGUMENT", "", is_grammar_fault=True, timed_out=True,
+                                   compile_s=time.monotonic() - acquired)
             try:
                 reply = worker.conn.recv()
             except (EOFError, OSError):

@@ -16,9 +16,11 @@ GRAMMAR_SETTINGS = SettingsTable("structgen grammar", env_prefix=f"{ENV_PREFIX}G
     )),
     Group(GrammarServiceConfig, chart="grammar", settings=(
         Setting("listen", "unix:///path.sock (socket mode 0600) or host:port", chart=False),
-        Setting("num-compile-threads", "concurrent grammar compiles (compile worker processes)", minimum=1),
-        Setting("max-queued-compiles", "new grammars that may wait for a compile beyond those running "
-                "(more: RESOURCE_EXHAUSTED at once)", minimum=0, chart=False),
+        Setting("num-compile-threads", "concurrent grammar compiles (compile worker processes; auto: a "
+                "quarter of the CPUs this process may use, 2 to 8; each worker may add --max-compile-memory-mb)",
+                minimum=1, none_word="auto"),
+        Setting("max-queued-compiles", "new grammars that may wait for a compile beyond those running, each "
+                "up to the compile timeout (more: RESOURCE_EXHAUSTED at once)", minimum=0),
         Setting("isolate-compiles", "compile each new grammar first in a worker process, so a grammar "
                 "that crashes a backend or runs away fails only its own request", chart=False),
         Setting("max-compile-memory-mb", "address space a compile worker may add (0 = no cap)", minimum=0,
@@ -39,8 +41,8 @@ GRAMMAR_SETTINGS = SettingsTable("structgen grammar", env_prefix=f"{ENV_PREFIX}G
                 "containing --slow-fill-marker takes (0 = off)", minimum=0, chart=False),
         Setting("slow-fill-marker", "tests and benchmarks: the text that marks a grammar for "
                 "--slow-fill-ms", chart=False),
-        Setting("compile-timeout-s", "a slower compile (the wait for a worker included) is refused and "
-                "remembered", greater_than=0),
+        Setting("compile-timeout-s", "a slower compile (the wait for a worker included) is refused, and "
+                "remembered when the grammar itself took most of it", greater_than=0),
         Setting("auto-time-box-s", "auto: seconds a compile may take in all when its pick is slower than a "
                 "backend that compiles the schema too, which compiles first and serves past it (0 = up to the "
                 "compile timeout)", minimum=0, chart=False),
@@ -48,7 +50,9 @@ GRAMMAR_SETTINGS = SettingsTable("structgen grammar", env_prefix=f"{ENV_PREFIX}G
         Setting("max-grammar-bytes", "largest grammar text (serve's limit too)", minimum=1,
                 chart=False, shared=True),
         Setting("max-cached-grammars", "compiled grammars kept (least recently used evicted)", minimum=1),
-        Setting("num-rpc-threads", "gRPC handler threads (each waiting Compile call holds one)", minimum=4),
+        Setting("num-rpc-threads", "gRPC handler threads, each waiting Compile call holding one (auto: "
+                "compiles running and queued + 8, so the compile queue is what refuses)", minimum=4,
+                none_word="auto"),
         Setting("tokenizer-dir", "preload this tokenizer (else the first OpenChannel's)", chart=False),
         Setting("vocab-size", "logits width of --tokenizer-dir", chart=False),
         Setting("shared-grammars-dir", "folder shared with other grammar_service processes: grammars "

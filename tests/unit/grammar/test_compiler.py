@@ -12,6 +12,7 @@ from grammar_contract.spec import GrammarSpec
 from grammar_service.backends.base import GrammarBackend
 from grammar_service.compiler import CompileError, GrammarCompiler
 from grammar_service.config import GrammarServiceConfig
+from grammar_service.sandbox import SandboxError
 
 PERSON = json.dumps({"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]})
 
@@ -118,6 +119,44 @@ def test_the_wait_for_a_thread_counts_against_the_timeout():
     compiler.close()
 
 
+def test_a_compile_the_queue_left_little_time_is_refused_for_capacity_not_remembered():
+    """A grammar that waited most of its timeout for a thread and then ran out is not called too complex."""
+    backend = _SlowBackend(delay_s=0.35)
+    config = GrammarServiceConfig(num_compile_threads=1, compile_timeout_s=0.5, isolate_compiles=False)
+    compiler = GrammarCompiler(lambda name: backend, config)
+    first = compiler.compile(GrammarSpec("regex", "a", backend="xgrammar"))
+    err = _error(compiler.compile(GrammarSpec("regex", "b", backend="xgrammar")))  # 0.35 s waiting, 0.15 s its own
+    assert err.status == "RESOURCE_EXHAUSTED" and "which it waited for a worker" in err.message
+    assert first.result(5) and compiler.num_negative == 0
+    backend.delay_s = 0.0
+    assert compiler.compile(GrammarSpec("regex", "b", backend="xgrammar")).result(5).cache_hit is False
+    compiler.close()
+
+
+class _TimedOutSandbox:
+    """A sandbox whose worker ran out of time after `compile_s` of compiling."""
+
+    def __init__(self, compile_s: float):
+        self.compile_s = compile_s
+
+    def probe(self, spec, requested, deadline):
+        raise SandboxError("INVALID_ARGUMENT", "", is_grammar_fault=True, timed_out=True, compile_s=self.compile_s)
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("compile_s, status, num_remembered", [(1.0, "RESOURCE_EXHAUSTED", 0),
+                                                               (10.0, "INVALID_ARGUMENT", 1)])
+def test_a_worker_timeout_blames_the_grammar_only_when_it_compiled_most_of_the_timeout(compile_s, status,
+                                                                                      num_remembered):
+    compiler = GrammarCompiler(lambda name: _SlowBackend(0), GrammarServiceConfig(compile_timeout_s=10.0),
+                               sandbox=_TimedOutSandbox(compile_s))
+    assert _error(compiler.compile(GrammarSpec("regex", "a"))).status == status
+    assert compiler.num_negative == num_remembered
+    compiler.close()
+
+
 def test_a_saturated_compiler_answers_resource_exhausted_at_once():
     backend = _SlowBackend(delay_s=0.5)
     config = GrammarServiceConfig(num_compile_threads=1, max_queued_compiles=1, isolate_compiles=False)
@@ -130,6 +169,29 @@ def test_a_saturated_compiler_answers_resource_exhausted_at_once():
     assert compiler.compile(GrammarSpec("regex", "a")) is not None  # a spec in flight is shared, not refused
     assert running.result(5) and queued.result(5)
     assert compiler.compile(GrammarSpec("regex", "c")).result(5).cache_hit is False  # not remembered
+    compiler.close()
+
+
+def test_a_burst_of_new_grammars_as_large_as_a_batch_waits_with_the_defaults():
+    """64 requests, each with its own schema, arrive at once: all compile, none is refused."""
+    backend = _SlowBackend(delay_s=0.005)
+    compiler = GrammarCompiler(lambda name: backend, GrammarServiceConfig(isolate_compiles=False))
+    futures = [compiler.compile(GrammarSpec("regex", f"a{i}", backend="xgrammar")) for i in range(64)]
+    assert all(not f.result(10).cache_hit for f in futures) and backend.num_calls == 64
+    compiler.close()
+
+
+def test_an_explicit_small_queue_still_refuses_a_burst_at_once():
+    gate = threading.Event()
+    backend = _SlowBackend(delay_s=0.0, gate=gate)  # accepted compiles hold their place until the gate opens
+    config = GrammarServiceConfig(isolate_compiles=False, max_queued_compiles=4)
+    compiler = GrammarCompiler(lambda name: backend, config)
+    futures = [compiler.compile(GrammarSpec("regex", f"a{i}", backend="xgrammar")) for i in range(64)]
+    refused = [f for f in futures if f.done() and f.exception() is not None]
+    assert len(refused) == 64 - config.num_compile_threads - 4
+    assert all(f.exception().status == "RESOURCE_EXHAUSTED" for f in refused)
+    gate.set()
+    assert sum(not f.result(10).cache_hit for f in futures if f not in refused) == config.num_compile_threads + 4
     compiler.close()
 
 
