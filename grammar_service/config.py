@@ -2,7 +2,9 @@
 flags and variables is listed in grammar_service/settings.py."""
 from __future__ import annotations
 
+import math
 import os
+import pathlib
 from dataclasses import dataclass
 
 # rpc threads beyond the waiting Compile calls: health, OpenChannel, GetStats and cache hits
@@ -82,7 +84,7 @@ class GrammarServiceConfig:
 
     def __post_init__(self) -> None:
         if self.num_compile_threads is None:
-            object.__setattr__(self, "num_compile_threads", auto_compile_threads(len(os.sched_getaffinity(0))))
+            object.__setattr__(self, "num_compile_threads", auto_compile_threads(usable_cpus()))
         if self.num_rpc_threads is None:
             object.__setattr__(self, "num_rpc_threads",
                                self.num_compile_threads + self.max_queued_compiles + NUM_OTHER_RPC_THREADS)
@@ -134,6 +136,19 @@ def llguidance_lanes(num_llguidance_lanes: int, num_fill_threads: int) -> int:
     """The lanes a compiled llguidance grammar gets: at least one, at most its fill threads (more
     cannot run at once, and each costs a build)."""
     return max(1, min(num_llguidance_lanes, llguidance_fill_threads(num_fill_threads)))
+
+
+def usable_cpus(cpu_max: pathlib.Path = pathlib.Path("/sys/fs/cgroup/cpu.max")) -> int:
+    """The CPUs this process may use: its affinity, within its cgroup's CPU quota (a container's
+    CPU limit, which the affinity does not show: a pod sees every core of its node)."""
+    num_cpus = len(os.sched_getaffinity(0))
+    try:
+        quota, period = cpu_max.read_text().split()[:2]
+        if quota != "max":
+            num_cpus = min(num_cpus, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return num_cpus
 
 
 def auto_compile_threads(num_cpus: int) -> int:

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from grammar_service.config import NUM_OTHER_RPC_THREADS, GrammarServiceConfig, auto_compile_threads
+from grammar_service.config import NUM_OTHER_RPC_THREADS, GrammarServiceConfig, auto_compile_threads, usable_cpus
 from grammar_service.server import build_parser
 from grammar_service.settings import GRAMMAR_SETTINGS
 
@@ -47,3 +47,13 @@ def test_auto_is_a_word_of_the_flags_and_variables(cpus):
     environ = {"STRUCTGEN_GRAMMAR_NUM_COMPILE_THREADS": "3", "STRUCTGEN_GRAMMAR_NUM_RPC_THREADS": "auto"}
     config = GRAMMAR_SETTINGS.resolve(build_parser().parse_args([]), environ)[GrammarServiceConfig]
     assert (config.num_compile_threads, config.num_rpc_threads) == (3, 3 + 256 + NUM_OTHER_RPC_THREADS)
+
+
+@pytest.mark.parametrize("cpu_max, expected", [("max 100000", 16), ("200000 100000", 2), ("250000 100000", 3),
+                                               ("50000 100000", 1), ("garbage", 16), (None, 16)])
+def test_usable_cpus_are_capped_by_a_containers_cpu_quota(cpus, tmp_path, cpu_max, expected):
+    cpus(16)
+    path = tmp_path / "cpu.max"
+    if cpu_max is not None:
+        path.write_text(cpu_max + "\n")
+    assert usable_cpus(path) == expected
