@@ -156,14 +156,21 @@ def grammar_step_delta(before: str, after: str) -> dict[str, float | None]:
             for sample in family.samples:
                 if sample.name in ("structgen_grammar_step_seconds_sum", "structgen_grammar_step_seconds_count"):
                     out[sample.name] = out.get(sample.name, 0.0) + sample.value
+                elif sample.name == "structgen_grammar_step_seconds_bucket":
+                    out["le " + sample.labels["le"]] = out.get("le " + sample.labels["le"], 0.0) + sample.value
                 elif sample.name == "structgen_grammar_step_phase_seconds_total":
                     out[sample.labels["phase"]] = out.get(sample.labels["phase"], 0.0) + sample.value
         return out
     a, b = totals(before), totals(after)
     steps = b.get("structgen_grammar_step_seconds_count", 0.0) - a.get("structgen_grammar_step_seconds_count", 0.0)
     per_step = lambda key: 1e6 * (b.get(key, 0.0) - a.get(key, 0.0)) / steps if steps else None  # noqa: E731
+    # the share of steps slower than each bucket's bound: a few slow steps (a new row's first
+    # fill) stall the steps they fall in, which a mean hides
+    slower = {key[3:]: round(1 - (b[key] - a.get(key, 0.0)) / steps, 4) for key in b
+              if key.startswith("le ") and key != "le +Inf"} if steps else {}
     return {"steps": steps, "step_us": per_step("structgen_grammar_step_seconds_sum"),
-            **{f"{phase}_us": per_step(phase) for phase in ("advance", "fill", "bookkeeping")}}
+            **{f"{phase}_us": per_step(phase) for phase in ("advance", "fill", "bookkeeping")},
+            "share_slower_than_s": slower}
 
 
 def roofline_tok_s(roofline: dict, config, concurrency: int, prompt_len: int, new_tokens: float) -> float | None:
