@@ -43,16 +43,21 @@ def _group_end(pattern: str, i: int) -> int | None:
     return None
 
 
+def _verbatim_end(pattern: str, i: int) -> int | None:
+    """Where the escape or character class at `i` ends (a rewrite copies it whole); None elsewhere."""
+    if pattern[i] == "\\":
+        return i + 2
+    if pattern[i] == "[":
+        return _class_end(pattern, i)
+    return None
+
+
 def without_look_around(pattern: str) -> str:
     """`pattern` without its look-around groups (module doc); unchanged when one does not close
     or is quantified (the compile then refuses it as before)."""
     out, i = [], 0
     while i < len(pattern):
-        if pattern[i] == "\\":
-            out.append(pattern[i:i + 2])
-            i += 2
-        elif pattern[i] == "[":
-            end = _class_end(pattern, i)
+        if (end := _verbatim_end(pattern, i)) is not None:
             out.append(pattern[i:end])
             i = end
         elif pattern.startswith(_LOOK_AROUND, i):
@@ -73,11 +78,7 @@ def with_literal_braces(pattern: str) -> str:
     """`pattern` with every `{` that starts no quantifier escaped (module doc)."""
     out, i = [], 0
     while i < len(pattern):
-        if pattern[i] == "\\":
-            out.append(pattern[i:i + 2])
-            i += 2
-        elif pattern[i] == "[":
-            end = _class_end(pattern, i)
+        if (end := _verbatim_end(pattern, i)) is not None:
             out.append(pattern[i:end])
             i = end
         else:
