@@ -62,7 +62,10 @@ Per model shape (random weights of a preset shape, the real 131k Tekken tokenize
    streamed messages) p50/p99, tokens per message, errors by code, finish reasons, validation
    statuses, and the engine's step counters over the window (GetEngineStats); the means of the
    server's request timings (`server_mean_s`: servicer TTFT, engine queue, prefill, decode, from
-   its /metrics before and after) and the busiest client process's CPU share (`client_cpu_max`).
+   its /metrics before and after), grammar_service's own steps over the window (`grammar_steps`:
+   their count, mean time and phases, the share slower than each histogram bound, from the grammar
+   child's /metrics) and the busiest client process's CPU share (`client_cpu_max`).
+   `--concurrencies C ...` runs the plan's closed loops at those concurrencies only (a short run).
    The result's `host_python_ms` times a fixed Python loop on this host: host-bound figures of
    different machines compare only next to it.
    With --tensor-parallel N > 1 the server shards the model over N GPUs and the roofline has
