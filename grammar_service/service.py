@@ -16,6 +16,7 @@ from grammar_contract.spec import GrammarSpec
 from grammar_service.backends import DEFAULT_BACKEND, load_backend_class, resolve_backend_name
 from grammar_service.backends.base import GrammarBackend, TokenizerData
 from grammar_service.budget.bindings import Binding, BudgetBindings, BudgetTooSmall
+from grammar_service.budget.openers import opening_characters
 from grammar_service.budget.rows import RowBudget
 from grammar_service.compiler import CompileError, CompileOutcome, GrammarCompiler
 from grammar_service.config import GrammarServiceConfig
@@ -222,7 +223,7 @@ class GrammarService:
             is_json = spec.kind in ("json_schema", "json_object") and spec.reasoning is None
             try:
                 binding_id = self._bindings.bind(entry.grammar_id, self._backend(entry.backend), entry.compiled,
-                                                 spec.max_tokens, is_json)
+                                                 spec.max_tokens, is_json, opening_characters(spec))
             except BudgetTooSmall as exc:
                 result.set_exception(CompileError("INVALID_ARGUMENT", str(exc)))
                 return

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from grammar_service.backends.base import GrammarBackend
 from grammar_service.budget.closing import Closing
 from grammar_service.budget.json_syntax import JsonState
-from grammar_service.budget.rows import RowBudget
+from grammar_service.budget.rows import WIND_DOWN, RowBudget
 from grammar_service.budget.tools import closing_tools
 
 _FIRST_ID = 1 << 30
@@ -36,11 +36,16 @@ class Binding:
     max_tokens: int
     shortest: Closing | None  # None: the walk found no finish (no check, no closing)
     is_json: bool
+    avoid: frozenset[str] = frozenset()  # characters that open something new beside JSON's (openers.py)
 
     def row_budget(self) -> RowBudget | None:
         """None where the walk found no finish from the start: no closing for this grammar (its
         walks near the budget would fail alike, at the step's cost)."""
-        return None if self.shortest is None else RowBudget(self.max_tokens, self.shortest, self.is_json)
+        if self.shortest is None:
+            return None
+        # opening a new call may cost about a whole shortest output (each has at least one call)
+        return RowBudget(self.max_tokens, self.shortest, self.is_json, avoid=self.avoid,
+                         open_cost=self.shortest.num_tokens + WIND_DOWN if self.avoid else WIND_DOWN)
 
 
 class BudgetBindings:
@@ -52,9 +57,13 @@ class BudgetBindings:
         self._ids: dict[tuple[int, int], int] = {}      # (grammar id, max_tokens) -> binding id
         self._shortest: dict[int, Closing | None] = {}  # grammar id -> its shortest document
 
-    def bind(self, grammar_id: int, backend: GrammarBackend, compiled, max_tokens: int, is_json: bool) -> int:
-        """The binding id of (grammar, max_tokens); raises BudgetTooSmall."""
+    def bind(self, grammar_id: int, backend: GrammarBackend, compiled, max_tokens: int, is_json: bool,
+             avoid: frozenset[str] = frozenset()) -> int:
+        """The binding id of (grammar, max_tokens); raises BudgetTooSmall. `avoid`: characters
+        whose tokens a row near its budget leaves out (openers.py)."""
         shortest = self.shortest(grammar_id, backend, compiled, is_json)
+        if avoid:
+            closing_tools(backend).holding(avoid)  # built here, not in a step
         if shortest is not None and max_tokens < shortest.num_tokens:
             text = shortest.text if len(shortest.text) <= _SHOWN_CHARS else shortest.text[:_SHOWN_CHARS] + "..."
             raise BudgetTooSmall(
@@ -67,7 +76,7 @@ class BudgetBindings:
             if binding_id is None:
                 binding_id = self._ids[key] = self._next_id
                 self._next_id += 1
-                self._by_id[binding_id] = Binding(grammar_id, max_tokens, shortest, is_json)
+                self._by_id[binding_id] = Binding(grammar_id, max_tokens, shortest, is_json, avoid)
                 while len(self._by_id) > self._max_bindings:
                     _, old = self._by_id.popitem(last=False)
                     del self._ids[(old.grammar_id, old.max_tokens)]

@@ -12,7 +12,10 @@ witness's length `w` and `slack` = remaining - w:
   leave the way out as long as it was, give or take one token: content that splits one of the
   witness's tokens, "." of ".0", leaves its rest one token longer);
 - slack <= 1, or inside a key (which only the witness's next token may choose): that token alone,
-  so the document closes on time.
+  so the document closes on time;
+- a structural tag's row (tool calls) also leaves out, from slack < `open_cost` (its shortest
+  output + WIND_DOWN), tokens holding the first character of a trigger, separator or begin
+  (openers.py): each opens a whole new call.
 Rows far from their budget (remaining above `NEAR_FACTOR` x (w + WIND_DOWN)) cost one compare a
 step. Near rows check their witness at each position: still the finish when the tokens since
 followed it, or when the matcher still takes it whole from here (one more character of a
@@ -55,6 +58,8 @@ class RowBudget:
     text_len: int = 0                    # characters of the text json_state has read
     walk_after: int = 0                  # num_tokens before which no new walk is tried
     acted: bool = False                  # a mask lost a token the grammar allowed
+    avoid: frozenset[str] = frozenset()  # characters that open something new beside JSON's (openers.py)
+    open_cost: int = WIND_DOWN           # slack under which those are avoided: what opening one may cost
     reported: bool = False               # the engine was told
 
     @property
@@ -64,7 +69,7 @@ class RowBudget:
     @property
     def is_near(self) -> bool:
         w = self.witness.num_tokens if self.witness is not None else 0
-        return self.remaining <= NEAR_FACTOR * (w + WIND_DOWN)
+        return self.remaining <= NEAR_FACTOR * (w + max(WIND_DOWN, self.open_cost))
 
     def count(self, tokens: Sequence[int]) -> None:
         """The matcher advanced by `tokens`."""
@@ -87,7 +92,9 @@ class BudgetCloser:
         if witness is None:
             return
         slack = budget.remaining - position - witness.num_tokens
-        if slack >= max(WIND_DOWN, witness.num_tokens):
+        winding = slack < max(WIND_DOWN, witness.num_tokens)
+        avoiding = bool(budget.avoid) and slack < max(budget.open_cost, witness.num_tokens)
+        if not winding and not avoiding:
             return
         state = self._json_state(budget, backend, drafts)
         tools = closing_tools(backend)
@@ -97,7 +104,10 @@ class BudgetCloser:
         if slack <= 1 or (state is not None and state.mode in _KEY_MODES):
             bits[:] = 0  # the witness's next token: the budget's end, or a key only it may choose
         else:
-            bits &= tools.content if slack < MARGIN else tools.closing
+            if winding:
+                bits &= tools.content if slack < MARGIN else tools.closing
+            if avoiding:  # a tool call's trigger or separator: a whole new call
+                bits &= ~tools.holding(budget.avoid)
         bits[first >> 5] |= np.uint32(1 << (first & 31))
         if not budget.acted and not np.array_equal(bits, before):
             budget.acted = True

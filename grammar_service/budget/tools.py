@@ -25,6 +25,24 @@ class ClosingTools:
     def __init__(self, backend: GrammarBackend):
         self.vocab = ClosingVocab(backend)
         self.content, self.closing = self._masks(backend)
+        self._backend = weakref.ref(backend)
+        self._holding: dict[frozenset[str], np.ndarray] = {}
+        self._holding_lock = threading.Lock()
+
+    def holding(self, characters: frozenset[str]) -> np.ndarray:
+        """The tokens whose text holds any of `characters` (a mask), built once per set (on the
+        compile path: budget bindings ask first)."""
+        with self._holding_lock:
+            mask = self._holding.get(characters)
+            if mask is None:
+                data = self._backend().tokenizer
+                decode = self.vocab.text_tokenizer.decode
+                mask = np.zeros(data.mask_words, np.uint32)
+                for token, spelled in enumerate(data.encoded_vocab):
+                    if spelled and not characters.isdisjoint(decode([token], skip_special_tokens=False)):
+                        mask[token >> 5] |= np.uint32(1 << (token & 31))
+                self._holding[characters] = mask
+            return mask
 
     def walk(self) -> ClosingWalk:
         """A walk of one's own (it holds mask buffers): one per thread."""

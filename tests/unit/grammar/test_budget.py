@@ -14,6 +14,8 @@ import jsonschema
 import pytest
 
 from channel_driver import Row, allowed_tokens, is_allowed
+from generation_service.assistant.formats import FORMATS
+from generation_service.assistant.tools import Tool, ToolChoice
 from grammar_contract.spec import GrammarSpec
 from grammar_service.compiler import CompileError
 from step_channel import ERR_MASK, ERR_NONE, NOTE_BUDGET_CLOSED
@@ -119,3 +121,29 @@ def test_rows_far_from_their_budget_keep_the_grammars_masks(service, driver, com
     assert budgeted != bare
     view = driver.step([Row.fresh(0, bare), Row.fresh(1, budgeted)])
     assert (view.masks[0, 0] == view.masks[1, 0]).all()
+
+
+WEATHER = Tool("get_weather", "", {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+                                   "required": ["city", "unit"], "additionalProperties": False})
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+@pytest.mark.parametrize("format_name", ["hermes", "llama3_json", "mistral"])
+@pytest.mark.parametrize("choice", ["required", "auto"])
+def test_tool_calls_close_within_small_budgets(service, driver, mistral_32k, backend, format_name, choice):
+    """A trigger or separator opens a whole new call: near the budget a row opens none it cannot
+    finish (they were cut: a second call begun a few tokens before max_tokens)."""
+    format_ = FORMATS[format_name](lambda text: text == "[TOOL_CALLS]" and mistral_32k.token_to_id(text) is not None)
+    tag = json.dumps({"type": "structural_tag", "format": format_.grammar((WEATHER, Tool("get_time")),
+                                                                           ToolChoice(choice), False, None)})
+    spec = lambda max_tokens: GrammarSpec("structural_tag", tag, backend=backend, max_tokens=max_tokens)  # noqa: E731
+    try:
+        service.compile(spec(1)).result(60)
+        shortest = 20  # auto: the turn may end at once; budgets around a call's length
+    except CompileError as refused:
+        shortest = int(re.search(r"at least (\d+)", refused.message).group(1))
+    rng = random.Random(5)
+    for _ in range(6):
+        for max_tokens in (shortest + 3, 2 * shortest, 3 * shortest):
+            tokens, _ = _walk(driver, service.compile(spec(max_tokens)).result(60).entry.grammar_id, max_tokens, rng)
+            assert tokens[-1] == EOS and len(tokens) <= max_tokens, f"cut: {mistral_32k.decode(tokens)!r}"
