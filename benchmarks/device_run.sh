@@ -16,7 +16,7 @@
 #   tar czf .bench/<name>.tgz -C ~/.cache/structgen/tokenizers <name>   (tekken_131k, mistral_32k)
 #   run: bash benchmarks/device_run.sh [tests|serve|serve-ab|slow|bench|verify|profile|gemv|grammar|ab|all|a,b,...] [extra decode.py args...]
 #   (TESTS: the test paths, default tests/gpu; SERVE_ARGS: serve.py's arguments, default the full plan;
-#    SERVE_NAME: its result's name under $OUT, default serve-h200; SLOW_SHAPES / SLOW_ARGS: slow_row.py's
+#    SERVE_NAME: its result's name under $OUT, default serve-$GPU; SLOW_SHAPES / SLOW_ARGS: slow_row.py's
 #    shapes and arguments; SERVE_PROFILE: py-spy the server
 #    through the workloads whose name holds it, e.g. "free 512/128 c=128" (py-spy in .whl); SERVE_ARGS may add
 #    --profile-mode wall)
@@ -24,14 +24,16 @@
 #    GRAMMAR_ARGS: grammar_step.py's workload args instead of the default)
 # Set STRUCTGEN_CODE_COMMIT=<this checkout's HEAD> in the call: the device's copy of git may be at the
 #   session's first commit, not the one measured (the result files' code_commit).
-# Writes under $OUT: env.txt, tests.log, junit.xml, serve.log, serve-h200.json, bench.log, decode-h200.json,
-#   grammar_step.log, grammar_step-h200-host-16cpu.json, profile.log, profile-h200.json,
-#   kernels-gemv.log, kernels-gemv-h200.json, verify.log, verify-h200.json, decode-ab-<name>.json|.log,
-#   slow_row-h200-<shape>.json|.log.
+# Writes under $OUT ($GPU: h200 or h100, the card the call got): env.txt, tests.log, junit.xml, serve.log,
+#   serve-$GPU.json, bench.log, decode-$GPU.json, grammar_step.log, grammar_step-$GPU-host-<N>cpu.json,
+#   profile.log, profile-$GPU.json, kernels-gemv.log, kernels-gemv-$GPU.json, verify.log, verify-$GPU.json,
+#   decode-ab-<name>.json|.log, slow_row-$GPU-<shape>.json|.log.
 set -uo pipefail
 what=${1:-all}; shift || true   # one part, a comma-separated list, or all
 want() { [[ $what == all || ,$what, == *,$1,* ]]; }
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+# result files are named by the card this call got (the device tool lends an H100 or an H200)
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -qi h200 && echo h200 || echo h100)
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} || { echo "wheel install failed"; exit 1; }
@@ -63,9 +65,9 @@ if want tests; then
   rc=$?
 fi
 if want serve; then
-  timeout ${SERVE_TIMEOUT:-540} python3 benchmarks/serve.py --out "$OUT/${SERVE_NAME:-serve-h200}.json" \
+  timeout ${SERVE_TIMEOUT:-540} python3 benchmarks/serve.py --out "$OUT/${SERVE_NAME:-serve-$GPU}.json" \
     ${SERVE_PROFILE:+--profile "$SERVE_PROFILE"} ${SERVE_ARGS:-} 2>&1 \
-    | tee "$OUT/${SERVE_NAME:-serve-h200}.log" | tail -70
+    | tee "$OUT/${SERVE_NAME:-serve-$GPU}.log" | tail -70
 fi
 if want slow; then
   # issue 19 point 6: one slow grammar among 63 ordinary requests, per shape (random weights, Tekken)
@@ -73,32 +75,32 @@ if want slow; then
     folder=$(python3 -c "import sys; from benchmarks._harness import random_model_folder as f; import pathlib; \
 print(f(sys.argv[1], sys.argv[2], pathlib.Path('/tmp/m-' + sys.argv[1]), 131072, 16384))" "$shape" "$STRUCTGEN_TEKKEN_DIR")
     timeout ${SLOW_TIMEOUT:-200} python3 benchmarks/slow_row.py --device cuda --model "random:$folder/config.json" \
-      --label "h200-$shape" --out "$OUT/slow_row-h200-$shape.json" ${SLOW_ARGS:---slow-fill-ms 50 --slow-max-tokens 24 --max-tokens 64 --repeats 3} \
-      2>&1 | tee "$OUT/slow_row-h200-$shape.log" | tail -15
+      --label "$GPU-$shape" --out "$OUT/slow_row-$GPU-$shape.json" ${SLOW_ARGS:---slow-fill-ms 50 --slow-max-tokens 24 --max-tokens 64 --repeats 3} \
+      2>&1 | tee "$OUT/slow_row-$GPU-$shape.log" | tail -15
   done
 fi
 if want bench; then
-  timeout ${BENCH_TIMEOUT:-180} python3 benchmarks/decode.py --out "$OUT/decode-h200.json" "$@" 2>&1 | tee "$OUT/bench.log" | tail -45
+  timeout ${BENCH_TIMEOUT:-180} python3 benchmarks/decode.py --out "$OUT/decode-$GPU.json" "$@" 2>&1 | tee "$OUT/bench.log" | tail -45
 fi
 if want verify; then
   # speculative verify steps: captured verify graphs vs eager verify vs no speculation (Engine)
-  timeout ${VERIFY_TIMEOUT:-180} python3 benchmarks/verify.py --out "$OUT/verify-h200.json" 2>&1 | tee "$OUT/verify.log" | tail -40
+  timeout ${VERIFY_TIMEOUT:-180} python3 benchmarks/verify.py --out "$OUT/verify-$GPU.json" 2>&1 | tee "$OUT/verify.log" | tail -40
 fi
 if want profile; then
   # where the free decode step's time goes (cuBLAS GEMMs, then with the Triton GEMVs)
-  timeout ${PROFILE_TIMEOUT:-150} python3 benchmarks/profile_step.py --out "$OUT/profile-h200.json" ${PROFILE_ARGS:-} 2>&1 \
+  timeout ${PROFILE_TIMEOUT:-150} python3 benchmarks/profile_step.py --out "$OUT/profile-$GPU.json" ${PROFILE_ARGS:-} 2>&1 \
     | tee "$OUT/profile.log" | tail -60
 fi
 if want gemv; then
-  timeout ${GEMV_TIMEOUT:-150} python3 benchmarks/kernels.py --only gemv,gemv_decode --out "$OUT/kernels-gemv-h200.json" 2>&1 \
+  timeout ${GEMV_TIMEOUT:-150} python3 benchmarks/kernels.py --only gemv,gemv_decode --out "$OUT/kernels-gemv-$GPU.json" 2>&1 \
     | tee "$OUT/kernels-gemv.log" | tail -70
 fi
 if want grammar; then
   # both backends (.whl carries llguidance 1.9.1) on the 131k vocabulary, medians of 3 repeats
   # GRAMMAR_ARGS replaces the workload arguments (e.g. an A/B: "--num-schemas 1 --lanes 1 4 ...")
-  timeout ${GRAMMAR_TIMEOUT:-150} python3 benchmarks/grammar_step.py --machine h200-host-16cpu \
+  timeout ${GRAMMAR_TIMEOUT:-150} python3 benchmarks/grammar_step.py --machine $GPU-host-$(nproc)cpu \
     ${GRAMMAR_ARGS:---backends llguidance xgrammar --vocabs tekken_131k --workloads random replay --batches 64 128 --repeats 3} \
-    --out "$OUT/grammar_step-h200-host-16cpu.json" 2>&1 | tee "$OUT/grammar_step.log" | tail -30
+    --out "$OUT/grammar_step-$GPU-host-$(nproc)cpu.json" 2>&1 | tee "$OUT/grammar_step.log" | tail -30
 fi
 if want serve-ab; then
   # serve.py on several versions of the code, interleaved round by round on this machine (runs of one
