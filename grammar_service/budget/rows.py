@@ -14,7 +14,7 @@ witness's length `w` and `slack` = remaining - w:
 - slack <= 1, or inside a key (which only the witness's next token may choose): that token alone,
   so the document closes on time;
 - a structural tag's row (tool calls) also leaves out, from slack < `open_cost` (its shortest
-  output + WIND_DOWN), tokens holding the first character of a trigger, separator or begin
+  output + WIND_DOWN), tokens holding the first character of a trigger or separator
   (openers.py): each opens a whole new call.
 Rows far from their budget (remaining above `NEAR_FACTOR` x (w + WIND_DOWN)) cost one compare a
 step. Near rows check their witness at each position: still the finish when the tokens since
