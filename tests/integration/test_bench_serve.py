@@ -52,7 +52,11 @@ def test_serve_benchmark_runs_every_workload_on_cpu(tmp_path):
     # prefix caching: requests of the other workloads share no prefix; the shared system prompt
     # and the resent conversations are found cached, by the cache-on server only
     assert all(w["cached_prompt_fraction"] == 0 for w in shape["workloads"] if "cache on" not in w["name"])
-    assert by["shared-prefix 256+16/64 c=4 (cache on)"]["cached_prompt_fraction"] > 0.8
+    # (its first wave of 4 finds nothing yet; every request after it has the 256-token prefix cached,
+    # 256 of its 272 prompt tokens: the bar follows how many the window finished on this machine)
+    shared = by["shared-prefix 256+16/64 c=4 (cache on)"]
+    assert shared["num_finished"] > 4
+    assert shared["cached_prompt_fraction"] > 0.9 * (256 / 272) * (shared["num_finished"] - 4) / shared["num_finished"]
     multi_turn = by["multi-turn 64+3x(64+16) c=4 (cache on)"]
     assert multi_turn["cached_prompt_fraction"] > 0.2 and multi_turn["ttft_p50_later_turns_s"] is not None
     assert by["unshared 48/16 c=4 (cache on)"]["cached_prompt_fraction"] == 0
