@@ -24,8 +24,8 @@ _OPENS = set("{[,")  # a new object, array, element or property
 class ClosingTools:
     def __init__(self, backend: GrammarBackend):
         self.vocab = ClosingVocab(backend)
+        self._tokenizer = backend.tokenizer
         self.content, self.closing = self._masks(backend)
-        self._backend = weakref.ref(backend)
         self._holding: dict[frozenset[str], np.ndarray] = {}
         self._holding_lock = threading.Lock()
 
@@ -35,30 +35,29 @@ class ClosingTools:
         with self._holding_lock:
             mask = self._holding.get(characters)
             if mask is None:
-                data = self._backend().tokenizer
-                decode = self.vocab.text_tokenizer.decode
-                mask = np.zeros(data.mask_words, np.uint32)
-                for token, spelled in enumerate(data.encoded_vocab):
-                    if spelled and not characters.isdisjoint(decode([token], skip_special_tokens=False)):
+                mask = self._holding[characters] = np.zeros(self._tokenizer.mask_words, np.uint32)
+                for token, text in self._texts():
+                    if not characters.isdisjoint(text):
                         mask[token >> 5] |= np.uint32(1 << (token & 31))
-                self._holding[characters] = mask
             return mask
 
     def walk(self) -> ClosingWalk:
         """A walk of one's own (it holds mask buffers): one per thread."""
         return ClosingWalk(self.vocab)
 
-    def _masks(self, backend: GrammarBackend) -> tuple[np.ndarray, np.ndarray]:
-        data = backend.tokenizer
+    def _texts(self):
+        """(token, its text) of every token the vocabulary spells."""
         decode = self.vocab.text_tokenizer.decode
-        special = set(data.special_token_ids) | set(backend.stop_token_ids)
-        content = np.zeros(data.mask_words, np.uint32)
-        closing = np.zeros(data.mask_words, np.uint32)
-        for token, spelled in enumerate(data.encoded_vocab):
-            if not spelled or token in special:
-                continue
-            text = decode([token], skip_special_tokens=False)
-            if "\ufffd" in text:
+        for token, spelled in enumerate(self._tokenizer.encoded_vocab):
+            if spelled:
+                yield token, decode([token], skip_special_tokens=False)
+
+    def _masks(self, backend: GrammarBackend) -> tuple[np.ndarray, np.ndarray]:
+        special = set(self._tokenizer.special_token_ids) | set(backend.stop_token_ids)
+        content = np.zeros(self._tokenizer.mask_words, np.uint32)
+        closing = np.zeros(self._tokenizer.mask_words, np.uint32)
+        for token, text in self._texts():
+            if token in special or "\ufffd" in text:
                 continue
             bit = np.uint32(1 << (token & 31))
             if _OPENS.isdisjoint(text):
