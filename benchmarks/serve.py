@@ -73,7 +73,7 @@ Per model shape (random weights of a preset shape, the real 131k Tekken tokenize
    gives the per-GPU weight-read floor instead (the weights' bytes / N at the copy
    bandwidth), and the batch-1 closed loop reports its inter-token p50 over that floor
    (`step_over_weight_floor`).
-2d. FP8 arms (issue 47): with --quantization fp8 and/or --kv-cache-dtype fp8 (`_serve_arms.py`)
+2d. FP8 arms: with --quantization fp8 and/or --kv-cache-dtype fp8 (`_serve_arms.py`)
    every step above runs twice per shape, first as it is (the bf16 arm), then with those flags
    given to `_roofline.py` and to `structgen serve` (nothing else differs: the same plan, prompts,
    random weights and KV-cache budget). The second arm's workloads are named by it (`free 512/128
@@ -223,7 +223,7 @@ def plan(shape: str, name: str, duration: float, warmup: float) -> dict:
     whose closed loop runs constrained and free-matched beside free (`matched_at`; absent: every
     one), Poisson fractions, the prefix-caching workloads (`prefix`: a PrefixPlan, if any), the
     features' (`features`), the KV-cache budget of every arm's server in tokens (`kv_budget_tokens`)."""
-    if name in ("fp8", "fp8-smoke"):  # issue 47's FP8 targets, run by each arm (--quantization, --kv-cache-dtype)
+    if name in ("fp8", "fp8-smoke"):  # the FP8 targets' workloads, run by each arm (--quantization, --kv-cache-dtype)
         prompt_len, new_tokens, concurrencies, matched_at = (
             (48, 64, [4], [4]) if name == "fp8-smoke" else (512, 128, [1, 64, 128, 256], [64]))
         # 3/4 of the largest loop's tokens at the base arm's KV dtype: too few pages for that loop
